@@ -1,0 +1,75 @@
+"""Shared plumbing for benchmarks: timing, machine description, result files.
+
+Each benchmark module `bench/bench_<name>.py` exposes `main(quick: bool = False) -> None`
+and writes `bench/results/<name>.json` (raw numbers plus the machine it ran on) and
+`bench/results/<name>.md` (one Markdown table) through `write_results`. `quick` shrinks the
+problem so the script can be smoke-tested; committed results come from full runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, iters: int = 10) -> dict[str, float]:
+    """Median / min / mean wall seconds of `fn()` over `iters` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "mean_s": statistics.fmean(times),
+        "iters": iters,
+    }
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    def fmt(x: Any) -> str:
+        if isinstance(x, float):
+            return f"{x:.4g}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(name: str, data: dict[str, Any], table_md: str, notes: str = "") -> Path:
+    """Write <name>.json and <name>.md under bench/results (atomically)."""
+    from moe_rl.config import atomic_write_text
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {"name": name, "machine": machine(), **data}
+    atomic_write_text(RESULTS_DIR / f"{name}.json", json.dumps(payload, indent=2) + "\n")
+    m = payload["machine"]
+    header = f"# {name}\n\nMachine: {m['cpus']} CPUs, torch {m['torch']}, {m['cuda'] or 'no GPU'}, {m['date']}\n\n"
+    atomic_write_text(RESULTS_DIR / f"{name}.md", header + table_md + ("\n" + notes + "\n" if notes else ""))
+    return RESULTS_DIR / f"{name}.md"
