@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+import re
 import tempfile
 import textwrap
 import types
@@ -28,6 +29,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-5` as a float. YAML 1.1 (PyYAML) wants a dot in the
+    mantissa (`1.0e-5`) and would otherwise hand a learning rate over as a string."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)
 
 
 class ConfigError(ValueError):
@@ -419,7 +436,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         if not key.strip():
             raise ConfigError(f"override {item!r} has an empty key")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        _set_dotted(tree, key.strip(), _yaml_load(raw) if raw != "" else "")
     return tree
 
 
@@ -445,7 +462,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"recipe {p} does not exist")
         with open(p) as f:
-            data = yaml.safe_load(f) or {}
+            data = _yaml_load(f.read()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {p}: top level must be a mapping of sections")
     data = _merge(data, parse_overrides(overrides or []))

@@ -1,0 +1,111 @@
+"""Token batches: prompts followed by responses, right-padded (pure torch).
+
+Every sequence is `prompt + response` starting at position 0 and padded on the right, so
+RoPE positions are the natural 0..len-1 and the causal mask alone keeps padding from
+touching real tokens. Response token j of sequence b sits at absolute position
+`prompt_lens_B[b] + j` and is predicted by the logits at the position before it.
+
+Response-aligned tensors (`[B, T]`: logprobs, masks, advantages) index responses from 0;
+`T` is the response width (the longest response, or a fixed width such as the sampler's
+`max_new_tokens` so shapes stay equal across steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """B sequences of prompt + response tokens, right-padded to S."""
+
+    tokens_BS: torch.Tensor
+    """[B, S] int64 token ids; positions past prompt + response hold `pad_id`."""
+    prompt_lens_B: torch.Tensor
+    """[B] int64 prompt lengths (>= 1: the first response token needs a preceding logit)."""
+    response_lens_B: torch.Tensor
+    """[B] int64 response lengths (0 allowed: the sequence then contributes nothing)."""
+    response_width: int
+    """T: width of response-aligned tensors; >= every response length."""
+
+    def __post_init__(self) -> None:
+        B = self.tokens_BS.shape[0]
+        if self.tokens_BS.dim() != 2:
+            raise ValueError(f"tokens_BS must be [B, S], got shape {tuple(self.tokens_BS.shape)}")
+        for name in ("prompt_lens_B", "response_lens_B"):
+            t = getattr(self, name)
+            if t.shape != (B,):
+                raise ValueError(f"{name} must have shape [{B}], got {tuple(t.shape)}")
+        if B and int(self.prompt_lens_B.min()) < 1:
+            raise ValueError("every prompt needs at least one token (prompt_lens_B >= 1)")
+        if B and int((self.prompt_lens_B + self.response_lens_B).max()) > self.tokens_BS.shape[1]:
+            raise ValueError("prompt + response longer than tokens_BS")
+        if B and int(self.response_lens_B.max()) > self.response_width:
+            raise ValueError(
+                f"response_width={self.response_width} is shorter than the longest response "
+                f"({int(self.response_lens_B.max())})"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens_BS.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens_BS.shape[1]
+
+    @property
+    def total_lens_B(self) -> torch.Tensor:
+        return self.prompt_lens_B + self.response_lens_B
+
+    def response_mask(self) -> torch.Tensor:
+        """[B, T] bool: True where a response token exists."""
+        j = torch.arange(self.response_width)
+        return j[None, :] < self.response_lens_B[:, None]
+
+    def response_tokens(self) -> torch.Tensor:
+        """[B, T] int64 response token ids (pad positions hold 0)."""
+        idx = (self.prompt_lens_B[:, None] + torch.arange(self.response_width)[None, :]).clamp(
+            max=self.seq_len - 1
+        )
+        return torch.where(self.response_mask(), self.tokens_BS.gather(1, idx), 0)
+
+    def select(self, index: torch.Tensor | slice) -> TokenBatch:
+        """Sub-batch of the given rows (same S and T)."""
+        return TokenBatch(
+            self.tokens_BS[index],
+            self.prompt_lens_B[index],
+            self.response_lens_B[index],
+            self.response_width,
+        )
+
+    @staticmethod
+    def from_lists(
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        pad_id: int = 0,
+        response_width: int | None = None,
+        seq_multiple: int = 1,
+    ) -> TokenBatch:
+        """Pack token lists; S is rounded up to `seq_multiple` (e.g. the TP size)."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        S = max(lens, default=1)
+        S = -(-S // seq_multiple) * seq_multiple
+        tokens = torch.full((len(prompts), S), pad_id, dtype=torch.long)
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            seq = list(p) + list(r)
+            tokens[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        width = max((len(r) for r in responses), default=0)
+        if response_width is not None:
+            width = response_width
+        return TokenBatch(
+            tokens,
+            torch.tensor([len(p) for p in prompts], dtype=torch.long),
+            torch.tensor([len(r) for r in responses], dtype=torch.long),
+            width,
+        )

@@ -1,0 +1,455 @@
+"""Sampler-learner probability mismatch: per-token metrics, sequence and bucket aggregates.
+
+One implementation for both consumers: the trainer logs `compute_mismatch(...).summary()`
+every step, and `tools/measure_mismatch.py` writes the full result with `write_report`.
+
+Conventions. The response tokens were sampled from the sampler q; the learner p rescored
+them. Per valid token, with `s = sampler_logp`, `l = learner_logp`:
+
+    d       = l - s = log p/q            the log ratio; exp(d) is the TIS/IcePop ratio
+    k1      = -d = log q - log p         unbiased estimate of KL(q || p) (can be < 0 per token)
+    k3      = exp(d) - 1 - d             also estimates KL(q || p); >= 0 per token
+    |dp|    = |exp(l) - exp(s)|          absolute probability difference
+
+Aggregates (B' = sequences with at least one valid token):
+    dp_mean       (1/B') sum_i mean_t |dp|       per-sequence mean, then mean over sequences
+    dp_max_mean   (1/B') sum_i max_t |dp|        per-sequence max, then mean over sequences
+    dp_max        max over all valid tokens of |dp|
+    k1, k3        token-mean over all valid tokens
+    log_ppl_diff  (1/B') sum_i mean_t (s - l) = log ppl_learner - log ppl_sampler
+                  (log ppl = -mean_t logp). Positive: the learner finds the sampled text
+                  less likely than the sampler did (the usual sign, like k1); it is the
+                  sequence-mean counterpart of the token-mean k1.
+    frac_tis_capped      fraction of valid tokens with exp(d) > tis_cap (C = 2)
+    frac_outside_icepop  fraction with exp(d) < lo or exp(d) > hi, band [lo, hi] = [0.5, 2]
+    frac_dlogp_gt_ln2    fraction with |d| > ln 2
+All threshold tests are done in log space (d > ln C), so a ratio exactly on a boundary
+counts as inside. With the default band [0.5, 2], frac_outside_icepop equals
+frac_dlogp_gt_ln2 by construction; they differ once the band is set otherwise.
+
+Buckets: by response position (index among the sequence's valid tokens, so right-padding is
+not required) and by sampler probability exp(s). Each bucket is [e_i, e_{i+1}), the last
+one closed [e_{n-2}, e_{n-1}] so that probability 1 is counted. Per bucket: num_tokens;
+token-means of |dp|, k1, k3 and the three fractions; dp_max_mean (max |dp| over a
+sequence's tokens in that bucket, averaged over the sequences that have any). Empty bucket:
+NaN (undefined), except num_tokens = 0. Tokens outside every bucket (user edges that do not
+cover them) are counted in `num_outside`.
+
+Empty input (no valid token): every summary value is 0 and num_tokens is 0; never NaN.
+Cost: a few elementwise passes and a handful of bincounts, no Python loop over tokens and
+no host sync except `check_values` (one) and `summary()` (one). Per-token math
+is float64 and uses expm1, so k3 (~ d^2/2) keeps its digits when d ~ 1e-4 (in float32,
+exp(d) - 1 - d would be mostly rounding error there).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from moe_rl.routing.stats import topk_disagreement
+
+PREFIX = "mismatch/"
+TIS_CAP = 2.0
+ICEPOP_BAND = (0.5, 2.0)
+LN2 = math.log(2.0)
+DEFAULT_PROB_EDGES = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
+LOGP_TOL = 1e-3  # a valid log-prob above this is not a log-prob (rounding may give +1e-7)
+
+# token-level columns of the bucket tables, in display order
+BUCKET_COLUMNS = (
+    "num_tokens",
+    "dp_mean",
+    "dp_max_mean",
+    "k1",
+    "k3",
+    "frac_tis_capped",
+    "frac_outside_icepop",
+    "frac_dlogp_gt_ln2",
+)
+
+
+def default_position_edges(T: int) -> tuple[float, ...]:
+    """(0, 4, 8, 16, ..., 2^k) with 2^k >= T: every position 0..T-1 falls in a bucket."""
+    edges = [0.0, 4.0]
+    while edges[-1] < T:
+        edges.append(edges[-1] * 2)
+    return tuple(edges)
+
+
+def _check_edges(
+    name: str, edges: Sequence[float], lo: float, hi: float | None
+) -> tuple[float, ...]:
+    e = tuple(float(x) for x in edges)
+    if len(e) < 2 or any(b <= a for a, b in itertools.pairwise(e)):
+        raise ValueError(f"{name} must be >= 2 strictly increasing numbers, got {e}")
+    if e[0] < lo or (hi is not None and e[-1] > hi):
+        raise ValueError(f"{name} must lie in [{lo}, {hi if hi is not None else 'inf'}], got {e}")
+    return e
+
+
+def bucket_labels(edges: Sequence[float]) -> list[str]:
+    """'[a, b)' per bucket, the last one '[a, b]' (it is closed)."""
+    n = len(edges) - 1
+    return [f"[{edges[i]:g}, {edges[i + 1]:g}{']' if i == n - 1 else ')'}" for i in range(n)]
+
+
+@dataclass(frozen=True)
+class BucketTable:
+    """Mismatch metrics per bucket of `by` ("position" or "sampler_prob")."""
+
+    by: str
+    edges: tuple[float, ...]
+    columns: dict[str, Tensor]  # name -> [num_buckets]; BUCKET_COLUMNS order
+    num_outside: Tensor  # valid tokens in no bucket
+
+    @property
+    def labels(self) -> list[str]:
+        return bucket_labels(self.edges)
+
+    def rows(self) -> list[dict[str, float | str]]:
+        """One dict per bucket: {"bucket": label, column: float, ...} (NaN where empty)."""
+        cols = {k: v.double().cpu().tolist() for k, v in self.columns.items()}
+        return [
+            {"bucket": label, **{k: cols[k][i] for k in cols}}
+            for i, label in enumerate(self.labels)
+        ]
+
+
+@dataclass(frozen=True)
+class TokenArrays:
+    """Per-token and per-sequence arrays kept for plots (float64, zero at masked slots)."""
+
+    log_ratio: Tensor  # [B, T] d = learner - sampler
+    abs_dp: Tensor  # [B, T] |exp(learner) - exp(sampler)|
+    sampler_p: Tensor  # [B, T]
+    learner_p: Tensor  # [B, T]
+    mask: Tensor  # [B, T] bool
+    length: Tensor  # [B] valid tokens per sequence
+    dp_max: Tensor  # [B] max |dp| per sequence (0 for empty sequences)
+
+    def valid(self, name: str) -> Tensor:
+        """1-D tensor of `name`'s values at valid tokens (for histograms and scatters)."""
+        return getattr(self, name)[self.mask]
+
+
+@dataclass(frozen=True)
+class MismatchResult:
+    """What `compute_mismatch` measured; `summary()` is the flat dict the trainer logs."""
+
+    scalars: dict[str, Tensor]  # unprefixed names -> 0-dim tensors
+    by_position: BucketTable
+    by_sampler_prob: BucketTable
+    tokens: TokenArrays
+    routing_disagree_per_layer: Tensor | None = None  # [L] sampler vs learner top-k set
+    routing_disagree_any: Tensor | None = None  # tokens differing in >= 1 layer
+    params: dict[str, float | list[float]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float]:
+        """Flat `mismatch/...` floats (one host sync): TensorBoard / JSONL ready."""
+        named = {f"{PREFIX}{k}": v for k, v in self.scalars.items()}
+        if self.routing_disagree_per_layer is not None and self.routing_disagree_any is not None:
+            for i in range(self.routing_disagree_per_layer.shape[0]):
+                named[f"{PREFIX}routing_disagree_layer{i}"] = self.routing_disagree_per_layer[i]
+            named[f"{PREFIX}routing_disagree_any"] = self.routing_disagree_any
+        values = torch.stack([v.detach().double().reshape(()) for v in named.values()])
+        return dict(zip(named.keys(), values.cpu().tolist()))
+
+    def to_dict(self) -> dict:
+        """JSON-ready (NaN left as float NaN; the report writer maps it to null)."""
+        out = {
+            "summary": self.summary(),
+            "params": dict(self.params),
+            "by_position": {
+                "edges": list(self.by_position.edges),
+                "num_outside": int(self.by_position.num_outside),
+                "rows": self.by_position.rows(),
+            },
+            "by_sampler_prob": {
+                "edges": list(self.by_sampler_prob.edges),
+                "num_outside": int(self.by_sampler_prob.num_outside),
+                "rows": self.by_sampler_prob.rows(),
+            },
+        }
+        if self.routing_disagree_per_layer is not None and self.routing_disagree_any is not None:
+            out["routing"] = {
+                "disagree_per_layer": self.routing_disagree_per_layer.double().cpu().tolist(),
+                "disagree_any": float(self.routing_disagree_any),
+            }
+        return out
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_inputs(
+    sampler_logp_BT: Tensor,
+    learner_logp_BT: Tensor,
+    mask_BT: Tensor,
+    sampler_ids_BTLK: Tensor | None,
+    learner_ids_BTLK: Tensor | None,
+) -> None:
+    if sampler_logp_BT.dim() != 2:
+        raise ValueError(
+            f"sampler_logp_BT must be 2-D [B, T], got shape {tuple(sampler_logp_BT.shape)}"
+        )
+    shape = tuple(sampler_logp_BT.shape)
+    if tuple(learner_logp_BT.shape) != shape:
+        raise ValueError(
+            f"learner_logp_BT must have sampler_logp_BT's shape {shape}, "
+            f"got {tuple(learner_logp_BT.shape)}"
+        )
+    for name, x in (("sampler_logp_BT", sampler_logp_BT), ("learner_logp_BT", learner_logp_BT)):
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be floating point log-probs, got {x.dtype}")
+    if tuple(mask_BT.shape) != shape or mask_BT.dtype != torch.bool:
+        raise ValueError(
+            f"mask_BT must be a bool tensor of shape {shape}, "
+            f"got {mask_BT.dtype} {tuple(mask_BT.shape)}"
+        )
+    if (sampler_ids_BTLK is None) != (learner_ids_BTLK is None):
+        raise ValueError("sampler_ids_BTLK and learner_ids_BTLK must be given together")
+    if sampler_ids_BTLK is not None and learner_ids_BTLK is not None:
+        if sampler_ids_BTLK.dim() != 4 or tuple(sampler_ids_BTLK.shape[:2]) != shape:
+            raise ValueError(
+                f"sampler_ids_BTLK must be 4-D [B, T, L, K] with [B, T] = {shape}, "
+                f"got {tuple(sampler_ids_BTLK.shape)}"
+            )
+        if learner_ids_BTLK.shape != sampler_ids_BTLK.shape:
+            raise ValueError(
+                f"learner_ids_BTLK must have sampler_ids_BTLK's shape "
+                f"{tuple(sampler_ids_BTLK.shape)}, got {tuple(learner_ids_BTLK.shape)}"
+            )
+
+
+def _check_values(name: str, logp_BT: Tensor, mask_BT: Tensor) -> None:
+    """Valid positions must hold finite log-probs <= LOGP_TOL; padding may hold anything."""
+    bad_BT = mask_BT & ~(torch.isfinite(logp_BT) & (logp_BT <= LOGP_TOL))
+    if bad_BT.any():
+        b, t = (int(i) for i in bad_BT.nonzero()[0])
+        raise ValueError(
+            f"{name} has {int(bad_BT.sum())} invalid value(s) at valid (mask) positions "
+            f"(not finite or > {LOGP_TOL}: not a log-prob), first at [{b}, {t}] = "
+            f"{float(logp_BT[b, t])}"
+        )
+
+
+# --------------------------------------------------------------------------- buckets
+
+
+def _bucket_index(x: Tensor, edges: tuple[float, ...], valid: Tensor) -> Tensor:
+    """Bucket id per element; the extra id len(edges)-1 collects invalid / out-of-range."""
+    nb = len(edges) - 1
+    e = torch.tensor(edges, dtype=x.dtype, device=x.device)
+    idx = torch.bucketize(x, e, right=True) - 1  # e[i] <= x < e[i+1]  ->  i
+    idx = torch.where(x == e[-1], nb - 1, idx)  # the last bucket is closed
+    ok = valid & (idx >= 0) & (idx < nb)
+    return torch.where(ok, idx, nb)
+
+
+# bit b of a token's flag code <-> the b-th threshold flag (capped, outside band, > ln 2)
+_FLAG_COLUMNS = ("frac_tis_capped", "frac_outside_icepop", "frac_dlogp_gt_ln2")
+
+
+def _bucket_table(
+    by: str,
+    edges: tuple[float, ...],
+    idx_BT: Tensor,
+    abs_dp_BT: Tensor,
+    d_BT: Tensor,
+    k3_BT: Tensor,
+    flags_BT: Tensor,  # int64 code: sum_b 2^b * flag_b
+    n_valid: Tensor,
+) -> BucketTable:
+    """Bucket sums via bincount over one flat key per (sequence, bucket).
+
+    bincount is the fastest scatter-sum on CPU; the three 0/1 flags ride along in one
+    unweighted count over (key, flag code) instead of three weighted ones.
+    """
+    nb = len(edges) - 1
+    B = idx_BT.shape[0]
+    n_keys = B * (nb + 1)
+    seq_B1 = torch.arange(B, device=idx_BT.device)[:, None] * (nb + 1)
+    key_N = (seq_B1 + idx_BT).reshape(-1)
+    n_codes = 1 << len(_FLAG_COLUMNS)
+
+    def per_bucket(weights_BT: Tensor) -> Tensor:  # [nb] sum over tokens in each bucket
+        s = torch.bincount(key_N, weights=weights_BT.reshape(-1), minlength=n_keys)
+        return s.view(B, nb + 1)[:, :nb].sum(0)
+
+    codes_Sc = torch.bincount(
+        key_N * n_codes + flags_BT.reshape(-1), minlength=n_keys * n_codes
+    ).view(B, nb + 1, n_codes)[:, :nb]
+    count_Bb = codes_Sc.sum(-1).to(abs_dp_BT.dtype)
+    count_b = count_Bb.sum(0)
+    codes_bc = codes_Sc.sum(0).to(abs_dp_BT.dtype)
+    bits_cF = torch.tensor(
+        [[(c >> f) & 1 for f in range(len(_FLAG_COLUMNS))] for c in range(n_codes)],
+        dtype=abs_dp_BT.dtype,
+        device=key_N.device,
+    )
+    flags_bF = codes_bc @ bits_cF
+
+    def mean(sum_b: Tensor) -> Tensor:  # NaN marks an empty bucket
+        return torch.where(count_b > 0, sum_b / count_b.clamp_min(1), torch.nan)
+
+    # per (sequence, bucket) max |dp|, then the mean over sequences present in the bucket
+    max_S = torch.zeros(n_keys, dtype=abs_dp_BT.dtype, device=key_N.device)
+    max_S.scatter_reduce_(0, key_N, abs_dp_BT.reshape(-1), reduce="amax")
+    present_Bb = (count_Bb > 0).to(abs_dp_BT.dtype)
+    n_seq_b = present_Bb.sum(0)
+    dp_max_mean_b = torch.where(
+        n_seq_b > 0,
+        (max_S.view(B, nb + 1)[:, :nb] * present_Bb).sum(0) / n_seq_b.clamp_min(1),
+        torch.nan,
+    )
+
+    columns = {
+        "num_tokens": count_b,
+        "dp_mean": mean(per_bucket(abs_dp_BT)),
+        "dp_max_mean": dp_max_mean_b,
+        "k1": mean(-per_bucket(d_BT)),
+        "k3": mean(per_bucket(k3_BT)),
+        **{name: mean(flags_bF[:, f]) for f, name in enumerate(_FLAG_COLUMNS)},
+    }
+    return BucketTable(by=by, edges=edges, columns=columns, num_outside=n_valid - count_b.sum())
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def compute_mismatch(
+    sampler_logp_BT: Tensor,
+    learner_logp_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    sampler_ids_BTLK: Tensor | None = None,
+    learner_ids_BTLK: Tensor | None = None,
+    tis_cap: float = TIS_CAP,
+    icepop_band: tuple[float, float] = ICEPOP_BAND,
+    position_edges: Sequence[float] | None = None,
+    prob_edges: Sequence[float] = DEFAULT_PROB_EDGES,
+    check_values: bool = True,
+) -> MismatchResult:
+    """Sampler-vs-learner mismatch of B right-padded responses of up to T tokens.
+
+    sampler_logp_BT / learner_logp_BT: log-prob of each sampled token under the sampler and
+    the learner (same weights); mask_BT: bool, True at response tokens. Optional routing,
+    aligned with the tokens: sampler_ids_BTLK / learner_ids_BTLK `[B, T, L, K]` top-k ids
+    (any integer dtype); the per-layer and any-layer disagreement come from
+    `moe_rl.routing.stats.topk_disagreement`. position_edges defaults to
+    `default_position_edges(T)`. check_values (one host sync) rejects non-finite or positive
+    log-probs at valid positions. Definitions: the module docstring.
+    """
+    _check_inputs(sampler_logp_BT, learner_logp_BT, mask_BT, sampler_ids_BTLK, learner_ids_BTLK)
+    B, T = sampler_logp_BT.shape
+    if not tis_cap > 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    lo, hi = (float(x) for x in icepop_band)
+    if not 0 < lo < hi:
+        raise ValueError(f"icepop_band must be (lo, hi) with 0 < lo < hi, got {icepop_band}")
+    pos_edges = _check_edges(
+        "position_edges",
+        default_position_edges(T) if position_edges is None else position_edges,
+        0.0,
+        None,
+    )
+    p_edges = _check_edges("prob_edges", prob_edges, 0.0, 1.0)
+    if check_values:
+        _check_values("sampler_logp_BT", sampler_logp_BT, mask_BT)
+        _check_values("learner_logp_BT", learner_logp_BT, mask_BT)
+
+    m_BT = mask_BT
+    dtype = torch.float64
+    # d is zeroed at padding (which may hold NaN / -inf), and every per-token quantity below
+    # is 0 where d = 0 (|dp| = q |expm1(d)|, k3 = expm1(d) - d): no further masking needed
+    s_BT = torch.where(m_BT, sampler_logp_BT.detach().to(dtype), 0.0)
+    d_BT = torch.where(m_BT, learner_logp_BT.detach().to(dtype) - s_BT, 0.0)
+    em1_BT = torch.expm1(d_BT)  # exp(d) - 1, accurate when d is tiny
+    q_BT = s_BT.exp()
+    abs_dp_BT = q_BT * em1_BT.abs()  # |p - q| = q |exp(d) - 1|
+    k3_BT = (em1_BT - d_BT).clamp_min(0.0)
+    capped_BT = (d_BT > math.log(tis_cap)) & m_BT
+    outside_BT = ((d_BT < math.log(lo)) | (d_BT > math.log(hi))) & m_BT
+    gt_ln2_BT = (d_BT.abs() > LN2) & m_BT
+
+    # ---- sequence level
+    len_B = m_BT.sum(1).to(dtype)
+    nonempty_B = len_B > 0
+    n_seq = nonempty_B.to(dtype).sum()
+    n_tok = len_B.sum()
+    seq_den, tok_den = n_seq.clamp_min(1), n_tok.clamp_min(1)
+    dp_max_B = abs_dp_BT.amax(1) if T > 0 else len_B * 0
+    negd_sum_B = -d_BT.sum(1)  # per sequence: sum_t (s - l)
+
+    scalars = {
+        "num_tokens": n_tok,
+        "num_sequences": n_seq,
+        "dp_mean": (abs_dp_BT.sum(1) / len_B.clamp_min(1)).sum() / seq_den,
+        "dp_max_mean": dp_max_B.sum() / seq_den,  # empty sequences have max 0
+        "dp_max": abs_dp_BT.amax() if abs_dp_BT.numel() else n_tok * 0,
+        "k1": negd_sum_B.sum() / tok_den,
+        "k3": k3_BT.sum() / tok_den,
+        # per sequence mean_t (s - l) = log ppl_learner - log ppl_sampler, then over sequences
+        "log_ppl_diff": (negd_sum_B / len_B.clamp_min(1)).sum() / seq_den,
+        "frac_tis_capped": capped_BT.sum() / tok_den,
+        "frac_outside_icepop": outside_BT.sum() / tok_den,
+        "frac_dlogp_gt_ln2": gt_ln2_BT.sum() / tok_den,
+    }
+
+    # ---- buckets
+    flags_BT = capped_BT.long() + 2 * outside_BT.long() + 4 * gt_ln2_BT.long()
+    bucket_args = (abs_dp_BT, d_BT, k3_BT, flags_BT, n_tok)
+    # position = index among the sequence's valid tokens; bucket it once per position 0..T-1
+    pos_BT = (m_BT.cumsum(1) - 1).clamp_min(0)
+    pos_bucket_T = _bucket_index(
+        torch.arange(T, device=m_BT.device, dtype=dtype),
+        pos_edges,
+        torch.ones(T, dtype=torch.bool, device=m_BT.device),
+    )
+    pos_idx_BT = torch.where(m_BT, pos_bucket_T[pos_BT], len(pos_edges) - 1)
+    by_position = _bucket_table("position", pos_edges, pos_idx_BT, *bucket_args)
+    prob_idx_BT = _bucket_index(q_BT.clamp(0.0, 1.0), p_edges, m_BT)
+    by_prob = _bucket_table("sampler_prob", p_edges, prob_idx_BT, *bucket_args)
+
+    # ---- routing (the one implementation in moe_rl.routing)
+    dis_L = dis_any = None
+    if sampler_ids_BTLK is not None and learner_ids_BTLK is not None:
+        _, _, L, K = sampler_ids_BTLK.shape
+        dis_L, dis_any = topk_disagreement(
+            sampler_ids_BTLK.reshape(B * T, L, K),
+            learner_ids_BTLK.reshape(B * T, L, K),
+            m_BT.reshape(-1),
+        )
+
+    w_BT = m_BT.to(dtype)
+    tokens = TokenArrays(
+        log_ratio=d_BT,
+        abs_dp=abs_dp_BT,
+        sampler_p=q_BT * w_BT,
+        learner_p=q_BT * (1.0 + em1_BT) * w_BT,  # exp(l) without a second exp
+        mask=m_BT,
+        length=len_B,
+        dp_max=dp_max_B,
+    )
+    params = {
+        "tis_cap": float(tis_cap),
+        "icepop_band": [lo, hi],
+        "dlogp_threshold": LN2,
+        "position_edges": list(pos_edges),
+        "prob_edges": list(p_edges),
+    }
+    return MismatchResult(
+        scalars=scalars,
+        by_position=by_position,
+        by_sampler_prob=by_prob,
+        tokens=tokens,
+        routing_disagree_per_layer=dis_L,
+        routing_disagree_any=dis_any,
+        params=params,
+    )

@@ -1,0 +1,169 @@
+"""Build the Qwen3-MoE-shaped GPT with megatron-core, wrapped in megatron's DDP.
+
+Architecture (matches Hugging Face `Qwen3MoeForCausalLM`, so conversion is a re-layout):
+pre-RMSNorm decoder layers; GQA attention with per-head RMSNorm on queries and keys and
+RoPE; MoE MLP of SwiGLU experts behind a softmax top-k router whose top-k weights are
+renormalised (megatron's `moe_router_pre_softmax=False`: softmax over the k selected
+logits, identical to Qwen3's `norm_topk_prob=True`); optional shared expert and
+DeepSeek-V3-style sigmoid router with expert bias; untied output layer by default.
+
+Layer spec: the Transformer Engine spec on CUDA when TE imports (needed for fp8), the
+local megatron-core spec otherwise; `model.layer_spec` overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer import TransformerConfig
+
+from moe_rl.config import ConfigError, ModelConfig, ParallelConfig
+from moe_rl.learner.parallel import sequence_parallel_for
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_layer_spec(model: ModelConfig) -> str:
+    """'te' or 'local' for this machine; an explicit 'te' without TE/CUDA is an error."""
+    if model.layer_spec == "auto":
+        return "te" if transformer_engine_available() else "local"
+    if model.layer_spec == "te" and not transformer_engine_available():
+        raise ConfigError("model.layer_spec=te needs CUDA and transformer_engine; use auto or local")
+    if model.fp8 != "none" and model.layer_spec == "local":
+        raise ConfigError("model.fp8 needs the Transformer Engine spec (model.layer_spec=te or auto)")
+    return model.layer_spec
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig for our architecture and layout."""
+    on_cpu = not torch.cuda.is_available()
+    dtype = DTYPES[model.params_dtype]
+    spec = resolve_layer_spec(model)
+    moe_layer_freq = [0] * model.num_dense_layers + [1] * (model.num_layers - model.num_dense_layers)
+    return TransformerConfig(
+        # architecture
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,  # RL fine-tuning: dropout would make old/new logprobs disagree
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        # MoE
+        num_moe_experts=model.num_experts,
+        moe_layer_freq=moe_layer_freq,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_pre_softmax=False,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff or None,
+        moe_router_dtype="fp32",  # routing decisions in fp32 even for bf16 models
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_grouped_gemm=spec == "te",
+        moe_permute_fusion=False,
+        moe_router_fusion=False,  # the fused router bypasses RouterReplay
+        moe_enable_routing_replay=True,  # idle unless the learner sets a replay action
+        # parallelism
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        sequence_parallel=sequence_parallel_for(parallel),
+        # precision
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=model.params_dtype == "bf16",
+        fp8="e4m3" if model.fp8 == "e4m3" else ("hybrid" if model.fp8 == "hybrid" else None),
+        # CPU: build weights on the host, no CUDA-only fusions
+        use_cpu_initialization=on_cpu,
+        bias_activation_fusion=not on_cpu,
+        bias_dropout_fusion=not on_cpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=not on_cpu,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
+    """The local pipeline stage of the model (megatron's parallel state must be set up)."""
+    use_te = resolve_layer_spec(model) == "te"
+    block_spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
+    gpt = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=block_spec,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rotary_base) if float(model.rotary_base).is_integer() else model.rotary_base,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        pre_process=ps.is_pipeline_first_stage(),  # embedding only on the first stage
+        post_process=ps.is_pipeline_last_stage(),  # final norm + output layer only on the last
+    )
+    _reduce_expert_grads_over_expert_dp(gpt, tcfg)
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt
+
+
+def _reduce_expert_grads_over_expert_dp(gpt: GPTModel, tcfg: TransformerConfig) -> None:
+    """Send every expert weight down megatron's expert-parallel path: gradient reduction
+    over the expert-data-parallel group and a separate (expert) Adam, as megatron itself
+    does only when EP > 1 (`allreduce=False`).
+
+    Why always: with EP == 1 but expert-TP < TP (e.g. TP=2, ETP=1) each TP rank runs a full
+    replica of every expert on its own sequence-parallel tokens, so an expert's gradient is
+    split across TP ranks; megatron's EP == 1 path reduces it over the dense DP group only
+    (which excludes TP) and silently loses part of it. The expert-DP group includes those
+    ranks. When ETP == TP the expert-DP group is the DP group, so nothing changes
+    numerically. And the optimizer then has the same structure (dense + expert) at every
+    layout, which lets optimizer state saved at one layout load at another."""
+    for name, param in gpt.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
+def wrap_ddp(gpt: GPTModel, tcfg: TransformerConfig) -> DistributedDataParallel:
+    """megatron's DDP: contiguous grad buffers, fp32 grad reduction, averaging over DP."""
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+        check_for_nan_in_grad=True,
+    )
+    return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=gpt)
+
+
+def count_parameters(gpt: torch.nn.Module) -> int:
+    return sum(p.numel() for p in gpt.parameters())

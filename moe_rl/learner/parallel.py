@@ -1,0 +1,138 @@
+"""Process groups: the torchrun world, and megatron-core's model-parallel layout inside it.
+
+`init_distributed()` joins the world torchrun describes in the environment (or makes a
+one-process world when run plainly), once per process. `parallel_layout(cfg)` is a context
+manager around megatron-core's global parallel state: it builds the TP/PP/EP/ETP/DP groups
+and the model-parallel RNG states on entry and destroys them on exit, so a test can build
+several layouts one after another in the same processes.
+
+    init_distributed()
+    with parallel_layout(cfg.parallel, seed=1) as layout:
+        ... build the model, train ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+from moe_rl.config import ConfigError, ParallelConfig
+from moe_rl.learner import cpu_shims
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(requested: str = "auto") -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("parallel.distributed_backend=nccl needs CUDA; use gloo or auto")
+    return requested
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT); without it, make a one-process world. Idempotent.
+    Also applies megatron-core's CPU shims when CUDA is absent. Returns (rank, world)."""
+    cpu_shims.apply()
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the model-parallel layout (read from megatron's state)."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_rank: int
+    sequence_parallel: bool
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def name(self) -> str:
+        return f"tp{self.tp}-pp{self.pp}-ep{self.ep}-etp{self.etp}-dp{self.dp}"
+
+
+def sequence_parallel_for(cfg: ParallelConfig) -> bool:
+    """Megatron requires sequence parallel for MoE layers with TP>1. Unset means: switch it
+    on under TP (with a log line); an explicit false under TP was refused by config checks."""
+    if cfg.tensor_model_parallel_size == 1:
+        return False
+    if cfg.sequence_parallel is None:
+        log.info("tensor parallel with MoE: enabling sequence parallel (megatron-core needs it)")
+    return True
+
+
+@contextlib.contextmanager
+def parallel_layout(cfg: ParallelConfig, seed: int = 1234) -> Iterator[Layout]:
+    """Initialise megatron-core's parallel state for `cfg` and tear it down on exit."""
+    if not dist.is_initialized():
+        raise RuntimeError("call init_distributed() before parallel_layout()")
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("a parallel layout is already active in this process; exit it first")
+    from moe_rl.config import Config, validate_layout
+
+    world = dist.get_world_size()
+    validate_layout(Config(parallel=cfg), world)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+    )
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        yield Layout(
+            tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(),
+            etp=ps.get_expert_tensor_parallel_world_size(),
+            dp=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            sequence_parallel=sequence_parallel_for(cfg),
+        )
+    finally:
+        ps.destroy_model_parallel()

@@ -1,0 +1,58 @@
+"""Verifiable-reward tasks: seeded prompt generators with verifiers, and the task registry.
+
+    task = make_task(cfg.task)                        # TaskConfig -> Task
+    problems = task.sample(16, seed=step)             # same seed, same problems
+    r = task.reward(problems[0], " 31284")            # in [0, 1]
+    pairs = sft_examples(task, 512, seed=0)           # (prompt, completion) for a warm start
+
+Tasks: `reverse`, `sort`, `add` (synthetic, see `synthetic.py` for the formats) and
+`math_jsonl` (user data, `task.data_path`). The shipped tokenizer is in `tokenizer.py`
+(import it from there; it is not re-exported so `python -m moe_rl.tasks.tokenizer` runs
+cleanly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from moe_rl.registry import Registry
+from moe_rl.tasks.base import Problem, Task, sft_examples
+from moe_rl.tasks.math_jsonl import MathJsonlTask
+from moe_rl.tasks.synthetic import AddTask, ReverseTask, SortTask
+
+if TYPE_CHECKING:
+    from moe_rl.config import TaskConfig
+
+TaskFactory = Callable[["TaskConfig"], Task]
+
+TASKS: Registry[TaskFactory] = Registry("task")
+"""Task name -> factory taking a TaskConfig. Add-only; an unknown name is a ValueError."""
+
+
+def register_task(name: str, factory: TaskFactory) -> TaskFactory:
+    """Add a task under `name`; a name can be registered only once."""
+    return TASKS.register(name, factory)
+
+
+def make_task(cfg: TaskConfig) -> Task:
+    """Build the task `cfg.name` from a TaskConfig (or anything with the same attributes)."""
+    return TASKS[cfg.name](cfg)
+
+
+for _task in (ReverseTask, SortTask, AddTask, MathJsonlTask):
+    register_task(_task.name, _task.from_config)
+
+__all__ = [
+    "TASKS",
+    "AddTask",
+    "MathJsonlTask",
+    "Problem",
+    "ReverseTask",
+    "SortTask",
+    "Task",
+    "TaskFactory",
+    "make_task",
+    "register_task",
+    "sft_examples",
+]

@@ -1,0 +1,94 @@
+"""What every task is: a seeded prompt generator plus a verifier that scores a response.
+
+A task never sees tokens. It hands out `Problem`s (prompt text and reference answer) and
+scores response *text* with a reward in [0, 1]; tokenization lives in `tokenizer.py`, so a
+task works unchanged with the shipped tiny tokenizer or a real model's own.
+
+Convention shared by all tasks: the policy's completion is appended to the prompt verbatim,
+so `prompt + completion(problem)` is the text an ideal policy produces, followed by EOS.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+# What a decoded response may carry after the answer when special tokens are not skipped.
+_TRAILING_SPECIALS = ("</s>", "<pad>")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer.
+
+    `meta` carries task-specific details for logging (operand length, source line); it is
+    excluded from the hash so problems can be used as dict keys.
+    """
+
+    prompt: str
+    answer: str
+    meta: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+def as_rng(seed: int | np.random.Generator) -> np.random.Generator:
+    """An int seeds a fresh generator (reproducible); a Generator is used (and advanced) as is."""
+    if isinstance(seed, np.random.Generator):
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int or a numpy Generator, got {type(seed).__name__}")
+    return np.random.default_rng(int(seed))
+
+
+def clean_response(response: object) -> str:
+    """The answer part of a decoded response: text before any EOS/pad marker, stripped.
+
+    Anything that is not a string (a sampler bug, None) becomes "" and so scores 0.
+    """
+    if not isinstance(response, str):
+        return ""
+    for marker in _TRAILING_SPECIALS:
+        response = response.split(marker, 1)[0]
+    return response.strip()
+
+
+class Task(ABC):
+    """A verifiable-reward task. Subclasses are deterministic given the seed."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def sample(self, n: int, seed: int | np.random.Generator) -> list[Problem]:
+        """`n` problems drawn with `seed` (same seed, same problems)."""
+
+    @abstractmethod
+    def reward(self, problem: Problem, response: str) -> float:
+        """Score of a decoded response in [0, 1]; never raises on garbage."""
+
+    @abstractmethod
+    def completion(self, problem: Problem) -> str:
+        """The ideal response text (without EOS), in the task's fixed answer format."""
+
+    def rewards(self, problems: Sequence[Problem], responses: Sequence[str]) -> list[float]:
+        """`reward` over aligned lists (one response per problem, repeat problems for groups)."""
+        if len(problems) != len(responses):
+            raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
+        return [self.reward(p, r) for p, r in zip(problems, responses)]
+
+
+def check_count(n: int) -> int:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise ValueError(f"number of problems must be a non-negative int, got {n!r}")
+    return int(n)
+
+
+def sft_examples(task: Task, n: int, seed: int | np.random.Generator) -> list[tuple[str, str]]:
+    """(prompt, completion) text pairs for a supervised warm start.
+
+    The completion excludes EOS: the caller appends the tokenizer's EOS id (see
+    `Tokenizer.encode_example`), which is what teaches the policy to stop.
+    """
+    return [(p.prompt, task.completion(p)) for p in task.sample(n, seed)]
