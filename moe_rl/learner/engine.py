@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -40,59 +39,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config
 from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.microbatch import ForwardHooks, LossFn, MicroBatch, ScoreResult
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
 from moe_rl.learner.parallel import Layout
+from moe_rl.learner.routing import RouterTaps, RoutingPlan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class MicroBatch:
-    """What a loss callback sees for one micro-batch on the last pipeline stage."""
-
-    index: int
-    """Micro-batch index within this rank's step."""
-    batch: TokenBatch
-    """The micro-batch's sequences."""
-    rows_B: torch.Tensor
-    """[mbs] row of each sequence in the global batch; -1 marks padding sequences."""
-    extras: dict[str, torch.Tensor]
-    """Per-sequence tensors of the global batch (leading dim B), sliced to these rows
-    (padding rows are zero)."""
-    aux: dict[str, Any] = field(default_factory=dict)
-    """Side data produced during the forward (e.g. router-shift weights)."""
-
-
-@dataclass
-class MicroBatchLoss:
-    """A loss callback's answer for one micro-batch."""
-
-    loss: torch.Tensor
-    """Scalar: this micro-batch's contribution to the whole-batch loss."""
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    """0-d tensors. Names ending in _max / _min reduce by max / min, others by weighted mean."""
-    weight: float | torch.Tensor = 1.0
-    """Weight of this micro-batch in mean-type metrics (e.g. its valid token count)."""
-
-
-LossFn = Callable[[torch.Tensor, MicroBatch], MicroBatchLoss]
-
-
-class ForwardHooks:
-    """Extension points around each micro-batch forward (routing capture/replay uses them).
-
-    `before_forward` runs on every stage before the model's forward of a micro-batch;
-    `after_forward` after it (before the loss on the last stage); `loss_aux` on the last
-    stage returns side data for the loss callback."""
-
-    def before_forward(self, mb: MicroBatch) -> None:
-        pass
-
-    def after_forward(self, mb: MicroBatch) -> None:
-        pass
-
-    def loss_aux(self, mb: MicroBatch) -> dict[str, Any]:
-        return {}
 
 
 class Learner:
@@ -123,7 +75,8 @@ class Learner:
             self.model = self.gpt
             for p in self.gpt.parameters():
                 p.requires_grad_(False)
-        self.hooks: ForwardHooks = ForwardHooks()
+        self.taps = RouterTaps(self.gpt, self.tcfg, layout)
+        self.hooks: ForwardHooks = self.taps
 
     # ------------------------------------------------------------------ optimizer
 
@@ -164,49 +117,56 @@ class Learner:
     # ------------------------------------------------------------------ batching
 
     def _local_micro_batches(
-        self, batch: TokenBatch, extras: dict[str, torch.Tensor]
+        self, batch: TokenBatch, extras: dict[str, torch.Tensor], row_ids: torch.Tensor | None
     ) -> list[MicroBatch]:
-        """Pad the global batch, take this DP rank's slice, cut it into micro-batches."""
+        """This DP rank's rows of the batch, cut into equally many micro-batches on every rank.
+
+        Row ownership is by global row id (`row_id % dp`), so a sequence is processed by the
+        same data-parallel rank in every pass of a step (old logprobs, each mini-batch update)
+        and per-row state such as a routing record never has to move between ranks.
+        """
         B = batch.batch_size
         for k, v in extras.items():
             if v.shape[0] != B:
                 raise ValueError(f"extras[{k!r}] has leading dim {v.shape[0]}, batch has {B}")
-        mbs = self.cfg.parallel.micro_batch_size
-        dp = self.layout.dp
-        per_rank = max(1, math.ceil(B / dp))
-        per_rank = math.ceil(per_rank / mbs) * mbs if per_rank > mbs else per_rank
-        mbs_eff = min(mbs, per_rank)
-        padded = per_rank * dp
+        if row_ids is None:
+            row_ids = torch.arange(B)
+        if row_ids.shape != (B,):
+            raise ValueError(f"row_ids must have shape [{B}], got {tuple(row_ids.shape)}")
+        dp, mbs = self.layout.dp, self.cfg.parallel.micro_batch_size
+        counts = torch.bincount(row_ids % dp, minlength=dp)
+        most = max(int(counts.max()), 1)
+        mbs_eff = min(mbs, most)
+        n_micro = math.ceil(most / mbs_eff)
+        mine = torch.nonzero(row_ids % dp == self.layout.dp_rank).flatten()  # batch positions
+        pos = torch.full((n_micro * mbs_eff,), -1, dtype=torch.long)
+        pos[: mine.numel()] = mine
         # S must split evenly over TP ranks under sequence parallel.
         S = math.ceil(batch.seq_len / self.layout.tp) * self.layout.tp
-        tokens = batch.tokens_BS.new_zeros((padded, S))
-        tokens[:B, : batch.seq_len] = batch.tokens_BS
-        prompt = torch.ones(padded, dtype=torch.long)
-        prompt[:B] = batch.prompt_lens_B
-        resp = torch.zeros(padded, dtype=torch.long)
-        resp[:B] = batch.response_lens_B
-        rows = torch.full((padded,), -1, dtype=torch.long)
-        rows[:B] = torch.arange(B)
-        lo = self.layout.dp_rank * per_rank
-        mbs_list = []
-        for i, start in enumerate(range(lo, lo + per_rank, mbs_eff)):
-            sl = slice(start, start + mbs_eff)
-            r = rows[sl]
+        valid = pos >= 0
+        safe = pos.clamp(min=0)
+        tokens = batch.tokens_BS.new_zeros((pos.numel(), S))
+        tokens[:, : batch.seq_len] = batch.tokens_BS[safe]
+        prompt = torch.where(valid, batch.prompt_lens_B[safe], 1)
+        resp = torch.where(valid, batch.response_lens_B[safe], 0)
+        rows = torch.where(valid, row_ids[safe], -1)
+        out = []
+        for i in range(n_micro):
+            sl = slice(i * mbs_eff, (i + 1) * mbs_eff)
+            v = valid[sl]
             mb_extras = {}
-            for k, v in extras.items():
-                out = v.new_zeros((mbs_eff, *v.shape[1:]))
-                valid = r >= 0
-                out[valid] = v[r[valid]]
-                mb_extras[k] = out
-            mbs_list.append(
-                MicroBatch(
-                    index=i,
-                    batch=TokenBatch(tokens[sl], prompt[sl], resp[sl], batch.response_width),
-                    rows_B=r,
-                    extras=mb_extras,
-                )
-            )
-        return mbs_list
+            for k, x in extras.items():
+                y = x.new_zeros((mbs_eff, *x.shape[1:]))
+                y[v] = x[pos[sl][v]]
+                mb_extras[k] = y
+            out.append(MicroBatch(
+                index=i,
+                batch=TokenBatch(tokens[sl], prompt[sl], resp[sl], batch.response_width),
+                rows_B=rows[sl],
+                extras=mb_extras,
+                batch_pos_B=pos[sl],
+            ))
+        return out
 
     # ------------------------------------------------------------------ forward
 
@@ -233,7 +193,10 @@ class Learner:
         logp_BT = response_logprobs(logits_BSV, mb.batch, temperature)
         mb.aux = self.hooks.loss_aux(mb)
         if loss_fn is None:  # scoring only
-            return logp_BT.new_zeros(()), {"logp_BT": logp_BT.detach(), "rows_B": mb.rows_B}
+            item = {"logp_BT": logp_BT.detach(), "batch_pos_B": mb.batch_pos_B}
+            if "router_shift_BT" in mb.aux:
+                item["router_shift_BT"] = mb.aux["router_shift_BT"]
+            return logp_BT.new_zeros(()), item
         out = loss_fn(logp_BT, mb)
         # Undo megatron's 1/num_microbatches (schedule) and 1/dp (DDP) averaging: the
         # callback's contributions already carry the global normalisers.
@@ -243,8 +206,8 @@ class Learner:
         return out.loss * scale, reduced
 
     def _run(self, batch: TokenBatch, loss_fn: LossFn | None, extras: dict[str, torch.Tensor],
-             temperature: float) -> tuple[list[MicroBatch], list[dict[str, Any]]]:
-        mbs = self._local_micro_batches(batch, extras)
+             temperature: float, row_ids: torch.Tensor | None) -> tuple[list[MicroBatch], list[dict[str, Any]]]:
+        mbs = self._local_micro_batches(batch, extras, row_ids)
         self._num_microbatches = len(mbs)
         forward_backward = get_forward_backward_func()
         store = forward_backward(
@@ -261,24 +224,66 @@ class Learner:
     # ------------------------------------------------------------------ public API
 
     @torch.no_grad()
-    def logprobs(
+    def score(
         self,
         batch: TokenBatch,
         temperature: float = 1.0,
-    ) -> torch.Tensor:
-        """[B, T] fp32 log-probabilities of the response tokens, on every rank."""
+        routing: RoutingPlan | None = None,
+        row_ids: torch.Tensor | None = None,
+    ) -> ScoreResult:
+        """Log-probabilities of the response tokens ([B, T] fp32, on every rank); with
+        `routing.capture`, this rank's routing record (its rows, its stage's layers); with
+        `routing.old`, the router-shift weights the current router would get ([B, T])."""
         self.model.eval()
-        _, store = self._run(batch, None, {}, temperature)
-        B, T = batch.batch_size, batch.response_width
-        out = torch.zeros(B, T, dtype=torch.float32)
+        plan = routing or RoutingPlan()
+        with self.taps.run(plan):
+            _, store = self._run(batch, None, {}, temperature, row_ids)
+            record = self.taps.record()
+        logp = self._assemble(store, "logp_BT", batch)
+        gamma = self._assemble(store, "router_shift_BT", batch) if plan.old is not None else None
+        return ScoreResult(logp, record, gamma)
+
+    def _assemble(self, store: list[dict[str, Any]], key: str, batch: TokenBatch) -> torch.Tensor:
+        """[B, T] from per-micro-batch pieces on the last stage, on every rank."""
+        out = torch.zeros(batch.batch_size, batch.response_width, dtype=torch.float32)
         if self.layout.is_last_stage:
             for item in store:
-                valid = item["rows_B"] >= 0
-                out[item["rows_B"][valid]] = item["logp_BT"][valid].cpu()
+                pos = item["batch_pos_B"]
+                valid = pos >= 0
+                out[pos[valid]] = item[key][valid].float().cpu()
             if self.layout.dp > 1:
                 # Each DP rank filled its own rows (others are 0): a sum assembles the batch.
                 dist.all_reduce(out, group=ps.get_data_parallel_group())
         return self._from_last_stage(out)
+
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        """[B, T] fp32 log-probabilities of the response tokens, on every rank."""
+        return self.score(batch, temperature).logp_BT
+
+    def forward_backward(
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        extras: dict[str, torch.Tensor] | None = None,
+        temperature: float = 1.0,
+        routing: RoutingPlan | None = None,
+        row_ids: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """Gradients of the summed loss contributions into the grad buffers (`main_grad`,
+        reduced over data-parallel ranks), without an optimizer step. Returns metrics."""
+        if not self.trainable:
+            raise RuntimeError("this learner was built with trainable=False")
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        plan = routing or RoutingPlan()
+        with self.taps.run(plan):
+            _, store = self._run(batch, loss_fn, extras or {}, temperature, row_ids)
+            routing_metrics = self.taps.shift_metrics() if plan.old is not None else {}
+        metrics = self._reduce_metrics(store) if self.layout.is_last_stage else {}
+        metrics = self._broadcast_object(metrics)
+        metrics.update(routing_metrics)
+        return metrics
 
     def train_step(
         self,
@@ -286,20 +291,17 @@ class Learner:
         loss_fn: LossFn,
         extras: dict[str, torch.Tensor] | None = None,
         temperature: float = 1.0,
+        routing: RoutingPlan | None = None,
+        row_ids: torch.Tensor | None = None,
     ) -> dict[str, float]:
-        """One optimizer update on `batch`. Returns metrics (same on every rank)."""
-        if not self.trainable:
-            raise RuntimeError("this learner was built with trainable=False")
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        _, store = self._run(batch, loss_fn, extras or {}, temperature)
+        """One optimizer update on `batch`. Returns metrics (same on every rank). With
+        `routing.old`, the loss callback finds `mb.aux["router_shift_BT"]` and the metrics
+        include the routing statistics; with `routing.replay`, those ids are replayed."""
+        metrics = self.forward_backward(batch, loss_fn, extras, temperature, routing, row_ids)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         self.step += 1
-        metrics = self._reduce_metrics(store) if self.layout.is_last_stage else {}
-        metrics = self._broadcast_object(metrics)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)

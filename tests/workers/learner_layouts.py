@@ -13,8 +13,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from learner_utils import fixed_batch, reinforce_loss
 
-from moe_rl.batch import TokenBatch
 from moe_rl.config import load_config
 from moe_rl.learner.parallel import init_distributed, parallel_layout
 
@@ -32,37 +32,10 @@ BASE = ["parallel.micro_batch_size=2", "optimizer.lr=1e-2", "optimizer.adam_eps=
         "optimizer.clip_grad=0.5"]
 
 
-def fixed_batch() -> tuple[TokenBatch, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    prompts, responses = [], []
-    for i in range(12):
-        plen = int(torch.randint(1, 6, (1,), generator=g))
-        rlen = 0 if i == 5 else int(torch.randint(1, 9, (1,), generator=g))
-        prompts.append(torch.randint(1, 128, (plen,), generator=g).tolist())
-        responses.append(torch.randint(1, 128, (rlen,), generator=g).tolist())
-    adv_B = torch.randn(12, generator=g)
-    return TokenBatch.from_lists(prompts, responses, response_width=10), adv_B
-
-
-def make_loss(batch: TokenBatch):
-    from moe_rl.learner.engine import MicroBatchLoss
-
-    total_tokens = batch.response_lens_B.sum()
-
-    def loss_fn(logp_BT, mb):
-        mask = mb.batch.response_mask()
-        adv = mb.extras["adv_B"][:, None]
-        contrib = -(adv * logp_BT * mask).sum() / total_tokens
-        return MicroBatchLoss(contrib, {"logp_mean": (logp_BT * mask).sum() / mask.sum().clamp(min=1)},
-                              weight=mask.sum())
-
-    return loss_fn
-
-
 def step_and_gather(learner, batch, adv_B):
     from moe_rl.learner.gather import iter_full_tensors
 
-    metrics = learner.train_step(batch, make_loss(batch), extras={"adv_B": adv_B})
+    metrics = learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
     full = dict(iter_full_tensors(learner.gpt))
     return metrics, full
 
@@ -88,17 +61,16 @@ def main() -> None:
             cfg = load_config(None, BASE + overrides)
             with parallel_layout(cfg.parallel, seed=3) as layout:
                 learner = Learner(cfg, layout)
-                print(f"rank {rank}: layout {layout.name}", flush=True)
                 load_checkpoint(learner, f"{out}/ckpt0")
                 r = {"layout": layout.name, "logp": learner.logprobs(batch)}
                 r["metrics"], r["params"] = step_and_gather(learner, batch, adv_B)
                 r["logp_after"] = learner.logprobs(batch)
                 if name == "ep2":
                     save_checkpoint(learner, f"{out}/ckpt_ep2")
-                    r["next"] = learner.train_step(batch, make_loss(batch), extras={"adv_B": adv_B})
+                    r["next"] = learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
                     resumed = Learner(cfg, layout)
                     load_checkpoint(resumed, f"{out}/ckpt_ep2")
-                    r["next_resumed"] = resumed.train_step(batch, make_loss(batch), extras={"adv_B": adv_B})
+                    r["next_resumed"] = resumed.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
                 result[name] = r
     elif mode == "check":
         cfg = load_config(None, BASE)

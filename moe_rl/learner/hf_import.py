@@ -1,0 +1,125 @@
+"""Start the learner from a Hugging Face (Qwen3-MoE) directory, and write it as a megatron
+checkpoint.
+
+    load_hf_weights(learner, "Qwen3-MoE-dir")      # any layout; every rank reads its slices
+    hf_to_megatron("hf_dir", "ckpt_dir")            # one process: a checkpoint any layout loads
+
+`load_full_tensors` is the inverse of `gather.iter_full_tensors`: given global megatron
+tensors, each rank copies the slices it owns into its parameters, through the same
+ShardedTensor descriptions megatron uses for checkpoints (so TP slices, the global expert
+ids of this EP rank, the SwiGLU gate/up halves and the pipeline stage's layers all follow
+megatron's own layout). No process communicates: every rank reads the files itself.
+
+`hf_to_megatron` is not streaming: it builds a one-process learner of the HF model's size
+(fp32 or bf16 as config.json says), loads the weights into it and lets
+`checkpoint.save_checkpoint` write the dist_checkpointing directory, which is then loadable
+at any TP/EP/PP layout like every learner checkpoint. Peak memory is the model once plus
+the largest tensor; writing DCP files directly would stream, but then megatron's own
+per-module extra state objects (layer-spec dependent) would have to be forged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+from moe_rl.config import Config, ModelConfig, validate
+from moe_rl.convert.atomic import check_distinct
+from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
+from moe_rl.convert.qwen3_moe import (
+    ConvertError,
+    canonical_key,
+    check_shape,
+    from_hf,
+    megatron_specs,
+)
+from moe_rl.learner.gather import _flatten, _slices
+
+
+@torch.no_grad()
+def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tensor], m: ModelConfig) -> int:
+    """Copy this rank's slices of every global tensor into `model`'s parameters.
+
+    `fetch(key)` returns the full global megatron tensor of a (canonical) key; it is called
+    once per key this rank holds. Returns the number of slices copied."""
+    expected = megatron_specs(m)
+    sd = model.sharded_state_dict()
+    apply_factories(sd)  # SwiGLU fc1: two ShardedTensors (gate, up) viewing one parameter
+    pieces: dict[str, list[ShardedTensor]] = {}
+    for sh in _flatten(sd):
+        key = canonical_key(sh.key)
+        if key not in expected:
+            raise ConvertError(f"learner tensor {sh.key!r} has no counterpart in the model config")
+        pieces.setdefault(key, []).append(sh)
+    copied = 0
+    for key, shards in pieces.items():
+        full = fetch(key)
+        check_shape(key, tuple(full.shape), expected[key], "megatron tensor")
+        for sh in shards:
+            check_shape(key, tuple(full.shape), tuple(sh.global_shape), "megatron tensor")
+            piece = full[_slices(sh)]
+            if tuple(piece.shape) != tuple(sh.data.shape):
+                raise ConvertError(f"slice of {key!r} has shape {list(piece.shape)}, the parameter {list(sh.data.shape)}")
+            sh.data.copy_(piece)  # sh.data views the parameter (factories chunk by view)
+            copied += 1
+    return copied
+
+
+def load_hf_weights(learner, hf_dir: str | os.PathLike) -> None:
+    """Load a Hugging Face Qwen3-MoE directory into `learner` (any layout; each rank reads
+    the tensors it needs). The directory's config must describe the learner's model."""
+    with HFCheckpoint(hf_dir) as hf:
+        m = learner.cfg.model
+        got = hf.model_config(base=m)
+        fields = [f.name for f in dataclasses.fields(ModelConfig) if getattr(got, f.name) != getattr(m, f.name)
+                  and f.name != "params_dtype"]
+        if fields:
+            f = fields[0]
+            raise ConvertError(
+                f"{hf.path}/config.json describes model.{f}={getattr(got, f)!r} but the learner has "
+                f"model.{f}={getattr(m, f)!r}"
+            )
+        check_tensors(hf, m)
+        dtype = next(learner.gpt.parameters()).dtype
+        load_full_tensors(learner.gpt, lambda key: from_hf(key, hf.get, m).to(dtype), m)
+
+
+def hf_to_megatron(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    force: bool = False,
+    base: Config | None = None,
+) -> Path:
+    """Write the Hugging Face directory `src` as a learner checkpoint `dst` (one process).
+
+    dtype: "fp32" / "bf16" parameter dtype of the checkpoint; None follows config.json.
+    base: the rest of the run config stored in the checkpoint's config.yaml (defaults)."""
+    from moe_rl.learner.checkpoint import save_checkpoint
+    from moe_rl.learner.engine import Learner
+    from moe_rl.learner.parallel import init_distributed, parallel_layout
+
+    dst = Path(dst)
+    with HFCheckpoint(src) as hf:
+        base = base or Config()
+        m = hf.model_config(base=base.model)
+        if dtype is not None:
+            m = dataclasses.replace(m, params_dtype=dtype)
+        cfg = dataclasses.replace(base, model=m)
+        validate(cfg)
+        check_tensors(hf, m)  # before building anything: a bad directory fails fast
+    check_distinct(src, dst)
+    if dst.exists() and not force:
+        raise FileExistsError(f"{dst} already exists; pass --force (force=True) to replace it")
+    init_distributed()
+    with parallel_layout(cfg.parallel, seed=cfg.run.seed) as layout:
+        learner = Learner(cfg, layout, trainable=False)
+        load_hf_weights(learner, src)
+        # save_checkpoint writes <dst>.tmp-<nonce> and renames it: complete or absent.
+        return save_checkpoint(learner, dst, extra_meta={"converted_from": str(Path(src).resolve())})

@@ -1,0 +1,108 @@
+"""What the learner records about routing, and the sampler's routing aligned to it.
+
+A `RoutingRecord` is the routing of some sequences (rows of a rollout batch) through some
+MoE layers (one pipeline stage's), per token position: the top-k expert ids that were used
+and the router's log-probability of each of them. Never the full [tokens, E] score matrix:
+ids are uint8 (E <= 256) or int16, log-probs fp32, so a token costs L*K*(1+4) bytes.
+
+Position p's routing is the routing of the hidden state at p, which produces the logits
+that score the token at p+1. Response token j (absolute position prompt_len + j) is
+therefore scored by routing at position prompt_len + j - 1, the same position whose
+logits give its log-probability.
+
+vLLM returns `routed_experts` per sequence as `[prompt_len + response_len - 1, L, K]`:
+every position that was fed through the model (the last sampled token never is).
+`align_sampler_routing` places those arrays on the learner's [B, S] grid; positions vLLM
+never saw (the last token, right padding) are marked invalid and route afresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moe_rl.batch import TokenBatch
+
+
+def ids_dtype(num_experts: int) -> torch.dtype:
+    """uint8 for up to 256 experts, int16 beyond (up to 32768)."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    raise ValueError(f"num_experts={num_experts} does not fit int16 expert ids")
+
+
+@dataclass
+class RoutingRecord:
+    """Routing of `rows` (global row ids) through `layers` (global MoE layer indices)."""
+
+    rows: torch.Tensor
+    """[R] int64 global row ids this record holds, in storage order."""
+    layers: list[int]
+    """Global MoE layer indices (0-based over MoE layers) of the L axis."""
+    ids_RSLK: torch.Tensor
+    """[R, S, L, K] expert ids that were used (uint8 / int16), sorted within K."""
+    logp_RSLK: torch.Tensor
+    """[R, S, L, K] fp32 log routing probability of those experts (softmax over all E, or the
+    normalised sigmoid score) under the router that made this record."""
+    fresh_ids_RSLK: torch.Tensor | None = None
+    """[R, S, L, K] the router's own top-k when replay forced other ids (else None: same as ids)."""
+
+    @property
+    def nbytes(self) -> int:
+        t = [self.ids_RSLK, self.logp_RSLK] + ([self.fresh_ids_RSLK] if self.fresh_ids_RSLK is not None else [])
+        return sum(x.numel() * x.element_size() for x in t)
+
+    @property
+    def own_ids_RSLK(self) -> torch.Tensor:
+        """The router's own choice (differs from `ids_RSLK` only under replay)."""
+        return self.ids_RSLK if self.fresh_ids_RSLK is None else self.fresh_ids_RSLK
+
+    def index_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """Storage index of each global row in `rows` (-1 stays -1: padding)."""
+        lookup = torch.full((int(self.rows.max()) + 2 if self.rows.numel() else 1,), -1, dtype=torch.long)
+        lookup[self.rows] = torch.arange(self.rows.numel())
+        safe = rows.clamp(min=0, max=lookup.numel() - 1)
+        idx = torch.where(rows >= 0, lookup[safe], -1)
+        missing = (rows >= 0) & (idx < 0)
+        if bool(missing.any()):
+            raise KeyError(f"routing record holds no entry for rows {rows[missing].tolist()[:8]}")
+        return idx
+
+
+def align_sampler_routing(
+    routed_experts: Sequence[np.ndarray | torch.Tensor],
+    batch: TokenBatch,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Place vLLM-layout routing on the learner's grid.
+
+    `routed_experts[b]` is `[prompt_len_b + response_len_b - 1, L, K]` for sequence b.
+    Returns `ids_BSLK` (sorted within K, dtype from `ids_dtype`) and `valid_BS` (True where the
+    sampler routed that position). Raises ValueError naming the sequence on a length mismatch.
+    """
+    B, S = batch.batch_size, batch.seq_len
+    if len(routed_experts) != B:
+        raise ValueError(f"routed_experts has {len(routed_experts)} sequences, batch has {B}")
+    first = torch.as_tensor(np.asarray(routed_experts[0])) if B else torch.zeros(0, 1, 1)
+    L, K = first.shape[1], first.shape[2]
+    ids = torch.zeros(B, S, L, K, dtype=ids_dtype(num_experts))
+    ids[...] = torch.arange(K, dtype=ids.dtype)  # distinct placeholder ids where invalid
+    valid = torch.zeros(B, S, dtype=torch.bool)
+    for b in range(B):
+        arr = torch.as_tensor(np.asarray(routed_experts[b]))
+        expect = int(batch.prompt_lens_B[b] + batch.response_lens_B[b]) - 1
+        if arr.dim() != 3 or arr.shape[0] != expect or arr.shape[1:] != (L, K):
+            raise ValueError(
+                f"routed_experts[{b}] has shape {tuple(arr.shape)}; expected "
+                f"[{expect}, {L}, {K}] (prompt_len + response_len - 1, layers, top-k)"
+            )
+        if arr.numel() and (int(arr.min()) < 0 or int(arr.max()) >= num_experts):
+            raise ValueError(f"routed_experts[{b}] holds expert ids outside [0, {num_experts})")
+        ids[b, :expect] = arr.sort(dim=-1).values.to(ids.dtype)
+        valid[b, :expect] = True
+    return ids, valid

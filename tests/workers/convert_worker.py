@@ -1,0 +1,125 @@
+"""Worker for tests/test_convert.py (run under torchrun, or plain python for `vllm`).
+
+save1 <out> (1 process): a learner with one leading dense layer takes one optimizer step
+    (so its checkpoint holds optimizer state too), saves `c1`, scores the fixed batch.
+layouts <out> (2 processes): for TP2 (tied embeddings, a dense layer) and EP2 (alltoall):
+    a fresh learner saves `c_<name>`, scores the batch and streams `hf_named_tensors`;
+    then the learner is reloaded from `rt1` (c1 converted to HF and back) and, separately,
+    from the HF directory `hf1` itself (`load_hf_weights`), and scores the batch again.
+vllm <out> (plain python): vLLM loads `hf1` and greedily generates a few tokens.
+Results go to <out>/<mode>.pt (or .json) for the test to compare.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+BASE = ["parallel.micro_batch_size=4", "model.init_method_std=0.05"]
+C1 = [*BASE, "model.num_dense_layers=1"]
+PARALLEL = {
+    "tp2": ["parallel.tensor_model_parallel_size=2"],
+    "ep2": ["parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"],
+}
+MODEL = {  # what each layout's own checkpoint adds: tied embeddings + a dense layer under TP
+    "tp2": ["model.num_dense_layers=1", "model.untie_embeddings_and_output_weights=false"],
+    "ep2": [],
+}
+
+
+def fixed_batch():
+    from moe_rl.batch import TokenBatch
+
+    g = torch.Generator().manual_seed(11)
+    prompts, responses = [], []
+    for _ in range(6):
+        plen = int(torch.randint(2, 7, (1,), generator=g))
+        rlen = int(torch.randint(3, 9, (1,), generator=g))
+        prompts.append(torch.randint(4, 128, (plen,), generator=g).tolist())
+        responses.append(torch.randint(4, 128, (rlen,), generator=g).tolist())
+    return TokenBatch.from_lists(prompts, responses, response_width=8, seq_multiple=2)
+
+
+def one_step(learner, batch):
+    from moe_rl.learner.microbatch import MicroBatchLoss
+
+    total = batch.response_lens_B.sum()
+
+    def loss_fn(logp_BT, mb):
+        mask = mb.batch.response_mask()
+        return MicroBatchLoss(-(logp_BT * mask).sum() / total)
+
+    learner.train_step(batch, loss_fn)
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "vllm":
+        return run_vllm(out)
+    import torch.distributed as dist
+
+    from moe_rl.config import load_config
+    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.learner.engine import Learner
+    from moe_rl.learner.export import hf_named_tensors
+    from moe_rl.learner.hf_import import load_hf_weights
+    from moe_rl.learner.parallel import init_distributed, parallel_layout
+
+    rank, _ = init_distributed()
+    batch = fixed_batch()
+    result = {"tokens_BS": batch.tokens_BS, "prompt_lens_B": batch.prompt_lens_B,
+              "response_lens_B": batch.response_lens_B, "response_width": batch.response_width}
+    if mode == "save1":
+        cfg = load_config(None, C1)
+        with parallel_layout(cfg.parallel, seed=5) as layout:
+            learner = Learner(cfg, layout)
+            one_step(learner, batch)
+            save_checkpoint(learner, f"{out}/c1")
+            result["logp"] = learner.logprobs(batch)
+    elif mode == "layouts":
+        for name, parallel in PARALLEL.items():
+            cfg = load_config(None, BASE + parallel + MODEL[name])
+            with parallel_layout(cfg.parallel, seed=7) as layout:
+                learner = Learner(cfg, layout, trainable=False)
+                save_checkpoint(learner, f"{out}/c_{name}")
+                r = {"layout": layout.name, "logp": learner.logprobs(batch)}
+                r["stream"] = dict(hf_named_tensors(learner))  # empty on rank 1
+                # c1's model at this layout: from the round-tripped checkpoint, and from HF.
+                at = load_config(None, C1 + parallel)
+                reloaded = Learner(at, layout, trainable=False)
+                load_checkpoint(reloaded, f"{out}/rt1")
+                r["rt1_logp"] = reloaded.logprobs(batch)
+                from_hf = Learner(at, layout, trainable=False)
+                load_hf_weights(from_hf, f"{out}/hf1")
+                r["hf1_logp"] = from_hf.logprobs(batch)
+                result[name] = r
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    if rank == 0:
+        torch.save(result, f"{out}/{mode}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_vllm(out: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=f"{out}/hf1", dtype="float32", enforce_eager=True, seed=0, max_model_len=64)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+    prompts = [[5, 17, 33, 42], [9, 8, 7]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    text = llm.generate(["rev 123 ="], params, use_tqdm=False)[0].outputs[0].text  # tokenizer loads
+    rows = []
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        rows.append({"prompt": p, "response": list(c.token_ids),
+                     "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]})
+    with open(f"{out}/vllm.json", "w") as f:
+        json.dump({"rows": rows, "text": text}, f)
+
+
+if __name__ == "__main__":
+    main()
