@@ -244,6 +244,26 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm start (`python -m moe_rl.sft`): a random model -> a base policy."""
+
+    steps: int = 400
+    """Most optimizer steps."""
+    batch_size: int = 64
+    """Problems per step."""
+    eval_every: int = 25
+    """Steps between evaluations of the expected reward on a fixed held-out set."""
+    eval_problems: int = 256
+    """Held-out problems for the evaluation."""
+    target_reward: float = 0.35
+    """Stop once the expected exact-match reward under sampling at temperature 1
+    (mean over problems of exp(sum of the answer's token logprobs)) reaches this: RL wants a
+    base policy with partial success, not a solved task. 0 disables early stopping."""
+    output: str = ""
+    """Where to write the final checkpoint (model only); empty: <run dir>/base."""
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     """What each step writes."""
 
@@ -293,6 +313,8 @@ class Config:
     """Rollout generation."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Prompts and rewards."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Per-step outputs."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -486,6 +508,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

