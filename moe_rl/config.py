@@ -14,6 +14,7 @@ renders them, and `python -m moe_rl.train --help-config` prints that.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -439,33 +440,34 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {p} is not a section")
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """`["rl.objective=gspo", "run.steps=5"]` -> nested dict; values parsed as YAML scalars."""
-    tree: dict[str, Any] = {}
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    """`["rl.objective=gspo", "run.steps=5"]` -> [(["rl", "objective"], "gspo"), ...];
+    values are parsed as YAML scalars / flow collections."""
+    parsed = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        if not key.strip():
+        path = [p for p in key.strip().split(".")]
+        if not key.strip() or any(not p for p in path):
             raise ConfigError(f"override {item!r} has an empty key")
-        _set_dotted(tree, key.strip(), _yaml_load(raw) if raw != "" else "")
-    return tree
+        parsed.append((path, _yaml_load(raw) if raw != "" else ""))
+    return parsed
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each dotted path in (a copy of) the recipe data. The last key's value is replaced
+    whole, so `rl.objective_args={clip_low: 0.1}` replaces the mapping while
+    `rl.objective_args.clip_low=0.1` changes one entry of it."""
+    out = copy.deepcopy(data)
+    for path, value in parse_overrides(overrides):
+        node = out
+        for i, part in enumerate(path[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is not a section")
+            node = nxt
+        node[path[-1]] = value
     return out
 
 
@@ -487,8 +489,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
             data = _yaml_load(f.read()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {p}: top level must be a mapping of sections")
-    data = _merge(data, parse_overrides(overrides or []))
-    return config_from_dict(data)
+    return config_from_dict(apply_overrides(data, overrides or []))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -28,7 +28,11 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.rl.objective == "gspo" and cfg.rl.objective_args == {"clip_low": 0.001}
     assert cfg.optimizer.lr == 1e-5 and isinstance(cfg.optimizer.lr, float)  # YAML 1.1 would give "1e-5"
     assert cfg.rl.group_size == 4 and cfg.run.name == "x" and cfg.parallel.sequence_parallel is None
-    assert parse_overrides(["a.b.c=3", "a.d=[1, 2]"]) == {"a": {"b": {"c": 3}, "d": [1, 2]}}
+    assert parse_overrides(["a.b.c=3", "a.d=[1, 2]"]) == [(["a", "b", "c"], 3), (["a", "d"], [1, 2])]
+    # a mapping-valued field is replaced whole, or changed entry by entry with a dotted key
+    assert load_config(p, ["rl.objective_args={}"]).rl.objective_args == {}
+    assert load_config(p, ["rl.objective_args.clip_high=0.002"]).rl.objective_args == {
+        "clip_low": 0.001, "clip_high": 0.002}
 
 
 def test_unknown_key_names_the_key_and_the_valid_ones(tmp_path):

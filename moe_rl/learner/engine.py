@@ -307,6 +307,16 @@ class Learner:
         metrics["update_skipped"] = float(not ok)
         return metrics
 
+    # ------------------------------------------------------------------ collectives for callers
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """A picklable object from global rank `src` to every rank (rollouts, decisions)."""
+        if dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
     # ------------------------------------------------------------------ reductions
 
     def _reduce_metrics(self, store: list[dict[str, Any]]) -> dict[str, float]:

@@ -394,3 +394,41 @@ def _pipeline_side_group(layout: Any) -> Any:
         if dist.get_rank() in ranks:
             my_group = g
     return my_group
+
+
+def sampler_disagreement(
+    record: RoutingRecord, sampler: ReplayIds, scored_RS: torch.Tensor, layout: Any
+) -> dict[str, float]:
+    """Per-layer fraction of scored positions where the sampler's top-k set differs from
+    the learner's own routing (the router's choice, even under replay), and the fraction
+    differing in at least one layer. `scored_RS` marks the positions to count, per row of
+    the record. Collective: sums over data-parallel ranks, layers gathered over stages."""
+    idx = sampler.rows.new_full((int(max(sampler.rows.max(), record.rows.max())) + 1,), -1)
+    idx[sampler.rows] = torch.arange(sampler.rows.numel())
+    pos = idx[record.rows]
+    S = record.ids_RSLK.shape[1]
+    theirs = sampler.ids_RSLK[pos][:, :S]
+    valid = scored_RS[:, :S] & (sampler.valid_RS[pos][:, :S] if sampler.valid_RS is not None else True)
+    diff_RSL = topk_set_changed(
+        record.own_ids_RSLK.reshape(-1, *record.ids_RSLK.shape[2:]), theirs.reshape(-1, *theirs.shape[2:])
+    ).reshape(*record.ids_RSLK.shape[:3])
+    any_RS = diff_RSL.any(-1)
+    if layout.pp > 1:
+        # A token differs "in at least one layer" if any stage's layers differ for it; the
+        # stages of one pipeline hold the same rows, so OR their [R, S] maps.
+        mine = any_RS.to(torch.uint8).contiguous()  # gloo has no bool collectives
+        maps = [torch.zeros_like(mine) for _ in range(layout.pp)]
+        dist.all_gather(maps, mine, group=ps.get_pipeline_model_parallel_group())
+        any_RS = torch.stack(maps).bool().any(0)
+    w = valid.double()
+    sums = torch.cat([(diff_RSL.double() * w[..., None]).sum((0, 1)), (any_RS.double() * w).sum()[None], w.sum()[None]])
+    if layout.dp > 1:
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    n = float(sums[-1].clamp(min=1))
+    per_layer = {f"routing/sampler_disagree_layer{layer}": float(sums[i]) / n for i, layer in enumerate(record.layers)}
+    if layout.pp > 1:
+        parts: list[Any] = [None] * layout.pp
+        dist.all_gather_object(parts, per_layer, group=ps.get_pipeline_model_parallel_group())
+        per_layer = {k: v for p in parts for k, v in p.items()}
+    per_layer["routing/sampler_disagree_any"] = float(sums[-2]) / n
+    return per_layer

@@ -1,0 +1,218 @@
+"""Pieces every objective shares, so that an objective file holds only its own ratio and
+surrogate: masked log ratios, the two clipping shapes, aggregation weights with explicit
+normalizers, KL estimators, and sampler-learner correction weights.
+
+Conventions. Tensors named `*_BT` are [B,T], `*_B` are [B]. Inputs arrive already masked
+(0 at padded positions, selected with `torch.where`, so NaN/inf padding never reaches an
+`exp` or a product). Every count used as a divisor is clamped to at least 1: an empty
+sequence or an empty batch divides 0 by 1.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_BOUND = 20.0
+"""Log ratios are clamped to [-20, 20] before exp: a guard against overflow, not a clip;
+exp(20) ~ 4.9e8 is far beyond any ratio a sane update produces."""
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean"]
+AGGREGATIONS: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "seq-mean",
+)
+
+Count = float | int | Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """bf16/fp16 inputs are computed in fp32 (exp and sums of 1e5 terms need the mantissa);
+    fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def masked_log_ratio(num_BT: Tensor, den_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """`num - den` on valid positions, 0 on padding, clamped to +-LOG_RATIO_BOUND."""
+    return torch.where(mask_BT, num_BT - den_BT, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def _guard(count: Count) -> Count:
+    """max(count, 1), without a host sync for tensors."""
+    if isinstance(count, Tensor):
+        return count.clamp(min=1)
+    return max(count, 1)
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+def clipped_surrogate(
+    ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic surrogate `min(ratio*A, clip(ratio, 1-lo, 1+hi)*A)` and the mask
+    of elements where the clip is active (zero gradient): ratio above the band with A > 0,
+    or below it with A < 0. Works per token ([B,T]) or per sequence ([B]).
+
+    Written as `where(clipped, sg[clip(ratio)*A], ratio*A)`: equal to the min in value and
+    gradient (where the clipped term is the smaller one, the ratio is outside the band and
+    clip() has zero gradient; at a tie both forms give the full gradient), with half the
+    backward work of `torch.minimum`."""
+    surr = ratio * adv
+    with torch.no_grad():
+        surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+        clipped = surr_clipped < surr
+    return torch.where(clipped, surr_clipped, surr), clipped
+
+
+def sign_log_clip(
+    log_ratio_BT: Tensor, sign_B: Tensor, log_clip_low: float, log_clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """GMPO's token clip in log space, one bound per advantage sign: `min(lr, hi)` where
+    A > 0, `max(lr, -lo)` where A < 0, `lr` where A = 0. Returns the clipped log ratios and
+    the mask of clipped tokens."""
+    inf = torch.tensor(float("inf"), dtype=log_ratio_BT.dtype, device=log_ratio_BT.device)
+    low_B1 = torch.where(sign_B < 0, -log_clip_low, -inf).unsqueeze(1)
+    high_B1 = torch.where(sign_B > 0, log_clip_high, inf).unsqueeze(1)
+    c_BT = torch.clamp(log_ratio_BT, min=low_B1, max=high_B1)
+    with torch.no_grad():
+        clipped_BT = c_BT != log_ratio_BT
+    return c_BT, clipped_BT
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def aggregation_weights(
+    aggregation: str,
+    mask_f_BT: Tensor,
+    len_B: Tensor,
+    *,
+    token_normalizer: Count | None = None,
+    seq_normalizer: Count | None = None,
+    num_sequences_total: Count | None = None,
+    max_response_length: int | None = None,
+) -> Tensor:
+    """Weights W with `objective = sum(W * u)` for per-token u ([B,T] weights) or per-sequence
+    u ([B] weights, `seq-mean`). Zero on padding and on empty sequences. `mask_f_BT` is the
+    response mask as floats, `len_B` its row sums n_i.
+
+    - token-mean:               W = m / N,                N = token_normalizer (valid tokens)
+    - seq-mean-token-mean:      W = m / (n_i * B'),       B' = seq_normalizer (non-empty seqs)
+    - seq-mean-token-sum-norm:  W = m / (B * L_max),      B = num_sequences_total (all seqs),
+                                                           L_max = max_response_length (or T)
+    - seq-mean:                 W_i = [n_i > 0] / B'
+
+    A normalizer left as None is counted on this batch. Passing the whole batch's counts
+    makes the weights of each micro-batch the whole batch's weights restricted to it, so
+    the micro-batch losses sum to the whole-batch loss (and so do their gradients).
+    """
+    if aggregation == "token-mean":
+        n_tok = token_normalizer if token_normalizer is not None else len_B.sum()
+        return mask_f_BT / _guard(n_tok)
+    if aggregation == "seq-mean-token-sum-norm":
+        n_seq = num_sequences_total if num_sequences_total is not None else mask_f_BT.shape[0]
+        l_max = max_response_length if max_response_length is not None else mask_f_BT.shape[1]
+        return mask_f_BT / (_guard(n_seq) * _guard(l_max))
+    nonempty_B = len_B > 0
+    n_seq = seq_normalizer if seq_normalizer is not None else nonempty_B.sum()
+    if aggregation == "seq-mean":
+        return nonempty_B.to(len_B.dtype) / _guard(n_seq)
+    if aggregation == "seq-mean-token-mean":
+        return mask_f_BT * (1.0 / (len_B.clamp(min=1) * _guard(n_seq))).unsqueeze(1)
+    raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+
+
+def weighted_sum(x: Tensor, w: Tensor) -> Tensor:
+    """sum(x * w) for same-shape tensors, as one fused dot product (a single pass)."""
+    return torch.dot(x.reshape(-1), w.reshape(-1))
+
+
+# --------------------------------------------------------------------------- KL
+
+
+KLEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+def kl_estimate(estimator: str, logp_BT: Tensor, ref_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples (Schulman's k1/k2/k3), 0 on padding.
+    k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d_BT = masked_log_ratio(ref_BT, logp_BT, mask_BT)  # log(pi_ref / pi)
+    if estimator == "k1":
+        return -d_BT
+    if estimator == "k2":
+        return 0.5 * d_BT.square()
+    if estimator == "k3":
+        return torch.exp(d_BT) - d_BT - 1.0  # (not expm1: unvectorised on CPU, 5x slower)
+    raise ValueError(f"unknown kl_estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
+# --------------------------------------------------------------------------- sampler correction
+
+
+RolloutCorrection = Literal["none", "tis", "mis", "icepop"]
+ROLLOUT_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis", "icepop")
+
+
+@torch.no_grad()
+def rollout_correction_weights(
+    mode: str,
+    old_BT: Tensor,
+    rollout_BT: Tensor,
+    mask_BT: Tensor,
+    inv_len_B: Tensor,
+    *,
+    per_sequence: bool,
+    tis_cap: float,
+    mis_low: float,
+    mis_high: float,
+) -> tuple[Tensor, Tensor]:
+    """Detached sampler-learner correction from `d = old - rollout` (learner over sampler):
+    returns (weight, kept), per token [B,T] or, with `per_sequence`, per sequence [B].
+
+    - tis:    weight = min(exp(d), tis_cap); per sequence min(exp(mean_t d), tis_cap).
+    - mis:    tokens with exp(d) outside [mis_low, mis_high] get weight 0, the rest keep the
+              truncated weight min(exp(d), tis_cap); per sequence, a sequence with any such
+              token gets 0, the rest min(exp(mean_t d), tis_cap).
+    - icepop: the same mask, weight 1 on what is kept.
+    """
+    d_BT = masked_log_ratio(old_BT, rollout_BT, mask_BT)
+    if per_sequence:
+        d_mean_B = d_BT.sum(1) * inv_len_B
+        if mode == "tis":
+            w_B = torch.exp(d_mean_B).clamp(max=tis_cap)
+            return w_B, torch.ones_like(w_B, dtype=torch.bool)
+        r_BT = torch.exp(d_BT)  # padding: d = 0, r = 1, inside any sane band
+        out_B = (((r_BT < mis_low) | (r_BT > mis_high)) & mask_BT).any(1)
+        kept_B = ~out_B
+        w_B = torch.exp(d_mean_B).clamp(max=tis_cap) if mode == "mis" else torch.ones_like(d_mean_B)
+        return torch.where(kept_B, w_B, 0.0), kept_B
+    r_BT = torch.exp(d_BT)
+    if mode == "tis":
+        return r_BT.clamp(max=tis_cap), torch.ones_like(mask_BT)
+    kept_BT = (r_BT >= mis_low) & (r_BT <= mis_high)
+    w_BT = r_BT.clamp(max=tis_cap) if mode == "mis" else torch.ones_like(r_BT)
+    return torch.where(kept_BT, w_BT, 0.0), kept_BT
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def masked_aminmax(x: Tensor, valid: Tensor, nonempty_B: Tensor) -> tuple[Tensor, Tensor]:
+    """(min, max) over the valid elements of x ([B] or [B,T]; `nonempty_B` marks the rows
+    with a valid element) in one pass: invalid elements are replaced by the first valid one
+    (so they cannot win), then one aminmax. With no valid element: (+inf, -inf), the
+    identities of min and max. No host sync."""
+    if x.numel() == 0:
+        return x.new_tensor(float("inf")), x.new_tensor(float("-inf"))
+    # Locate a valid element with two small argmaxes (a non-empty row, then within it).
+    row = nonempty_B.to(torch.uint8).argmax()
+    first = x[row, valid[row].to(torch.uint8).argmax()] if x.ndim == 2 else x[row]
+    lo, hi = torch.aminmax(torch.where(valid, x, first))
+    any_valid = nonempty_B[row]
+    return torch.where(any_valid, lo, float("inf")), torch.where(any_valid, hi, float("-inf"))
