@@ -15,7 +15,7 @@ export TORCHDYNAMO_DISABLE := 1
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install test test-fast demo bench lint ablations clean-runs
+.PHONY: help install test test-fast demo bench lint ablations ablations-report clean-runs
 
 help:
 	@echo "make demo       RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~10 min)"
@@ -60,6 +60,17 @@ demo: install
 
 bench: install
 	$(PY) -m bench.run_all
+
+# GRPO / GRPO+R2 / GRPO+R3 / GSPO / RSPO x TIS x on/off-policy -> runs/ablations/REPORT.md
+ablations: install
+	$(PY) -m moe_rl.ablations run --all
+
+ablations-report: install
+	$(PY) -m moe_rl.ablations report
+
+# One setting, e.g. `make ablate-rspo-off` or `make ablate-grpo-r3-tis-on` (see `python -m moe_rl.ablations list`)
+ablate-%: install
+	$(PY) -m moe_rl.ablations run $*
 
 clean-runs:
 	rm -rf runs/

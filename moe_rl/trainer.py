@@ -357,7 +357,9 @@ class Trainer:
             )
             out = policy_loss(cfg.rl.objective, pb, **hp)
             weight = out.num_sequences if spec.level == "sequence" else out.num_tokens
-            return MicroBatchLoss(out.loss, {f"policy/{k}": v for k, v in out.metrics.items()}, weight)
+            metrics = {f"policy/{k}": v for k, v in out.metrics.items()}
+            metrics["policy/token_ratio_std"] = _token_ratio_std(logp_BT.detach(), e["old_logp_BT"], pb.response_mask)
+            return MicroBatchLoss(out.loss, metrics, weight)
 
         return loss_fn
 
@@ -524,6 +526,13 @@ class Trainer:
         if self._layout_cm is not None:
             self._layout_cm.__exit__(None, None, None)
             self._layout_cm = None
+
+
+def _token_ratio_std(logp_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Std over valid tokens of the token-level ratio exp(logp - old): 0 on-policy, the
+    spread the clip and the router shift act on off-policy."""
+    r = torch.exp((logp_BT - old_BT).clamp(-20, 20))[mask_BT]
+    return r.std(unbiased=False) if r.numel() else r.new_zeros(())
 
 
 def _scored_rows(batch: TokenBatch) -> torch.Tensor:
