@@ -84,3 +84,14 @@ def test_save_then_load_is_identity(tmp_path):
     assert load_config(tmp_path / "c.yaml") == cfg
     assert not list(tmp_path.glob(".c.yaml.*"))  # no temp file left behind
     assert yaml.safe_load((tmp_path / "c.yaml").read_text())["rl"]["objective"] == "rspo"
+
+
+def test_every_shipped_recipe_loads():
+    from pathlib import Path
+
+    from moe_rl.trainer import check_objective_args
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
+    assert len(recipes) >= 8
+    for path in recipes:
+        check_objective_args(load_config(path))
