@@ -7,10 +7,12 @@ micro-batches through megatron's pipeline schedules.
         logp_BT = learner.logprobs(batch)                 # every rank gets [B, T]
         metrics = learner.train_step(batch, loss_fn, extras={"adv_B": adv_B, ...})
 
-Data layout. Every rank is handed the same global batch. It is padded with empty
-sequences to a multiple of `dp * micro_batch_size`, each data-parallel rank takes a
-contiguous slice, and the slice is cut into micro-batches. Padding sequences have no
-response tokens, so they contribute nothing to any loss.
+Data layout. Every rank is handed the same global batch (with global row ids, so a
+mini-batch keeps the identity of its rollout rows). Data-parallel rank r takes the rows
+whose id is r mod dp, in every pass, cuts them into micro-batches and pads the last with
+empty sequences so that every rank runs the same number of micro-batches (expert-parallel
+all-to-alls need all ranks in every micro-batch). Padding sequences have no response
+tokens, so they contribute nothing to any loss.
 
 Loss scaling. A loss callback returns each micro-batch's *contribution* to the whole-batch
 loss (the objectives take global token / sequence normalisers, so contributions sum to the

@@ -1,14 +1,16 @@
 """Start the learner from a Hugging Face (Qwen3-MoE) directory, and write it as a megatron
 checkpoint.
 
-    load_hf_weights(learner, "Qwen3-MoE-dir")      # any layout; every rank reads its slices
+    load_hf_weights(learner, "Qwen3-MoE-dir")      # any layout; no communication
     hf_to_megatron("hf_dir", "ckpt_dir")            # one process: a checkpoint any layout loads
 
 `load_full_tensors` is the inverse of `gather.iter_full_tensors`: given global megatron
 tensors, each rank copies the slices it owns into its parameters, through the same
 ShardedTensor descriptions megatron uses for checkpoints (so TP slices, the global expert
 ids of this EP rank, the SwiGLU gate/up halves and the pipeline stage's layers all follow
-megatron's own layout). No process communicates: every rank reads the files itself.
+megatron's own layout). No process communicates: every rank reads from the files the
+global tensors of the keys its pipeline stage holds (whole, one at a time) and keeps its
+slices.
 
 `hf_to_megatron` is not streaming: it builds a one-process learner of the HF model's size
 (fp32 or bf16 as config.json says), loads the weights into it and lets
@@ -50,11 +52,14 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
     expected = megatron_specs(m)
     sd = model.sharded_state_dict()
     apply_factories(sd)  # SwiGLU fc1: two ShardedTensors (gate, up) viewing one parameter
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     pieces: dict[str, list[ShardedTensor]] = {}
     for sh in _flatten(sd):
         key = canonical_key(sh.key)
         if key not in expected:
             raise ConvertError(f"learner tensor {sh.key!r} has no counterpart in the model config")
+        if sh.data.untyped_storage().data_ptr() not in storages:  # a copy would load nothing
+            raise RuntimeError(f"sharded tensor {sh.key!r} does not view a parameter; cannot load in place")
         pieces.setdefault(key, []).append(sh)
     copied = 0
     for key, shards in pieces.items():
@@ -71,8 +76,9 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
 
 
 def load_hf_weights(learner, hf_dir: str | os.PathLike) -> None:
-    """Load a Hugging Face Qwen3-MoE directory into `learner` (any layout; each rank reads
-    the tensors it needs). The directory's config must describe the learner's model."""
+    """Load a Hugging Face Qwen3-MoE directory into `learner` (any layout; every rank reads
+    the files itself). The directory's config.json must describe the learner's model, and
+    tensors are cast to the learner's parameter dtype."""
     with HFCheckpoint(hf_dir) as hf:
         m = learner.cfg.model
         got = hf.model_config(base=m)
@@ -87,6 +93,9 @@ def load_hf_weights(learner, hf_dir: str | os.PathLike) -> None:
         check_tensors(hf, m)
         dtype = next(learner.gpt.parameters()).dtype
         load_full_tensors(learner.gpt, lambda key: from_hf(key, hf.get, m).to(dtype), m)
+    if learner.optimizer is not None:
+        # bf16: the optimizer's fp32 main params were copied from the old weights.
+        learner.optimizer.reload_model_params()
 
 
 def hf_to_megatron(

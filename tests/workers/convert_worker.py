@@ -2,7 +2,8 @@
 
 save1 <out> (1 process): a learner with one leading dense layer takes one optimizer step
     (so its checkpoint holds optimizer state too), saves `c1`, scores the fixed batch.
-layouts <out> (2 processes): for TP2 (tied embeddings, a dense layer) and EP2 (alltoall):
+layouts <out> (2 processes): for TP2 (tied embeddings, a dense layer), EP2 (alltoall) and
+    PP2 (a dense layer; embedding and output layer on different stages):
     a fresh learner saves `c_<name>`, scores the batch and streams `hf_named_tensors`;
     then the learner is reloaded from `rt1` (c1 converted to HF and back) and, separately,
     from the HF directory `hf1` itself (`load_hf_weights`), and scores the batch again.
@@ -21,10 +22,14 @@ C1 = [*BASE, "model.num_dense_layers=1"]
 PARALLEL = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],
     "ep2": ["parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"],
+    "pp2": ["parallel.pipeline_model_parallel_size=2"],
 }
-MODEL = {  # what each layout's own checkpoint adds: tied embeddings + a dense layer under TP
+# What each layout's own checkpoint adds. (PP2 with tied embeddings does not build on CPU:
+# megatron's setup_embeddings_and_output_layer calls .cuda() on the last stage's copy.)
+MODEL = {
     "tp2": ["model.num_dense_layers=1", "model.untie_embeddings_and_output_weights=false"],
     "ep2": [],
+    "pp2": ["model.num_dense_layers=1"],
 }
 
 

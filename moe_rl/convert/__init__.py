@@ -1,0 +1,44 @@
+"""megatron <-> Hugging Face (Qwen3-MoE) conversion on files (no megatron import here).
+
+    megatron_to_hf(ckpt_dir, hf_dir)          # streamed, any TP/EP/PP layout, atomic output
+    HFCheckpoint(hf_dir), megatron_tensors()  # an HF directory as global megatron tensors
+
+The live learner's stream is `moe_rl.learner.export.hf_named_tensors`, and HF -> megatron
+checkpoint is `moe_rl.learner.hf_import.hf_to_megatron` (both need megatron, so they live
+in the learner package); `tools/convert_checkpoint.py` is the CLI over both directions.
+"""
+
+from moe_rl.convert.atomic import atomic_output_dir
+from moe_rl.convert.dcp import DcpCheckpoint
+from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors, megatron_tensors
+from moe_rl.convert.hf_export import DEFAULT_SHARD_BYTES, megatron_to_hf
+from moe_rl.convert.qwen3_moe import (
+    ConvertError,
+    check_supported,
+    from_hf,
+    hf_config,
+    hf_specs,
+    megatron_specs,
+    model_config_from_hf,
+    to_hf,
+)
+from moe_rl.convert.safetensors_writer import ShardedSafetensorsWriter
+
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "ConvertError",
+    "DcpCheckpoint",
+    "HFCheckpoint",
+    "ShardedSafetensorsWriter",
+    "atomic_output_dir",
+    "check_supported",
+    "check_tensors",
+    "from_hf",
+    "hf_config",
+    "hf_specs",
+    "megatron_specs",
+    "megatron_tensors",
+    "megatron_to_hf",
+    "model_config_from_hf",
+    "to_hf",
+]

@@ -1,0 +1,126 @@
+"""Read a Hugging Face Qwen3-MoE directory as global megatron tensors, one key at a time.
+
+`HFCheckpoint(dir)` opens config.json and the safetensors files (through the index when
+there is one) lazily; `megatron_tensors(hf, model_cfg)` yields `(megatron key, tensor)`
+in the learner's key order, built by `qwen3_moe.from_hf`. Before the first tensor it checks
+that the directory holds exactly the tensors the config implies: a missing tensor, an
+unexpected one (e.g. a shared expert) or a wrong shape is a ConvertError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moe_rl.config import ModelConfig
+from moe_rl.convert.qwen3_moe import (
+    ConvertError,
+    check_supported,
+    from_hf,
+    hf_specs_all,
+    megatron_specs,
+    model_config_from_hf,
+)
+from moe_rl.convert.safetensors_writer import INDEX_FILE
+
+
+class HFCheckpoint:
+    """config.json plus lazily opened safetensors files of a Hugging Face model directory."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        p = Path(path)
+        if not p.is_dir():
+            raise ConvertError(f"Hugging Face directory {p} does not exist or is not a directory")
+        if not (p / "config.json").is_file():
+            hint = " (it looks like a megatron checkpoint: use --to hf)" if (p / ".metadata").is_file() else ""
+            raise ConvertError(f"{p} is not a Hugging Face model directory: no config.json{hint}")
+        self.path = p
+        self.config: dict[str, Any] = json.loads((p / "config.json").read_text())
+        self._file_of: dict[str, Path] = {}
+        if (p / INDEX_FILE).is_file():
+            weight_map = json.loads((p / INDEX_FILE).read_text())["weight_map"]
+            for name, file in weight_map.items():
+                if not (p / file).is_file():
+                    raise ConvertError(f"{p / INDEX_FILE} maps {name!r} to {file}, which does not exist")
+                self._file_of[name] = p / file
+        else:
+            files = sorted(p.glob("*.safetensors"))
+            if not files:
+                raise ConvertError(f"{p} has no *.safetensors files")
+            for file in files:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        self._file_of[name] = file
+        self._open: dict[Path, Any] = {}
+
+    def model_config(self, base: ModelConfig | None = None) -> ModelConfig:
+        return model_config_from_hf(self.config, base)
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def _handle(self, name: str) -> Any:
+        file = self._file_of.get(name)
+        if file is None:
+            raise ConvertError(f"Hugging Face directory {self.path} has no tensor {name!r}")
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="pt")
+        return self._open[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_tensors(hf: HFCheckpoint, m: ModelConfig) -> None:
+    """Exactly the tensors `m` implies, with their shapes (headers only, no data read)."""
+    check_supported(m)
+    specs = {s.name: s.shape for s in hf_specs_all(m)}
+    names = hf.names()
+    extra = sorted(names - set(specs))
+    if not m.untie_embeddings_and_output_weights and "lm_head.weight" in extra:
+        # Some writers store the tied head anyway; it must then be the embedding.
+        if not torch.equal(hf.get("lm_head.weight"), hf.get("model.embed_tokens.weight")):
+            raise ConvertError("config.json says tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
+        extra.remove("lm_head.weight")
+    if extra:
+        raise ConvertError(
+            f"unexpected tensor {extra[0]!r} in {hf.path} ({len(extra)} unexpected): the Qwen3-MoE "
+            "config implies no such tensor (a different architecture, or config.json does not match the weights?)"
+        )
+    missing = [n for n in specs if n not in names]
+    if missing:
+        raise ConvertError(f"tensor {missing[0]!r} is missing from {hf.path} ({len(missing)} missing)")
+    for name, shape in specs.items():
+        got = hf.shape(name)
+        if got != shape:
+            raise ConvertError(
+                f"Hugging Face tensor {name!r} has shape {list(got)} but config.json implies {list(shape)}"
+            )
+
+
+def megatron_tensors(
+    hf: HFCheckpoint, m: ModelConfig, keys: Iterable[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(megatron key, full tensor)` for `keys` (default: all, in layer order), after
+    `check_tensors`. Tensors keep the file's dtype."""
+    check_tensors(hf, m)
+    for key in keys if keys is not None else megatron_specs(m):
+        yield key, from_hf(key, hf.get, m)

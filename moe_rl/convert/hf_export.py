@@ -1,0 +1,198 @@
+"""megatron checkpoint directory -> Hugging Face Qwen3-MoE directory, streamed.
+
+    megatron_to_hf("runs/x/checkpoints/step_000050", "runs/x/hf", max_shard_bytes=2 << 30)
+
+Steps: check the directory is a learner checkpoint and read its config.yaml; check the
+checkpoint holds exactly the model tensors that config implies, with the right global
+shapes (optimizer state and RNG are skipped); plan the safetensors shards from those
+shapes; then, inside a temp directory, write config.json, generation_config.json, the
+tokenizer files and, one megatron tensor at a time, read it (reassembling whatever TP/EP/PP
+chunks it was saved in), split it into its HF tensors and append those to the current
+shard. Only a complete directory is renamed to `dst`.
+
+Most HF tensors are stored in the checkpoint exactly as HF wants them: every expert's gate,
+up and down projection is its own saved chunk, and so is any tensor saved whole that is
+only renamed. Those are copied file to file by the kernel (`copy_file_range`); the others
+(q/k/v, and tensors split across TP ranks) are read into one reused buffer, re-laid out and
+written. Peak memory is about the largest megatron tensor that needs re-layout, plus one
+q_proj copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_rl.config import ModelConfig, load_config
+from moe_rl.convert.atomic import atomic_output_dir, check_distinct
+from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
+from moe_rl.convert.qwen3_moe import (
+    ConvertError,
+    canonical_key,
+    check_supported,
+    generation_config,
+    hf_config,
+    hf_specs,
+    hf_views,
+    is_model_key,
+    megatron_specs,
+    to_hf,
+)
+from moe_rl.convert.safetensors_writer import PlannedTensor, ShardedSafetensorsWriter
+
+DEFAULT_SHARD_BYTES = 2 << 30  # 2 GiB
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def match_checkpoint_keys(ckpt: DcpCheckpoint, m: ModelConfig) -> dict[str, str]:
+    """{canonical key: key as stored} for every model tensor, after checking the stored
+    model tensors are exactly those `m` implies, with the same global shapes."""
+    expected = megatron_specs(m)
+    stored: dict[str, str] = {}
+    for key in ckpt.tensors:
+        if is_model_key(key):
+            stored[canonical_key(key)] = key
+    unexpected = [k for k in stored if k not in expected]
+    if unexpected:
+        raise ConvertError(
+            f"checkpoint tensor {stored[unexpected[0]]!r} is not part of the model described by "
+            f"{ckpt.path / CONFIG_FILE} ({len(unexpected)} unexpected; config.yaml does not match the weights?)"
+        )
+    missing = [k for k in expected if k not in stored]
+    if missing:
+        raise ConvertError(
+            f"checkpoint {ckpt.path} lacks tensor {missing[0]!r} ({len(missing)} missing) that "
+            f"{CONFIG_FILE} implies (config.yaml does not match the weights?)"
+        )
+    for key, shape in expected.items():
+        got = ckpt.tensors[stored[key]].shape
+        if got != shape:
+            raise ConvertError(
+                f"checkpoint tensor {stored[key]!r} has global shape {list(got)} but {CONFIG_FILE} "
+                f"implies {list(shape)} (config.yaml does not match the weights?)"
+            )
+    return stored
+
+
+def write_hf_metadata(out_dir: Path, m: ModelConfig, dtype: torch.dtype, tokenizer: str | os.PathLike | None) -> None:
+    """config.json, generation_config.json and the tokenizer files (token ids from the
+    tokenizer: bos / eos / pad)."""
+    from moe_rl.tasks.tokenizer import Tokenizer, write_hf_tokenizer
+
+    tok = Tokenizer(tokenizer or None)
+    if tok.vocab_size > m.vocab_size:
+        raise ConvertError(
+            f"tokenizer {tok.path} has {tok.vocab_size} pieces but model.vocab_size={m.vocab_size}"
+        )
+    ids = {
+        "bos_token_id": tok.bos_id if tok.bos_id >= 0 else None,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+    }
+    (out_dir / "config.json").write_text(json.dumps(hf_config(m, dtype, **ids), indent=2) + "\n")
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_config(**ids), indent=2) + "\n")
+    write_hf_tokenizer(out_dir, tok.path)
+
+
+def megatron_to_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: str | torch.dtype | None = None,
+    force: bool = False,
+    tokenizer: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> Path:
+    """Convert the learner checkpoint `src` into a Hugging Face directory `dst`.
+
+    dtype: output dtype ("fp32", "bf16" or a torch dtype); None keeps the stored dtype.
+    tokenizer: SentencePiece model for the tokenizer files; None uses the checkpoint's
+        `task.tokenizer` (the shipped tokenizer when that is empty).
+    progress: show a tqdm bar over the bytes written.
+    """
+    out_dtype = resolve_dtype(dtype)
+    ckpt = DcpCheckpoint(src)
+    check_distinct(src, dst)
+    cfg = load_config(ckpt.path / CONFIG_FILE)
+    m = cfg.model
+    check_supported(m)
+    stored = match_checkpoint_keys(ckpt, m)
+    dtypes = {key: out_dtype or ckpt.tensors[stored[key]].dtype for key in stored}
+    plan = [
+        PlannedTensor(spec.name, spec.shape, dtypes[key])
+        for key in megatron_specs(m)
+        for spec in hf_specs(key, m)
+    ]
+    config_dtype = out_dtype or dtypes["embedding.word_embeddings.weight"]
+    with atomic_output_dir(dst, force=force) as tmp:
+        write_hf_metadata(tmp, m, config_dtype, tokenizer or cfg.task.tokenizer or None)
+        with ShardedSafetensorsWriter(tmp, plan, max_shard_bytes) as writer:
+            bar = None
+            if progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="convert")
+            _write_tensors(writer, ckpt, stored, m, dtypes, bar)
+            if bar is not None:
+                bar.close()
+    return Path(dst)
+
+
+def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored: dict[str, str],
+                   m: ModelConfig, dtypes: dict[str, torch.dtype], bar: Any) -> None:
+    """Every megatron tensor, in plan order: as file-to-file copies when its HF tensors are
+    saved chunks as they are, else read into one reused buffer, re-laid out and written.
+    (Fresh memory per tensor would cost a page fault per 4 KiB, more than the read itself.)"""
+    infos = {key: ckpt.tensors[stored[key]] for key in megatron_specs(m)}
+    direct = {key: _stored_as_is(key, ckpt, stored[key], m) if dtypes[key] == info.dtype else None
+              for key, info in infos.items()}
+    nbytes = {key: math.prod(info.shape) * info.dtype.itemsize for key, info in infos.items()}
+    arena = torch.empty(max([nbytes[k] for k in infos if direct[k] is None], default=0), dtype=torch.uint8)
+    for key, info in infos.items():
+        if direct[key] is not None:
+            for spec, chunk in zip(hf_specs(key, m), direct[key]):
+                writer.copy_from_file(spec.name, spec.shape, info.dtype, chunk.path, chunk.file_offset)
+        else:
+            full = ckpt.read(stored[key], out=arena[: nbytes[key]].view(info.dtype).view(info.shape))
+            for name, t in to_hf(key, full, m):
+                writer.write(name, t.to(dtypes[key]))  # written before the buffer is reused
+        if bar is not None:
+            bar.update(math.prod(info.shape) * dtypes[key].itemsize)
+
+
+def _stored_as_is(key: str, ckpt: DcpCheckpoint, stored_key: str, m: ModelConfig) -> list[RawChunk] | None:
+    """For each HF tensor of `key`, the saved chunk whose bytes are exactly that tensor's
+    (same elements, same row-major order); None unless every HF tensor has one. True of
+    renamed tensors saved whole, of each expert's gate / up / down (the expert axis and the
+    SwiGLU halves are chunk boundaries at any EP size, with ETP=1), not of q/k/v."""
+    chunks = ckpt.raw_chunks(stored_key)
+    if chunks is None:
+        return None
+    info = ckpt.tensors[stored_key]
+    meta = torch.empty(info.shape, dtype=info.dtype, device="meta")  # shapes and offsets only
+    by_range = {}
+    for c in chunks:
+        box = meta[c.slices]
+        if box.is_contiguous():
+            by_range[(box.storage_offset(), box.numel())] = c
+    found = []
+    for view in hf_views(key, meta, m):
+        c = by_range.get((view.storage_offset(), view.numel())) if view.is_contiguous() else None
+        if c is None:
+            return None
+        found.append(c)
+    return found

@@ -1,0 +1,204 @@
+"""Stream tensors into sharded safetensors files, one tensor in memory at a time.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header giving every
+tensor's dtype, shape and byte range, then the raw bytes. The header comes first, so a
+writer that does not want to hold a shard in memory must know the shard's tensors before
+their data: the converter knows every name, shape and dtype from the model config and the
+checkpoint metadata, so we plan the shards up front (`plan_shards`), write each header when
+its shard opens, and then append tensor bytes as they arrive. The stream must follow the
+plan: a tensor out of order, of another shape or dtype, or missing at the end is an error
+naming it. Names, sizes and file names follow `transformers.save_pretrained`:
+`model-00001-of-00003.safetensors` and `model.safetensors.index.json`.
+
+A tensor arrives either as a tensor (`write`) or as a byte range of another file that
+already holds exactly its bytes (`copy_from_file`, a kernel-side copy: most of a megatron
+checkpoint's tensors, e.g. every expert's gate, up and down projection, are stored that way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from moe_rl.convert.qwen3_moe import ConvertError
+
+INDEX_FILE = "model.safetensors.index.json"
+DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+def plan_shards(tensors: Sequence[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Cut the ordered tensor list into shards of at most `max_shard_bytes` (a tensor larger
+    than that gets a shard of its own; tensors are never split)."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConvertError(f"tensor {dup!r} is planned twice")
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return [s for s in shards if s]
+
+
+def _header(shard: Sequence[PlannedTensor]) -> bytes:
+    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in shard:
+        entries[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors itself writes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def shard_file_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+class ShardedSafetensorsWriter:
+    """Write `tensors` (in that order) under `out_dir` as planned shards plus the index.
+
+        with ShardedSafetensorsWriter(out, planned, max_shard_bytes) as w:
+            for name, t in stream:
+                w.write(name, t)
+        # the index is written on a clean exit, after checking nothing is missing
+    """
+
+    def __init__(self, out_dir: str | Path, tensors: Sequence[PlannedTensor], max_shard_bytes: int) -> None:
+        unknown = sorted({t.dtype for t in tensors} - set(DTYPE_NAMES), key=str)
+        if unknown:
+            raise ConvertError(f"dtype {unknown[0]} has no safetensors name")
+        self.out_dir = Path(out_dir)
+        self.shards = plan_shards(tensors, max_shard_bytes)
+        self.total_bytes = sum(t.nbytes for t in tensors)
+        self._order = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
+        self._next = 0
+        self._file: BinaryIO | None = None
+        self._file_index = -1
+        self.bytes_written = 0
+
+    def __enter__(self) -> ShardedSafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _open(self, i: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        path = self.out_dir / shard_file_name(i, len(self.shards))
+        # Unbuffered: every write is large, and copy_from_file writes through the fd.
+        self._file = open(path, "wb", buffering=0)  # closed by _open / close / __exit__
+        self._file_index = i
+        self._write_all(memoryview(_header(self.shards[i])))
+
+    def _write_all(self, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            done += self._file.write(data[done:])
+
+    def _next_planned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PlannedTensor:
+        """Check `name` is the next planned tensor, with that shape and dtype; open its shard."""
+        if self._next >= len(self._order):
+            raise ConvertError(f"tensor {name!r} was not planned (all {len(self._order)} planned tensors are written)")
+        shard_i, want = self._order[self._next]
+        if name != want.name:
+            raise ConvertError(f"tensor {name!r} arrived where {want.name!r} was planned")
+        if tuple(shape) != want.shape or dtype != want.dtype:
+            raise ConvertError(
+                f"tensor {name!r} has shape {list(shape)} {dtype}, planned {list(want.shape)} {want.dtype}"
+            )
+        if shard_i != self._file_index:
+            self._open(shard_i)
+        return want
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append the next planned tensor; it must match the plan's name, shape and dtype."""
+        want = self._next_planned(name, tuple(tensor.shape), tensor.dtype)
+        data = tensor.detach().cpu().contiguous()
+        # The raw bytes through the buffer protocol: no copy for contiguous tensors.
+        self._write_all(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        self.bytes_written += want.nbytes
+        self._next += 1
+
+    def copy_from_file(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, path: Path, offset: int) -> None:
+        """Append the next planned tensor from the raw bytes (row-major, little-endian) at
+        `offset` of another file, copied inside the kernel (`copy_file_range`): the data
+        never passes through this process's memory."""
+        want = self._next_planned(name, shape, dtype)
+        src = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < want.nbytes:
+                try:
+                    n = os.copy_file_range(src, self._file.fileno(), want.nbytes - done, offset + done)
+                except OSError:  # an old kernel, or filesystems that refuse it: copy by hand
+                    chunk = os.pread(src, min(want.nbytes - done, 64 << 20), offset + done)
+                    self._write_all(memoryview(chunk))
+                    n = len(chunk)
+                if n <= 0:
+                    raise ConvertError(f"{path} ends before offset {offset + done} (copying {name!r})")
+                done += n
+        finally:
+            os.close(src)
+        self.bytes_written += want.nbytes
+        self._next += 1
+
+    def close(self) -> Path:
+        """Finish the last shard and write the index; every planned tensor must be written."""
+        if self._next < len(self._order):
+            raise ConvertError(f"tensor {self._order[self._next][1].name!r} was planned but never written")
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        weight_map = {
+            t.name: shard_file_name(i, len(self.shards)) for i, shard in enumerate(self.shards) for t in shard
+        }
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        path = self.out_dir / INDEX_FILE
+        path.write_text(json.dumps(index, indent=2) + "\n")
+        return path
