@@ -194,6 +194,10 @@ def load_checkpoint(
         learner.optimizer.load_state_dict(loaded["optimizer"])
         if meta.get("scheduler") is not None:
             learner.scheduler.load_state_dict(meta["scheduler"])
+    elif learner.optimizer is not None:
+        # Weights only: mixed-precision optimizers keep fp32 master copies of the params,
+        # which must follow the weights just loaded (a no-op for fp32 training).
+        learner.optimizer.reload_model_params()
     if same_layout and "rng_state" in loaded:
         rng = loaded["rng_state"]
         torch.set_rng_state(rng["cpu"])

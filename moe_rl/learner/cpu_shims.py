@@ -304,6 +304,27 @@ def _clip_grads_without_cuda_type_check() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def _tied_embedding_sync_without_cuda() -> None:
+    """With tied embeddings under pipeline parallelism the last stage keeps its own copy of
+    the word embeddings, and `LanguageModule.setup_embeddings_and_output_layer` makes the two
+    copies equal with `weight.data = weight.data.cuda()` and an all-reduce over the embedding
+    group. On CPU `.cuda()` raises; during that one call it is the identity (the data is
+    already where gloo wants it), and the all-reduce runs as written."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 def _define_missing_te_general_gemm() -> None:
     """megatron-core 0.16 imports `te_general_gemm` inside a try block and never defines the
     name when Transformer Engine is absent, so the router's gating linear raises NameError.
@@ -328,6 +349,7 @@ def apply() -> bool:
     _patch_alltoall_split_sizes()
     _allow_torch_norm_with_sequence_parallel()
     _clip_grads_without_cuda_type_check()
+    _tied_embedding_sync_without_cuda()
     _APPLIED = True
     log.debug("megatron-core CPU shims applied (%d modules redirected)", n)
     return True

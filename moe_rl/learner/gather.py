@@ -31,14 +31,14 @@ class _Piece:
     dtype: torch.dtype
 
 
-def _flatten(sd: dict) -> Iterator[ShardedTensor]:
+def flatten_sharded(sd: dict) -> Iterator[ShardedTensor]:
     for v in sd.values():
         if isinstance(v, ShardedTensor):
             yield v
         elif isinstance(v, list | tuple):
             yield from (x for x in v if isinstance(x, ShardedTensor))
         elif isinstance(v, dict):
-            yield from _flatten(v)
+            yield from flatten_sharded(v)
 
 
 def local_main_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor]]:
@@ -46,7 +46,7 @@ def local_main_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor
     sd = model.sharded_state_dict()
     apply_factories(sd)
     out = []
-    for sh in _flatten(sd):
+    for sh in flatten_sharded(sd):
         replica = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
         if any(r != 0 for r in replica):
             continue
@@ -62,7 +62,7 @@ def local_main_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor
     return out
 
 
-def _slices(p: _Piece) -> tuple:
+def piece_index(p: _Piece) -> tuple:
     """Index of a piece inside its global tensor (prepended axes are single indices)."""
     idx: list = list(p.global_offset[: p.prepend_axis_num])
     idx += [
@@ -86,7 +86,7 @@ def iter_full_tensors(model: torch.nn.Module, dst: int = 0) -> Iterator[tuple[st
             pieces = by_key[key]
             full = torch.empty(pieces[0][0].global_shape, dtype=pieces[0][0].dtype)
             for piece, data in pieces:
-                full[_slices(piece)] = data.detach().cpu()
+                full[piece_index(piece)] = data.detach().cpu()
             yield key, full
         return
     metas: list[list[_Piece]] = [None] * world  # type: ignore[list-item]
@@ -101,12 +101,12 @@ def iter_full_tensors(model: torch.nn.Module, dst: int = 0) -> Iterator[tuple[st
         full = torch.empty(first.global_shape, dtype=first.dtype) if rank == dst else None
         for r, i, p in entries:
             if r == rank == dst:
-                full[_slices(p)] = local[i][1].detach().cpu()
+                full[piece_index(p)] = local[i][1].detach().cpu()
             elif r == rank:
                 dist.send(local[i][1].detach().cpu().contiguous(), dst=dst)
             elif rank == dst:
                 buf = torch.empty(p.local_shape, dtype=p.dtype)
                 dist.recv(buf, src=r)
-                full[_slices(p)] = buf
+                full[piece_index(p)] = buf
         if rank == dst:
             yield key, full

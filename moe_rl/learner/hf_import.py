@@ -40,7 +40,7 @@ from moe_rl.convert.qwen3_moe import (
     from_hf,
     megatron_specs,
 )
-from moe_rl.learner.gather import _flatten, _slices
+from moe_rl.learner.gather import flatten_sharded, piece_index
 
 
 @torch.no_grad()
@@ -54,7 +54,7 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
     apply_factories(sd)  # SwiGLU fc1: two ShardedTensors (gate, up) viewing one parameter
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     pieces: dict[str, list[ShardedTensor]] = {}
-    for sh in _flatten(sd):
+    for sh in flatten_sharded(sd):
         key = canonical_key(sh.key)
         if key not in expected:
             raise ConvertError(f"learner tensor {sh.key!r} has no counterpart in the model config")
@@ -67,7 +67,7 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
         check_shape(key, tuple(full.shape), expected[key], "megatron tensor")
         for sh in shards:
             check_shape(key, tuple(full.shape), tuple(sh.global_shape), "megatron tensor")
-            piece = full[_slices(sh)]
+            piece = full[piece_index(sh)]
             if tuple(piece.shape) != tuple(sh.data.shape):
                 raise ConvertError(f"slice of {key!r} has shape {list(piece.shape)}, the parameter {list(sh.data.shape)}")
             sh.data.copy_(piece)  # sh.data views the parameter (factories chunk by view)
