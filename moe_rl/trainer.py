@@ -315,7 +315,8 @@ class Trainer:
             routing = None
             if kept[0].routed is not None:
                 routed = [a for g in kept for a in g.routed]
-                routing = align_sampler_routing(routed, batch, cfg.model.num_experts)
+                moe_layers = list(range(cfg.model.num_dense_layers, cfg.model.num_layers))
+                routing = align_sampler_routing(routed, batch, cfg.model.num_experts, moe_layers)
             all_rewards = torch.tensor([g.rewards for g in drawn], dtype=torch.float32)
             finish = [f for g in kept for f in g.finish]
             stats = {
@@ -382,7 +383,7 @@ class Trainer:
         with _timer(timings, "old_logprob"):
             score = self.learner.score(batch, cfg.sampler.temperature, RoutingPlan(
                 capture=self.needs_routing,
-                replay=sampler_replay if cfg.rl.replay == "R3" else None,
+                replay=_stage_slice(sampler_replay, self.learner.taps.layers) if cfg.rl.replay == "R3" else None,
             ))
             old_logp = score.logp_BT
             ref_logp = self.ref.logprobs(batch, cfg.sampler.temperature) if self.ref is not None else None
@@ -390,7 +391,8 @@ class Trainer:
         metrics.update(compute_mismatch(rollout.rollout_logp_BT, old_logp, mask_BT, check_values=False).summary())
         if sampler_replay is not None and score.record is not None:
             scored = _scored_rows(batch)[score.record.rows]
-            metrics.update(sampler_disagreement(score.record, _stage_slice(sampler_replay, score.record), scored, self.layout))
+            metrics.update(sampler_disagreement(score.record, _stage_slice(sampler_replay, score.record.layers),
+                                                scored, self.layout))
         extras = {"old_logp_BT": old_logp, "adv_B": rollout.adv_B, "rollout_logp_BT": rollout.rollout_logp_BT}
         if ref_logp is not None:
             extras["ref_logp_BT"] = ref_logp
@@ -398,7 +400,7 @@ class Trainer:
         if cfg.rl.replay == "R2":
             replay = ReplayIds.from_record(score.record)
         elif cfg.rl.replay == "R3":
-            replay = _stage_slice(sampler_replay, score.record)
+            replay = _stage_slice(sampler_replay, score.record.layers)
         plan = RoutingPlan(old=score.record, replay=replay, gamma_min=self._gamma_min()) if self.needs_routing \
             else RoutingPlan()
         updates = []
@@ -542,12 +544,12 @@ def _scored_rows(batch: TokenBatch) -> torch.Tensor:
     return (s >= lo) & (s < lo + batch.response_lens_B[:, None])
 
 
-def _stage_slice(replay: Any, record: Any) -> Any:
+def _stage_slice(replay: Any, layers: list[int]) -> Any:
     """The sampler's routing restricted to the MoE layers this pipeline stage owns."""
     from moe_rl.learner import ReplayIds
 
-    layers = torch.tensor(record.layers, dtype=torch.long)
-    return ReplayIds(replay.rows, replay.ids_RSLK[:, :, layers], replay.valid_RS)
+    index = torch.tensor(layers, dtype=torch.long)
+    return ReplayIds(replay.rows, replay.ids_RSLK[:, :, index], replay.valid_RS)
 
 
 def _postfix(m: dict[str, float]) -> dict[str, str]:

@@ -260,3 +260,16 @@ def test_record_gamma_and_replay_agree_across_layouts(tmp_path):
         assert r["gamma_err"] <= 1e-6, (name, r)
         assert r["replay_mismatch"] == 0 and r["fresh_vs_ref_mismatch"] == 0, (name, r)
         assert r["fresh_vs_A_changed"] == 1.0, (name, r)
+
+
+def test_r3_alignment_picks_the_moe_layers_out_of_vllms_decoder_layer_axis():
+    from moe_rl.batch import TokenBatch
+
+    batch = TokenBatch.from_lists([[1, 2]], [[3, 4]])
+    # vLLM: one row per decoder layer; layer 0 is dense (zeros), layers 1..4 are MoE
+    arr = np.zeros((3, 5, K), dtype=np.int64)
+    for layer in range(1, 5):
+        arr[:, layer] = [layer, layer + 2]
+    ids, valid = align_sampler_routing([arr], batch, num_experts=E, moe_layers=[1, 2, 3, 4])
+    assert ids.shape == (1, 4, 4, K) and valid[0].tolist() == [True, True, True, False]
+    assert ids[0, 0, :, 0].tolist() == [1, 2, 3, 4] and ids[0, 0, :, 1].tolist() == [3, 4, 5, 6]

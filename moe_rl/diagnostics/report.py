@@ -440,6 +440,7 @@ def write_report(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; reports are meant to be shared (see atomic_write_text)
     try:
         (tmp / "mismatch.json").write_text(doc_text + "\n")
         (tmp / "REPORT.md").write_text(md_text)

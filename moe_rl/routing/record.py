@@ -78,29 +78,41 @@ def align_sampler_routing(
     routed_experts: Sequence[np.ndarray | torch.Tensor],
     batch: TokenBatch,
     num_experts: int,
+    moe_layers: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Place vLLM-layout routing on the learner's grid.
 
-    `routed_experts[b]` is `[prompt_len_b + response_len_b - 1, L, K]` for sequence b.
-    Returns `ids_BSLK` (sorted within K, dtype from `ids_dtype`) and `valid_BS` (True where the
-    sampler routed that position). Raises ValueError naming the sequence on a length mismatch.
+    `routed_experts[b]` is `[prompt_len_b + response_len_b - 1, L, K]` for sequence b. vLLM
+    indexes L by decoder layer (dense layers carry zeros); `moe_layers` are the decoder
+    indices of the MoE layers, which select and order the learner's MoE-layer axis (None:
+    the array already holds exactly the MoE layers). Returns `ids_BSLK` (sorted within K,
+    dtype from `ids_dtype`) and `valid_BS` (True where the sampler routed that position).
+    Raises ValueError naming the sequence on a shape mismatch.
     """
     B, S = batch.batch_size, batch.seq_len
     if len(routed_experts) != B:
         raise ValueError(f"routed_experts has {len(routed_experts)} sequences, batch has {B}")
     first = torch.as_tensor(np.asarray(routed_experts[0])) if B else torch.zeros(0, 1, 1)
-    L, K = first.shape[1], first.shape[2]
+    L_in, K = first.shape[1], first.shape[2]
+    select = None
+    if moe_layers is not None and L_in != len(moe_layers):
+        if max(moe_layers, default=-1) >= L_in:
+            raise ValueError(f"routed_experts has {L_in} layers; MoE layers {list(moe_layers)} do not fit")
+        select = torch.tensor(list(moe_layers), dtype=torch.long)
+    L = len(moe_layers) if select is not None else L_in
     ids = torch.zeros(B, S, L, K, dtype=ids_dtype(num_experts))
     ids[...] = torch.arange(K, dtype=ids.dtype)  # distinct placeholder ids where invalid
     valid = torch.zeros(B, S, dtype=torch.bool)
     for b in range(B):
         arr = torch.as_tensor(np.asarray(routed_experts[b]))
         expect = int(batch.prompt_lens_B[b] + batch.response_lens_B[b]) - 1
-        if arr.dim() != 3 or arr.shape[0] != expect or arr.shape[1:] != (L, K):
+        if arr.dim() != 3 or arr.shape[0] != expect or arr.shape[1:] != (L_in, K):
             raise ValueError(
                 f"routed_experts[{b}] has shape {tuple(arr.shape)}; expected "
-                f"[{expect}, {L}, {K}] (prompt_len + response_len - 1, layers, top-k)"
+                f"[{expect}, {L_in}, {K}] (prompt_len + response_len - 1, layers, top-k)"
             )
+        if select is not None:
+            arr = arr[:, select]
         if arr.numel() and (int(arr.min()) < 0 or int(arr.max()) >= num_experts):
             raise ValueError(f"routed_experts[{b}] holds expert ids outside [0, {num_experts})")
         ids[b, :expect] = arr.sort(dim=-1).values.to(ids.dtype)
