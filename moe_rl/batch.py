@@ -61,14 +61,20 @@ class TokenBatch:
     def total_lens_B(self) -> torch.Tensor:
         return self.prompt_lens_B + self.response_lens_B
 
+    def to(self, device: torch.device | str) -> TokenBatch:
+        """The same batch with its tensors on `device`."""
+        return TokenBatch(self.tokens_BS.to(device), self.prompt_lens_B.to(device),
+                          self.response_lens_B.to(device), self.response_width)
+
     def response_mask(self) -> torch.Tensor:
         """[B, T] bool: True where a response token exists."""
-        j = torch.arange(self.response_width)
+        j = torch.arange(self.response_width, device=self.tokens_BS.device)
         return j[None, :] < self.response_lens_B[:, None]
 
     def response_tokens(self) -> torch.Tensor:
         """[B, T] int64 response token ids (pad positions hold 0)."""
-        idx = (self.prompt_lens_B[:, None] + torch.arange(self.response_width)[None, :]).clamp(
+        j = torch.arange(self.response_width, device=self.tokens_BS.device)
+        idx = (self.prompt_lens_B[:, None] + j[None, :]).clamp(
             max=self.seq_len - 1
         )
         return torch.where(self.response_mask(), self.tokens_BS.gather(1, idx), 0)

@@ -181,10 +181,12 @@ class Learner:
     ) -> tuple[torch.Tensor, Callable]:
         mb = next(data_iterator)
         self.hooks.before_forward(mb)
+        if torch.cuda.is_available():  # the loss callback then sees device tensors only
+            dev = torch.device("cuda", torch.cuda.current_device())
+            mb.batch = mb.batch.to(dev)
+            mb.extras = {k: v.to(dev, non_blocking=True) for k, v in mb.extras.items()}
         tokens = mb.batch.tokens_BS
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        if torch.cuda.is_available():
-            tokens, positions = tokens.cuda(), positions.cuda()
         output = model(input_ids=tokens, position_ids=positions, attention_mask=None)
         self.hooks.after_forward(mb)
         return output, partial(self._loss_on_last_stage, loss_fn, temperature, mb)
@@ -252,7 +254,7 @@ class Learner:
             for item in store:
                 pos = item["batch_pos_B"]
                 valid = pos >= 0
-                out[pos[valid]] = item[key][valid].float().cpu()
+                out[pos[valid].cpu()] = item[key][valid.to(item[key].device)].float().cpu()
             if self.layout.dp > 1:
                 # Each DP rank filled its own rows (others are 0): a sum assembles the batch.
                 dist.all_reduce(out, group=ps.get_data_parallel_group())

@@ -17,7 +17,7 @@ from moe_rl.batch import TokenBatch
 
 def response_positions(batch: TokenBatch) -> torch.Tensor:
     """[B, T] int64: the position whose logits score each response token (clamped in range)."""
-    j = torch.arange(batch.response_width)
+    j = torch.arange(batch.response_width, device=batch.prompt_lens_B.device)
     return (batch.prompt_lens_B[:, None] - 1 + j[None, :]).clamp(min=0, max=batch.seq_len - 1)
 
 

@@ -88,6 +88,15 @@ class _MicroBatchState:
     captured_logp: list[torch.Tensor] = field(default_factory=list)
     captured_fresh: list[torch.Tensor] = field(default_factory=list)
     shift_sum_N: torch.Tensor | None = None
+    stat_sums: torch.Tensor | None = None  # [3, L_stage]: flips, |dlog r|, token count
+
+    def on(self, device: torch.device, name: str) -> torch.Tensor:
+        """A per-micro-batch input moved to the router's device once (no-op on CPU)."""
+        t = getattr(self, name)
+        if t is not None and t.device != device:
+            t = t.to(device, non_blocking=True)
+            setattr(self, name, t)
+        return t
 
 
 class RouterTaps(ForwardHooks):
@@ -169,17 +178,20 @@ class RouterTaps(ForwardHooks):
         if st is None:
             return
         mbs = mb.batch.batch_size
+        if st.stat_sums is not None:
+            self._stat_sums += st.stat_sums.cpu()
         if self.plan.capture and st.captured_ids:  # (a stage may hold no MoE layer)
             ids = torch.stack(st.captured_ids, dim=1)  # [N_local, L, K]
             logp = torch.stack(st.captured_logp, dim=1)
             fresh = torch.stack(st.captured_fresh, dim=1) if st.captured_fresh else None
-            parts = [self._gather_sp(t.reshape(-1, mbs, *t.shape[1:])) for t in (ids, logp)]
-            fresh_full = self._gather_sp(fresh.reshape(-1, mbs, *fresh.shape[1:])) if fresh is not None else None
+            parts = [self._gather_sp(t.reshape(-1, mbs, *t.shape[1:])).cpu() for t in (ids, logp)]
+            fresh_full = self._gather_sp(fresh.reshape(-1, mbs, *fresh.shape[1:])).cpu() if fresh is not None else None
             # [S, mbs, L, K] -> [mbs, S, L, K]
             self._captures.append((mb.rows_B, parts[0].transpose(0, 1), parts[1].transpose(0, 1),
                                    fresh_full.transpose(0, 1) if fresh_full is not None else None))
         if self.plan.old is not None:
-            sums_N = st.shift_sum_N if st.shift_sum_N is not None else torch.zeros(st.mask_SB.numel())
+            sums_N = st.shift_sum_N if st.shift_sum_N is not None else torch.zeros(
+                st.mask_SB.numel(), device=st.mask_SB.device)
             sums_SB = self._gather_sp(sums_N.reshape(-1, mbs))
             if not self.layout.is_last_stage:
                 self._pending_sends.append(
@@ -200,28 +212,32 @@ class RouterTaps(ForwardHooks):
         gamma_BS = router_shift_from_partial(
             total_SB.t().reshape(-1), self.num_moe_layers, self.topk, self.plan.gamma_min
         ).reshape(mb.batch.batch_size, -1)
-        gamma_BT = gamma_BS.gather(1, response_positions(mb.batch))
-        mask_BT = mb.batch.response_mask()
-        self._gammas.append(gamma_BT[mask_BT])
+        gamma_BT = gamma_BS.gather(1, response_positions(mb.batch).to(gamma_BS.device))
+        mask_BT = mb.batch.response_mask().to(gamma_BS.device)
+        self._gammas.append(gamma_BT[mask_BT].cpu())
         return {"router_shift_BT": torch.where(mask_BT, gamma_BT, 1.0)}
 
     # ------------------------------------------------------------------ the tap
 
     def _make_tap(self, i: int, router: TopKRouter, original: Any) -> Any:
+        """Router i's `routing`, wrapped. Everything stays on the router's device; the
+        micro-batch's results move to the host once, in `after_forward`."""
+
         def routing(logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
             st = self._state
             if self.plan is None or st is None:
                 return original(logits, padding_mask)
+            dev = logits.device
             logits_NE = logits.reshape(-1, self.num_experts)
             with torch.no_grad():
                 logr_NE = self._log_routing_probs(router, logits_NE)
                 fresh_NK = self._fresh_topk(router, logits_NE).sort(dim=-1).values
             replay = router.router_replay
             if st.replay_NLK is not None:
-                target_NK = st.replay_NLK[:, i].long()
+                target_NK = st.on(dev, "replay_NLK")[:, i].long()
                 if st.replay_valid_N is not None:
-                    target_NK = torch.where(st.replay_valid_N[:, None], target_NK, fresh_NK)
-                replay.target_topk_idx = target_NK.to(logits.device)
+                    target_NK = torch.where(st.on(dev, "replay_valid_N")[:, None], target_NK, fresh_NK)
+                replay.target_topk_idx = target_NK
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
                 used_NK = target_NK.sort(dim=-1).values
             else:
@@ -232,20 +248,20 @@ class RouterTaps(ForwardHooks):
             replay.target_topk_idx = None
             with torch.no_grad():
                 if self.plan.capture:
-                    st.captured_ids.append(used_NK.to(ids_dtype(self.num_experts)).cpu())
-                    st.captured_logp.append(logr_NE.gather(1, used_NK).float().cpu())
+                    st.captured_ids.append(used_NK.to(ids_dtype(self.num_experts)))
+                    st.captured_logp.append(logr_NE.gather(1, used_NK))
                     if st.replay_NLK is not None:
-                        st.captured_fresh.append(fresh_NK.to(ids_dtype(self.num_experts)).cpu())
+                        st.captured_fresh.append(fresh_NK.to(ids_dtype(self.num_experts)))
                 if self.plan.old is not None:
-                    old_ids = st.old_ids_NLK[:, i].long()
-                    dlogr_NK = (logr_NE.gather(1, old_ids).float().cpu() - st.old_logp_NLK[:, i]).abs()
+                    old_ids = st.on(dev, "old_ids_NLK")[:, i].long()
+                    dlogr_NK = (logr_NE.gather(1, old_ids) - st.on(dev, "old_logp_NLK")[:, i]).abs()
                     part = dlogr_NK.sum(-1)
                     st.shift_sum_N = part if st.shift_sum_N is None else st.shift_sum_N + part
-                    w = st.mask_SB.reshape(-1).double()
-                    flips = topk_set_changed(fresh_NK.cpu()[:, None], old_ids.cpu()[:, None])[:, 0]
-                    self._stat_sums[0, i] += (flips.double() * w).sum()
-                    self._stat_sums[1, i] += (dlogr_NK.mean(-1).double() * w).sum()
-                    self._stat_sums[2, i] += w.sum()
+                    w = st.on(dev, "mask_SB").reshape(-1).to(dlogr_NK.dtype)
+                    flips = topk_set_changed(fresh_NK[:, None], old_ids[:, None])[:, 0].to(w.dtype)
+                    if st.stat_sums is None:
+                        st.stat_sums = torch.zeros(3, len(self.routers), dtype=torch.float64, device=dev)
+                    st.stat_sums[:, i] += torch.stack([(flips * w).sum(), (dlogr_NK.mean(-1) * w).sum(), w.sum()])
             return out
 
         return routing
