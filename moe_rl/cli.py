@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from moe_rl.config import Config, ConfigError, describe, load_config
 
@@ -45,6 +46,14 @@ def setup_logging(rank: int) -> None:
 
 
 def cpu_environment() -> None:
-    """Environment the CPU path needs before torch/megatron/vLLM start (idempotent)."""
+    """Environment the CPU path needs before torch/megatron/vLLM start (idempotent), and
+    silence for the import-time warnings third-party stacks print on every start (missing
+    Apex/TE fallbacks, deprecations inside torch.distributed.checkpoint and vLLM): they are
+    not actionable for a user of this package. Set MOE_RL_WARNINGS=1 to see them."""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if os.environ.get("MOE_RL_WARNINGS") != "1":
+        for module in ("megatron", "torch.distributed", "vllm", "transformers"):
+            for category in (UserWarning, FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=category, module=module)

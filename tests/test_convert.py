@@ -99,14 +99,18 @@ def test_expert_fc1_is_gate_then_up_per_global_expert():
     assert out["model.layers.0.mlp.experts.5.up_proj.weight"].data_ptr() == w[5, F:].data_ptr()  # a view
 
 
-@pytest.mark.parametrize("field,value", [("moe_shared_expert_intermediate_size", 32),
-                                         ("moe_router_score_function", "sigmoid"),
-                                         ("qk_layernorm", False)])
-def test_unrepresentable_models_are_refused_by_name(field, value):
-    m = dataclasses.replace(ModelConfig(), **{field: value})
-    with pytest.raises(NotImplementedError, match=f"model.{field}"):
+@pytest.mark.parametrize("fields,named", [
+    ({"moe_shared_expert_intermediate_size": 32}, "moe_shared_expert_intermediate_size"),  # softmax + shared
+    ({"qk_layernorm": False}, "qk_layernorm"),  # softmax without QK-norm
+    ({"moe_router_score_function": "sigmoid", "moe_shared_expert_intermediate_size": 48},
+     "moe_shared_expert_intermediate_size=48 is not a multiple of model.moe_ffn_hidden_size"),
+])
+def test_unrepresentable_models_are_refused_by_name(fields, named):
+    """(Sigmoid routers and shared experts convert to Glm4-MoE: tests/test_convert_glm4.py.)"""
+    m = dataclasses.replace(ModelConfig(), **fields)
+    with pytest.raises(NotImplementedError, match=f"model.{named}"):
         check_supported(m)
-    with pytest.raises(NotImplementedError, match=f"model.{field}"):
+    with pytest.raises(NotImplementedError, match=f"model.{named}"):
         hf_config(m, torch.float32, bos_token_id=2, eos_token_id=3, pad_token_id=0)
 
 

@@ -1,7 +1,9 @@
-"""megatron <-> Hugging Face (Qwen3-MoE) conversion on files (no megatron import here).
+"""megatron <-> Hugging Face conversion on files (no megatron import here).
 
     megatron_to_hf(ckpt_dir, hf_dir)          # streamed, any TP/EP/PP layout, atomic output
     HFCheckpoint(hf_dir), megatron_tensors()  # an HF directory as global megatron tensors
+    layout_for(model_cfg)                     # Qwen3-MoE, or Glm4-MoE for a sigmoid router /
+                                              # shared expert (layouts.py)
 
 The live learner's stream is `moe_rl.learner.export.hf_named_tensors`, and HF -> megatron
 checkpoint is `moe_rl.learner.hf_import.hf_to_megatron` (both need megatron, so they live
@@ -12,16 +14,18 @@ from moe_rl.convert.atomic import atomic_output_dir
 from moe_rl.convert.dcp import DcpCheckpoint
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors, megatron_tensors
 from moe_rl.convert.hf_export import DEFAULT_SHARD_BYTES, megatron_to_hf
-from moe_rl.convert.qwen3_moe import (
-    ConvertError,
+from moe_rl.convert.hf_layout import HFLayout
+from moe_rl.convert.layouts import (
     check_supported,
     from_hf,
     hf_config,
     hf_specs,
-    megatron_specs,
+    layout_for,
+    layout_for_hf,
     model_config_from_hf,
     to_hf,
 )
+from moe_rl.convert.megatron_keys import ConvertError, megatron_specs
 from moe_rl.convert.safetensors_writer import ShardedSafetensorsWriter
 
 __all__ = [
@@ -29,6 +33,7 @@ __all__ = [
     "ConvertError",
     "DcpCheckpoint",
     "HFCheckpoint",
+    "HFLayout",
     "ShardedSafetensorsWriter",
     "atomic_output_dir",
     "check_supported",
@@ -36,6 +41,8 @@ __all__ = [
     "from_hf",
     "hf_config",
     "hf_specs",
+    "layout_for",
+    "layout_for_hf",
     "megatron_specs",
     "megatron_tensors",
     "megatron_to_hf",

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from moe_rl.convert.qwen3_moe import ConvertError
+from moe_rl.convert.megatron_keys import ConvertError
 
 META_FILE = "moe_rl.json"  # moe_rl.learner.checkpoint.META_FILE (that module imports megatron)
 CONFIG_FILE = "config.yaml"

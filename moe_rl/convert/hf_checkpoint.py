@@ -1,10 +1,12 @@
-"""Read a Hugging Face Qwen3-MoE directory as global megatron tensors, one key at a time.
+"""Read a Hugging Face directory (Qwen3-MoE or Glm4-MoE) as global megatron tensors, one key
+at a time.
 
 `HFCheckpoint(dir)` opens config.json and the safetensors files (through the index when
 there is one) lazily; `megatron_tensors(hf, model_cfg)` yields `(megatron key, tensor)`
-in the learner's key order, built by `qwen3_moe.from_hf`. Before the first tensor it checks
-that the directory holds exactly the tensors the config implies: a missing tensor, an
-unexpected one (e.g. a shared expert) or a wrong shape is a ConvertError naming it.
+in the learner's key order, built by the layout's `from_hf`. Before the first tensor it
+checks that the directory holds exactly the tensors the config implies: a missing tensor,
+an unexpected one (e.g. a shared expert in a Qwen3-MoE directory) or a wrong shape is a
+ConvertError naming it. A tied output head may be stored or not, in either layout.
 """
 
 from __future__ import annotations
@@ -19,15 +21,11 @@ import torch
 from safetensors import safe_open
 
 from moe_rl.config import ModelConfig
-from moe_rl.convert.qwen3_moe import (
-    ConvertError,
-    check_supported,
-    from_hf,
-    hf_specs_all,
-    megatron_specs,
-    model_config_from_hf,
-)
+from moe_rl.convert.layouts import layout_for, model_config_from_hf
+from moe_rl.convert.megatron_keys import ConvertError, megatron_specs
 from moe_rl.convert.safetensors_writer import INDEX_FILE
+
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 class HFCheckpoint:
@@ -77,6 +75,8 @@ class HFCheckpoint:
         return self._open[file]
 
     def get(self, name: str) -> torch.Tensor:
+        if name == TIED_HEAD and name not in self._file_of and self.config.get("tie_word_embeddings"):
+            name = EMBEDDING  # a tied head that was not stored is the embedding
         return self._handle(name).get_tensor(name)
 
     def close(self) -> None:
@@ -91,25 +91,29 @@ class HFCheckpoint:
 
 def check_tensors(hf: HFCheckpoint, m: ModelConfig) -> None:
     """Exactly the tensors `m` implies, with their shapes (headers only, no data read)."""
-    check_supported(m)
-    specs = {s.name: s.shape for s in hf_specs_all(m)}
+    layout = layout_for(m)
+    layout.check_supported(m)
+    specs = {s.name: s.shape for s in layout.hf_specs_all(m)}
     names = hf.names()
     extra = sorted(names - set(specs))
-    if not m.untie_embeddings_and_output_weights and "lm_head.weight" in extra:
-        # Some writers store the tied head anyway; it must then be the embedding.
-        if not torch.equal(hf.get("lm_head.weight"), hf.get("model.embed_tokens.weight")):
-            raise ConvertError("config.json says tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
-        extra.remove("lm_head.weight")
+    missing = [n for n in specs if n not in names]
+    if not m.untie_embeddings_and_output_weights:
+        if TIED_HEAD in extra:
+            # Some writers store the tied head anyway; it must then be the embedding.
+            if not torch.equal(hf.get(TIED_HEAD), hf.get(EMBEDDING)):
+                raise ConvertError(f"config.json says tie_word_embeddings=true but {TIED_HEAD} differs from {EMBEDDING}")
+            extra.remove(TIED_HEAD)
+        if TIED_HEAD in missing:  # a layout that writes the head (Glm4-MoE) reads the embedding
+            missing.remove(TIED_HEAD)
     if extra:
         raise ConvertError(
-            f"unexpected tensor {extra[0]!r} in {hf.path} ({len(extra)} unexpected): the Qwen3-MoE "
+            f"unexpected tensor {extra[0]!r} in {hf.path} ({len(extra)} unexpected): the {layout.name} "
             "config implies no such tensor (a different architecture, or config.json does not match the weights?)"
         )
-    missing = [n for n in specs if n not in names]
     if missing:
         raise ConvertError(f"tensor {missing[0]!r} is missing from {hf.path} ({len(missing)} missing)")
     for name, shape in specs.items():
-        got = hf.shape(name)
+        got = hf.shape(EMBEDDING if name == TIED_HEAD and name not in names else name)
         if got != shape:
             raise ConvertError(
                 f"Hugging Face tensor {name!r} has shape {list(got)} but config.json implies {list(shape)}"
@@ -122,5 +126,6 @@ def megatron_tensors(
     """`(megatron key, full tensor)` for `keys` (default: all, in layer order), after
     `check_tensors`. Tensors keep the file's dtype."""
     check_tensors(hf, m)
+    layout = layout_for(m)
     for key in keys if keys is not None else megatron_specs(m):
-        yield key, from_hf(key, hf.get, m)
+        yield key, layout.from_hf(key, hf.get, m)

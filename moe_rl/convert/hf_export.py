@@ -1,4 +1,5 @@
-"""megatron checkpoint directory -> Hugging Face Qwen3-MoE directory, streamed.
+"""megatron checkpoint directory -> Hugging Face directory, streamed, in the model's layout
+(Qwen3-MoE, or Glm4-MoE for a sigmoid router / shared expert: `layouts.layout_for`).
 
     megatron_to_hf("runs/x/checkpoints/step_000050", "runs/x/hf", max_shard_bytes=2 << 30)
 
@@ -14,8 +15,9 @@ Most HF tensors are stored in the checkpoint exactly as HF wants them: every exp
 up and down projection is its own saved chunk, and so is any tensor saved whole that is
 only renamed. Those are copied file to file by the kernel (`copy_file_range`); the others
 (q/k/v, and tensors split across TP ranks) are read into one reused buffer, re-laid out and
-written. Peak memory is about the largest megatron tensor that needs re-layout, plus one
-q_proj copy.
+written (so are the few HF tensors a layout fills with zeros, and tensors whose output
+dtype differs). Peak memory is about the largest megatron tensor that needs re-layout, plus
+one q_proj copy.
 """
 
 from __future__ import annotations
@@ -31,18 +33,9 @@ import torch
 from moe_rl.config import ModelConfig, load_config
 from moe_rl.convert.atomic import atomic_output_dir, check_distinct
 from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
-from moe_rl.convert.qwen3_moe import (
-    ConvertError,
-    canonical_key,
-    check_supported,
-    generation_config,
-    hf_config,
-    hf_specs,
-    hf_views,
-    is_model_key,
-    megatron_specs,
-    to_hf,
-)
+from moe_rl.convert.hf_layout import HFLayout, generation_config
+from moe_rl.convert.layouts import hf_config, layout_for
+from moe_rl.convert.megatron_keys import ConvertError, canonical_key, is_model_key, megatron_specs
 from moe_rl.convert.safetensors_writer import PlannedTensor, ShardedSafetensorsWriter
 
 DEFAULT_SHARD_BYTES = 2 << 30  # 2 GiB
@@ -129,13 +122,14 @@ def megatron_to_hf(
     check_distinct(src, dst)
     cfg = load_config(ckpt.path / CONFIG_FILE)
     m = cfg.model
-    check_supported(m)
+    layout = layout_for(m)
+    layout.check_supported(m)
     stored = match_checkpoint_keys(ckpt, m)
     dtypes = {key: out_dtype or ckpt.tensors[stored[key]].dtype for key in stored}
     plan = [
-        PlannedTensor(spec.name, spec.shape, dtypes[key])
+        PlannedTensor(spec.name, spec.shape, spec.dtype or dtypes[key])  # a spec may fix its dtype
         for key in megatron_specs(m)
-        for spec in hf_specs(key, m)
+        for spec in layout.hf_specs(key, m)
     ]
     config_dtype = out_dtype or dtypes["embedding.word_embeddings.weight"]
     with atomic_output_dir(dst, force=force) as tmp:
@@ -146,39 +140,45 @@ def megatron_to_hf(
                 from tqdm import tqdm
 
                 bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="convert")
-            _write_tensors(writer, ckpt, stored, m, dtypes, bar)
+            _write_tensors(writer, ckpt, stored, layout, m, dtypes, bar)
             if bar is not None:
                 bar.close()
     return Path(dst)
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored: dict[str, str],
-                   m: ModelConfig, dtypes: dict[str, torch.dtype], bar: Any) -> None:
+                   layout: HFLayout, m: ModelConfig, dtypes: dict[str, torch.dtype], bar: Any) -> None:
     """Every megatron tensor, in plan order: as file-to-file copies when its HF tensors are
     saved chunks as they are, else read into one reused buffer, re-laid out and written.
     (Fresh memory per tensor would cost a page fault per 4 KiB, more than the read itself.)"""
     infos = {key: ckpt.tensors[stored[key]] for key in megatron_specs(m)}
-    direct = {key: _stored_as_is(key, ckpt, stored[key], m) if dtypes[key] == info.dtype else None
-              for key, info in infos.items()}
+    specs = {key: layout.hf_specs(key, m) for key in infos}
+    direct = {
+        key: _stored_as_is(key, ckpt, stored[key], m, layout)
+        if all((spec.dtype or dtypes[key]) == info.dtype for spec in specs[key]) else None
+        for key, info in infos.items()
+    }
     nbytes = {key: math.prod(info.shape) * info.dtype.itemsize for key, info in infos.items()}
     arena = torch.empty(max([nbytes[k] for k in infos if direct[k] is None], default=0), dtype=torch.uint8)
     for key, info in infos.items():
         if direct[key] is not None:
-            for spec, chunk in zip(hf_specs(key, m), direct[key]):
+            for spec, chunk in zip(specs[key], direct[key]):
                 writer.copy_from_file(spec.name, spec.shape, info.dtype, chunk.path, chunk.file_offset)
         else:
             full = ckpt.read(stored[key], out=arena[: nbytes[key]].view(info.dtype).view(info.shape))
-            for name, t in to_hf(key, full, m):
-                writer.write(name, t.to(dtypes[key]))  # written before the buffer is reused
+            for name, t in layout.to_hf(key, full, m, dtypes[key]):
+                writer.write(name, t)  # written before the buffer is reused
         if bar is not None:
-            bar.update(math.prod(info.shape) * dtypes[key].itemsize)
+            bar.update(sum(math.prod(s.shape) * (s.dtype or dtypes[key]).itemsize for s in specs[key]))
 
 
-def _stored_as_is(key: str, ckpt: DcpCheckpoint, stored_key: str, m: ModelConfig) -> list[RawChunk] | None:
+def _stored_as_is(key: str, ckpt: DcpCheckpoint, stored_key: str, m: ModelConfig,
+                  layout: HFLayout | None = None) -> list[RawChunk] | None:
     """For each HF tensor of `key`, the saved chunk whose bytes are exactly that tensor's
     (same elements, same row-major order); None unless every HF tensor has one. True of
     renamed tensors saved whole, of each expert's gate / up / down (the expert axis and the
-    SwiGLU halves are chunk boundaries at any EP size, with ETP=1), not of q/k/v."""
+    SwiGLU halves are chunk boundaries at any EP size, with ETP=1), not of q/k/v nor of a
+    key with zero-filled HF tensors."""
     chunks = ckpt.raw_chunks(stored_key)
     if chunks is None:
         return None
@@ -190,8 +190,8 @@ def _stored_as_is(key: str, ckpt: DcpCheckpoint, stored_key: str, m: ModelConfig
         if box.is_contiguous():
             by_range[(box.storage_offset(), box.numel())] = c
     found = []
-    for view in hf_views(key, meta, m):
-        c = by_range.get((view.storage_offset(), view.numel())) if view.is_contiguous() else None
+    for view in (layout or layout_for(m)).hf_views(key, meta, m):
+        c = None if view is None or not view.is_contiguous() else by_range.get((view.storage_offset(), view.numel()))
         if c is None:
             return None
         found.append(c)

@@ -27,7 +27,7 @@ from typing import BinaryIO
 
 import torch
 
-from moe_rl.convert.qwen3_moe import ConvertError
+from moe_rl.convert.megatron_keys import ConvertError
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPE_NAMES = {

@@ -1,4 +1,5 @@
-"""The live learner's weights as a Hugging Face (Qwen3-MoE) stream, for weight sync.
+"""The live learner's weights as a Hugging Face stream (Qwen3-MoE, or Glm4-MoE for a sigmoid
+router / shared expert: `moe_rl.convert.layout_for`), for weight sync.
 
     for name, tensor in hf_named_tensors(learner):   # collective: every rank iterates
         ...                                            # rank 0 gets the pairs
@@ -7,8 +8,8 @@
 Built on `gather.iter_full_tensors` (each global megatron tensor assembled on rank 0 from
 its TP/EP/PP shards) and the converter's name map, so the stream names and values are
 exactly those `tools/convert_checkpoint.py` writes for a checkpoint of the same weights.
-The HF tensors are views of each gathered tensor (only q/k/v need a copy); a consumer that
-keeps them keeps the gathered tensor alive, nothing more.
+The HF tensors are views of each gathered tensor (only q/k/v, casts and the zeros a layout
+requires are new memory); a consumer that keeps them keeps the gathered tensor alive.
 """
 
 from __future__ import annotations
@@ -18,13 +19,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from moe_rl.convert.qwen3_moe import (
-    ConvertError,
-    canonical_key,
-    check_supported,
-    megatron_specs,
-    to_hf,
-)
+from moe_rl.convert.layouts import layout_for
+from moe_rl.convert.megatron_keys import ConvertError, canonical_key, megatron_specs
 from moe_rl.learner.gather import iter_full_tensors
 
 
@@ -32,20 +28,21 @@ def hf_named_tensors(
     learner, dtype: torch.dtype | None = None, dst: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(HF name, full tensor)` for the learner's whole model on rank `dst`; collective.
-    `dtype` casts on the way out (None keeps the parameter dtype). Every tensor the model
-    config implies is yielded exactly once; anything else is a ConvertError naming the key."""
+    `dtype` casts on the way out (None keeps the parameter dtype; tensors whose HF dtype is
+    fixed, the float32 expert bias, are never cast). Every tensor the model config implies
+    is yielded exactly once; anything else is a ConvertError naming the key."""
     m = learner.cfg.model
-    check_supported(m)
+    layout = layout_for(m)
+    layout.check_supported(m)
     expected = megatron_specs(m)
     rank = dist.get_rank() if dist.is_initialized() else 0
     seen: set[str] = set()
     for key, full in iter_full_tensors(learner.gpt, dst=dst):
         key = canonical_key(key)
         if key not in expected:
-            raise ConvertError(f"learner tensor {key!r} has no Qwen3-MoE counterpart")
+            raise ConvertError(f"learner tensor {key!r} has no {layout.name} counterpart")
         seen.add(key)
-        for name, t in to_hf(key, full, m):
-            yield name, (t if dtype is None else t.to(dtype))
+        yield from layout.to_hf(key, full, m, dtype)
     if rank == dst:
         missing = [k for k in expected if k not in seen]
         if missing:

@@ -1,16 +1,16 @@
-"""Start the learner from a Hugging Face (Qwen3-MoE) directory, and write it as a megatron
-checkpoint.
+"""Start the learner from a Hugging Face directory (Qwen3-MoE or Glm4-MoE), and write it as a
+megatron checkpoint.
 
-    load_hf_weights(learner, "Qwen3-MoE-dir")      # any layout; no communication
+    load_hf_weights(learner, "hf-dir")              # any layout; no communication
     hf_to_megatron("hf_dir", "ckpt_dir")            # one process: a checkpoint any layout loads
 
 `load_full_tensors` is the inverse of `gather.iter_full_tensors`: given global megatron
 tensors, each rank copies the slices it owns into its parameters, through the same
 ShardedTensor descriptions megatron uses for checkpoints (so TP slices, the global expert
 ids of this EP rank, the SwiGLU gate/up halves and the pipeline stage's layers all follow
-megatron's own layout). No process communicates: every rank reads from the files the
-global tensors of the keys its pipeline stage holds (whole, one at a time) and keeps its
-slices.
+megatron's own layout; the router's expert bias is a float32 buffer, not a parameter).
+No process communicates: every rank reads from the files the global tensors of the keys its
+pipeline stage holds (whole, one at a time) and keeps its slices.
 
 `hf_to_megatron` is not streaming: it builds a one-process learner of the HF model's size
 (fp32 or bf16 as config.json says), loads the weights into it and lets
@@ -33,13 +33,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from moe_rl.config import Config, ModelConfig, validate
 from moe_rl.convert.atomic import check_distinct
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
-from moe_rl.convert.qwen3_moe import (
-    ConvertError,
-    canonical_key,
-    check_shape,
-    from_hf,
-    megatron_specs,
-)
+from moe_rl.convert.layouts import layout_for
+from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shape, megatron_specs
 from moe_rl.learner.gather import flatten_sharded, piece_index
 
 
@@ -52,14 +47,15 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
     expected = megatron_specs(m)
     sd = model.sharded_state_dict()
     apply_factories(sd)  # SwiGLU fc1: two ShardedTensors (gate, up) viewing one parameter
-    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # Parameters and buffers (the router's expert bias is a buffer).
+    storages = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     pieces: dict[str, list[ShardedTensor]] = {}
     for sh in flatten_sharded(sd):
         key = canonical_key(sh.key)
         if key not in expected:
             raise ConvertError(f"learner tensor {sh.key!r} has no counterpart in the model config")
         if sh.data.untyped_storage().data_ptr() not in storages:  # a copy would load nothing
-            raise RuntimeError(f"sharded tensor {sh.key!r} does not view a parameter; cannot load in place")
+            raise RuntimeError(f"sharded tensor {sh.key!r} does not view a parameter or buffer; cannot load in place")
         pieces.setdefault(key, []).append(sh)
     copied = 0
     for key, shards in pieces.items():
@@ -70,15 +66,15 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
             piece = full[piece_index(sh)]
             if tuple(piece.shape) != tuple(sh.data.shape):
                 raise ConvertError(f"slice of {key!r} has shape {list(piece.shape)}, the parameter {list(sh.data.shape)}")
-            sh.data.copy_(piece)  # sh.data views the parameter (factories chunk by view)
+            sh.data.copy_(piece)  # views the parameter (factories chunk by view); casts to its dtype
             copied += 1
     return copied
 
 
 def load_hf_weights(learner, hf_dir: str | os.PathLike) -> None:
-    """Load a Hugging Face Qwen3-MoE directory into `learner` (any layout; every rank reads
-    the files itself). The directory's config.json must describe the learner's model, and
-    tensors are cast to the learner's parameter dtype."""
+    """Load a Hugging Face directory into `learner` (any layout; every rank reads the files
+    itself). The directory's config.json must describe the learner's model, and tensors are
+    cast to the dtype of the parameter (or buffer) they load into."""
     with HFCheckpoint(hf_dir) as hf:
         m = learner.cfg.model
         got = hf.model_config(base=m)
@@ -91,8 +87,10 @@ def load_hf_weights(learner, hf_dir: str | os.PathLike) -> None:
                 f"model.{f}={getattr(m, f)!r}"
             )
         check_tensors(hf, m)
-        dtype = next(learner.gpt.parameters()).dtype
-        load_full_tensors(learner.gpt, lambda key: from_hf(key, hf.get, m).to(dtype), m)
+        layout = layout_for(m)
+        # No cast here: each slice is cast as it is copied, so the float32 expert bias of a
+        # bf16 model is not rounded through bf16 on the way.
+        load_full_tensors(learner.gpt, lambda key: layout.from_hf(key, hf.get, m), m)
     if learner.optimizer is not None:
         # bf16: the optimizer's fp32 main params were copied from the old weights.
         learner.optimizer.reload_model_params()

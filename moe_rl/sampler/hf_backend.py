@@ -53,7 +53,8 @@ class _RouterCapture:
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
         self.top_k = cfg.num_experts_per_tok
-        self.dtype = np.uint8 if cfg.num_experts <= 256 else np.uint16
+        num_experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts  # Qwen3-MoE / Glm4-MoE
+        self.dtype = np.uint8 if num_experts <= 256 else np.uint16
         self.enabled = False
         self.calls: list[dict[int, torch.Tensor]] = []  # per forward: {layer: ids [B*S, K]}
         self._handles = []
@@ -202,6 +203,7 @@ class HFSampler:
         """Copy HF-named tensors into the model; per-expert checkpoint tensors go into
         transformers' fused `experts.gate_up_proj [E, 2I, H]` / `experts.down_proj [E, H, I]`."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(self.model.named_buffers())  # Glm4-MoE's e_score_correction_bias is a buffer
         for name, w in transform_weights(named_tensors, self.precision):
             if name in params:
                 params[name].copy_(w)

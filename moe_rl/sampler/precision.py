@@ -71,7 +71,11 @@ def fp8_round_trip(w: torch.Tensor) -> torch.Tensor:
 
 
 def transform_weight(name: str, w: torch.Tensor, precision: str) -> torch.Tensor:
-    """One checkpoint tensor as the sampler should hold it (dtype and, for fp8, values)."""
+    """One checkpoint tensor as the sampler should hold it (dtype and, for fp8, values).
+    Router expert biases stay fp32 at every precision, as the learner and the serving
+    engines keep them: rounded, they would move routing decisions."""
+    if name.endswith("e_score_correction_bias"):
+        return w.float()
     dtype = compute_dtype(precision)
     if precision == "fp8_emulated" and is_quantized(name):
         return fp8_round_trip(w).to(dtype)

@@ -1,0 +1,206 @@
+"""The Hugging Face `Glm4MoeForCausalLM` (GLM-4.5 MoE) layout, for DeepSeek-style models:
+sigmoid router with expert bias, shared expert, optional QK-norm (pure torch).
+
+Glm4-MoE is the architecture in both transformers (5.19) and vLLM (0.32) that computes what
+megatron computes for these models, configured as `hf_config` writes it:
+- attention: GQA, `attention_bias=false`, per-head q/k RMSNorm iff `use_qk_norm`, RoPE over
+  the whole head: `partial_rotary_factor=1.0` (both libraries default to 0.5 when absent,
+  which rotates half of each head and is a different model), rotate-half style like
+  megatron's non-interleaved RoPE.
+- the first `first_k_dense_replace` layers are dense (`intermediate_size`).
+- router (`mlp.gate`): sigmoid scores; top-k chosen on scores + `e_score_correction_bias`
+  (megatron's `router.expert_bias`, float32); weights are the chosen scores, normalised to
+  sum to 1 when k > 1 (`norm_topk_prob`; megatron leaves a single score as it is), times
+  `routed_scaling_factor=1.0` (megatron's `moe_router_topk_scaling_factor` is unset);
+  `n_group=topk_group=1` (no group-limited routing).
+- shared expert: an ungated SwiGLU MLP of `n_shared_experts * moe_intermediate_size`
+  added to the routed output, as megatron's `shared_experts` (no `moe_shared_expert_gate`).
+
+Tensors beyond the common map (`hf_layout`), per MoE layer i (prefix model.layers.{i}.):
+  mlp.router.expert_bias                 [E] fp32   mlp.gate.e_score_correction_bias
+  mlp.shared_experts.linear_fc1.weight   [2S, H]    mlp.shared_experts.{gate,up}_proj.weight
+  mlp.shared_experts.linear_fc2.weight   [H, S]     mlp.shared_experts.down_proj.weight
+The architecture always has both; a model without them is written with zeros in their place
+(zero bias: selection by scores alone; zero shared expert of `moe_intermediate_size`: adds
+exactly 0, at the cost of computing it), and importing requires them to be zeros. vLLM's
+Glm4MoE has no tied output head, so a tied model also writes `lm_head.weight` (the
+embedding's values; `tie_word_embeddings` stays true for transformers).
+
+Refused (NotImplementedError naming the fields): a softmax router (GLM's router is sigmoid,
+and Qwen3-MoE has no shared expert, so a softmax model with a shared expert has no target
+in both libraries), and a shared expert size that is not a multiple of the routed experts'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from moe_rl.config import ModelConfig
+from moe_rl.convert.hf_layout import (
+    HFLayout,
+    Part,
+    TensorSpec,
+    as_is,
+    common_hf_config,
+    common_model_fields,
+    gate_up_parts,
+    get_field,
+    require_fields,
+    zero_parts,
+)
+from moe_rl.convert.megatron_keys import ConvertError
+
+NO_BIAS = "model.moe_router_enable_expert_bias=false"
+NO_SHARED = "model.moe_shared_expert_intermediate_size=0"
+
+
+def n_shared_experts(m: ModelConfig) -> int:
+    """Glm4-MoE's `n_shared_experts` for the megatron shared expert size (1 when there is
+    none: a zero shared expert of `moe_intermediate_size` stands in)."""
+    return max(m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size, 1)
+
+
+class Glm4MoeLayout(HFLayout):
+    name = "Glm4-MoE"
+    architecture = "Glm4MoeForCausalLM"
+    model_type = "glm4_moe"
+
+    def check_supported(self, m: ModelConfig) -> None:
+        """Raise NotImplementedError, naming the fields, for what Glm4-MoE cannot express."""
+        if m.moe_router_score_function != "sigmoid":
+            raise NotImplementedError(
+                f"model.moe_router_score_function={m.moe_router_score_function!r} with "
+                f"model.moe_shared_expert_intermediate_size={m.moe_shared_expert_intermediate_size}: "
+                "no Hugging Face architecture served by both transformers and vLLM has a softmax "
+                "router and an ungated shared expert (Glm4-MoE routes by sigmoid, Qwen3-MoE has no "
+                "shared expert, Qwen2-MoE gates its shared expert); use the sigmoid router or no shared expert"
+            )
+        S, F = m.moe_shared_expert_intermediate_size, m.moe_ffn_hidden_size
+        if S % F:
+            raise NotImplementedError(
+                f"model.moe_shared_expert_intermediate_size={S} is not a multiple of "
+                f"model.moe_ffn_hidden_size={F}: Glm4-MoE sizes its shared expert as "
+                "n_shared_experts * moe_intermediate_size"
+            )
+
+    # ------------------------------------------------------------------ the map
+
+    def layer_parts(self, i: int, rest: str, m: ModelConfig) -> list[Part] | None:
+        p = f"model.layers.{i}.mlp."
+        E, H, S = m.num_experts, m.hidden_size, m.moe_shared_expert_intermediate_size
+        if rest == "mlp.router.expert_bias":
+            return [(TensorSpec(p + "gate.e_score_correction_bias", (E,), torch.float32), as_is)]
+        if rest == "mlp.shared_experts.linear_fc1.weight":
+            return gate_up_parts(p + "shared_experts.", S, H)
+        if rest == "mlp.shared_experts.linear_fc2.weight":
+            return [(TensorSpec(p + "shared_experts.down_proj.weight", (H, S)), as_is)]
+        parts = super().layer_parts(i, rest, m)
+        if rest == "mlp.router.weight":  # what the architecture has and this model lacks: zeros
+            zeros = []
+            if not m.moe_router_enable_expert_bias:
+                zeros.append(TensorSpec(p + "gate.e_score_correction_bias", (E,), torch.float32, NO_BIAS))
+            if not S:
+                F = m.moe_ffn_hidden_size
+                zeros += [TensorSpec(p + "shared_experts.gate_proj.weight", (F, H), zero=NO_SHARED),
+                          TensorSpec(p + "shared_experts.up_proj.weight", (F, H), zero=NO_SHARED),
+                          TensorSpec(p + "shared_experts.down_proj.weight", (H, F), zero=NO_SHARED)]
+            parts = parts + zero_parts(zeros)
+        return parts
+
+    def global_parts(self, key: str, m: ModelConfig) -> list[Part] | None:
+        parts = super().global_parts(key, m)
+        if key == "embedding.word_embeddings.weight" and not m.untie_embeddings_and_output_weights:
+            # vLLM's Glm4MoeForCausalLM never ties lm_head to the embedding: write it.
+            parts = [*parts, (TensorSpec("lm_head.weight", (m.vocab_size, m.hidden_size)), as_is)]
+        return parts
+
+    # ------------------------------------------------------------------ config.json
+
+    def hf_config(self, m: ModelConfig, dtype: torch.dtype, *, bos_token_id: int | None,
+                  eos_token_id: int | None, pad_token_id: int | None) -> dict[str, Any]:
+        """config.json of the Glm4-MoE model (the fields transformers 5.x and vLLM read)."""
+        self.check_supported(m)
+        cfg = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            **common_hf_config(m, dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                               pad_token_id=pad_token_id),
+            "n_routed_experts": m.num_experts,
+            "n_shared_experts": n_shared_experts(m),
+            "first_k_dense_replace": m.num_dense_layers,
+            "norm_topk_prob": m.moe_router_topk > 1,  # megatron renormalises only k > 1 scores
+            "routed_scaling_factor": 1.0,
+            "n_group": 1,
+            "topk_group": 1,
+            "use_qk_norm": m.qk_layernorm,
+            "partial_rotary_factor": 1.0,  # both places: transformers and vLLM default to 0.5
+            "num_nextn_predict_layers": 0,
+        }
+        cfg["rope_parameters"]["partial_rotary_factor"] = 1.0
+        return cfg
+
+    def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None) -> ModelConfig:
+        """Our ModelConfig from a Glm4-MoE config.json dict. Fields HF does not describe
+        (training settings) come from `base`. HF always has an expert bias and a shared
+        expert: they are taken as on, unless `base` is a sigmoid-router model without them
+        (then the files must hold zeros there, which `from_hf` checks)."""
+        if cfg.get("model_type") != self.model_type:
+            raise ConvertError(f"config.json has model_type={cfg.get('model_type')!r}, not {self.model_type!r}")
+        require_fields(cfg, {
+            "attention_bias": (False, False),
+            "hidden_act": ("silu", "silu"),
+            "routed_scaling_factor": (1.0, 1.0),
+        })
+        mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+        if mtp:
+            raise NotImplementedError(
+                f"config.json num_nextn_predict_layers={mtp}: multi-token-prediction layers have no "
+                "counterpart in the learner"
+            )
+        n_group, topk_group = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
+        if topk_group != n_group:
+            raise NotImplementedError(
+                f"config.json n_group={n_group}, topk_group={topk_group}: group-limited routing is "
+                "not supported (only topk_group == n_group, i.e. every group eligible)"
+            )
+        rope = cfg.get("rope_parameters") or {}
+        rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
+        if rotary != 1.0:
+            raise NotImplementedError(
+                f"config.json partial_rotary_factor={rotary}: megatron rotates the whole head "
+                "(only 1.0 is supported; Glm4-MoE's default is 0.5)"
+            )
+        topk = int(get_field(cfg, "num_experts_per_tok"))
+        if bool(cfg.get("norm_topk_prob", True)) != (topk > 1):
+            raise NotImplementedError(
+                f"config.json norm_topk_prob={cfg.get('norm_topk_prob', True)} with "
+                f"num_experts_per_tok={topk}: megatron normalises the chosen sigmoid scores exactly "
+                "when more than one expert is chosen"
+            )
+        n_shared = int(get_field(cfg, "n_shared_experts", default=1))
+        if n_shared < 1:
+            raise NotImplementedError(
+                f"config.json n_shared_experts={n_shared}: vLLM cannot serve a zero-size shared expert "
+                "(this converter writes n_shared_experts=1 with zero weights instead)"
+            )
+        fields = common_model_fields(cfg)
+        plain_sigmoid = base is not None and base.moe_router_score_function == "sigmoid"
+        bias = not (plain_sigmoid and not base.moe_router_enable_expert_bias)
+        shared = n_shared * fields["moe_ffn_hidden_size"]
+        if plain_sigmoid and not base.moe_shared_expert_intermediate_size and n_shared == 1:
+            shared = 0
+        fields.update(
+            num_dense_layers=int(get_field(cfg, "first_k_dense_replace", default=1)),
+            num_experts=int(get_field(cfg, "n_routed_experts", "num_local_experts")),
+            moe_shared_expert_intermediate_size=shared,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=bias,
+            qk_layernorm=bool(cfg.get("use_qk_norm", False)),
+        )
+        return dataclasses.replace(base or ModelConfig(), **fields)
+
+
+GLM4_MOE = Glm4MoeLayout()
