@@ -43,7 +43,7 @@ from moe_rl.config import Config
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.microbatch import ForwardHooks, LossFn, MicroBatch, ScoreResult
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
-from moe_rl.learner.parallel import Layout
+from moe_rl.learner.parallel import Layout, all_reduce_, comm_device
 from moe_rl.learner.routing import RouterTaps, RoutingPlan
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class Learner:
                 out[pos[valid].cpu()] = item[key][valid.to(item[key].device)].float().cpu()
             if self.layout.dp > 1:
                 # Each DP rank filled its own rows (others are 0): a sum assembles the batch.
-                dist.all_reduce(out, group=ps.get_data_parallel_group())
+                all_reduce_(out, group=ps.get_data_parallel_group())
         return self._from_last_stage(out)
 
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -343,11 +343,11 @@ class Learner:
         packed_max = torch.stack(maxes) if maxes else loss.new_zeros(0)
         packed_min = torch.stack(mins) if mins else loss.new_zeros(0)
         if self.layout.dp > 1:
-            dist.all_reduce(packed_sum, group=group)
+            all_reduce_(packed_sum, group=group)
             if maxes:
-                dist.all_reduce(packed_max, op=dist.ReduceOp.MAX, group=group)
+                all_reduce_(packed_max, op=dist.ReduceOp.MAX, group=group)
             if mins:
-                dist.all_reduce(packed_min, op=dist.ReduceOp.MIN, group=group)
+                all_reduce_(packed_min, op=dist.ReduceOp.MIN, group=group)
         out = {"loss": float(packed_sum[0])}
         n_mean = len(sums)
         mean_names = [n for n in names if not n.endswith(("_max", "_min"))]
@@ -362,8 +362,10 @@ class Learner:
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.layout.pp > 1:
-            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
+            buf = t.to(comm_device())
+            dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
+            t = buf.cpu()
         return t
 
     def _broadcast_object(self, obj: Any) -> Any:

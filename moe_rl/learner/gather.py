@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+from moe_rl.learner.parallel import comm_device
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -89,6 +91,7 @@ def iter_full_tensors(model: torch.nn.Module, dst: int = 0) -> Iterator[tuple[st
                 full[piece_index(piece)] = data.detach().cpu()
             yield key, full
         return
+    dev = comm_device()  # NCCL moves device tensors only
     metas: list[list[_Piece]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(metas, [p for p, _ in local])
     owners: dict[str, list[tuple[int, int, _Piece]]] = {}
@@ -103,10 +106,10 @@ def iter_full_tensors(model: torch.nn.Module, dst: int = 0) -> Iterator[tuple[st
             if r == rank == dst:
                 full[piece_index(p)] = local[i][1].detach().cpu()
             elif r == rank:
-                dist.send(local[i][1].detach().cpu().contiguous(), dst=dst)
+                dist.send(local[i][1].detach().to(dev).contiguous(), dst=dst)
             elif rank == dst:
-                buf = torch.empty(p.local_shape, dtype=p.dtype)
+                buf = torch.empty(p.local_shape, dtype=p.dtype, device=dev)
                 dist.recv(buf, src=r)
-                full[piece_index(p)] = buf
+                full[piece_index(p)] = buf.cpu()
         if rank == dst:
             yield key, full

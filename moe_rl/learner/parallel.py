@@ -20,6 +20,7 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,23 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
         backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+def comm_device() -> torch.device:
+    """Where collective payloads must live: the current GPU under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_(t: torch.Tensor, op: Any = None, group: Any = None) -> torch.Tensor:
+    """In-place all-reduce of a host tensor of any backend's liking (moved and back if needed)."""
+    dev = comm_device()
+    buf = t if t.device == dev else t.to(dev)
+    dist.all_reduce(buf, op=op or dist.ReduceOp.SUM, group=group)
+    if buf is not t:
+        t.copy_(buf)
+    return t
 
 
 @dataclass(frozen=True)

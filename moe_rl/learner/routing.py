@@ -40,6 +40,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from moe_rl.learner.logprobs import response_positions
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
+from moe_rl.learner.parallel import all_reduce_, comm_device
 from moe_rl.routing.record import RoutingRecord, ids_dtype
 from moe_rl.routing.shift import router_shift_from_partial
 from moe_rl.routing.stats import gamma_stats, topk_set_changed
@@ -304,7 +305,7 @@ class RouterTaps(ForwardHooks):
         sums = self._stat_sums.clone()
         for group in (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()):
             if dist.get_world_size(group) > 1:
-                dist.all_reduce(sums, group=group)
+                all_reduce_(sums, group=group)
         per_layer = {}
         count = sums[2].clamp(min=1)
         for i, layer in enumerate(self.layers):
@@ -432,14 +433,14 @@ def sampler_disagreement(
     if layout.pp > 1:
         # A token differs "in at least one layer" if any stage's layers differ for it; the
         # stages of one pipeline hold the same rows, so OR their [R, S] maps.
-        mine = any_RS.to(torch.uint8).contiguous()  # gloo has no bool collectives
+        mine = any_RS.to(torch.uint8).to(comm_device()).contiguous()  # gloo has no bool collectives
         maps = [torch.zeros_like(mine) for _ in range(layout.pp)]
         dist.all_gather(maps, mine, group=ps.get_pipeline_model_parallel_group())
-        any_RS = torch.stack(maps).bool().any(0)
+        any_RS = torch.stack(maps).bool().any(0).cpu()
     w = valid.double()
     sums = torch.cat([(diff_RSL.double() * w[..., None]).sum((0, 1)), (any_RS.double() * w).sum()[None], w.sum()[None]])
     if layout.dp > 1:
-        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        all_reduce_(sums, group=ps.get_data_parallel_group())
     n = float(sums[-1].clamp(min=1))
     per_layer = {f"routing/sampler_disagree_layer{layer}": float(sums[i]) / n for i, layer in enumerate(record.layers)}
     if layout.pp > 1:

@@ -1,0 +1,151 @@
+"""What one mismatch measurement compares: a sampler (backend, precision) against the
+learner (precision, parallel layout). Pure parsing, no engines.
+
+    Setting.parse("vllm:bf16/learner:fp32@ep2")
+    # sampler: vLLM in bf16; learner: megatron in fp32 at expert parallel 2 (2 processes)
+
+Grammar: `BACKEND:PRECISION[/learner:PRECISION][@LAYOUT]`.
+  BACKEND    vllm | transformers
+  PRECISION  sampler: fp32 | bf16 | fp8_emulated;  learner: fp32 | bf16
+  LAYOUT     "1" (one process) or size tokens joined by "-": tp2, pp2, ep2, etp2
+             (e.g. "tp2-ep2"); the learner then runs under torchrun with the fewest
+             processes that hold the layout.
+The canonical name (`Setting.name`) leaves out a "1" layout: `vllm:bf16/learner:fp32`.
+
+fp8_emulated is an emulation (weights rounded through float8_e4m3fn, bf16 compute; see
+`moe_rl/sampler/precision.py`), never fp8 execution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+
+from moe_rl.config import ParallelConfig
+
+SAMPLER_BACKENDS = ("vllm", "transformers")
+SAMPLER_PRECISIONS = ("fp32", "bf16", "fp8_emulated")
+LEARNER_PRECISIONS = ("fp32", "bf16")
+SWEEP_PRECISIONS = SAMPLER_PRECISIONS  # what --sweep puts against the learner
+
+_LAYOUT_TOKEN = re.compile(r"^(tp|pp|ep|etp)([1-9][0-9]*)$")
+
+
+class MeasureError(ValueError):
+    """Input the mismatch tool cannot measure; the message names the file, line or flag."""
+
+
+@dataclass(frozen=True)
+class LearnerLayout:
+    """Megatron model-parallel sizes; data parallel takes the remaining processes."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep), ("etp", self.etp)) if v > 1]
+        return "-".join(parts) or "1"
+
+    @property
+    def nproc(self) -> int:
+        """The fewest processes that hold the layout: world must be divisible by tp*pp
+        (dense part) and by etp*ep*pp (experts), see `config.validate_layout`."""
+        return math.lcm(self.tp * self.pp, self.etp * self.ep * self.pp)
+
+    def parallel_config(self, base: ParallelConfig) -> ParallelConfig:
+        """`base` (micro-batch size, backend) with this layout's sizes."""
+        return dataclasses.replace(
+            base,
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            sequence_parallel=None,  # on under TP, as megatron needs for MoE
+        )
+
+    @staticmethod
+    def parse(text: str) -> LearnerLayout:
+        t = text.strip().lower()
+        if t in ("1", ""):
+            return LearnerLayout()
+        sizes: dict[str, int] = {}
+        for tok in t.split("-"):
+            m = _LAYOUT_TOKEN.match(tok)
+            if m is None or m.group(1) in sizes:
+                raise MeasureError(
+                    f"bad learner layout {text!r}: use '1' or tokens like tp2, pp2, ep2, etp2 joined by '-' "
+                    "(each at most once), e.g. 'ep2' or 'tp2-ep2'"
+                )
+            sizes[m.group(1)] = int(m.group(2))
+        return LearnerLayout(**sizes)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the report: this sampler's rollouts scored by this learner."""
+
+    backend: str
+    sampler_precision: str
+    learner_precision: str = "fp32"
+    layout: LearnerLayout = field(default_factory=LearnerLayout)
+
+    def __post_init__(self) -> None:
+        for what, value, allowed in (
+            ("sampler backend", self.backend, SAMPLER_BACKENDS),
+            ("sampler precision", self.sampler_precision, SAMPLER_PRECISIONS),
+            ("learner precision", self.learner_precision, LEARNER_PRECISIONS),
+        ):
+            if value not in allowed:
+                raise MeasureError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+
+    @property
+    def sampler(self) -> tuple[str, str]:
+        """(backend, precision): settings that share it share one set of rollouts."""
+        return self.backend, self.sampler_precision
+
+    @property
+    def sampler_name(self) -> str:
+        return f"{self.backend}:{self.sampler_precision}"
+
+    @property
+    def name(self) -> str:
+        at = "" if self.layout.name == "1" else f"@{self.layout.name}"
+        return f"{self.sampler_name}/learner:{self.learner_precision}{at}"
+
+    @staticmethod
+    def parse(text: str, default_layout: LearnerLayout | None = None, default_learner: str = "fp32") -> Setting:
+        """`BACKEND:PRECISION[/learner:PRECISION][@LAYOUT]` (module docstring); the parts left
+        out take `default_learner` and `default_layout`."""
+        body, _, layout = text.strip().partition("@")
+        sampler, _, learner = body.partition("/")
+        backend, colon, precision = sampler.partition(":")
+        if not colon or (learner and not learner.startswith("learner:")):
+            raise MeasureError(
+                f"bad setting {text!r}: expected BACKEND:PRECISION[/learner:PRECISION][@LAYOUT], "
+                "e.g. vllm:bf16/learner:fp32@ep2"
+            )
+        return Setting(
+            backend=backend.strip(),
+            sampler_precision=precision.strip(),
+            learner_precision=learner.removeprefix("learner:").strip() or default_learner,
+            layout=LearnerLayout.parse(layout) if layout else (default_layout or LearnerLayout()),
+        )
+
+
+def sweep_settings(backend: str, learner_precision: str, layouts: list[LearnerLayout]) -> list[Setting]:
+    """--sweep: every sampler precision against one learner precision, at each layout."""
+    return [Setting(backend, p, learner_precision, lay) for lay in layouts for p in SWEEP_PRECISIONS]
+
+
+def check_unique(settings: list[Setting]) -> None:
+    names = [s.name for s in settings]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise MeasureError(f"setting(s) given twice: {', '.join(dup)}")
+    if not settings:
+        raise MeasureError("no settings to measure")
