@@ -39,7 +39,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moe_rl.batch import TokenBatch
-from moe_rl.config import Config
+from moe_rl.config import Config, ConfigError
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.microbatch import ForwardHooks, LossFn, MicroBatch, ScoreResult
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
@@ -85,6 +85,12 @@ class Learner:
     def _build_optimizer(self, total_updates: int) -> None:
         o = self.cfg.optimizer
         bf16 = self.cfg.model.params_dtype == "bf16"
+        if bf16 and not torch.cuda.is_available():
+            raise ConfigError(
+                "model.params_dtype=bf16 training needs CUDA: megatron-core's mixed-precision "
+                "optimizer only takes CUDA tensors. Train in fp32 on CPU (a bf16 learner can still "
+                "score with trainable=False, e.g. in tools/measure_mismatch.py)"
+            )
         self.optimizer = get_megatron_optimizer(
             MegatronOptimizerConfig(
                 optimizer="adam",
