@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core import rerun_state_machine as rerun
 from megatron.core import tensor_parallel
 
 from moe_rl.config import ConfigError, ParallelConfig
@@ -138,6 +139,9 @@ def parallel_layout(cfg: ParallelConfig, seed: int = 1234) -> Iterator[Layout]:
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
     )
+    # megatron's schedules consult a global "rerun state machine" (fault-injection /
+    # result-validation replays); owned here, disabled, and torn down with the layout.
+    rerun.initialize_rerun_state_machine(mode=rerun.RerunMode.DISABLED)
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         yield Layout(
@@ -154,3 +158,4 @@ def parallel_layout(cfg: ParallelConfig, seed: int = 1234) -> Iterator[Layout]:
         )
     finally:
         ps.destroy_model_parallel()
+        rerun.destroy_rerun_state_machine()

@@ -18,6 +18,7 @@ already-packed weights would scramble it.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -59,6 +60,20 @@ def _tracking(weights: Iterable[tuple[str, torch.Tensor]], layer_ids: set[int]) 
         yield name, t
 
 
+class _DropRotaryReloadWarning(logging.Filter):
+    """vLLM's layer-wise reload warns "<Layer>: Failed to load weights" for every layer the
+    stream did not cover and puts the old tensors back. For rotary embeddings that is the
+    expected outcome (their cos/sin cache comes from the config, no checkpoint holds it), and
+    the warning would print on every weight sync; other layers still warn."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.endswith("Failed to load weights") and "Rotary" in msg)
+
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
 class MoeRLWorkerExtension:
     """Methods mixed into vLLM's worker (`self` is the worker)."""
 
@@ -77,11 +92,24 @@ class MoeRLWorkerExtension:
         calls (it would be processed half-loaded).
         """
         layer_ids: set[int] = set()
+        quiet = _DropRotaryReloadWarning()
+        logging.getLogger(_LAYERWISE_LOGGER).addFilter(quiet)
+        try:
+            self._moe_rl_reload(weights, weights_path, layer_ids)
+        finally:
+            logging.getLogger(_LAYERWISE_LOGGER).removeFilter(quiet)
+        return repack_cpu_moe(self.model_runner.get_model(), layer_ids) if repack_moe else 0
+
+    def _moe_rl_reload(
+        self: Any,
+        weights: Iterable[tuple[str, torch.Tensor]] | None,
+        weights_path: str | None,
+        layer_ids: set[int],
+    ) -> None:
         if weights is not None:
             self.reload_weights(weights_iterator=_tracking(weights, layer_ids))
         elif weights_path is not None:
-            layer_ids = {i for n in checkpoint_names(weights_path) if (i := expert_layer_id(n)) is not None}
+            layer_ids.update(i for n in checkpoint_names(weights_path) if (i := expert_layer_id(n)) is not None)
             self.reload_weights(weights_path=weights_path)
         else:
             raise ValueError("moe_rl_reload_weights needs weights or weights_path")
-        return repack_cpu_moe(self.model_runner.get_model(), layer_ids) if repack_moe else 0
