@@ -91,6 +91,19 @@ def check_objective_args(cfg: Config) -> None:
         raise ConfigError(f"rl.objective_args: {e}") from e
 
 
+def check_run_inputs(cfg: Config) -> None:
+    """Starting weights and sampler capabilities, checked before any work."""
+    init = cfg.run.init_checkpoint
+    if not init and not cfg.run.resume:
+        raise ConfigError("run.init_checkpoint is required: a moe_rl checkpoint or a Hugging Face directory "
+                          "(the tiny recipes use moe_rl/assets/tiny_base)")
+    if init and not Path(init).exists():
+        raise ConfigError(f"run.init_checkpoint={init} does not exist (paths are relative to the working directory)")
+    if cfg.rl.replay == "R3" and cfg.sampler.backend == "vllm" and not torch.cuda.is_available():
+        raise ConfigError("rl.replay=R3 needs the sampler's routed experts, which vLLM cannot return on CPU "
+                          "(no V2 model runner); use sampler.backend=transformers")
+
+
 def minibatch_rows(B: int, num_minibatches: int, dp: int, seed: int) -> list[torch.Tensor]:
     """Split rows 0..B-1 into `num_minibatches` shuffled mini-batches, each balanced over
     data-parallel ranks (the learner gives row r to rank r % dp)."""
@@ -132,6 +145,7 @@ class Trainer:
         from moe_rl.learner import init_distributed
 
         check_objective_args(cfg)
+        check_run_inputs(cfg)
         # The layout is checked against torchrun's WORLD_SIZE before any process group exists.
         validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.cfg = cfg

@@ -98,6 +98,8 @@ def run_cli(*args):
         ("parallel.tensor_model_parallel_size=2", "world size 1 is not divisible by tensor x pipeline parallel"),
         ("rl.objective=ppo", "rl.objective='ppo' is unknown; valid: grpo"),
         ("rl.objective_args={clip_lo: 0.1}", "rl.objective_args"),
+        ("run.init_checkpoint=/nonexistent/ckpt", "run.init_checkpoint=/nonexistent/ckpt does not exist"),
+        ("rl.replay=R3", "rl.replay=R3 needs the sampler's routed experts"),
     ],
 )
 def test_bad_recipes_fail_before_any_work(tmp_path, override, message):
