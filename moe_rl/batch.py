@@ -71,6 +71,13 @@ class TokenBatch:
         j = torch.arange(self.response_width, device=self.tokens_BS.device)
         return j[None, :] < self.response_lens_B[:, None]
 
+    def scored_positions(self) -> torch.Tensor:
+        """[B, S] bool: True at the positions whose logits score a response token
+        (prompt_len - 1 ... prompt_len + response_len - 2)."""
+        s = torch.arange(self.seq_len, device=self.tokens_BS.device)[None, :]
+        lo = (self.prompt_lens_B - 1)[:, None]
+        return (s >= lo) & (s < lo + self.response_lens_B[:, None])
+
     def response_tokens(self) -> torch.Tensor:
         """[B, T] int64 response token ids (pad positions hold 0)."""
         j = torch.arange(self.response_width, device=self.tokens_BS.device)

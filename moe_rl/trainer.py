@@ -404,7 +404,7 @@ class Trainer:
         metrics: dict[str, float] = dict(rollout.stats)
         metrics.update(compute_mismatch(rollout.rollout_logp_BT, old_logp, mask_BT, check_values=False).summary())
         if sampler_replay is not None and score.record is not None:
-            scored = _scored_rows(batch)[score.record.rows]
+            scored = batch.scored_positions()[score.record.rows]
             metrics.update(sampler_disagreement(score.record, _stage_slice(sampler_replay, score.record.layers),
                                                 scored, self.layout))
         extras = {"old_logp_BT": old_logp, "adv_B": rollout.adv_B, "rollout_logp_BT": rollout.rollout_logp_BT}
@@ -549,13 +549,6 @@ def _token_ratio_std(logp_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch
     spread the clip and the router shift act on off-policy."""
     r = torch.exp((logp_BT - old_BT).clamp(-20, 20))[mask_BT]
     return r.std(unbiased=False) if r.numel() else r.new_zeros(())
-
-
-def _scored_rows(batch: TokenBatch) -> torch.Tensor:
-    """[B, S] positions whose logits score a response token."""
-    s = torch.arange(batch.seq_len)[None, :]
-    lo = (batch.prompt_lens_B - 1)[:, None]
-    return (s >= lo) & (s < lo + batch.response_lens_B[:, None])
 
 
 def _stage_slice(replay: Any, layers: list[int]) -> Any:

@@ -41,7 +41,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from moe_rl.learner.logprobs import response_positions
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
 from moe_rl.learner.parallel import all_reduce_, comm_device
-from moe_rl.routing.record import RoutingRecord, ids_dtype
+from moe_rl.routing.record import RoutingRecord, ids_dtype, row_positions
 from moe_rl.routing.shift import router_shift_from_partial
 from moe_rl.routing.stats import gamma_stats, topk_set_changed
 
@@ -161,7 +161,7 @@ class RouterTaps(ForwardHooks):
         tp, tp_rank = self.layout.tp, self.layout.tp_rank
         s_local = S // tp if self.layout.sequence_parallel else S
         shard = slice(tp_rank * s_local, (tp_rank + 1) * s_local) if self.layout.sequence_parallel else slice(0, S)
-        mask_BS = _scored_positions(mb)
+        mask_BS = mb.batch.scored_positions()
         st = _MicroBatchState(mb=mb, shard=shard, mask_SB=mask_BS[:, shard].t().contiguous())
         if self.plan.replay is not None:
             r = self.plan.replay
@@ -364,25 +364,13 @@ class RouterTaps(ForwardHooks):
         return list(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[:-1])
 
 
-def _scored_positions(mb: MicroBatch) -> torch.Tensor:
-    """[mbs, S] True at positions whose logits score a response token."""
-    b = mb.batch
-    s = torch.arange(b.seq_len)[None, :]
-    lo = (b.prompt_lens_B - 1)[:, None]
-    return (s >= lo) & (s < lo + b.response_lens_B[:, None])
-
-
 def _rows_to_tokens(
     rows: torch.Tensor, data_RS: torch.Tensor, mb_rows: torch.Tensor, shard: slice, fill_k: int | None = None
 ) -> torch.Tensor:
     """Gather per-row data [R, S, ...] for a micro-batch's rows and this rank's S shard,
     flattened s-major like the router's tokens: [S_local * mbs, ...]. Padding rows get
     distinct placeholder ids 0..K-1 (ids) or zeros."""
-    lookup = torch.full((int(max(rows.max().item() if rows.numel() else 0, mb_rows.max().item())) + 1,), -1, dtype=torch.long)
-    lookup[rows] = torch.arange(rows.numel())
-    idx = torch.where(mb_rows >= 0, lookup[mb_rows.clamp(min=0)], -1)
-    if bool(((mb_rows >= 0) & (idx < 0)).any()):
-        raise KeyError(f"no routing data for rows {mb_rows[(mb_rows >= 0) & (idx < 0)].tolist()[:8]}")
+    idx = row_positions(rows, mb_rows)
     S_needed = shard.stop
     if data_RS.shape[1] < S_needed:
         raise ValueError(f"routing data covers {data_RS.shape[1]} positions, micro-batch needs {S_needed}")
@@ -420,9 +408,7 @@ def sampler_disagreement(
     the learner's own routing (the router's choice, even under replay), and the fraction
     differing in at least one layer. `scored_RS` marks the positions to count, per row of
     the record. Collective: sums over data-parallel ranks, layers gathered over stages."""
-    idx = sampler.rows.new_full((int(max(sampler.rows.max(), record.rows.max())) + 1,), -1)
-    idx[sampler.rows] = torch.arange(sampler.rows.numel())
-    pos = idx[record.rows]
+    pos = row_positions(sampler.rows, record.rows)
     S = record.ids_RSLK.shape[1]
     theirs = sampler.ids_RSLK[pos][:, :S]
     valid = scored_RS[:, :S] & (sampler.valid_RS[pos][:, :S] if sampler.valid_RS is not None else True)

@@ -62,16 +62,18 @@ class RoutingRecord:
         """The router's own choice (differs from `ids_RSLK` only under replay)."""
         return self.ids_RSLK if self.fresh_ids_RSLK is None else self.fresh_ids_RSLK
 
-    def index_of(self, rows: torch.Tensor) -> torch.Tensor:
-        """Storage index of each global row in `rows` (-1 stays -1: padding)."""
-        lookup = torch.full((int(self.rows.max()) + 2 if self.rows.numel() else 1,), -1, dtype=torch.long)
-        lookup[self.rows] = torch.arange(self.rows.numel())
-        safe = rows.clamp(min=0, max=lookup.numel() - 1)
-        idx = torch.where(rows >= 0, lookup[safe], -1)
-        missing = (rows >= 0) & (idx < 0)
-        if bool(missing.any()):
-            raise KeyError(f"routing record holds no entry for rows {rows[missing].tolist()[:8]}")
-        return idx
+
+def row_positions(rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Position in `rows` (global row ids, as stored) of each id in `query`; -1 in `query`
+    (a padding row) stays -1, an id `rows` does not hold is a KeyError."""
+    size = int(max(rows.max().item() if rows.numel() else -1, query.max().item() if query.numel() else -1)) + 1
+    lookup = torch.full((max(size, 1),), -1, dtype=torch.long)
+    lookup[rows] = torch.arange(rows.numel())
+    idx = torch.where(query >= 0, lookup[query.clamp(min=0)], -1)
+    missing = (query >= 0) & (idx < 0)
+    if bool(missing.any()):
+        raise KeyError(f"no routing data for rows {query[missing].tolist()[:8]}")
+    return idx
 
 
 def align_sampler_routing(
