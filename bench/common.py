@@ -64,7 +64,7 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
 
 def write_results(name: str, data: dict[str, Any], table_md: str, notes: str = "") -> Path:
     """Write <name>.json and <name>.md under bench/results (atomically)."""
-    from moe_rl.config import atomic_write_text
+    from moe_rl.atomic import atomic_write_text
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     payload = {"name": name, "machine": machine(), **data}

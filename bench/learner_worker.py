@@ -20,11 +20,11 @@ from moe_rl.config import load_config
 from moe_rl.learner import (
     Learner,
     MicroBatchLoss,
-    ReplayIds,
     RoutingPlan,
     init_distributed,
     parallel_layout,
 )
+from moe_rl.routing.record import ReplayIds
 
 RECIPE = "examples/tiny_model.yaml"
 B, PROMPT, RESPONSE = 128, 12, 16  # one RL step of the demo: 16 prompts x 8 samples
@@ -83,8 +83,8 @@ def main() -> None:
         else:
             old = learner.score(batch, routing=RoutingPlan(capture=True)).record
             plans = {"plain": None,
-                     "capture_gamma": RoutingPlan(old=old, gamma_min=0.1),
-                     "capture_gamma_r2": RoutingPlan(old=old, replay=ReplayIds.from_record(old), gamma_min=0.1)}
+                     "capture_gamma": RoutingPlan(old=old),
+                     "capture_gamma_r2": RoutingPlan(old=old, replay=ReplayIds.from_record(old))}
             times = {k: [] for k in plans}
             for _ in range(3):  # warm-up every variant
                 for plan in plans.values():

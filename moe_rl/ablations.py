@@ -27,17 +27,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_rl.config import atomic_write_text
+from moe_rl.atomic import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "ablations.yaml"
 OUT = Path("runs") / "ablations"
 
 OBJECTIVE_SETTINGS = {
-    "grpo": ["rl.objective=grpo", "rl.objective_args={}", "rl.replay=none"],
-    "grpo-r2": ["rl.objective=grpo", "rl.objective_args={}", "rl.replay=R2"],
-    "grpo-r3": ["rl.objective=grpo", "rl.objective_args={}", "rl.replay=R3"],
-    "gspo": ["rl.objective=gspo", "rl.objective_args={}", "rl.replay=none"],
+    "grpo": ["rl.objective=grpo", "rl.replay=none"],
+    "grpo-r2": ["rl.objective=grpo", "rl.replay=R2"],
+    "grpo-r3": ["rl.objective=grpo", "rl.replay=R3"],
+    "gspo": ["rl.objective=gspo", "rl.replay=none"],
     "rspo": ["rl.objective=rspo", "rl.replay=none"],
 }
 POLICY_REGIMES = {"on": ["rl.num_minibatches=1"], "off": ["rl.num_minibatches=4"]}

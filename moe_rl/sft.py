@@ -24,7 +24,8 @@ import torch
 
 from moe_rl.batch import TokenBatch
 from moe_rl.cli import cpu_environment, parse, setup_logging
-from moe_rl.config import Config, atomic_write_text, save_config
+from moe_rl.atomic import atomic_write_text
+from moe_rl.config import Config, save_config
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
 from moe_rl.tasks.tokenizer import Tokenizer, load_tokenizer

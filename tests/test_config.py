@@ -23,16 +23,67 @@ def write(tmp_path, text):
 
 
 def test_yaml_and_overrides(tmp_path):
-    p = write(tmp_path, "rl:\n  objective: gspo\n  objective_args: {clip_low: 0.001}\noptimizer:\n  lr: 1e-5\n")
+    p = write(tmp_path, "rl:\n  objective: gspo\n  objective_args:\n    gspo: {clip_low: 0.001}\noptimizer:\n  lr: 1e-5\n")
     cfg = load_config(p, ["rl.group_size=4", "run.name=x", "parallel.sequence_parallel=null"])
-    assert cfg.rl.objective == "gspo" and cfg.rl.objective_args == {"clip_low": 0.001}
+    assert cfg.rl.objective == "gspo" and cfg.rl.hparams.clip_low == 0.001 and cfg.rl.hparams.clip_high == 4e-4
     assert cfg.optimizer.lr == 1e-5 and isinstance(cfg.optimizer.lr, float)  # YAML 1.1 would give "1e-5"
     assert cfg.rl.group_size == 4 and cfg.run.name == "x" and cfg.parallel.sequence_parallel is None
     assert parse_overrides(["a.b.c=3", "a.d=[1, 2]"]) == [(["a", "b", "c"], 3), (["a", "d"], [1, 2])]
-    # a mapping-valued field is replaced whole, or changed entry by entry with a dotted key
-    assert load_config(p, ["rl.objective_args={}"]).rl.objective_args == {}
-    assert load_config(p, ["rl.objective_args.clip_high=0.002"]).rl.objective_args == {
-        "clip_low": 0.001, "clip_high": 0.002}
+    # a block is replaced whole, or changed entry by entry with a dotted key
+    assert load_config(p, ["rl.objective_args.gspo={}"]).rl.hparams.clip_low == 3e-4
+    hp = load_config(p, ["rl.objective_args.gspo.clip_high=0.002"]).rl.hparams
+    assert (hp.clip_low, hp.clip_high) == (0.001, 0.002)
+
+
+def test_objective_hparams_are_typed_at_load_and_survive_a_switch(tmp_path):
+    """Each objective keeps its own block: switching rl.objective on a recipe written for
+    rspo needs no clearing, and the switched-to objective's settings are its own."""
+    cfg = load_config("examples/tiny_rspo.yaml", ["rl.objective=gspo"])
+    assert cfg.rl.objective == "gspo" and type(cfg.rl.hparams).__name__ == "GSPOHParams"
+    assert cfg.rl.objective_args["rspo"].gamma_min == 0.1  # rspo's block is kept, unused
+    assert load_config("examples/tiny_rspo.yaml", ["rl.objective_args.rspo.gamma_min=0.3"]).rl.hparams.gamma_min == 0.3
+    assert cfg.rl.rollout_correction_args.tis_cap == 2.0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        # a key of another objective in rspo's block: named with rspo's valid keys
+        ("rl.objective_args.rspo.clip_low=0.1",
+         r"unknown key rl\.objective_args\.rspo\.clip_low for objective rspo; valid keys: log_clip_low, "
+         r"log_clip_high, gamma_min, gamma_placement"),
+        ("rl.objective_args.gspo.gamma_min=0.1", r"unknown key rl\.objective_args\.gspo\.gamma_min for objective gspo"),
+        # the old flat form points at the right place
+        ("rl.objective_args={gamma_min: 0.1}",
+         r"rl\.objective_args\.gamma_min: not an objective; hyperparameters go under their objective's name, "
+         r"e\.g\. rl\.objective_args\.rspo\.gamma_min"),
+        ("rl.objective_args.nope={}", r"rl\.objective_args\.nope: not an objective; objectives: grpo, dr_grpo"),
+        # values are typed and range-checked by the objective's own dataclass
+        ("rl.objective_args.rspo.gamma_min=high", r"rl\.objective_args\.rspo\.gamma_min: expected a number"),
+        ("rl.objective_args.rspo.gamma_min=0", r"rl\.objective_args\.rspo: gamma_min must be in \(0, 1\]"),
+        ("rl.objective_args.rspo.gamma_placement=middle", r"rl\.objective_args\.rspo\.gamma_placement: 'middle'"),
+        ("rl.rollout_correction_args.tis_c=3", r"unknown key rl\.rollout_correction_args\.tis_c in "
+                                               r"rl\.rollout_correction_args; valid keys: tis_cap, mis_low, mis_high"),
+        ("rl.rollout_correction_args.mis_low=3", r"rl\.rollout_correction_args: need 0 <= mis_low < mis_high"),
+        ("rl.objective=ppo", r"rl\.objective='ppo' is unknown; valid: grpo, dr_grpo"),
+        ("rl.capture_routing=false", r"rl\.objective=rspo needs rl\.capture_routing=true"),
+    ],
+)
+def test_objective_args_errors_name_the_objective_and_its_keys(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("examples/tiny_rspo.yaml", [override])
+
+
+def test_help_config_lists_every_objectives_keys_with_docstrings():
+    from moe_rl.objectives import OBJECTIVES
+
+    text = describe()
+    for name, spec in OBJECTIVES.items():
+        assert f"[rl.objective_args.{name}]  {spec.fixes}" in text
+        for f in dataclasses.fields(spec.hparams):
+            line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"rl.objective_args.{name}.{f.name} ="))
+            assert len(line.split(")  ", 1)[1]) > 10, line  # the docstring follows the type
+    assert "rl.rollout_correction_args.tis_cap = 2.0  (float)  TIS truncation" in text
 
 
 def test_unknown_key_names_the_key_and_the_valid_ones(tmp_path):
@@ -49,7 +100,7 @@ def test_unknown_key_names_the_key_and_the_valid_ones(tmp_path):
         ("model.num_layers=2.5", "model.num_layers: expected an integer, got float 2.5"),
         ("rl.dynamic_sampling=1", "rl.dynamic_sampling: expected true/false, got int 1"),
         ("rl.replay=R4", r"rl.replay: 'R4' is not one of \['none', 'R2', 'R3'\]"),
-        ("rl.objective_args=3", "rl.objective_args: expected a mapping"),
+        ("rl.objective_args=3", "rl.objective_args: expected a mapping of objective name"),
         ("model.num_experts=0", "model.num_experts must be >= 1"),
         ("model.moe_router_topk=9", "exceeds model.num_experts=8"),
         ("model.moe_router_enable_expert_bias=true", "needs model.moe_router_score_function=sigmoid"),
@@ -79,7 +130,7 @@ def test_every_field_has_a_docstring():
 
 
 def test_save_then_load_is_identity(tmp_path):
-    cfg = load_config(None, ["rl.objective=rspo", "rl.objective_args={gamma_min: 0.2}"])
+    cfg = load_config(None, ["rl.objective=rspo", "rl.objective_args.rspo={gamma_min: 0.2}"])
     save_config(cfg, tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml") == cfg
     assert not list(tmp_path.glob(".c.yaml.*"))  # no temp file left behind
@@ -89,9 +140,7 @@ def test_save_then_load_is_identity(tmp_path):
 def test_every_shipped_recipe_loads():
     from pathlib import Path
 
-    from moe_rl.trainer import check_objective_args
-
     recipes = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
     assert len(recipes) >= 8
     for path in recipes:
-        check_objective_args(load_config(path))
+        load_config(path)  # objective hyperparameters included

@@ -33,8 +33,8 @@ def assert_finite(row, keys):
 
 
 CASES = {
-    "grpo-vllm": ["rl.objective=grpo", "rl.objective_args={}", "sampler.backend=vllm"],
-    "gspo": ["rl.objective=gspo", "rl.objective_args={}", "sampler.backend=transformers",
+    "grpo-vllm": ["rl.objective=grpo", "sampler.backend=vllm"],
+    "gspo": ["rl.objective=gspo", "sampler.backend=transformers",
              "rl.rollout_correction=tis"],
     "rspo-R2": ["rl.objective=rspo", "rl.replay=R2", "sampler.backend=transformers", "rl.num_minibatches=2"],
     "rspo-R3": ["rl.objective=rspo", "rl.replay=R3", "sampler.backend=transformers", "rl.num_minibatches=2"],
@@ -97,7 +97,7 @@ def run_cli(*args):
         ("parallel.expert_model_parallel_size=3", "num_experts=8 is not divisible by parallel.expert_model_parallel_size=3"),
         ("parallel.tensor_model_parallel_size=2", "world size 1 is not divisible by tensor x pipeline parallel"),
         ("rl.objective=ppo", "rl.objective='ppo' is unknown; valid: grpo"),
-        ("rl.objective_args={clip_lo: 0.1}", "rl.objective_args"),
+        ("rl.objective_args.rspo.clip_lo=0.1", "unknown key rl.objective_args.rspo.clip_lo for objective rspo"),
         ("run.init_checkpoint=/nonexistent/ckpt", "run.init_checkpoint=/nonexistent/ckpt does not exist"),
         ("rl.replay=R3", "rl.replay=R3 needs the sampler's routed experts"),
     ],

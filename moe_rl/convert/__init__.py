@@ -10,7 +10,7 @@ checkpoint is `moe_rl.learner.hf_import.hf_to_megatron` (both need megatron, so 
 in the learner package); `tools/convert_checkpoint.py` is the CLI over both directions.
 """
 
-from moe_rl.convert.atomic import atomic_output_dir
+from moe_rl.atomic import atomic_output_dir
 from moe_rl.convert.dcp import DcpCheckpoint
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors, megatron_tensors
 from moe_rl.convert.hf_export import DEFAULT_SHARD_BYTES, megatron_to_hf

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from moe_rl.atomic import atomic_output_dir, check_distinct
 from moe_rl.config import ModelConfig, load_config
-from moe_rl.convert.atomic import atomic_output_dir, check_distinct
 from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
 from moe_rl.convert.hf_layout import HFLayout, generation_config
 from moe_rl.convert.layouts import hf_config, layout_for

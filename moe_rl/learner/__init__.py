@@ -11,18 +11,18 @@ from moe_rl.learner.checkpoint import (
     save_checkpoint,
 )
 from moe_rl.learner.engine import Learner
-from moe_rl.learner.microbatch import LossFn, MicroBatch, MicroBatchLoss, ScoreResult
+from moe_rl.learner.microbatch import BatchTotals, LossFn, MicroBatch, MicroBatchLoss, ScoreResult
 from moe_rl.learner.parallel import Layout, init_distributed, parallel_layout
-from moe_rl.learner.routing import ReplayIds, RoutingPlan
+from moe_rl.learner.routing import RoutingPlan
 
 __all__ = [
+    "BatchTotals",
     "CheckpointError",
     "Layout",
     "Learner",
     "LossFn",
     "MicroBatch",
     "MicroBatchLoss",
-    "ReplayIds",
     "RoutingPlan",
     "ScoreResult",
     "init_distributed",

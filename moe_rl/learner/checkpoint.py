@@ -27,7 +27,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from moe_rl.config import atomic_write_text, save_config
+from moe_rl.atomic import atomic_write_text
+from moe_rl.config import save_config
 
 log = logging.getLogger(__name__)
 

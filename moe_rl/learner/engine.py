@@ -41,10 +41,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config, ConfigError
 from moe_rl.learner.logprobs import response_logprobs
-from moe_rl.learner.microbatch import ForwardHooks, LossFn, MicroBatch, ScoreResult
+from moe_rl.learner.microbatch import BatchTotals, ForwardHooks, LossFn, MicroBatch, ScoreResult
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
 from moe_rl.learner.parallel import Layout, all_reduce_, comm_device
-from moe_rl.learner.routing import RouterTaps, RoutingPlan
+from moe_rl.learner.routing import RouterTaps, RoutingPlan, sampler_disagreement
+from moe_rl.metrics import reduction
+from moe_rl.routing.record import ReplayIds, RoutingRecord
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +160,7 @@ class Learner:
         prompt = torch.where(valid, batch.prompt_lens_B[safe], 1)
         resp = torch.where(valid, batch.response_lens_B[safe], 0)
         rows = torch.where(valid, row_ids[safe], -1)
+        totals = BatchTotals.of(batch)
         out = []
         for i in range(n_micro):
             sl = slice(i * mbs_eff, (i + 1) * mbs_eff)
@@ -173,6 +176,7 @@ class Learner:
                 rows_B=rows[sl],
                 extras=mb_extras,
                 batch_pos_B=pos[sl],
+                totals=totals,
             ))
         return out
 
@@ -317,6 +321,41 @@ class Learner:
         metrics["update_skipped"] = float(not ok)
         return metrics
 
+    # ------------------------------------------------------------------ routing plans
+
+    def routing_plan(
+        self,
+        replay: str,
+        *,
+        capture: bool = False,
+        old: RoutingRecord | None = None,
+        sampler: ReplayIds | None = None,
+    ) -> RoutingPlan:
+        """What the routers do in one pass under routing-replay mode `replay` (none|R2|R3).
+
+        Scoring pass (`old` is None): record this rank's routing when `capture`; under R3
+        the sampler's ids are replayed. Update pass (`old` is the scoring pass's record):
+        the router shift is measured against `old`; R2 replays `old`'s ids, R3 the
+        sampler's. Replay ids are cut to this pipeline stage's MoE layers here."""
+        if replay not in ("none", "R2", "R3"):
+            raise ValueError(f"replay={replay!r}; valid: none, R2, R3")
+        forced = None
+        if replay == "R3":
+            if sampler is None:
+                raise ValueError("R3 replay needs the sampler's routing (a backend that returns routed experts)")
+            forced = sampler.select_layers(self.taps.layers)
+        if old is None:
+            return RoutingPlan(capture=capture, replay=forced)
+        if replay == "R2":
+            forced = ReplayIds.from_record(old)
+        return RoutingPlan(old=old, replay=forced)
+
+    def sampler_disagreement(self, record: RoutingRecord, sampler: ReplayIds, batch: TokenBatch) -> dict[str, float]:
+        """Per-layer fraction of scored positions where the sampler's top-k set differs from
+        this learner's own routing in `record` (collective; see routing.sampler_disagreement)."""
+        scored_RS = batch.scored_positions()[record.rows]
+        return sampler_disagreement(record, sampler.select_layers(record.layers), scored_RS, self.layout)
+
     # ------------------------------------------------------------------ collectives for callers
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -330,40 +369,35 @@ class Learner:
     # ------------------------------------------------------------------ reductions
 
     def _reduce_metrics(self, store: list[dict[str, Any]]) -> dict[str, float]:
-        """Combine per-micro-batch metrics on the last stage, then across DP ranks."""
-        group = ps.get_data_parallel_group()
+        """Combine per-micro-batch metrics on the last stage, then across DP ranks, each by
+        the reduction its name asks for (`moe_rl.metrics.reduction`)."""
         names = sorted({k for item in store for k in item["metrics"]})
+        by_kind = {kind: [n for n in names if reduction(n) == kind] for kind in ("mean", "max", "min")}
         loss = torch.stack([item["loss"].double() for item in store]).sum().reshape(1)
-        sums, weights, maxes, mins = [], [], [], []
-        for n in names:
+        sums, weights = [], []
+        for n in by_kind["mean"]:
             vals = [(item["metrics"][n].double(), item["weight"]) for item in store if n in item["metrics"]]
-            if n.endswith("_max"):
-                maxes.append(torch.stack([v for v, _ in vals]).max())
-            elif n.endswith("_min"):
-                mins.append(torch.stack([v for v, _ in vals]).min())
-            else:
-                sums.append(sum(v * w for v, w in vals))
-                weights.append(sum(w for _, w in vals))
+            sums.append(sum(v * w for v, w in vals))
+            weights.append(sum(w for _, w in vals))
+        values = {n: torch.stack([item["metrics"][n].double() for item in store if n in item["metrics"]])
+                  for n in by_kind["max"] + by_kind["min"]}
+        extreme = {"max": [values[n].max() for n in by_kind["max"]], "min": [values[n].min() for n in by_kind["min"]]}
         packed_sum = torch.cat([loss, torch.stack(sums) if sums else loss.new_zeros(0),
                                 torch.stack(weights) if weights else loss.new_zeros(0)])
-        packed_max = torch.stack(maxes) if maxes else loss.new_zeros(0)
-        packed_min = torch.stack(mins) if mins else loss.new_zeros(0)
+        packed = {kind: torch.stack(v) if v else loss.new_zeros(0) for kind, v in extreme.items()}
         if self.layout.dp > 1:
+            group = ps.get_data_parallel_group()
             all_reduce_(packed_sum, group=group)
-            if maxes:
-                all_reduce_(packed_max, op=dist.ReduceOp.MAX, group=group)
-            if mins:
-                all_reduce_(packed_min, op=dist.ReduceOp.MIN, group=group)
+            for kind, op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+                if by_kind[kind]:
+                    all_reduce_(packed[kind], op=op, group=group)
         out = {"loss": float(packed_sum[0])}
         n_mean = len(sums)
-        mean_names = [n for n in names if not n.endswith(("_max", "_min"))]
-        for i, n in enumerate(mean_names):
+        for i, n in enumerate(by_kind["mean"]):
             w = float(packed_sum[1 + n_mean + i])
             out[n] = float(packed_sum[1 + i]) / w if w > 0 else 0.0
-        for n, v in zip([n for n in names if n.endswith("_max")], packed_max.tolist()):
-            out[n] = v
-        for n, v in zip([n for n in names if n.endswith("_min")], packed_min.tolist()):
-            out[n] = v
+        for kind in ("max", "min"):
+            out.update(zip(by_kind[kind], packed[kind].tolist()))
         return out
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+from moe_rl.atomic import check_distinct
 from moe_rl.config import Config, ModelConfig, validate
-from moe_rl.convert.atomic import check_distinct
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
 from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shape, megatron_specs

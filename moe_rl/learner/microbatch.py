@@ -12,6 +12,25 @@ from moe_rl.batch import TokenBatch
 from moe_rl.routing.record import RoutingRecord
 
 
+@dataclass(frozen=True)
+class BatchTotals:
+    """Counts of the whole batch a learner pass runs on (the same on every rank and in every
+    micro-batch): the global normalisers that make micro-batch loss contributions sum to
+    the whole-batch loss."""
+
+    response_tokens: float
+    """Valid response tokens in the batch."""
+    nonempty_sequences: float
+    """Sequences with at least one response token (B')."""
+    sequences: float
+    """All sequences, empty ones included (B)."""
+
+    @staticmethod
+    def of(batch: TokenBatch) -> BatchTotals:
+        lens = batch.response_lens_B
+        return BatchTotals(float(lens.sum()), float((lens > 0).sum()), float(batch.batch_size))
+
+
 @dataclass
 class MicroBatch:
     """What a loss callback sees for one micro-batch on the last pipeline stage."""
@@ -29,6 +48,8 @@ class MicroBatch:
     """[mbs] position of each sequence in the batch passed to the learner; -1 for padding."""
     aux: dict[str, Any] = field(default_factory=dict)
     """Side data produced during the forward (e.g. router-shift weights)."""
+    totals: BatchTotals | None = None
+    """Counts of the whole batch this pass runs on (global loss normalisers)."""
 
 
 @dataclass

@@ -41,25 +41,9 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from moe_rl.learner.logprobs import response_positions
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
 from moe_rl.learner.parallel import all_reduce_, comm_device
-from moe_rl.routing.record import RoutingRecord, ids_dtype, row_positions
+from moe_rl.routing.record import ReplayIds, RoutingRecord, ids_dtype, row_positions
 from moe_rl.routing.shift import router_shift_from_partial
 from moe_rl.routing.stats import gamma_stats, topk_set_changed
-
-
-@dataclass
-class ReplayIds:
-    """Expert ids to replay, per global row, for this stage's MoE layers."""
-
-    rows: torch.Tensor
-    """[R] global row ids."""
-    ids_RSLK: torch.Tensor
-    """[R, S, L_stage, K] expert ids."""
-    valid_RS: torch.Tensor | None = None
-    """[R, S] positions that carry ids (None: all); others route afresh."""
-
-    @staticmethod
-    def from_record(record: RoutingRecord) -> ReplayIds:
-        return ReplayIds(record.rows, record.ids_RSLK)
 
 
 @dataclass
@@ -71,9 +55,9 @@ class RoutingPlan:
     replay: ReplayIds | None = None
     """Force these ids (R2: the old record's; R3: the sampler's)."""
     old: RoutingRecord | None = None
-    """Measure router shift against this record (update passes)."""
-    gamma_min: float = 0.0
-    """Floor of the router-shift weight handed to the loss."""
+    """Measure router shift against this record (update passes). The loss gets the raw
+    gamma in (0, 1]; its floor is the objective's hyperparameter (rspo's gamma_min), applied
+    there and only there."""
 
 
 @dataclass
@@ -211,7 +195,7 @@ class RouterTaps(ForwardHooks):
             dist.recv(buf, src=src, group=self._side_group)
             total_SB += buf
         gamma_BS = router_shift_from_partial(
-            total_SB.t().reshape(-1), self.num_moe_layers, self.topk, self.plan.gamma_min
+            total_SB.t().reshape(-1), self.num_moe_layers, self.topk, gamma_min=0.0
         ).reshape(mb.batch.batch_size, -1)
         gamma_BT = gamma_BS.gather(1, response_positions(mb.batch).to(gamma_BS.device))
         mask_BT = mb.batch.response_mask().to(gamma_BS.device)

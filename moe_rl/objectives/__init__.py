@@ -25,6 +25,7 @@ from moe_rl.objectives.base import (
     OBJECTIVES,
     CommonHParams,
     Context,
+    CorrectionHParams,
     ObjectiveSpec,
     Surrogate,
     make_common_hparams,
@@ -32,12 +33,13 @@ from moe_rl.objectives.base import (
     register_objective,
 )
 from moe_rl.objectives.batch import LossOutput, PolicyBatch, combine_metrics
-from moe_rl.objectives.loss import policy_loss
+from moe_rl.objectives.loss import policy_loss, policy_loss_from_hparams
 
 __all__ = [
     "OBJECTIVES",
     "CommonHParams",
     "Context",
+    "CorrectionHParams",
     "LossOutput",
     "ObjectiveSpec",
     "PolicyBatch",
@@ -46,5 +48,6 @@ __all__ = [
     "make_common_hparams",
     "make_hparams",
     "policy_loss",
+    "policy_loss_from_hparams",
     "register_objective",
 ]

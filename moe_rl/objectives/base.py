@@ -48,8 +48,28 @@ def _is_count(x: object) -> bool:
 
 
 @dataclass(frozen=True)
-class CommonHParams:
-    """Hyperparameters every objective accepts: sampler correction, KL penalty, normalizers."""
+class CorrectionHParams:
+    """The knobs of the sampler-learner correction (what `rl.rollout_correction_args` sets)."""
+
+    tis_cap: float = 2.0
+    """TIS truncation C: the correction weight is min(exp(d), C) (tis, and mis on kept tokens)."""
+    mis_low: float = 0.5
+    """mis / icepop: tokens whose exp(d) is below this are dropped from the loss."""
+    mis_high: float = 2.0
+    """mis / icepop: tokens whose exp(d) is above this are dropped from the loss."""
+
+    def __post_init__(self) -> None:
+        require(self.tis_cap > 0, f"tis_cap must be > 0, got {self.tis_cap}")
+        require(
+            0 <= self.mis_low < self.mis_high,
+            f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low}, mis_high={self.mis_high}",
+        )
+
+
+@dataclass(frozen=True)
+class CommonHParams(CorrectionHParams):
+    """Hyperparameters every objective accepts: sampler correction, KL penalty, normalizers
+    (the correction's tis_cap / mis_low / mis_high come from `CorrectionHParams`)."""
 
     rollout_correction: RolloutCorrection = "none"
     """Sampler-learner correction from d = old_logprobs - rollout_logprobs: none | tis
@@ -57,12 +77,6 @@ class CommonHParams:
     the tis weight on the rest) | icepop (same drop, weight 1). Per sequence for gspo, gmpo,
     rspo (exp of the mean d; any dropped token drops the sequence). The weight multiplies
     each unit's whole term, KL penalty included."""
-    tis_cap: float = 2.0
-    """TIS truncation C: the correction weight is min(exp(d), C) (tis, and mis on kept tokens)."""
-    mis_low: float = 0.5
-    """mis / icepop: tokens whose exp(d) is below this are dropped from the loss."""
-    mis_high: float = 2.0
-    """mis / icepop: tokens whose exp(d) is above this are dropped from the loss."""
     kl_coef: float = 0.0
     """Weight beta of the KL penalty to ref_logprobs (0: none). Aggregated like the objective
     (per-sequence token means for sequence-level objectives)."""
@@ -80,14 +94,10 @@ class CommonHParams:
     every micro-batch is padded to the same T; pass the sampler's max_new_tokens."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(
             self.rollout_correction in ROLLOUT_CORRECTIONS,
             f"rollout_correction={self.rollout_correction!r}; valid: {', '.join(ROLLOUT_CORRECTIONS)}",
-        )
-        require(self.tis_cap > 0, f"tis_cap must be > 0, got {self.tis_cap}")
-        require(
-            0 <= self.mis_low < self.mis_high,
-            f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low}, mis_high={self.mis_high}",
         )
         require(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         require(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moe_rl.metrics import reduction
+
 
 @dataclass
 class PolicyBatch:
@@ -126,9 +128,10 @@ def combine_metrics(outputs: Sequence[LossOutput], level: str) -> dict[str, Tens
     combined: dict[str, Tensor] = {}
     for key in outputs[0].metrics:
         values = torch.stack([o.metrics[key].float() for o in outputs])
-        if key.endswith("_max"):
+        kind = reduction(key)
+        if kind == "max":
             combined[key] = values.max()
-        elif key.endswith("_min"):
+        elif kind == "min":
             combined[key] = values.min()
         else:
             combined[key] = (values * weights).sum() / total

@@ -58,8 +58,17 @@ def policy_loss(name: str, batch: PolicyBatch, **hparams: Any) -> LossOutput:
     without router_shift, kl_coef > 0 without ref_logprobs, a correction without
     rollout_logprobs, [B,T] advantages for a sequence-level objective), raise ValueError.
     """
-    spec = OBJECTIVES[name]
     common, own = split_hparams(name, hparams)
+    return policy_loss_from_hparams(name, batch, common, own)
+
+
+def policy_loss_from_hparams(name: str, batch: PolicyBatch, common: CommonHParams, own: Any) -> LossOutput:
+    """`policy_loss` with the hyperparameters already built (CommonHParams and the
+    objective's own dataclass): what a training loop calls per micro-batch, so that the
+    hyperparameters are built and checked once, not once per call."""
+    spec = OBJECTIVES[name]
+    if not isinstance(own, spec.hparams):
+        raise ValueError(f"objective {name!r} takes {spec.hparams.__name__}, got {type(own).__name__}")
     _check_inputs(spec, batch, common)
     ctx = Context(batch)
     surrogate = spec.fn(ctx, own)

@@ -63,6 +63,32 @@ class RoutingRecord:
         return self.ids_RSLK if self.fresh_ids_RSLK is None else self.fresh_ids_RSLK
 
 
+@dataclass
+class ReplayIds:
+    """Expert ids to force through the routers (routing replay), per global row.
+
+    R2 replays the learner's own old routing (`from_record`); R3 the sampler's, aligned to
+    the rollout batch by `align_sampler_routing` (rows 0..B-1, with `valid_RS` marking the
+    positions the sampler routed: the last token and right padding route afresh)."""
+
+    rows: torch.Tensor
+    """[R] int64 global row ids."""
+    ids_RSLK: torch.Tensor
+    """[R, S, L, K] expert ids for the MoE layers of the L axis."""
+    valid_RS: torch.Tensor | None = None
+    """[R, S] positions that carry ids (None: all); others route afresh."""
+
+    @staticmethod
+    def from_record(record: RoutingRecord) -> ReplayIds:
+        return ReplayIds(record.rows, record.ids_RSLK)
+
+    def select_layers(self, layers: Sequence[int]) -> ReplayIds:
+        """The same rows restricted to `layers` (global MoE layer indices, e.g. the ones a
+        pipeline stage owns), in that order."""
+        index = torch.tensor(list(layers), dtype=torch.long)
+        return ReplayIds(self.rows, self.ids_RSLK[:, :, index], self.valid_RS)
+
+
 def row_positions(rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Position in `rows` (global row ids, as stored) of each id in `query`; -1 in `query`
     (a padding row) stays -1, an id `rows` does not hold is a KeyError."""

@@ -18,13 +18,13 @@ from learner_utils import fixed_batch
 from moe_rl.config import load_config
 from moe_rl.learner import (
     Learner,
-    ReplayIds,
     RoutingPlan,
     init_distributed,
     load_checkpoint,
     parallel_layout,
     save_checkpoint,
 )
+from moe_rl.routing.record import ReplayIds
 
 LAYOUTS = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],

@@ -1,4 +1,6 @@
-"""Output directories that are complete or absent: written under a temp name, renamed last.
+"""Files and directories that are complete or absent: written under a temp name, renamed last.
+
+    atomic_write_text("runs/x/summary.json", text)   # readers never see half a file
 
     with atomic_output_dir("out/hf", force=False) as tmp:
         ... write files into tmp ...
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,4 +58,19 @@ def atomic_output_dir(dst: str | os.PathLike, *, force: bool = False) -> Iterato
             os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through a temp file and rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise

@@ -1,0 +1,74 @@
+"""Attribute docstrings of config dataclasses, and `--help-config`.
+
+Each field carries an attribute docstring (the string literal under it); `describe()`
+renders them with types and defaults, one key per line.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import textwrap
+import typing
+from functools import cache
+
+from moe_rl.config.loading import type_name
+from moe_rl.config.rl import ObjectiveArgs
+from moe_rl.config.sections import Config
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in itertools.pairwise(body):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, its dataclass bases' included:
+    {field name: the string literal under it}."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _describe_objective_args(key: str, doc: str) -> list[str]:
+    from moe_rl.objectives import OBJECTIVES
+
+    lines = [f"[{key}]  {doc}"]
+    for name, spec in OBJECTIVES.items():
+        lines.append(f"[{key}.{name}]  {spec.fixes}")
+        lines.append(describe(spec.hparams, prefix=f"{key}.{name}."))
+    return lines
+
+
+def describe(cls: type = Config, prefix: str = "") -> str:
+    """Every key with its type, default and docstring, one per line (for --help-config)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, hint, doc = f"{prefix}{f.name}", hints[f.name], field_docs(cls).get(f.name, "")
+        if hint is ObjectiveArgs:
+            lines += _describe_objective_args(key, doc)
+            continue
+        if dataclasses.is_dataclass(hint):
+            lines.append(f"[{key}]  {doc}")
+            lines.append(describe(hint, prefix=key + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"  {key} = {default!r}  ({type_name(hint)})  {doc}")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""The `model` section: the decoder's architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Qwen3-MoE-shaped decoder (GQA, QK-RMSNorm, RoPE, SwiGLU experts)."""
+
+    num_layers: int = 4
+    """Transformer layers. Layers after the first `num_dense_layers` are MoE layers."""
+    hidden_size: int = 64
+    """Residual stream width."""
+    num_attention_heads: int = 4
+    """Query heads; must be divisible by parallel.tensor_model_parallel_size."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA groups); must divide num_attention_heads and be divisible by TP."""
+    kv_channels: int = 32
+    """Head dimension. vLLM's CPU attention needs one of 32, 64, 80, 96, 112, 128, 256."""
+    ffn_hidden_size: int = 128
+    """Hidden size of the dense SwiGLU MLP in the first `num_dense_layers` layers."""
+    num_dense_layers: int = 0
+    """Leading layers with a dense MLP instead of experts (DeepSeek's first_k_dense)."""
+    num_experts: int = 8
+    """Routed experts per MoE layer; must be divisible by parallel.expert_model_parallel_size."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (K)."""
+    moe_ffn_hidden_size: int = 64
+    """Hidden size of each routed expert's SwiGLU MLP."""
+    moe_shared_expert_intermediate_size: int = 0
+    """Hidden size of the always-on shared expert; 0 disables it."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """softmax: Qwen3 style (softmax over experts, top-k, renormalised). sigmoid: DeepSeek-V3
+    style (sigmoid scores, top-k on score + expert bias, weights normalised over the k)."""
+    moe_router_enable_expert_bias: bool = False
+    """DeepSeek-V3 aux-loss-free balancing: a per-expert bias added for top-k selection only
+    (requires the sigmoid score function)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step size of the expert-bias update when moe_router_enable_expert_bias is on."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    """Load-balancing loss flavour (megatron-core names)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss; 0 disables it."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss; 0 disables it."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach experts on other expert-parallel ranks."""
+    vocab_size: int = 128
+    """Vocabulary size; must be >= the tokenizer's. Padded internally for TP."""
+    max_position_embeddings: int = 128
+    """Longest prompt + response the model is built for."""
+    rotary_base: float = 10000.0
+    """RoPE base frequency."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    qk_layernorm: bool = True
+    """RMSNorm on queries and keys per head (Qwen3)."""
+    untie_embeddings_and_output_weights: bool = True
+    """Separate output projection (Qwen3-MoE) instead of reusing the input embedding."""
+    init_method_std: float = 0.02
+    """Std of the normal initialisation of fresh weights."""
+    layer_spec: Literal["auto", "local", "te"] = "auto"
+    """auto: Transformer Engine spec when CUDA and TE are present, else the local spec."""
+    params_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Parameter / compute dtype. bf16 keeps fp32 main weights in the optimizer."""
+    fp8: Literal["none", "e4m3", "hybrid"] = "none"
+    """FP8 recipe through Transformer Engine (Hopper GPUs only)."""

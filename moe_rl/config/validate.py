@@ -1,0 +1,126 @@
+"""Checks of a whole recipe that need no process group, one function per section, and the
+layout check against the world size (which needs torchrun's WORLD_SIZE)."""
+
+from __future__ import annotations
+
+from moe_rl.config.errors import ConfigError
+from moe_rl.config.sections import Config
+
+
+def _require_positive(values: dict[str, int | float]) -> None:
+    for key, v in values.items():
+        if v < 1:
+            raise ConfigError(f"{key} must be >= 1, got {v}")
+
+
+def validate_model(cfg: Config) -> None:
+    m = cfg.model
+    _require_positive({
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+        "model.num_attention_heads": m.num_attention_heads, "model.num_query_groups": m.num_query_groups,
+        "model.kv_channels": m.kv_channels, "model.num_experts": m.num_experts,
+        "model.moe_router_topk": m.moe_router_topk, "model.moe_ffn_hidden_size": m.moe_ffn_hidden_size,
+        "model.vocab_size": m.vocab_size,
+    })
+    if m.moe_router_topk > m.num_experts:
+        raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_experts={m.num_experts}")
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(f"model.num_query_groups={m.num_query_groups} must divide "
+                          f"model.num_attention_heads={m.num_attention_heads}")
+    if not 0 <= m.num_dense_layers < m.num_layers:
+        raise ConfigError(f"model.num_dense_layers={m.num_dense_layers} must be in [0, num_layers) "
+                          "(at least one MoE layer)")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise ConfigError("model.moe_router_enable_expert_bias needs model.moe_router_score_function=sigmoid")
+
+
+def validate_parallel(cfg: Config) -> None:
+    """The layout against the model's shapes (the world size is `validate_layout`'s)."""
+    m, p = cfg.model, cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    _require_positive({
+        "parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp,
+        "parallel.expert_model_parallel_size": ep, "parallel.expert_tensor_parallel_size": etp,
+        "parallel.micro_batch_size": p.micro_batch_size,
+    })
+    if m.num_experts % ep:
+        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by "
+                          f"parallel.expert_model_parallel_size={ep}; pick an EP size that divides it")
+    if m.num_attention_heads % tp:
+        raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                          f"parallel.tensor_model_parallel_size={tp}")
+    if m.num_query_groups % tp:
+        raise ConfigError(f"model.num_query_groups={m.num_query_groups} is not divisible by "
+                          f"parallel.tensor_model_parallel_size={tp} (each TP rank needs whole KV heads)")
+    if m.num_layers % pp:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by "
+                          f"parallel.pipeline_model_parallel_size={pp}")
+    if m.moe_ffn_hidden_size % etp or m.ffn_hidden_size % tp:
+        raise ConfigError("model.moe_ffn_hidden_size must be divisible by parallel.expert_tensor_parallel_size "
+                          "and model.ffn_hidden_size by parallel.tensor_model_parallel_size")
+    if tp > 1 and p.sequence_parallel is False:
+        raise ConfigError("parallel.sequence_parallel=false with tensor_model_parallel_size>1: megatron-core "
+                          "requires sequence parallel for MoE layers under TP; set it true or leave it unset")
+
+
+def validate_rl(cfg: Config) -> None:
+    from moe_rl.objectives import OBJECTIVES
+
+    rl = cfg.rl
+    _require_positive({"rl.group_size": rl.group_size, "rl.prompts_per_step": rl.prompts_per_step,
+                       "rl.num_minibatches": rl.num_minibatches, "rl.epochs": rl.epochs})
+    if rl.objective not in OBJECTIVES:
+        raise ConfigError(f"rl.objective={rl.objective!r} is unknown; valid: {', '.join(OBJECTIVES)}")
+    if OBJECTIVES[rl.objective].needs_router_shift and not rl.capture_routing:
+        raise ConfigError(f"rl.objective={rl.objective} needs rl.capture_routing=true (router shift)")
+    if rl.dynamic_sampling and rl.max_draws < 1:
+        raise ConfigError("rl.max_draws must be >= 1 with rl.dynamic_sampling")
+    if rl.overlong_max_len and not 0 <= rl.overlong_cache < rl.overlong_max_len:
+        raise ConfigError("rl.overlong_cache must be in [0, rl.overlong_max_len)")
+
+
+def validate_sampler(cfg: Config) -> None:
+    s = cfg.sampler
+    _require_positive({"sampler.max_new_tokens": s.max_new_tokens})
+    if s.temperature <= 0:
+        raise ConfigError(f"sampler.temperature must be > 0, got {s.temperature} (the learner scores at it too)")
+    if not 0 < s.top_p <= 1:
+        raise ConfigError(f"sampler.top_p must be in (0, 1], got {s.top_p}")
+
+
+def validate_optimizer(cfg: Config) -> None:
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
+
+
+SECTION_CHECKS = (validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Checks that need no process group. With `world_size`, the layout is checked too."""
+    for check in SECTION_CHECKS:
+        check(cfg)
+    if world_size is not None:
+        validate_layout(cfg, world_size)
+
+
+def validate_layout(cfg: Config, world_size: int) -> int:
+    """Check the parallel layout against the world size; returns the data-parallel size."""
+    p = cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor x pipeline parallel "
+            f"({tp} x {pp}); launch a multiple of {tp * pp} processes"
+        )
+    if world_size % (etp * ep * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by expert-tensor x expert x pipeline "
+            f"parallel ({etp} x {ep} x {pp}); launch a multiple of {etp * ep * pp} processes"
+        )
+    return world_size // (tp * pp)

@@ -1,0 +1,34 @@
+"""Starting the sampler: its Hugging Face weights directory and the backend engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moe_rl.config import Config, ConfigError
+from moe_rl.sampler import Sampler, make_sampler
+
+
+def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None) -> Path:
+    """The Hugging Face directory the sampler starts from: `source` itself when it is one,
+    else `<run_dir>/sampler_hf` converted from the megatron checkpoint `source`."""
+    from moe_rl.convert import megatron_to_hf
+
+    if source is None:
+        raise ConfigError("run.init_checkpoint is required (the sampler needs starting weights)")
+    if (source / "config.json").is_file():
+        return source
+    hf_dir = run_dir / "sampler_hf"
+    megatron_to_hf(source, hf_dir, force=True, tokenizer=cfg.task.tokenizer or None)
+    return hf_dir
+
+
+def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int) -> Sampler:
+    """The configured backend on `hf_dir`."""
+    s = cfg.sampler
+    opts: dict[str, Any] = {}
+    if s.backend == "vllm":
+        opts = {"in_process": s.in_process, "kv_cache_gib": s.vllm_kv_cache_gib,
+                "gpu_memory_utilization": s.gpu_memory_utilization}
+    return make_sampler(s.backend, hf_dir, precision=s.precision, seed=cfg.run.seed,
+                        eos_token_id=eos_token_id, **opts)

@@ -1,0 +1,78 @@
+"""The policy update of one RL step: how the rollout batch splits into mini-batches, and
+the loss callback the learner calls on every micro-batch.
+
+    loss_fn = PolicyLossFn(cfg)           # hyperparameters built and checked once per step
+    for rows in minibatch_rows(B, cfg.rl.num_minibatches, dp, seed):
+        learner.train_step(batch.select(rows), loss_fn, extras, ...)
+
+The learner hands each micro-batch the counts of the whole mini-batch (`MicroBatch.totals`);
+they are the objective's global normalisers, so micro-batch losses sum to the mini-batch loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe_rl.config import Config
+from moe_rl.objectives import OBJECTIVES, PolicyBatch, make_common_hparams, policy_loss_from_hparams
+
+
+def minibatch_rows(B: int, num_minibatches: int, dp: int, seed: int) -> list[torch.Tensor]:
+    """Split rows 0..B-1 into `num_minibatches` shuffled mini-batches, each balanced over
+    data-parallel ranks (the learner gives row r to rank r % dp)."""
+    g = torch.Generator().manual_seed(seed)
+    chunks: list[list[torch.Tensor]] = [[] for _ in range(num_minibatches)]
+    for r in range(dp):
+        rows = torch.arange(r, B, dp)
+        rows = rows[torch.randperm(rows.numel(), generator=g)]
+        for k, part in enumerate(torch.tensor_split(rows, num_minibatches)):
+            chunks[k].append(part)
+    return [torch.cat(c).sort().values for c in chunks if sum(p.numel() for p in c)]
+
+
+class PolicyLossFn:
+    """The objective's loss on one micro-batch, as the learner's `LossFn`.
+
+    Reads from the micro-batch's extras: `old_logp_BT`, `adv_B`, `rollout_logp_BT` and
+    (with a KL penalty) `ref_logp_BT`; from its aux the router-shift weights (rspo)."""
+
+    def __init__(self, cfg: Config) -> None:
+        from moe_rl.learner import MicroBatchLoss
+
+        self._result = MicroBatchLoss
+        rl = cfg.rl
+        self.name = rl.objective
+        self.spec = OBJECTIVES[rl.objective]
+        self.own = rl.hparams
+        self.uses_rollout_logp = rl.rollout_correction != "none"
+        self.common = make_common_hparams(
+            rollout_correction=rl.rollout_correction, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
+            max_response_length=cfg.sampler.max_new_tokens, **dataclasses.asdict(rl.rollout_correction_args))
+
+    def __call__(self, logp_BT: torch.Tensor, mb):  # (MicroBatch) -> MicroBatchLoss
+        e, totals = mb.extras, mb.totals
+        pb = PolicyBatch(
+            logprobs=logp_BT,
+            old_logprobs=e["old_logp_BT"],
+            advantages=e["adv_B"],
+            response_mask=mb.batch.response_mask(),
+            rollout_logprobs=e["rollout_logp_BT"] if self.uses_rollout_logp else None,
+            ref_logprobs=e.get("ref_logp_BT"),
+            router_shift=mb.aux.get("router_shift_BT") if self.spec.needs_router_shift else None,
+        )
+        common = dataclasses.replace(self.common, token_normalizer=totals.response_tokens,
+                                     seq_normalizer=totals.nonempty_sequences, num_sequences_total=totals.sequences)
+        out = policy_loss_from_hparams(self.name, pb, common, self.own)
+        weight = out.num_sequences if self.spec.level == "sequence" else out.num_tokens
+        metrics = {f"policy/{k}": v for k, v in out.metrics.items()}
+        metrics["policy/token_ratio_std"] = token_ratio_std(logp_BT.detach(), e["old_logp_BT"], pb.response_mask)
+        return self._result(out.loss, metrics, weight)
+
+
+def token_ratio_std(logp_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Std over valid tokens of the token-level ratio exp(logp - old): 0 on-policy, the
+    spread the clip and the router shift act on off-policy."""
+    r = torch.exp((logp_BT - old_BT).clamp(-20, 20))[mask_BT]
+    return r.std(unbiased=False) if r.numel() else r.new_zeros(())

@@ -1,0 +1,34 @@
+"""`make demo`'s first steps, pinned: rewards, losses and gradient norms of the demo's
+first 5 RL steps (seed 1234, vLLM sampler, fp32) as recorded from the trainer before the
+rollout package, the learner's routing plan and the typed objective config were split out
+of it. A refactor that changes any of them changed behaviour."""
+
+import json
+
+import pytest
+
+from moe_rl.config import load_config
+
+# (reward/mean, learner/loss, learner/grad_norm) of steps 1..5, recorded at d5aa6a4 with
+# `python -m moe_rl.demo run.steps=5 logging.progress=false`.
+PINNED = [
+    (0.3515625, 0.0, 2.093952236799219),
+    (0.453125, 1.4901161193847656e-08, 2.180573604636266),
+    (0.46875, -7.450580596923828e-09, 3.9526041878957323),
+    (0.390625, 0.0, 2.5365048100066643),
+    (0.640625, 1.4901161193847656e-08, 3.1503731005205466),
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_first_five_steps_are_bit_identical(megatron_world, tmp_path):
+    from moe_rl.demo import BASE, RECIPE
+    from moe_rl.trainer import Trainer
+
+    cfg = load_config(RECIPE, ["run.name=demo", f"run.output_dir={tmp_path}", f"run.init_checkpoint={BASE}",
+                               "run.steps=5", "logging.progress=false"])
+    Trainer(cfg).fit()
+    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    got = [(r["reward/mean"], r["learner/loss"], r["learner/grad_norm"]) for r in rows]
+    assert got == PINNED
