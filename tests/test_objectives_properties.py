@@ -347,7 +347,7 @@ def test_names_and_hyperparameters_are_checked():
     with pytest.raises(UnknownNameError):
         OBJECTIVES["nope"]
     assert "nope" not in OBJECTIVES and OBJECTIVES.get("nope") is None
-    with pytest.raises(ValueError, match=r"'clip_lo'.*valid: clip_low, clip_high.*shared: rollout_correction"):
+    with pytest.raises(ValueError, match=r"'clip_lo'.*valid: clip_low, clip_high.*shared: tis_cap, mis_low, mis_high, rollout_correction"):
         policy_loss("grpo", batch, clip_lo=0.1)
     with pytest.raises(ValueError, match="'tau' for objective 'sapo'; valid: tau_pos, tau_neg"):
         make_hparams("sapo", tau=1.0)
