@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_rl.atomic import atomic_write_text
 from moe_rl.batch import TokenBatch
 from moe_rl.cli import cpu_environment, parse, setup_logging
-from moe_rl.atomic import atomic_write_text
 from moe_rl.config import Config, save_config
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task

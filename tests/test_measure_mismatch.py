@@ -1,4 +1,4 @@
-"""tools/measure_mismatch.py and moe_rl.diagnostics.measure on the shipped tiny model.
+"""tools/measure_mismatch.py and moe_rl.mismatch (the measuring application) on the shipped tiny model.
 
 Engines: the transformers sampler (starts in a second; returns routed experts), vLLM for
 one fp32 check, and the learner in this process or under torchrun (EP=2).
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.diagnostics import measure as measure_mod
-from moe_rl.diagnostics.measure import MeasureConfig, measure, run
-from moe_rl.diagnostics.settings import LearnerLayout, MeasureError, Setting
-from moe_rl.diagnostics.sources import read_prompt_file
+from moe_rl.mismatch import run as run_module
+from moe_rl.mismatch.run import MeasureConfig, measure, run
+from moe_rl.mismatch.settings import LearnerLayout, MeasureError, Setting
+from moe_rl.mismatch.sources import read_prompt_file
 
 
 def _load_tool():
@@ -108,7 +108,7 @@ def test_failure_mid_run_leaves_an_older_report_untouched(tmp_path, monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("sampler died")
 
-    monkeypatch.setattr(measure_mod, "sample_all", broken)
+    monkeypatch.setattr(run_module, "sample_all", broken)
     with pytest.raises(RuntimeError, match="sampler died"):
         run(MeasureConfig(settings=(Setting("transformers", "fp32"),), num_prompts=2, progress=False), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]

@@ -17,6 +17,7 @@ from sampler_utils import (
     save_stream,
 )
 
+from moe_rl.convert.safetensors_writer import buckets, write_safetensors_buckets
 from moe_rl.sampler import Rollouts, Sampler, make_sampler
 from moe_rl.sampler.base import sample_seeds
 from moe_rl.sampler.hf_backend import HFSampler, top_p_filter
@@ -27,7 +28,7 @@ from moe_rl.sampler.precision import (
     is_quantized,
     transform_weight,
 )
-from moe_rl.sampler.weights import buckets, iter_checkpoint, write_safetensors_buckets
+from moe_rl.sampler.weights import iter_checkpoint
 
 
 def _max_abs(a: list[list[float]], b: list[list[float]]) -> float:

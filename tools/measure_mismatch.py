@@ -31,7 +31,7 @@ import os
 import sys
 import warnings
 
-from moe_rl.diagnostics.settings import (
+from moe_rl.mismatch.settings import (
     LEARNER_PRECISIONS,
     SAMPLER_BACKENDS,
     SAMPLER_PRECISIONS,
@@ -40,7 +40,7 @@ from moe_rl.diagnostics.settings import (
     Setting,
     sweep_settings,
 )
-from moe_rl.diagnostics.sources import SHIPPED_CHECKPOINT
+from moe_rl.mismatch.sources import SHIPPED_CHECKPOINT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     from moe_rl.cli import cpu_environment
-    from moe_rl.diagnostics.measure import MeasureConfig, run
-    from moe_rl.diagnostics.sources import resolve_checkpoint
+    from moe_rl.mismatch.run import MeasureConfig, run
+    from moe_rl.mismatch.sources import resolve_checkpoint
 
     cpu_environment()
     quiet_libraries()

@@ -13,6 +13,11 @@ naming it. Names, sizes and file names follow `transformers.save_pretrained`:
 A tensor arrives either as a tensor (`write`) or as a byte range of another file that
 already holds exactly its bytes (`copy_from_file`, a kernel-side copy: most of a megatron
 checkpoint's tensors, e.g. every expert's gate, up and down projection, are stored that way).
+
+A stream whose names are not known up front (the sampler's weight sync through a temp
+directory) is cut into buckets by the same size rule as the shards and written one bucket
+in memory at a time (`write_safetensors_buckets`), each bucket a complete file written the
+same way as a shard.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import torch
 
@@ -60,24 +65,49 @@ class PlannedTensor:
         return n * self.dtype.itemsize
 
 
+_Item = TypeVar("_Item")
+
+
+def cut_by_bytes(
+    items: Iterable[_Item], nbytes: Callable[[_Item], int], max_bytes: int
+) -> Iterator[list[_Item]]:
+    """Consecutive groups of at most `max_bytes` (an item larger than that gets a group of
+    its own; items are never split), one group at a time: the stream is never held whole."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+    group: list[_Item] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if group and size + n > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += n
+    if group:
+        yield group
+
+
+def _check_unique(tensors: Sequence[PlannedTensor]) -> None:
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConvertError(f"tensor {dup!r} is planned twice")
+
+
+def _check_dtypes(tensors: Sequence[PlannedTensor]) -> None:
+    unknown = sorted({t.dtype for t in tensors} - set(DTYPE_NAMES), key=str)
+    if unknown:
+        raise ConvertError(f"dtype {unknown[0]} has no safetensors name")
+
+
 def plan_shards(tensors: Sequence[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
     """Cut the ordered tensor list into shards of at most `max_shard_bytes` (a tensor larger
     than that gets a shard of its own; tensors are never split)."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise ConvertError(f"tensor {dup!r} is planned twice")
-    shards: list[list[PlannedTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    return [s for s in shards if s]
+    _check_unique(tensors)
+    return list(cut_by_bytes(tensors, lambda t: t.nbytes, max_shard_bytes))
 
 
 def _header(shard: Sequence[PlannedTensor]) -> bytes:
@@ -89,6 +119,19 @@ def _header(shard: Sequence[PlannedTensor]) -> bytes:
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors itself writes
     return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_all(f: BinaryIO, data: memoryview) -> None:
+    """Write every byte (an unbuffered file may take fewer per call)."""
+    done = 0
+    while done < len(data):
+        done += f.write(data[done:])
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes through the buffer protocol: no copy for a contiguous CPU tensor."""
+    data = tensor.detach().cpu().contiguous()
+    return memoryview(data.reshape(-1).view(torch.uint8).numpy())
 
 
 def shard_file_name(i: int, n: int) -> str:
@@ -105,9 +148,7 @@ class ShardedSafetensorsWriter:
     """
 
     def __init__(self, out_dir: str | Path, tensors: Sequence[PlannedTensor], max_shard_bytes: int) -> None:
-        unknown = sorted({t.dtype for t in tensors} - set(DTYPE_NAMES), key=str)
-        if unknown:
-            raise ConvertError(f"dtype {unknown[0]} has no safetensors name")
+        _check_dtypes(tensors)
         self.out_dir = Path(out_dir)
         self.shards = plan_shards(tensors, max_shard_bytes)
         self.total_bytes = sum(t.nbytes for t in tensors)
@@ -134,12 +175,7 @@ class ShardedSafetensorsWriter:
         # Unbuffered: every write is large, and copy_from_file writes through the fd.
         self._file = open(path, "wb", buffering=0)  # closed by _open / close / __exit__
         self._file_index = i
-        self._write_all(memoryview(_header(self.shards[i])))
-
-    def _write_all(self, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            done += self._file.write(data[done:])
+        _write_all(self._file, memoryview(_header(self.shards[i])))
 
     def _next_planned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PlannedTensor:
         """Check `name` is the next planned tensor, with that shape and dtype; open its shard."""
@@ -159,9 +195,7 @@ class ShardedSafetensorsWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next planned tensor; it must match the plan's name, shape and dtype."""
         want = self._next_planned(name, tuple(tensor.shape), tensor.dtype)
-        data = tensor.detach().cpu().contiguous()
-        # The raw bytes through the buffer protocol: no copy for contiguous tensors.
-        self._write_all(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        _write_all(self._file, _raw_bytes(tensor))
         self.bytes_written += want.nbytes
         self._next += 1
 
@@ -178,7 +212,7 @@ class ShardedSafetensorsWriter:
                     n = os.copy_file_range(src, self._file.fileno(), want.nbytes - done, offset + done)
                 except OSError:  # an old kernel, or filesystems that refuse it: copy by hand
                     chunk = os.pread(src, min(want.nbytes - done, 64 << 20), offset + done)
-                    self._write_all(memoryview(chunk))
+                    _write_all(self._file, memoryview(chunk))
                     n = len(chunk)
                 if n <= 0:
                     raise ConvertError(f"{path} ends before offset {offset + done} (copying {name!r})")
@@ -202,3 +236,43 @@ class ShardedSafetensorsWriter:
         path = self.out_dir / INDEX_FILE
         path.write_text(json.dumps(index, indent=2) + "\n")
         return path
+
+
+# --------------------------------------------------------------------------- unplanned streams
+
+
+def write_safetensors_file(path: str | Path, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """One complete safetensors file of tensors already in memory, in the given order."""
+    planned = [PlannedTensor(name, tuple(t.shape), t.dtype) for name, t in named_tensors]
+    _check_dtypes(planned)
+    _check_unique(planned)
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, memoryview(_header(planned)))
+        for _, t in named_tensors:
+            _write_all(f, _raw_bytes(t))
+
+
+def _tensor_nbytes(named: tuple[str, torch.Tensor]) -> int:
+    return named[1].numel() * named[1].element_size()
+
+
+def buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a `(name, tensor)` stream into lists of at most `bucket_bytes` (the shard rule)."""
+    return cut_by_bytes(named_tensors, _tensor_nbytes, bucket_bytes)
+
+
+def write_safetensors_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, bucket_bytes: int
+) -> list[str]:
+    """Write the stream as `bucket-00000.safetensors`, ... under `out_dir`, one bucket in
+    memory at a time. Returns the tensor names written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names: list[str] = []
+    for i, bucket in enumerate(buckets(named_tensors, bucket_bytes)):
+        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in bucket]
+        write_safetensors_file(out_dir / f"bucket-{i:05d}.safetensors", tensors)
+        names.extend(name for name, _ in tensors)
+    return names

@@ -1,5 +1,8 @@
 """Sampler-learner mismatch: metrics (pure torch, cheap enough for every RL step) and the
 report writer (JSON, Markdown, PNG plots; matplotlib is imported only when plotting).
+
+A library: tensors in, numbers and files out. It imports nothing of the learner or the
+samplers; the application that starts them and measures a checkpoint is `moe_rl.mismatch`.
 """
 
 from moe_rl.diagnostics.metrics import (

@@ -320,7 +320,173 @@ def _bucket_table(
     return BucketTable(by=by, edges=edges, columns=columns, num_outside=n_valid - count_b.sum())
 
 
+# --------------------------------------------------------------------------- per token
+
+
+@dataclass(frozen=True)
+class _PerToken:
+    """float64 per-token terms, zero at padding (d is zeroed there, and every term below is 0
+    where d = 0: |dp| = q |expm1(d)|, k3 = expm1(d) - d), so no further masking is needed."""
+
+    mask_BT: Tensor  # bool
+    d_BT: Tensor  # learner - sampler log-prob
+    em1_BT: Tensor  # exp(d) - 1, accurate when d is tiny
+    q_BT: Tensor  # sampler probability (1 at padding)
+    abs_dp_BT: Tensor  # |p - q| = q |exp(d) - 1|
+    k3_BT: Tensor
+    capped_BT: Tensor  # bool: exp(d) > tis_cap
+    outside_BT: Tensor  # bool: exp(d) outside the IcePop band
+    gt_ln2_BT: Tensor  # bool: |d| > ln 2
+
+
+def _per_token(
+    sampler_logp_BT: Tensor,
+    learner_logp_BT: Tensor,
+    mask_BT: Tensor,
+    tis_cap: float,
+    band: tuple[float, float],
+) -> _PerToken:
+    m_BT = mask_BT
+    lo, hi = band
+    # padding may hold NaN / -inf: it is replaced before any arithmetic
+    s_BT = torch.where(m_BT, sampler_logp_BT.detach().to(torch.float64), 0.0)
+    d_BT = torch.where(m_BT, learner_logp_BT.detach().to(torch.float64) - s_BT, 0.0)
+    em1_BT = torch.expm1(d_BT)
+    q_BT = s_BT.exp()
+    return _PerToken(
+        mask_BT=m_BT,
+        d_BT=d_BT,
+        em1_BT=em1_BT,
+        q_BT=q_BT,
+        abs_dp_BT=q_BT * em1_BT.abs(),
+        k3_BT=(em1_BT - d_BT).clamp_min(0.0),
+        capped_BT=(d_BT > math.log(tis_cap)) & m_BT,
+        outside_BT=((d_BT < math.log(lo)) | (d_BT > math.log(hi))) & m_BT,
+        gt_ln2_BT=(d_BT.abs() > LN2) & m_BT,
+    )
+
+
+# --------------------------------------------------------------------------- per sequence
+
+
+@dataclass(frozen=True)
+class _PerSequence:
+    """Per-sequence reductions shared by the scalars and the token arrays."""
+
+    len_B: Tensor  # float64 valid tokens per sequence
+    dp_max_B: Tensor  # max |dp| per sequence (0 for empty sequences)
+    negd_sum_B: Tensor  # sum_t (s - l)
+    num_sequences: Tensor  # sequences with at least one valid token (B')
+    num_tokens: Tensor
+
+
+def _per_sequence(tok: _PerToken) -> _PerSequence:
+    len_B = tok.mask_BT.sum(1).to(torch.float64)
+    T = tok.mask_BT.shape[1]
+    return _PerSequence(
+        len_B=len_B,
+        dp_max_B=tok.abs_dp_BT.amax(1) if T > 0 else len_B * 0,
+        negd_sum_B=-tok.d_BT.sum(1),
+        num_sequences=(len_B > 0).to(torch.float64).sum(),
+        num_tokens=len_B.sum(),
+    )
+
+
+def _scalars(tok: _PerToken, seq: _PerSequence) -> dict[str, Tensor]:
+    """The summary numbers (module docstring); a zero count divides by 1, so never NaN."""
+    n_tok = seq.num_tokens
+    seq_den, tok_den = seq.num_sequences.clamp_min(1), n_tok.clamp_min(1)
+    len_B = seq.len_B.clamp_min(1)
+    abs_dp_BT = tok.abs_dp_BT
+    return {
+        "num_tokens": n_tok,
+        "num_sequences": seq.num_sequences,
+        "dp_mean": (abs_dp_BT.sum(1) / len_B).sum() / seq_den,
+        "dp_max_mean": seq.dp_max_B.sum() / seq_den,  # empty sequences have max 0
+        "dp_max": abs_dp_BT.amax() if abs_dp_BT.numel() else n_tok * 0,
+        "k1": seq.negd_sum_B.sum() / tok_den,
+        "k3": tok.k3_BT.sum() / tok_den,
+        # per sequence mean_t (s - l) = log ppl_learner - log ppl_sampler, then over sequences
+        "log_ppl_diff": (seq.negd_sum_B / len_B).sum() / seq_den,
+        "frac_tis_capped": tok.capped_BT.sum() / tok_den,
+        "frac_outside_icepop": tok.outside_BT.sum() / tok_den,
+        "frac_dlogp_gt_ln2": tok.gt_ln2_BT.sum() / tok_den,
+    }
+
+
+def _bucket_tables(
+    tok: _PerToken, num_tokens: Tensor, pos_edges: tuple[float, ...], prob_edges: tuple[float, ...]
+) -> tuple[BucketTable, BucketTable]:
+    """(by response position, by sampler probability)."""
+    m_BT = tok.mask_BT
+    T = m_BT.shape[1]
+    flags_BT = tok.capped_BT.long() + 2 * tok.outside_BT.long() + 4 * tok.gt_ln2_BT.long()
+    bucket_args = (tok.abs_dp_BT, tok.d_BT, tok.k3_BT, flags_BT, num_tokens)
+    # position = index among the sequence's valid tokens; bucket it once per position 0..T-1
+    pos_BT = (m_BT.cumsum(1) - 1).clamp_min(0)
+    pos_bucket_T = _bucket_index(
+        torch.arange(T, device=m_BT.device, dtype=torch.float64),
+        pos_edges,
+        torch.ones(T, dtype=torch.bool, device=m_BT.device),
+    )
+    pos_idx_BT = torch.where(m_BT, pos_bucket_T[pos_BT], len(pos_edges) - 1)
+    by_position = _bucket_table("position", pos_edges, pos_idx_BT, *bucket_args)
+    prob_idx_BT = _bucket_index(tok.q_BT.clamp(0.0, 1.0), prob_edges, m_BT)
+    by_prob = _bucket_table("sampler_prob", prob_edges, prob_idx_BT, *bucket_args)
+    return by_position, by_prob
+
+
+def _routing_disagreement(
+    sampler_ids_BTLK: Tensor | None, learner_ids_BTLK: Tensor | None, mask_BT: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    """(per layer [L], any layer []) from the one implementation in moe_rl.routing."""
+    if sampler_ids_BTLK is None or learner_ids_BTLK is None:
+        return None, None
+    B, T, L, K = sampler_ids_BTLK.shape
+    return topk_disagreement(
+        sampler_ids_BTLK.reshape(B * T, L, K),
+        learner_ids_BTLK.reshape(B * T, L, K),
+        mask_BT.reshape(-1),
+    )
+
+
+def _token_arrays(tok: _PerToken, seq: _PerSequence) -> TokenArrays:
+    w_BT = tok.mask_BT.to(torch.float64)
+    return TokenArrays(
+        log_ratio=tok.d_BT,
+        abs_dp=tok.abs_dp_BT,
+        sampler_p=tok.q_BT * w_BT,
+        learner_p=tok.q_BT * (1.0 + tok.em1_BT) * w_BT,  # exp(l) without a second exp
+        mask=tok.mask_BT,
+        length=seq.len_B,
+        dp_max=seq.dp_max_B,
+    )
+
+
 # --------------------------------------------------------------------------- entry point
+
+
+def _check_params(
+    T: int,
+    tis_cap: float,
+    icepop_band: tuple[float, float],
+    position_edges: Sequence[float] | None,
+    prob_edges: Sequence[float],
+) -> tuple[tuple[float, float], tuple[float, ...], tuple[float, ...]]:
+    """(band, position edges, probability edges), checked; position edges default to
+    `default_position_edges(T)`."""
+    if not tis_cap > 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    lo, hi = (float(x) for x in icepop_band)
+    if not 0 < lo < hi:
+        raise ValueError(f"icepop_band must be (lo, hi) with 0 < lo < hi, got {icepop_band}")
+    pos_edges = _check_edges(
+        "position_edges",
+        default_position_edges(T) if position_edges is None else position_edges,
+        0.0,
+        None,
+    )
+    return (lo, hi), pos_edges, _check_edges("prob_edges", prob_edges, 0.0, 1.0)
 
 
 def compute_mismatch(
@@ -347,109 +513,28 @@ def compute_mismatch(
     log-probs at valid positions. Definitions: the module docstring.
     """
     _check_inputs(sampler_logp_BT, learner_logp_BT, mask_BT, sampler_ids_BTLK, learner_ids_BTLK)
-    B, T = sampler_logp_BT.shape
-    if not tis_cap > 0:
-        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    lo, hi = (float(x) for x in icepop_band)
-    if not 0 < lo < hi:
-        raise ValueError(f"icepop_band must be (lo, hi) with 0 < lo < hi, got {icepop_band}")
-    pos_edges = _check_edges(
-        "position_edges",
-        default_position_edges(T) if position_edges is None else position_edges,
-        0.0,
-        None,
-    )
-    p_edges = _check_edges("prob_edges", prob_edges, 0.0, 1.0)
+    T = sampler_logp_BT.shape[1]
+    band, pos_edges, p_edges = _check_params(T, tis_cap, icepop_band, position_edges, prob_edges)
     if check_values:
         _check_values("sampler_logp_BT", sampler_logp_BT, mask_BT)
         _check_values("learner_logp_BT", learner_logp_BT, mask_BT)
 
-    m_BT = mask_BT
-    dtype = torch.float64
-    # d is zeroed at padding (which may hold NaN / -inf), and every per-token quantity below
-    # is 0 where d = 0 (|dp| = q |expm1(d)|, k3 = expm1(d) - d): no further masking needed
-    s_BT = torch.where(m_BT, sampler_logp_BT.detach().to(dtype), 0.0)
-    d_BT = torch.where(m_BT, learner_logp_BT.detach().to(dtype) - s_BT, 0.0)
-    em1_BT = torch.expm1(d_BT)  # exp(d) - 1, accurate when d is tiny
-    q_BT = s_BT.exp()
-    abs_dp_BT = q_BT * em1_BT.abs()  # |p - q| = q |exp(d) - 1|
-    k3_BT = (em1_BT - d_BT).clamp_min(0.0)
-    capped_BT = (d_BT > math.log(tis_cap)) & m_BT
-    outside_BT = ((d_BT < math.log(lo)) | (d_BT > math.log(hi))) & m_BT
-    gt_ln2_BT = (d_BT.abs() > LN2) & m_BT
-
-    # ---- sequence level
-    len_B = m_BT.sum(1).to(dtype)
-    nonempty_B = len_B > 0
-    n_seq = nonempty_B.to(dtype).sum()
-    n_tok = len_B.sum()
-    seq_den, tok_den = n_seq.clamp_min(1), n_tok.clamp_min(1)
-    dp_max_B = abs_dp_BT.amax(1) if T > 0 else len_B * 0
-    negd_sum_B = -d_BT.sum(1)  # per sequence: sum_t (s - l)
-
-    scalars = {
-        "num_tokens": n_tok,
-        "num_sequences": n_seq,
-        "dp_mean": (abs_dp_BT.sum(1) / len_B.clamp_min(1)).sum() / seq_den,
-        "dp_max_mean": dp_max_B.sum() / seq_den,  # empty sequences have max 0
-        "dp_max": abs_dp_BT.amax() if abs_dp_BT.numel() else n_tok * 0,
-        "k1": negd_sum_B.sum() / tok_den,
-        "k3": k3_BT.sum() / tok_den,
-        # per sequence mean_t (s - l) = log ppl_learner - log ppl_sampler, then over sequences
-        "log_ppl_diff": (negd_sum_B / len_B.clamp_min(1)).sum() / seq_den,
-        "frac_tis_capped": capped_BT.sum() / tok_den,
-        "frac_outside_icepop": outside_BT.sum() / tok_den,
-        "frac_dlogp_gt_ln2": gt_ln2_BT.sum() / tok_den,
-    }
-
-    # ---- buckets
-    flags_BT = capped_BT.long() + 2 * outside_BT.long() + 4 * gt_ln2_BT.long()
-    bucket_args = (abs_dp_BT, d_BT, k3_BT, flags_BT, n_tok)
-    # position = index among the sequence's valid tokens; bucket it once per position 0..T-1
-    pos_BT = (m_BT.cumsum(1) - 1).clamp_min(0)
-    pos_bucket_T = _bucket_index(
-        torch.arange(T, device=m_BT.device, dtype=dtype),
-        pos_edges,
-        torch.ones(T, dtype=torch.bool, device=m_BT.device),
-    )
-    pos_idx_BT = torch.where(m_BT, pos_bucket_T[pos_BT], len(pos_edges) - 1)
-    by_position = _bucket_table("position", pos_edges, pos_idx_BT, *bucket_args)
-    prob_idx_BT = _bucket_index(q_BT.clamp(0.0, 1.0), p_edges, m_BT)
-    by_prob = _bucket_table("sampler_prob", p_edges, prob_idx_BT, *bucket_args)
-
-    # ---- routing (the one implementation in moe_rl.routing)
-    dis_L = dis_any = None
-    if sampler_ids_BTLK is not None and learner_ids_BTLK is not None:
-        _, _, L, K = sampler_ids_BTLK.shape
-        dis_L, dis_any = topk_disagreement(
-            sampler_ids_BTLK.reshape(B * T, L, K),
-            learner_ids_BTLK.reshape(B * T, L, K),
-            m_BT.reshape(-1),
-        )
-
-    w_BT = m_BT.to(dtype)
-    tokens = TokenArrays(
-        log_ratio=d_BT,
-        abs_dp=abs_dp_BT,
-        sampler_p=q_BT * w_BT,
-        learner_p=q_BT * (1.0 + em1_BT) * w_BT,  # exp(l) without a second exp
-        mask=m_BT,
-        length=len_B,
-        dp_max=dp_max_B,
-    )
-    params = {
-        "tis_cap": float(tis_cap),
-        "icepop_band": [lo, hi],
-        "dlogp_threshold": LN2,
-        "position_edges": list(pos_edges),
-        "prob_edges": list(p_edges),
-    }
+    tok = _per_token(sampler_logp_BT, learner_logp_BT, mask_BT, tis_cap, band)
+    seq = _per_sequence(tok)
+    by_position, by_prob = _bucket_tables(tok, seq.num_tokens, pos_edges, p_edges)
+    dis_L, dis_any = _routing_disagreement(sampler_ids_BTLK, learner_ids_BTLK, mask_BT)
     return MismatchResult(
-        scalars=scalars,
+        scalars=_scalars(tok, seq),
         by_position=by_position,
         by_sampler_prob=by_prob,
-        tokens=tokens,
+        tokens=_token_arrays(tok, seq),
         routing_disagree_per_layer=dis_L,
         routing_disagree_any=dis_any,
-        params=params,
+        params={
+            "tis_cap": float(tis_cap),
+            "icepop_band": list(band),
+            "dlogp_threshold": LN2,
+            "position_edges": list(pos_edges),
+            "prob_edges": list(p_edges),
+        },
     )

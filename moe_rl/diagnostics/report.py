@@ -3,9 +3,10 @@
     write_report("runs/mm", {"bf16": res_bf16, "fp8": res_fp8}, meta={"checkpoint": ...})
 
 Several settings (a `--sweep`) share one summary table and overlaid plots. The write is
-atomic: everything goes into a temp directory next to `out_dir`, which is renamed into
-place only once every file exists. On any exception the temp directory is removed and an
-older report at `out_dir` is left exactly as it was; a new `out_dir` is never created.
+atomic (`moe_rl.atomic.atomic_output_dir`): everything goes into a temp directory next to
+`out_dir`, which replaces `out_dir` only once every file exists. On any exception the temp
+directory is removed and an older report at `out_dir` is left exactly as it was; a new
+`out_dir` is never created.
 
 Plots use matplotlib's Agg canvas on bare `Figure`s (no pyplot state, no display needed).
 """
@@ -15,8 +16,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.atomic import atomic_output_dir
 from moe_rl.diagnostics.metrics import BUCKET_COLUMNS, PREFIX, BucketTable, MismatchResult
 
 # Rules of thumb for "look at this" (our choice, from the TIS/IcePop defaults: a token
@@ -56,6 +56,13 @@ PLOT_FILES = {
     "dp_max_vs_length": "plots/dp_max_vs_length.png",
     "by_position": "plots/mismatch_by_position.png",
     "routing": "plots/routing_disagreement.png",
+}
+PLOT_CAPTIONS = {
+    "log_ratio_hist": "Histogram of per-token log ratios (log-scale counts)",
+    "prob_scatter": "Sampler vs learner probability per token (subsampled), with y = x",
+    "dp_max_vs_length": "Max abs dp per sequence vs response length",
+    "by_position": "Mean abs dp and k3 by response position",
+    "routing": "Sampler vs learner routing disagreement per layer",
 }
 SCATTER_MAX_POINTS = 20_000  # per setting; a deterministic subsample keeps PNGs small
 
@@ -305,6 +312,55 @@ use). Identical engines give d = 0 everywhere, so every number below would be 0.
 """
 
 
+def _summary_md(summaries: Mapping[str, dict[str, float]], has_routing: bool) -> str:
+    """One row per setting: the summary numbers, the any-layer routing disagreement, flags."""
+    header = ["setting", *(label for _, label in SUMMARY_COLUMNS)]
+    if has_routing:
+        header.append("routing any-layer")
+    header.append("flags")
+    rows = []
+    for name, s in summaries.items():
+        row = [_md_escape(name), *(fmt_num(s[f"{PREFIX}{k}"]) for k, _ in SUMMARY_COLUMNS)]
+        if has_routing:
+            row.append(fmt_num(s.get(f"{PREFIX}routing_disagree_any")))
+        row.append(_flags(s))
+        rows.append(row)
+    return _md_table(header, rows)
+
+
+def _routing_md(results: Mapping[str, MismatchResult]) -> str:
+    """Per-layer disagreement, one column per setting that has routing ('–' past its layers)."""
+    routed = {n: r for n, r in results.items() if r.routing_disagree_per_layer is not None}
+    L = max(r.routing_disagree_per_layer.shape[0] for r in routed.values())
+    per_layer = {n: r.routing_disagree_per_layer.double().cpu().tolist() for n, r in routed.items()}
+    rows = [
+        [str(layer), *(fmt_num(v[layer]) if layer < len(v) else "–" for v in per_layer.values())]
+        for layer in range(L)
+    ]
+    return _md_table(["MoE layer", *(_md_escape(n) for n in routed)], rows)
+
+
+def _plots_md(has_routing: bool) -> list[str]:
+    out = []
+    for key, rel in PLOT_FILES.items():
+        if key == "routing" and not has_routing:
+            continue
+        out += [f"### {PLOT_CAPTIONS[key]}", "", f"![{PLOT_CAPTIONS[key]}]({rel})", ""]
+    return out
+
+
+def _buckets_md(results: Mapping[str, MismatchResult]) -> list[str]:
+    out = []
+    for title, attr in (
+        ("By response position", "by_position"),
+        ("By sampler probability", "by_sampler_prob"),
+    ):
+        out += [f"## {title}", ""]
+        for name, r in results.items():
+            out += [f"### {_md_escape(name)}", "", _bucket_md(getattr(r, attr)), ""]
+    return out
+
+
 def _markdown(
     results: Mapping[str, MismatchResult],
     summaries: Mapping[str, dict[str, float]],
@@ -331,61 +387,16 @@ def _markdown(
         "",
         "## Summary",
         "",
+        _summary_md(summaries, has_routing),
     ]
-    header = ["setting", *(label for _, label in SUMMARY_COLUMNS)]
     if has_routing:
-        header.append("routing any-layer")
-    header.append("flags")
-    rows = []
-    for name, s in summaries.items():
-        row = [_md_escape(name), *(fmt_num(s[f"{PREFIX}{k}"]) for k, _ in SUMMARY_COLUMNS)]
-        if has_routing:
-            row.append(fmt_num(s.get(f"{PREFIX}routing_disagree_any")))
-        row.append(_flags(s))
-        rows.append(row)
-    out.append(_md_table(header, rows))
-
-    if has_routing:
-        routed = {n: r for n, r in results.items() if r.routing_disagree_per_layer is not None}
-        L = max(r.routing_disagree_per_layer.shape[0] for r in routed.values())
-        per_layer = {
-            n: r.routing_disagree_per_layer.double().cpu().tolist() for n, r in routed.items()
-        }
-        rows = [
-            [
-                str(layer),
-                *(fmt_num(v[layer]) if layer < len(v) else "–" for v in per_layer.values()),
-            ]
-            for layer in range(L)
-        ]
         out += [
             "",
             "## Routing: sampler vs learner top-k disagreement per MoE layer",
             "",
-            _md_table(["MoE layer", *(_md_escape(n) for n in routed)], rows),
+            _routing_md(results),
         ]
-
-    out += ["", "## Plots", ""]
-    captions = {
-        "log_ratio_hist": "Histogram of per-token log ratios (log-scale counts)",
-        "prob_scatter": "Sampler vs learner probability per token (subsampled), with y = x",
-        "dp_max_vs_length": "Max abs dp per sequence vs response length",
-        "by_position": "Mean abs dp and k3 by response position",
-        "routing": "Sampler vs learner routing disagreement per layer",
-    }
-    for key, rel in PLOT_FILES.items():
-        if key == "routing" and not has_routing:
-            continue
-        out += [f"### {captions[key]}", "", f"![{captions[key]}]({rel})", ""]
-
-    for title, attr in (
-        ("By response position", "by_position"),
-        ("By sampler probability", "by_sampler_prob"),
-    ):
-        out += [f"## {title}", ""]
-        for name, r in results.items():
-            out += [f"### {_md_escape(name)}", "", _bucket_md(getattr(r, attr)), ""]
-
+    out += ["", "## Plots", "", *_plots_md(has_routing), *_buckets_md(results)]
     out += ["## How to read this", "", _how_to_read(first.params)]
     return "\n".join(out)
 
@@ -438,31 +449,9 @@ def write_report(
     doc_text = json.dumps(_json_clean(doc), indent=2, allow_nan=False)
     md_text = _markdown(results, summaries, meta, generated, has_routing)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it 0700; reports are meant to be shared (see atomic_write_text)
-    try:
+    with atomic_output_dir(out, force=True) as tmp:  # force: an older report is replaced
+        tmp.chmod(0o755)  # whatever the umask: reports are meant to be shared
         (tmp / "mismatch.json").write_text(doc_text + "\n")
         (tmp / "REPORT.md").write_text(md_text)
         _write_plots(tmp, results, has_routing)
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out is moved aside first and restored if that fails."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    backup.rmdir()  # only the unique name is wanted; rename needs it absent
-    out.rename(backup)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        backup.rename(out)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)

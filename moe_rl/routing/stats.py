@@ -154,6 +154,84 @@ def _layer_dict(name: str, values_L: Tensor) -> dict[str, Tensor]:
     return {f"{PREFIX}{name}_layer{i}": values_L[i] for i in range(values_L.shape[0])}
 
 
+def _resolve_pairs(
+    old_logp_NLK: Tensor | None,
+    new_logp_NLK: Tensor | None,
+    old_ids_NLK: Tensor | None,
+    new_ids_NLK: Tensor | None,
+    sampler_ids_NLK: Tensor | None,
+    learner_ids_NLK: Tensor | None,
+) -> Tensor | None:
+    """Refuse a pair given half-way; return the learner ids to compare the sampler with."""
+    if (old_logp_NLK is None) != (new_logp_NLK is None):
+        raise ValueError("old_logp_NLK and new_logp_NLK must be given together")
+    if (old_ids_NLK is None) != (new_ids_NLK is None):
+        raise ValueError("old_ids_NLK and new_ids_NLK must be given together")
+    if learner_ids_NLK is None:
+        learner_ids_NLK = old_ids_NLK
+    if sampler_ids_NLK is not None and learner_ids_NLK is None:
+        raise ValueError("sampler_ids_NLK needs learner_ids_NLK (or old_ids_NLK) to compare with")
+    return learner_ids_NLK
+
+
+def _same_tokens_and_layers(
+    named: list[tuple[str, Tensor | None]],
+) -> tuple[int, int, torch.device]:
+    """(N, L, device) shared by every given `[N, L, K]` input (K may differ: ids vs log r)."""
+    given = [(nm, x) for nm, x in named if x is not None]
+    if not given:
+        raise ValueError("routing_stats needs at least one pair of inputs")
+    ref_name, ref = given[0]
+    _check_nlk(ref_name, ref)
+    for nm, x in given[1:]:
+        _check_nlk(nm, x)
+        if x.shape[:2] != ref.shape[:2]:
+            raise ValueError(
+                f"{nm} must have the same [N, L] as {ref_name} {tuple(ref.shape[:2])}, "
+                f"got {tuple(x.shape[:2])}"
+            )
+    N, L = ref.shape[:2]
+    if L == 0:
+        raise ValueError(f"{ref_name} needs at least one MoE layer, got shape {tuple(ref.shape)}")
+    return N, L, ref.device
+
+
+def _shift_stats(
+    old_logp_NLK: Tensor, new_logp_NLK: Tensor, valid_N: Tensor | None, gamma_min: float | None
+) -> dict[str, Tensor]:
+    """gamma statistics and per-layer |delta log r| of the old top-k experts."""
+    _check_nlk("new_logp_NLK", new_logp_NLK, tuple(old_logp_NLK.shape))
+    _, L, K = old_logp_NLK.shape
+    if K == 0:
+        raise ValueError(f"old_logp_NLK needs K >= 1, got {tuple(old_logp_NLK.shape)}")
+    a_NLK = abs_dlogr(old_logp_NLK, new_logp_NLK)
+    # gamma from the same formula RSPO uses; unfloored so the statistics show real drift
+    gamma_N = router_shift_from_partial(a_NLK.sum(dim=(1, 2)), L, K, gamma_min=0.0)
+    out = gamma_stats(gamma_N, valid_N, gamma_min)
+    dlogr_L = dlogr_per_layer(old_logp_NLK, new_logp_NLK, valid_N)
+    out |= _layer_dict("dlogr", dlogr_L)
+    out[f"{PREFIX}dlogr_mean"] = dlogr_L.mean()
+    return out
+
+
+def _topk_set_stats(
+    name: str,
+    any_name: str,
+    ids_a_NLK: Tensor,
+    ids_b_NLK: Tensor,
+    valid_N: Tensor | None,
+    *,
+    mean: bool,
+) -> dict[str, Tensor]:
+    """`{name}_layer{l}` (+ `{name}_mean` when `mean`) and `any_name`: top-k sets that differ."""
+    per_layer_L, any_ = topk_disagreement(ids_a_NLK, ids_b_NLK, valid_N)
+    out = _layer_dict(name, per_layer_L)
+    if mean:
+        out[f"{PREFIX}{name}_mean"] = per_layer_L.mean()
+    out[f"{PREFIX}{any_name}"] = any_
+    return out
+
+
 def routing_stats(
     old_logp_NLK: Tensor | None = None,
     new_logp_NLK: Tensor | None = None,
@@ -179,65 +257,34 @@ def routing_stats(
         routing/sampler_disagree_layer{l}, sampler_disagree_any.
     Always: routing/num_tokens (valid tokens counted).
     """
-    if (old_logp_NLK is None) != (new_logp_NLK is None):
-        raise ValueError("old_logp_NLK and new_logp_NLK must be given together")
-    if (old_ids_NLK is None) != (new_ids_NLK is None):
-        raise ValueError("old_ids_NLK and new_ids_NLK must be given together")
-    if learner_ids_NLK is None:
-        learner_ids_NLK = old_ids_NLK
-    if sampler_ids_NLK is not None and learner_ids_NLK is None:
-        raise ValueError("sampler_ids_NLK needs learner_ids_NLK (or old_ids_NLK) to compare with")
-
-    given = [
-        (nm, x)
-        for nm, x in [
+    learner_ids_NLK = _resolve_pairs(
+        old_logp_NLK, new_logp_NLK, old_ids_NLK, new_ids_NLK, sampler_ids_NLK, learner_ids_NLK
+    )
+    N, _, device = _same_tokens_and_layers(
+        [
             ("old_logp_NLK", old_logp_NLK),
             ("old_ids_NLK", old_ids_NLK),
             ("sampler_ids_NLK", sampler_ids_NLK),
             ("learner_ids_NLK", learner_ids_NLK),
         ]
-        if x is not None
-    ]
-    if not given:
-        raise ValueError("routing_stats needs at least one pair of inputs")
-    ref_name, ref = given[0]
-    _check_nlk(ref_name, ref)
-    for nm, x in given[1:]:
-        _check_nlk(nm, x)
-        if x.shape[:2] != ref.shape[:2]:
-            raise ValueError(
-                f"{nm} must have the same [N, L] as {ref_name} {tuple(ref.shape[:2])}, "
-                f"got {tuple(x.shape[:2])}"
-            )
-    N, L = ref.shape[:2]
-    if L == 0:
-        raise ValueError(f"{ref_name} needs at least one MoE layer, got shape {tuple(ref.shape)}")
-    _, n = _valid_weights(valid_N, N, ref.device)
+    )
+    _, n = _valid_weights(valid_N, N, device)
     out: dict[str, Tensor] = {f"{PREFIX}num_tokens": n}
-
     if old_logp_NLK is not None and new_logp_NLK is not None:
-        _check_nlk("new_logp_NLK", new_logp_NLK, tuple(old_logp_NLK.shape))
-        K = old_logp_NLK.shape[2]
-        if K == 0:
-            raise ValueError(f"old_logp_NLK needs K >= 1, got {tuple(old_logp_NLK.shape)}")
-        a_NLK = abs_dlogr(old_logp_NLK, new_logp_NLK)
-        # gamma from the same formula RSPO uses; unfloored so the statistics show real drift
-        gamma_N = router_shift_from_partial(a_NLK.sum(dim=(1, 2)), L, K, gamma_min=0.0)
-        out |= gamma_stats(gamma_N, valid_N, gamma_min)
-        dlogr_L = dlogr_per_layer(old_logp_NLK, new_logp_NLK, valid_N)
-        out |= _layer_dict("dlogr", dlogr_L)
-        out[f"{PREFIX}dlogr_mean"] = dlogr_L.mean()
-
+        out |= _shift_stats(old_logp_NLK, new_logp_NLK, valid_N, gamma_min)
     if old_ids_NLK is not None and new_ids_NLK is not None:
-        flip_L, flip_any = topk_disagreement(old_ids_NLK, new_ids_NLK, valid_N)
-        out |= _layer_dict("flip_rate", flip_L)
-        out[f"{PREFIX}flip_rate_mean"] = flip_L.mean()
-        out[f"{PREFIX}flip_any"] = flip_any
-
+        out |= _topk_set_stats(
+            "flip_rate", "flip_any", old_ids_NLK, new_ids_NLK, valid_N, mean=True
+        )
     if sampler_ids_NLK is not None:
-        dis_L, dis_any = topk_disagreement(sampler_ids_NLK, learner_ids_NLK, valid_N)
-        out |= _layer_dict("sampler_disagree", dis_L)
-        out[f"{PREFIX}sampler_disagree_any"] = dis_any
+        out |= _topk_set_stats(
+            "sampler_disagree",
+            "sampler_disagree_any",
+            sampler_ids_NLK,
+            learner_ids_NLK,
+            valid_N,
+            mean=False,
+        )
     return out
 
 

@@ -38,10 +38,9 @@ from typing import Any
 import torch
 
 from moe_rl.batch import TokenBatch
-from moe_rl.diagnostics.metrics import MismatchResult, compute_mismatch
-from moe_rl.diagnostics.report import write_report
-from moe_rl.diagnostics.settings import LearnerLayout, MeasureError, Setting, check_unique
-from moe_rl.diagnostics.sources import (
+from moe_rl.diagnostics import MismatchResult, compute_mismatch, write_report
+from moe_rl.mismatch.settings import LearnerLayout, MeasureError, Setting, check_unique
+from moe_rl.mismatch.sources import (
     SHIPPED_CHECKPOINT,
     Checkpoint,
     Prompt,
@@ -249,7 +248,7 @@ def sample_all(prep: Prepared, hf_dir: Path, samples_per_prompt: int, seed: int,
 def score_all(prep: Prepared, packed: dict[tuple[str, str], Packed], work_dir: Path,
               on_stage: Callable[[str], None]) -> dict[LearnerLayout, dict[tuple[str, str], Any]]:
     """Each distinct learner layout scores the rollouts of its settings."""
-    from moe_rl.diagnostics.learner_scoring import ScoreJob, score_in_process, score_with_torchrun
+    from moe_rl.mismatch.learner_scoring import ScoreJob, score_in_process, score_with_torchrun
 
     out = {}
     for layout in dict.fromkeys(s.layout for s in prep.settings):

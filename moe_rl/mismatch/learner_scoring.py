@@ -4,7 +4,7 @@
     results = score_with_torchrun(ckpt, LearnerLayout(ep=2), jobs, 1.0, work_dir)
 
 A one-process layout runs in the calling process. A larger one runs under torchrun
-(`python -m torch.distributed.run ... -m moe_rl.diagnostics.learner_scoring JOB_DIR`):
+(`python -m torch.distributed.run ... -m moe_rl.mismatch.learner_scoring JOB_DIR`):
 every rank reads the same job file, the ranks score it together, and rank 0 writes the
 results next to it. Launching workers per layout (rather than running the whole tool under
 torchrun) lets one report hold a one-process learner and an EP=2 learner scoring the very
@@ -31,8 +31,8 @@ import torch
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import config_from_dict, to_dict
-from moe_rl.diagnostics.settings import LearnerLayout, MeasureError
-from moe_rl.diagnostics.sources import Checkpoint
+from moe_rl.mismatch.settings import LearnerLayout, MeasureError
+from moe_rl.mismatch.sources import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def score_with_torchrun(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[Scor
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={layout.nproc}",
-           "-m", "moe_rl.diagnostics.learner_scoring", str(work_dir)]
+           "-m", "moe_rl.mismatch.learner_scoring", str(work_dir)]
     with open(work_dir / LOG_FILE, "w") as logf:
         proc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0 or not (work_dir / RESULT_FILE).is_file():
@@ -211,5 +211,5 @@ def worker_main(job_dir: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: torchrun ... -m moe_rl.diagnostics.learner_scoring JOB_DIR")
+        sys.exit("usage: torchrun ... -m moe_rl.mismatch.learner_scoring JOB_DIR")
     worker_main(sys.argv[1])

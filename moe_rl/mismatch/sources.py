@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from moe_rl.config import Config, ConfigError, load_config, validate
-from moe_rl.diagnostics.settings import LearnerLayout, MeasureError
+from moe_rl.mismatch.settings import LearnerLayout, MeasureError
 
 SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "tiny_base"
 # A learner checkpoint (moe_rl.learner.checkpoint / moe_rl.convert.dcp) holds these.
