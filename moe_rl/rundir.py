@@ -5,6 +5,7 @@ routing heat map, checkpoint rotation and summary.json (written by global rank 0
       config.yaml        resolved recipe (what resume reads back)
       metrics.jsonl      one JSON object per step
       tb/                TensorBoard events (scalars, routing flip-rate heat map)
+      rollouts/step_*.jsonl  whole rollouts, every `logging.rollouts_every` steps
       checkpoints/step_* megatron checkpoints, the newest KEEP_CHECKPOINTS kept
       summary.json       first/last rewards, median timings, where the logs are
 """
@@ -101,6 +102,21 @@ class RunDirectory:
             img = heatmap_image(np.array(self._flip_history), title="top-k flip rate (old vs current)",
                                 stat_label="flip rate")
             self._writer.add_image("routing/flip_rate_heatmap", img, step, dataformats="HWC")
+
+    def save_rollout(self, step: int, rollout: Any) -> None:
+        """One JSON line per sequence of the step's training batch, when it is due."""
+        every = self.cfg.logging.rollouts_every
+        if not every or step % every:
+            return
+        b = rollout.batch
+        lines = []
+        for i in range(b.batch_size):
+            p, r = int(b.prompt_lens_B[i]), int(b.response_lens_B[i])
+            lines.append(json.dumps({
+                "row": i, "prompt_ids": b.tokens_BS[i, :p].tolist(), "response_ids": b.tokens_BS[i, p:p + r].tolist(),
+                "text": rollout.texts[i], "reward": float(rollout.rewards_B[i]), "advantage": float(rollout.adv_B[i]),
+                "sampler_logprobs": rollout.rollout_logp_BT[i, :r].tolist()}))
+        atomic_write_text(self.path / "rollouts" / f"step_{step:06d}.jsonl", "\n".join(lines) + "\n")
 
     def rotate_checkpoints(self) -> None:
         """Keep the newest KEEP_CHECKPOINTS complete checkpoints."""

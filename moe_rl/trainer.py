@@ -4,13 +4,14 @@
     summary = trainer.fit()
 
 One step, on every rank of the torchrun world:
-  1. collect (`moe_rl.rollout`, where the sampler lives: global rank 0): problems,
-     G responses each, rewards, dynamic sampling, advantages, the packed batch; broadcast;
+  1. collect (`moe_rl.rollout`): every rollout group's engine samples its block of the
+     problems, G responses each; rewards, dynamic sampling, advantages; the scored groups
+     are gathered so every rank packs the same batch;
   2. score: the learner recomputes old logprobs and records routing (R3: replaying the
      sampler's); a reference model scores the batch when `kl_coef > 0`;
   3. update: `epochs x num_minibatches` optimizer steps with the objective's loss
      (`moe_rl.update`), under the learner's routing plan (router shift, R2/R3 replay);
-  4. sync: the learner's weights stream into the sampler;
+  4. sync: every rank assembles the learner's full tensors and streams them into its engine;
   5. log and checkpoint (`moe_rl.rundir`).
 Determinism: problems, sampler seeds and mini-batch shuffles derive from (run.seed, step)
 alone, so a run resumed from a checkpoint replays the same steps an uninterrupted run takes.
@@ -93,9 +94,9 @@ class Trainer:
                 raise ConfigError("rl.kl_coef > 0 needs run.init_checkpoint (the reference policy)")
             self.ref = Learner(cfg, self.layout, trainable=False)
             self._load_init(self.ref, init)
+        self._stack.callback(self.collector.close)
+        self.collector.start_sampler(self.run_dir.path, resume_from or (Path(init) if init else None))
         if self.rank == 0:
-            self._stack.callback(self.collector.close)
-            self.collector.start_sampler(self.run_dir.path, resume_from or (Path(init) if init else None))
             self._stack.callback(self.run_dir.close)
             self.run_dir.start_logging(self.start_step)
         self._check_sampler_routing()
@@ -115,8 +116,7 @@ class Trainer:
         learner.step = 0
 
     def _check_sampler_routing(self) -> None:
-        returns = self.learner.broadcast(self.collector.returns_routed_experts if self.rank == 0 else False)
-        if self.cfg.rl.replay == "R3" and not returns:
+        if self.cfg.rl.replay == "R3" and not self.collector.returns_routed_experts:
             raise ConfigError(
                 f"rl.replay=R3 needs the sampler's routed experts; sampler.backend={self.cfg.sampler.backend} "
                 "does not return them here (vLLM on CPU cannot); use sampler.backend=transformers"
@@ -127,18 +127,20 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, StepTimer()
         t_step = time.perf_counter()
-        rollout = self.collector.collect(step, timer) if self.rank == 0 else None
-        with timer.phase("broadcast"):
-            rollout = self.learner.broadcast(rollout)
+        rollout = self.collector.collect(step, timer)
+        if self.rank == 0:
+            self.run_dir.save_rollout(step, rollout)
+        score = None
         with timer.phase("old_logprob"):
-            score = self.learner.score(rollout.batch, cfg.sampler.temperature, self.learner.routing_plan(
-                cfg.rl.replay, capture=self.records_routing, sampler=rollout.sampler_routing))
+            if not cfg.rl.scores_in_update:
+                score = self.learner.score(rollout.batch, cfg.sampler.temperature, self.learner.routing_plan(
+                    cfg.rl.replay, capture=self.records_routing, sampler=rollout.sampler_routing))
             ref_logp = self.ref.logprobs(rollout.batch, cfg.sampler.temperature) if self.ref is not None else None
-        metrics = self._rollout_metrics(rollout, score)
         with timer.phase("update"):
-            metrics.update(self._update(step, rollout, score, ref_logp))
+            metrics, score = self._update(step, rollout, score, ref_logp)
+        metrics.update(self._rollout_metrics(rollout, score))
         with timer.phase("sync"):
-            self._sync_weights()
+            metrics.update(self._sync_weights())
         timings = timer.seconds
         timings["step"] = time.perf_counter() - t_step
         timings["other"] = timings["step"] - sum(v for k, v in timings.items() if k != "step")
@@ -155,36 +157,46 @@ class Trainer:
             metrics.update(self.learner.sampler_disagreement(score.record, rollout.sampler_routing, rollout.batch))
         return metrics
 
-    def _update(self, step: int, rollout: Rollout, score: Any, ref_logp: torch.Tensor | None) -> dict[str, float]:
-        """`epochs x num_minibatches` optimizer steps on the rollout batch."""
+    def _update(self, step: int, rollout: Rollout, score: Any, ref_logp: torch.Tensor | None) -> tuple[dict, Any]:
+        """`epochs x num_minibatches` optimizer steps on the rollout batch. Without `score`
+        (the on-policy shortcut: one update, no replay), the update's own forward provides
+        the old logprobs and routing record, returned as the step's score."""
         cfg, batch = self.cfg, rollout.batch
-        extras = {"old_logp_BT": score.logp_BT, "adv_B": rollout.adv_B, "rollout_logp_BT": rollout.rollout_logp_BT}
+        extras = {"adv_B": rollout.adv_B, "rollout_logp_BT": rollout.rollout_logp_BT}
+        if score is not None:
+            extras["old_logp_BT"] = score.logp_BT
         if ref_logp is not None:
             extras["ref_logp_BT"] = ref_logp
-        plan = self.learner.routing_plan(cfg.rl.replay, old=score.record, sampler=rollout.sampler_routing) \
-            if self.records_routing else self.learner.routing_plan("none")
-        loss_fn = PolicyLossFn(cfg)
+        if score is None:
+            plan = self.learner.routing_plan("none", capture=self.records_routing)
+        elif self.records_routing:
+            plan = self.learner.routing_plan(cfg.rl.replay, old=score.record, sampler=rollout.sampler_routing)
+        else:
+            plan = self.learner.routing_plan("none")
+        loss_fn = PolicyLossFn(cfg, on_policy=score is None)
         updates = []
         for epoch in range(cfg.rl.epochs):
             for rows in minibatch_rows(batch.batch_size, cfg.rl.num_minibatches, self.layout.dp,
                                        seed=cfg.run.seed * 7919 + step * 31 + epoch):
-                out = self.learner.train_step(batch.select(rows), loss_fn, {k: v[rows] for k, v in extras.items()},
-                                              cfg.sampler.temperature, plan, row_ids=rows)
+                out, own = self.learner.train_step_scored(
+                    batch.select(rows), loss_fn, {k: v[rows] for k, v in extras.items()}, cfg.sampler.temperature,
+                    plan, row_ids=rows, scored=score is None)
+                score = score or own
                 updates.append({k if "/" in k else f"learner/{k}": v for k, v in out.items()})
         metrics = combine(updates)
         metrics["policy/updates"] = float(len(updates))
-        return metrics
+        return metrics, score
 
-    def _sync_weights(self) -> None:
-        """Every rank joins the learner's weight stream; rank 0's sampler consumes it."""
+    def _sync_weights(self) -> dict[str, float]:
+        """Every rank assembles the learner's full tensors (receiving only the pieces it
+        lacks) and streams them into its own engine, in layer-aligned buckets."""
         from moe_rl.learner.export import hf_named_tensors
+        from moe_rl.learner.gather import SyncTraffic
 
-        stream = hf_named_tensors(self.learner)
-        if self.rank == 0:
-            self.collector.update_weights(stream)
-        else:
-            for _ in stream:
-                pass
+        traffic = SyncTraffic()
+        report = self.collector.sync_weights(hf_named_tensors(self.learner, dst=None, traffic=traffic))
+        return {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
+                "sync/bytes_sent": float(traffic.bytes_sent)}
 
     # ------------------------------------------------------------------ loop
 

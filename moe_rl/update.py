@@ -36,12 +36,16 @@ class PolicyLossFn:
     """The objective's loss on one micro-batch, as the learner's `LossFn`.
 
     Reads from the micro-batch's extras: `old_logp_BT`, `adv_B`, `rollout_logp_BT` and
-    (with a KL penalty) `ref_logp_BT`; from its aux the router-shift weights (rspo)."""
+    (with a KL penalty) `ref_logp_BT`; from its aux the router-shift weights (rspo).
+    `on_policy`: the update runs at the weights that sampled (one update per rollout), so
+    the old logprobs are this forward's own, detached, and the router has not moved (gamma
+    is 1); no old-logprob pass is needed."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, on_policy: bool = False) -> None:
         from moe_rl.learner import MicroBatchLoss
 
         self._result = MicroBatchLoss
+        self.on_policy = on_policy
         rl = cfg.rl
         self.name = rl.objective
         self.spec = OBJECTIVES[rl.objective]
@@ -53,21 +57,25 @@ class PolicyLossFn:
 
     def __call__(self, logp_BT: torch.Tensor, mb):  # (MicroBatch) -> MicroBatchLoss
         e, totals = mb.extras, mb.totals
+        old_BT = logp_BT.detach() if self.on_policy else e["old_logp_BT"]
+        shift_BT = None
+        if self.spec.needs_router_shift:
+            shift_BT = torch.ones_like(old_BT) if self.on_policy else mb.aux.get("router_shift_BT")
         pb = PolicyBatch(
             logprobs=logp_BT,
-            old_logprobs=e["old_logp_BT"],
+            old_logprobs=old_BT,
             advantages=e["adv_B"],
             response_mask=mb.batch.response_mask(),
             rollout_logprobs=e["rollout_logp_BT"] if self.uses_rollout_logp else None,
             ref_logprobs=e.get("ref_logp_BT"),
-            router_shift=mb.aux.get("router_shift_BT") if self.spec.needs_router_shift else None,
+            router_shift=shift_BT,
         )
         common = dataclasses.replace(self.common, token_normalizer=totals.response_tokens,
                                      seq_normalizer=totals.nonempty_sequences, num_sequences_total=totals.sequences)
         out = policy_loss_from_hparams(self.name, pb, common, self.own)
         weight = out.num_sequences if self.spec.level == "sequence" else out.num_tokens
         metrics = {f"policy/{k}": v for k, v in out.metrics.items()}
-        metrics["policy/token_ratio_std"] = token_ratio_std(logp_BT.detach(), e["old_logp_BT"], pb.response_mask)
+        metrics["policy/token_ratio_std"] = token_ratio_std(logp_BT.detach(), old_BT, pb.response_mask)
         return self._result(out.loss, metrics, weight)
 
 

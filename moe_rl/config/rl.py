@@ -108,6 +108,9 @@ class RLConfig:
     """DAPO overlong shaping L_max in tokens; 0 disables shaping."""
     overlong_cache: int = 0
     """DAPO overlong shaping cache L_c in tokens."""
+    on_policy_shortcut: bool = True
+    """With one update per rollout and no replay, skip the old-logprob pass: the update's own
+    forward runs at the same weights, so its logprobs (and routing record) are the old ones."""
     capture_routing: bool = True
     """Record per-layer top-k ids and log routing probabilities in the old-logprob pass
     (needed by rspo and the routing statistics)."""
@@ -122,3 +125,8 @@ class RLConfig:
         """The learner records routing in the scoring pass: asked for, needed by a replay
         mode, or needed by the objective's router shift."""
         return self.capture_routing or self.replay != "none" or OBJECTIVES[self.objective].needs_router_shift
+
+    @property
+    def scores_in_update(self) -> bool:
+        """The on-policy shortcut applies: one update per rollout, no routing replay."""
+        return self.on_policy_shortcut and self.epochs * self.num_minibatches == 1 and self.replay == "none"

@@ -75,6 +75,20 @@ class SamplerConfig:
     """Fraction of GPU memory vLLM may take when co-located with the learner."""
     in_process: bool = True
     """Run vLLM's engine in the trainer process (fast start, no busy-spinning worker)."""
+    tensor_parallel_size: int = 1
+    """Rollout TP: this many consecutive torchrun ranks share one engine (vLLM tensor
+    parallel through its external_launcher backend). The number of engines, the rollout
+    data-parallel size, is world size / this; each engine samples its share of the prompts."""
+    expert_parallel: bool = False
+    """vLLM's expert parallelism inside a rollout group (GPU; experts split over the group's
+    ranks instead of tensor-sliced)."""
+    sleep_between_steps: bool = False
+    """vLLM sleep mode (GPU): after the rollout the engine frees its KV cache and offloads its
+    weights, and wakes before the next weight sync, so the learner has the GPU to itself
+    during the update."""
+    weight_sync_bucket_mib: int = 512
+    """Weight sync streams the learner's tensors to each engine in layer-aligned buckets of
+    about this size (MiB): the most any rank holds in flight beyond its own shard."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,9 @@ class LoggingConfig:
     """Console progress bar with ETA, reward and stability numbers."""
     heatmap_every: int = 10
     """Steps between routing heat-map images in TensorBoard; 0 disables them."""
+    rollouts_every: int = 0
+    """Steps between dumps of the whole rollout (prompt and response ids, texts, rewards,
+    advantages, sampler logprobs) to <run>/rollouts/step_<n>.jsonl; 0 disables them."""
 
 
 @dataclass(frozen=True)

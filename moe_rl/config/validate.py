@@ -82,7 +82,11 @@ def validate_rl(cfg: Config) -> None:
 
 def validate_sampler(cfg: Config) -> None:
     s = cfg.sampler
-    _require_positive({"sampler.max_new_tokens": s.max_new_tokens})
+    _require_positive({"sampler.max_new_tokens": s.max_new_tokens, "sampler.tensor_parallel_size":
+                       s.tensor_parallel_size, "sampler.weight_sync_bucket_mib": s.weight_sync_bucket_mib})
+    if s.tensor_parallel_size > 1 and s.backend != "vllm":
+        raise ConfigError(f"sampler.tensor_parallel_size={s.tensor_parallel_size} needs sampler.backend=vllm "
+                          "(the transformers sampler runs one whole model per rank)")
     if s.temperature <= 0:
         raise ConfigError(f"sampler.temperature must be > 0, got {s.temperature} (the learner scores at it too)")
     if not 0 < s.top_p <= 1:
@@ -117,6 +121,11 @@ def validate_layout(cfg: Config, world_size: int) -> int:
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor x pipeline parallel "
             f"({tp} x {pp}); launch a multiple of {tp * pp} processes"
+        )
+    if world_size % cfg.sampler.tensor_parallel_size:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by sampler.tensor_parallel_size="
+            f"{cfg.sampler.tensor_parallel_size}; each engine takes that many consecutive ranks"
         )
     if world_size % (etp * ep * pp):
         raise ConfigError(

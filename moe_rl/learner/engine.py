@@ -71,7 +71,8 @@ class Learner:
         self.optimizer = None
         self.scheduler = None
         if trainable:
-            self.model = wrap_ddp(self.gpt, self.tcfg)
+            self.model = wrap_ddp(self.gpt, self.tcfg,
+                                  distributed_optimizer=bool(getattr(cfg.optimizer, "distributed", False)))
             self.tcfg.finalize_model_grads_func = finalize_model_grads
             self.tcfg.grad_scale_func = None
             self._build_optimizer(total_updates or max(1, cfg.run.steps * cfg.rl.num_minibatches * cfg.rl.epochs))
@@ -105,7 +106,7 @@ class Learner:
                 clip_grad=o.clip_grad,
                 bf16=bf16,
                 params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=bool(getattr(o, "distributed", False)),
             ),
             [self.model],
         )
@@ -216,7 +217,8 @@ class Learner:
         # callback's contributions already carry the global normalisers.
         scale = self._num_microbatches * self.layout.dp
         reduced = {"loss": out.loss.detach(), "metrics": {k: v.detach() for k, v in out.metrics.items()},
-                   "weight": torch.as_tensor(out.weight, dtype=torch.float64)}
+                   "weight": torch.as_tensor(out.weight, dtype=torch.float64),
+                   "logp_BT": logp_BT.detach(), "batch_pos_B": mb.batch_pos_B}  # (train_step_scored)
         return out.loss * scale, reduced
 
     def _run(self, batch: TokenBatch, loss_fn: LossFn | None, extras: dict[str, torch.Tensor],
@@ -285,6 +287,19 @@ class Learner:
     ) -> dict[str, float]:
         """Gradients of the summed loss contributions into the grad buffers (`main_grad`,
         reduced over data-parallel ranks), without an optimizer step. Returns metrics."""
+        metrics, _ = self._forward_backward(batch, loss_fn, extras, temperature, routing, row_ids, scored=False)
+        return metrics
+
+    def _forward_backward(
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        extras: dict[str, torch.Tensor] | None,
+        temperature: float,
+        routing: RoutingPlan | None,
+        row_ids: torch.Tensor | None,
+        scored: bool,
+    ) -> tuple[dict[str, float], ScoreResult | None]:
         if not self.trainable:
             raise RuntimeError("this learner was built with trainable=False")
         self.model.train()
@@ -294,10 +309,12 @@ class Learner:
         with self.taps.run(plan):
             _, store = self._run(batch, loss_fn, extras or {}, temperature, row_ids)
             routing_metrics = self.taps.shift_metrics() if plan.old is not None else {}
+            record = self.taps.record()
         metrics = self._reduce_metrics(store) if self.layout.is_last_stage else {}
         metrics = self._broadcast_object(metrics)
         metrics.update(routing_metrics)
-        return metrics
+        score = ScoreResult(self._assemble(store, "logp_BT", batch), record) if scored else None
+        return metrics, score
 
     def train_step(
         self,
@@ -311,7 +328,23 @@ class Learner:
         """One optimizer update on `batch`. Returns metrics (same on every rank). With
         `routing.old`, the loss callback finds `mb.aux["router_shift_BT"]` and the metrics
         include the routing statistics; with `routing.replay`, those ids are replayed."""
-        metrics = self.forward_backward(batch, loss_fn, extras, temperature, routing, row_ids)
+        metrics, _ = self.train_step_scored(batch, loss_fn, extras, temperature, routing, row_ids, scored=False)
+        return metrics
+
+    def train_step_scored(
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        extras: dict[str, torch.Tensor] | None = None,
+        temperature: float = 1.0,
+        routing: RoutingPlan | None = None,
+        row_ids: torch.Tensor | None = None,
+        scored: bool = True,
+    ) -> tuple[dict[str, float], ScoreResult | None]:
+        """`train_step`, also returning what its forward computed before the update: the
+        logprobs ([B, T], every rank) and, with `routing.capture`, the routing record. At
+        one update per rollout these are the old logprobs (the on-policy shortcut)."""
+        metrics, score = self._forward_backward(batch, loss_fn, extras, temperature, routing, row_ids, scored)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -319,7 +352,7 @@ class Learner:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
-        return metrics
+        return metrics, score
 
     # ------------------------------------------------------------------ routing plans
 

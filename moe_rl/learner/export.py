@@ -3,7 +3,12 @@ router / shared expert: `moe_rl.convert.layout_for`), for weight sync.
 
     for name, tensor in hf_named_tensors(learner):   # collective: every rank iterates
         ...                                            # rank 0 gets the pairs
-    sampler.update_weights(hf_named_tensors(learner))  # on rank 0; others drain it
+    for name, tensor in hf_named_tensors(learner, dst=None):
+        ...                                            # every rank gets every pair
+
+The stream's collectives run while it is iterated, so iterate it in the trainer's
+process-group context, to the end, on every rank; hand an engine what it yields (the
+rollout package pulls it in layer-aligned buckets and gives each bucket to its engine).
 
 Built on `gather.iter_full_tensors` (each global megatron tensor assembled on rank 0 from
 its TP/EP/PP shards) and the converter's name map, so the stream names and values are
@@ -21,13 +26,14 @@ import torch.distributed as dist
 
 from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, megatron_specs
-from moe_rl.learner.gather import iter_full_tensors
+from moe_rl.learner.gather import SyncTraffic, iter_full_tensors, iter_full_tensors_everywhere
 
 
 def hf_named_tensors(
-    learner, dtype: torch.dtype | None = None, dst: int = 0
+    learner, dtype: torch.dtype | None = None, dst: int | None = 0, traffic: SyncTraffic | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(HF name, full tensor)` for the learner's whole model on rank `dst`; collective.
+    """Yield `(HF name, full tensor)` for the learner's whole model on rank `dst` (None: on
+    every rank, with `traffic` counting this rank's bytes); collective.
     `dtype` casts on the way out (None keeps the parameter dtype; tensors whose HF dtype is
     fixed, the float32 expert bias, are never cast). Every tensor the model config implies
     is yielded exactly once; anything else is a ConvertError naming the key."""
@@ -37,13 +43,15 @@ def hf_named_tensors(
     expected = megatron_specs(m)
     rank = dist.get_rank() if dist.is_initialized() else 0
     seen: set[str] = set()
-    for key, full in iter_full_tensors(learner.gpt, dst=dst):
+    full_tensors = (iter_full_tensors_everywhere(learner.gpt, traffic) if dst is None
+                    else iter_full_tensors(learner.gpt, dst=dst))
+    for key, full in full_tensors:
         key = canonical_key(key)
         if key not in expected:
             raise ConvertError(f"learner tensor {key!r} has no {layout.name} counterpart")
         seen.add(key)
         yield from layout.to_hf(key, full, m, dtype)
-    if rank == dst:
+    if dst is None or rank == dst:
         missing = [k for k in expected if k not in seen]
         if missing:
             raise ConvertError(f"the learner did not produce tensor {missing[0]!r} ({len(missing)} missing)")

@@ -7,12 +7,20 @@ layout of a `dist_checkpointing` checkpoint, so the stream produced here and a c
 read back tensor by tensor are the same thing: the converter and the in-process weight sync
 share one canonical "global megatron" layout.
 
-`iter_full_tensors` is collective: every rank of the world must iterate it to the end.
-The destination rank gets `(key, full_tensor)` pairs; the others get nothing.
+Both iterators are collective: every rank of the world must iterate them to the end, in
+the trainer's process-group context, whatever it does with the tensors.
+- `iter_full_tensors(model, dst)`: rank `dst` gets `(key, full_tensor)` pairs, the others
+  nothing (the checkpoint converter, one sampler engine on one rank);
+- `iter_full_tensors_everywhere(model)`: every rank gets every full tensor (an engine per
+  rank). A piece a rank already holds (a data-parallel replica, its own shard) is copied
+  locally; a piece it lacks is received point-to-point from one rank that holds it, so a
+  rank receives exactly the bytes it lacks (0 at pure data parallelism). Tensors are
+  assembled on the collective device (the GPU under NCCL: no pageable-host round trip).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -45,13 +53,16 @@ def flatten_sharded(sd: dict) -> Iterator[ShardedTensor]:
 
 def local_main_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor]]:
     """This rank's pieces that are the main replica (each global element owned once)."""
+    return [(p, d) for p, d, main in local_shards(model) if main]
+
+
+def local_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor, bool]]:
+    """Every piece this rank holds, replicas included: (piece, data, is the main replica)."""
     sd = model.sharded_state_dict()
     apply_factories(sd)
     out = []
     for sh in flatten_sharded(sd):
         replica = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
-        if any(r != 0 for r in replica):
-            continue
         piece = _Piece(
             sh.key,
             tuple(sh.global_shape),
@@ -60,7 +71,7 @@ def local_main_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor
             sh.prepend_axis_num,
             sh.data.dtype,
         )
-        out.append((piece, sh.data))
+        out.append((piece, sh.data, all(r == 0 for r in replica)))
     return out
 
 
@@ -113,3 +124,69 @@ def iter_full_tensors(model: torch.nn.Module, dst: int = 0) -> Iterator[tuple[st
                 full[piece_index(p)] = buf.cpu()
         if rank == dst:
             yield key, full
+
+
+@dataclass
+class SyncTraffic:
+    """What `iter_full_tensors_everywhere` moved for this rank (filled as it iterates)."""
+
+    bytes_received: int = 0
+    """Bytes this rank received from other ranks."""
+    bytes_sent: int = 0
+    """Bytes this rank sent to other ranks."""
+    bytes_local: int = 0
+    """Bytes this rank copied from pieces it already held."""
+
+
+@torch.no_grad()
+def iter_full_tensors_everywhere(
+    model: torch.nn.Module, traffic: SyncTraffic | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (global key, full tensor) on every rank, in the same fixed order; collective."""
+    traffic = traffic if traffic is not None else SyncTraffic()
+    dev = comm_device()
+    shards = local_shards(model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    metas: list[list[tuple[_Piece, bool]]] = [[(p, main) for p, _, main in shards]]
+    if world > 1:
+        metas = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(metas, [(p, main) for p, _, main in shards])
+    mine = {(p.key, p.global_offset): d for p, d, _ in shards}
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    pieces: dict[str, dict[tuple[int, ...], _Piece]] = {}
+    for r, entries in enumerate(metas):
+        for p, _ in entries:
+            holders.setdefault((p.key, p.global_offset), []).append(r)
+            pieces.setdefault(p.key, {})[p.global_offset] = p
+    for key in sorted(pieces):
+        first = next(iter(pieces[key].values()))
+        full = torch.empty(first.global_shape, dtype=first.dtype, device=dev)
+        for offset in sorted(pieces[key]):
+            p = pieces[key][offset]
+            _fill_piece(full, p, mine.get((key, offset)), sorted(holders[(key, offset)]), rank, world, dev, traffic)
+        yield key, full
+
+
+def _fill_piece(full: torch.Tensor, p: _Piece, data: torch.Tensor | None, holders: list[int], rank: int,
+                world: int, dev: torch.device, traffic: SyncTraffic) -> None:
+    """Put piece `p` into `full` on every rank: copied where held, else received from the
+    holder `holders[r % len(holders)]` (spreading the sends over the replicas)."""
+    nbytes = math.prod(p.local_shape) * p.dtype.itemsize
+    ops = []
+    if data is not None:
+        full[piece_index(p)] = data.detach().to(dev)
+        traffic.bytes_local += nbytes
+        for r in range(world):
+            if r not in holders and holders[r % len(holders)] == rank:
+                ops.append(dist.P2POp(dist.isend, data.detach().to(dev).contiguous(), r))
+                traffic.bytes_sent += nbytes
+    else:
+        buf = torch.empty(p.local_shape, dtype=p.dtype, device=dev)
+        ops.append(dist.P2POp(dist.irecv, buf, holders[rank % len(holders)]))
+        traffic.bytes_received += nbytes
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if data is None:
+        full[piece_index(p)] = buf

@@ -1,17 +1,21 @@
-"""One step's rollout: problems -> sampler -> rewards -> (dynamic sampling) -> batch.
+"""One step's rollout: problems -> engines -> rewards -> (dynamic sampling) -> batch.
 
-    collector = RolloutCollector(cfg)                  # task + tokenizer, on every rank
-    collector.start_sampler(run_dir, weights_source)   # where the engine lives (rank 0)
-    rollout = collector.collect(step, timer)
-    collector.update_weights(named_tensors)            # after the learner's update
+    collector = RolloutCollector(cfg)                  # task, tokenizer, engine placement
+    collector.start_sampler(run_dir, weights_source)   # one engine per rollout group
+    rollout = collector.collect(step, timer)           # collective: every rank, same batch
+    collector.sync_weights(named_tensors)              # after the learner's update
 
-Determinism: problems and sampler seeds derive from (run.seed, step, draw) alone, so a run
-resumed from a checkpoint replays the same rollouts an uninterrupted run samples.
+Every rank of the torchrun world belongs to a rollout group with one engine
+(`placement.EnginePlacement`); each engine samples its block of the step's prompts and the
+scored groups are gathered to every rank. Determinism: problems and per-prompt sampler
+seeds derive from (run.seed, step, draw, prompt index) alone, so the rollouts are the same
+whatever the number of engines, and a resumed run replays what an uninterrupted run samples.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,9 +24,12 @@ import torch
 
 from moe_rl.config import Config, ConfigError
 from moe_rl.rollout.packing import pack_rollout
+from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.rollout.types import Rollout, ScoredGroup
+from moe_rl.rollout.weight_sync import SyncReport, stream_in_buckets
 from moe_rl.sampler import Sampler
+from moe_rl.sampler.base import base_seeds
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem
 from moe_rl.tasks.tokenizer import load_tokenizer
@@ -32,24 +39,31 @@ log = logging.getLogger("moe_rl.rollout")
 
 
 class RolloutCollector:
-    """Owns the task, the tokenizer and the sampler engine."""
+    """Owns the task, the tokenizer and this rank's engine (shard)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, placement: EnginePlacement | None = None) -> None:
         self.cfg = cfg
+        self.placement = placement or EnginePlacement.current(cfg.sampler.tensor_parallel_size)
         self.task = make_task(cfg.task)
         self.tok = load_tokenizer(cfg.task.tokenizer)
         if self.tok.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tok.vocab_size} pieces; model.vocab_size={cfg.model.vocab_size}")
         self.sampler: Sampler | None = None
+        self.engine_seconds: list[float] = []
 
     @property
     def pad_id(self) -> int:
         return self.tok.pad_id
 
     def start_sampler(self, run_dir: Path, weights_source: Path | None) -> None:
-        """Build the engine on the weights the learner starts from."""
-        hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source)
-        self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_id)
+        """Build this rank's engine on the weights the learner starts from (collective: rank 0
+        converts a megatron checkpoint for all, the others wait for it)."""
+        if self.placement.rank == 0:
+            hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source)
+        self.placement.barrier()
+        if self.placement.rank != 0:
+            hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
+        self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_id, self.placement)
 
     @property
     def returns_routed_experts(self) -> bool:
@@ -62,11 +76,12 @@ class RolloutCollector:
     def collect(self, step: int, timer: StepTimer) -> Rollout:
         """Generate and score groups (dynamic sampling: keep drawing until
         `prompts_per_step` groups with a reward spread are found, or `max_draws`), then pack
-        the training batch."""
+        the training batch. Collective: every rank returns the same rollout."""
         rl = self.cfg.rl
         kept: list[ScoredGroup] = []
         drawn: list[ScoredGroup] = []
         draws = 0
+        self.engine_seconds = []
         while draws < (rl.max_draws if rl.dynamic_sampling else 1):
             groups = self._draw(step, draws, timer)
             draws += 1
@@ -78,31 +93,49 @@ class RolloutCollector:
             log.warning("step %d: every group had equal rewards in %d draws", step, draws)
             kept = groups
         with timer.phase("reward"):
-            return pack_rollout(kept[: rl.prompts_per_step], drawn, draws, self.cfg, self.pad_id)
+            rollout = pack_rollout(kept[: rl.prompts_per_step], drawn, draws, self.cfg, self.pad_id)
+        rollout.stats.update(self._engine_stats())
+        return rollout
 
     def _draw(self, step: int, draw: int, timer: StepTimer) -> list[ScoredGroup]:
-        """One draw of `prompts_per_step` problems, G responses each, scored."""
+        """One draw of `prompts_per_step` problems, G responses each, scored: this engine's
+        block sampled here, every engine's blocks gathered."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         problems = self.problems(step, draw)
-        prompt_ids = [self.tok.encode(p.prompt) for p in problems]
+        seeds = base_seeds(cfg.run.seed * 1_000_003 + step * 101 + draw, len(problems), G)
+        share = self.placement.share(len(problems))
+        prompt_ids = [self.tok.encode(problems[i].prompt) for i in share]
+        t0 = time.perf_counter()
         with timer.phase("sample"):
             ro = self.sampler.generate(prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
                                        temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
-                                       seed=cfg.run.seed * 1_000_003 + step * 101 + draw)
+                                       prompt_seeds=[seeds[i] for i in share])
+        sample_seconds = time.perf_counter() - t0
         with timer.phase("reward"):
             texts = [self.tok.decode(r) for r in ro.response_token_ids]
-            rewards = self.task.rewards([problems[i] for i in ro.prompt_index], texts)
-        groups = []
+            rewards = self.task.rewards([problems[share[i]] for i in ro.prompt_index], texts)
+        mine = []
         for i, ids in enumerate(prompt_ids):
             sl = slice(i * G, (i + 1) * G)
-            groups.append(ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
-                                      ro.finish_reasons[sl],
-                                      ro.routed_experts[sl] if ro.routed_experts is not None else None))
-        return groups
+            mine.append(ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
+                                    ro.finish_reasons[sl],
+                                    ro.routed_experts[sl] if ro.routed_experts is not None else None))
+        with timer.phase("gather"):
+            parts = self.placement.gather((mine, sample_seconds))
+        self.engine_seconds.append([seconds for _, seconds in parts])
+        return concat([groups for groups, _ in parts])
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream the learner's weights (Hugging Face names, full tensors) into the engine."""
-        self.sampler.update_weights(named_tensors)
+    def _engine_stats(self) -> dict[str, float]:
+        per_engine = np.sum(np.array(self.engine_seconds), axis=0)  # over draws
+        return {"sampler/engines": float(self.placement.engines),
+                "sampler/sample_seconds_max": float(per_engine.max()),
+                "sampler/sample_seconds_min": float(per_engine.min())}
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Stream the learner's weights (Hugging Face names, full tensors) into this rank's
+        engine in layer-aligned buckets; every rank drains the stream to the end."""
+        bucket_bytes = self.cfg.sampler.weight_sync_bucket_mib << 20
+        return stream_in_buckets(named_tensors, bucket_bytes, self.sampler.update_weights)
 
     def close(self) -> None:
         if self.sampler is not None:

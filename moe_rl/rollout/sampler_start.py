@@ -1,4 +1,4 @@
-"""Starting the sampler: its Hugging Face weights directory and the backend engine."""
+"""Starting an engine: its Hugging Face weights directory and the configured backend."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.config import Config, ConfigError
+from moe_rl.rollout.placement import EnginePlacement
 from moe_rl.sampler import Sampler, make_sampler
 
 
-def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None) -> Path:
-    """The Hugging Face directory the sampler starts from: `source` itself when it is one,
-    else `<run_dir>/sampler_hf` converted from the megatron checkpoint `source`."""
+def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None, convert: bool = True) -> Path:
+    """The Hugging Face directory the engines start from: `source` itself when it is one,
+    else `<run_dir>/sampler_hf` converted from the megatron checkpoint `source` (by the
+    caller with `convert`; the others only name it)."""
     from moe_rl.convert import megatron_to_hf
 
     if source is None:
@@ -19,16 +21,25 @@ def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None) -> Path
     if (source / "config.json").is_file():
         return source
     hf_dir = run_dir / "sampler_hf"
-    megatron_to_hf(source, hf_dir, force=True, tokenizer=cfg.task.tokenizer or None)
+    if convert:
+        megatron_to_hf(source, hf_dir, force=True, tokenizer=cfg.task.tokenizer or None)
     return hf_dir
 
 
-def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int) -> Sampler:
-    """The configured backend on `hf_dir`."""
+def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int, placement: EnginePlacement) -> Sampler:
+    """The configured backend on `hf_dir`, as this rank's share of its rollout group."""
     s = cfg.sampler
     opts: dict[str, Any] = {}
     if s.backend == "vllm":
         opts = {"in_process": s.in_process, "kv_cache_gib": s.vllm_kv_cache_gib,
-                "gpu_memory_utilization": s.gpu_memory_utilization}
+                "gpu_memory_utilization": s.gpu_memory_utilization,
+                "return_routed_experts": cfg.rl.replay == "R3"}
+        if s.sleep_between_steps:
+            opts["enable_sleep_mode"] = True
+        if placement.ranks_per_engine > 1:
+            opts.update(tensor_parallel_size=placement.ranks_per_engine,
+                        distributed_executor_backend="external_launcher")
+        if s.expert_parallel:
+            opts["enable_expert_parallel"] = True
     return make_sampler(s.backend, hf_dir, precision=s.precision, seed=cfg.run.seed,
                         eos_token_id=eos_token_id, **opts)

@@ -96,9 +96,13 @@ class Sampler(Protocol):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> Rollouts:
         """Sample n responses per prompt. Same seed (and weights) -> same rollouts.
-        `seed=None` draws a fresh, still reproducible, seed from the sampler's own stream."""
+        `seed=None` draws a fresh, still reproducible, seed from the sampler's own stream.
+        `prompt_seeds` (one per prompt, `base_seeds` of a larger call) replaces `seed`: a
+        prompt's responses then depend on its own seed only, so a batch split over several
+        engines samples what one engine would."""
         ...
 
     def score(
@@ -133,14 +137,24 @@ def check_generate_args(n: int, max_new_tokens: int, temperature: float, top_p: 
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def sample_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
-    """One seed per response, prompt-major, from a call seed.
+def base_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
+    """One base seed per prompt from a call seed; sample j of prompt i uses `base_i + j`.
 
     vLLM derives the seed of sample j of a request as `request_seed + j`, so request seeds
-    are drawn at random (not `seed + i`) to keep nearby call seeds from sharing samples.
-    """
-    base = np.random.default_rng(seed).integers(0, 2**31 - 1 - n, size=num_prompts)
-    return [int(b) + j for b in base for j in range(n)]
+    are drawn at random (not `seed + i`) to keep nearby call seeds from sharing samples."""
+    return [int(b) for b in np.random.default_rng(seed).integers(0, 2**31 - 1 - n, size=num_prompts)]
+
+
+def expand_seeds(prompt_seeds: Sequence[int], num_prompts: int, n: int) -> list[int]:
+    """One seed per response, prompt-major: `prompt_seeds[i] + j` for sample j of prompt i."""
+    if len(prompt_seeds) != num_prompts:
+        raise ValueError(f"prompt_seeds has {len(prompt_seeds)} seeds for {num_prompts} prompts")
+    return [int(b) + j for b in prompt_seeds for j in range(n)]
+
+
+def sample_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
+    """One seed per response, prompt-major, from a call seed."""
+    return expand_seeds(base_seeds(seed, num_prompts, n), num_prompts, n)
 
 
 def read_eos_token_ids(model_dir: str | Path) -> list[int]:

