@@ -275,3 +275,22 @@ def test_r3_alignment_picks_the_moe_layers_out_of_vllms_decoder_layer_axis():
     ids, valid = align_sampler_routing([arr], batch, num_experts=E, moe_layers=[1, 2, 3, 4])
     assert ids.shape == (1, 4, 4, K) and valid[0].tolist() == [True, True, True, False]
     assert ids[0, 0, :, 0].tolist() == [1, 2, 3, 4] and ids[0, 0, :, 1].tolist() == [3, 4, 5, 6]
+
+
+def test_on_policy_shortcut_scores_equal_the_old_logprob_pass(layout):
+    """One update per rollout: the update's forward runs at the weights that scored the
+    batch, so its logprobs and routing record equal the old-logprob pass's exactly, and the
+    trainer skips that pass (`PolicyLossFn(on_policy=True)`, `Learner.train_step_scored`)."""
+    from moe_rl.learner import RoutingPlan
+
+    learner = make_learner(layout)
+    batch, adv_B = fixed_batch()
+    old = learner.score(batch, routing=RoutingPlan(capture=True))
+    _, own = learner.train_step_scored(batch, reinforce_loss(batch), {"adv_B": adv_B},
+                                       routing=RoutingPlan(capture=True))
+    assert torch.equal(own.logp_BT, old.logp_BT)
+    assert torch.equal(own.record.rows, old.record.rows)
+    assert torch.equal(own.record.ids_RSLK, old.record.ids_RSLK)
+    assert torch.equal(own.record.logp_RSLK, old.record.logp_RSLK)
+    # ... and the update did happen: the next score differs
+    assert not torch.equal(learner.score(batch).logp_BT, old.logp_BT)

@@ -107,3 +107,25 @@ def test_bad_recipes_fail_before_any_work(tmp_path, override, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing was created
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["rspo", "grpo"])
+def test_on_policy_shortcut_changes_nothing_but_the_time(megatron_world, tmp_path, objective):
+    """With one update per rollout the old-logprob pass is skipped: the update's own forward
+    gives the old logprobs (gamma is exactly 1 for rspo). Every logged number but the
+    timings equals the run that recomputes them."""
+    runs = {}
+    for shortcut in (True, False):
+        _, _, rows = run_trainer(tmp_path, f"run.name=s{shortcut}", "run.steps=2", f"rl.objective={objective}",
+                                 f"rl.on_policy_shortcut={str(shortcut).lower()}")
+        runs[shortcut] = rows
+    for fast, slow in zip(runs[True], runs[False]):
+        assert fast["time/old_logprob"] < slow["time/old_logprob"]
+        same = {k for k in slow if not k.startswith(("time/", "sync/seconds", "sampler/sample_seconds"))
+                and not k.startswith("routing/")}
+        assert {k: fast[k] for k in same} == {k: slow[k] for k in same}
+        # off the shortcut, rspo measures the router shift of an unmoved router: exactly 1
+        if objective == "rspo":
+            assert slow["routing/gamma_min"] == 1.0 and slow["routing/flip_rate_mean"] == 0.0

@@ -87,6 +87,8 @@ def validate_sampler(cfg: Config) -> None:
     if s.tensor_parallel_size > 1 and s.backend != "vllm":
         raise ConfigError(f"sampler.tensor_parallel_size={s.tensor_parallel_size} needs sampler.backend=vllm "
                           "(the transformers sampler runs one whole model per rank)")
+    if s.sleep_between_steps and s.backend != "vllm":
+        raise ConfigError("sampler.sleep_between_steps needs sampler.backend=vllm (vLLM's sleep mode)")
     if s.temperature <= 0:
         raise ConfigError(f"sampler.temperature must be > 0, got {s.temperature} (the learner scores at it too)")
     if not 0 < s.top_p <= 1:

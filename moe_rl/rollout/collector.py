@@ -95,6 +95,8 @@ class RolloutCollector:
         with timer.phase("reward"):
             rollout = pack_rollout(kept[: rl.prompts_per_step], drawn, draws, self.cfg, self.pad_id)
         rollout.stats.update(self._engine_stats())
+        if self.cfg.sampler.sleep_between_steps:  # the learner's turn: free the GPU
+            self.sampler.sleep()
         return rollout
 
     def _draw(self, step: int, draw: int, timer: StepTimer) -> list[ScoredGroup]:

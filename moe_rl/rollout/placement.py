@@ -12,6 +12,7 @@ same training batch. At world 1 this is one engine sampling everything.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,22 @@ class EnginePlacement:
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine if self.leader else None)
         return [everyone[e * self.ranks_per_engine] for e in range(self.engines)]
+
+    def group_env(self) -> dict[str, str]:
+        """The environment of this rank's engine world (vLLM's external_launcher reads it):
+        the group's own rank and size, and a rendezvous address its leader picked (a fresh
+        port, so vLLM's world never shares a store with the trainer's). Collective."""
+        mine = None
+        if self.leader:
+            single_node = os.environ.get("LOCAL_WORLD_SIZE", str(self.world)) == str(self.world)
+            host = "127.0.0.1" if single_node else socket.gethostbyname(socket.getfqdn())
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("", 0))
+                mine = (host, sock.getsockname()[1])
+        host, port = self.gather(mine)[self.engine]
+        return {"RANK": str(self.rank % self.ranks_per_engine), "WORLD_SIZE": str(self.ranks_per_engine),
+                "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"), "MASTER_ADDR": host, "MASTER_PORT": str(port),
+                "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
     def barrier(self) -> None:
         if self.world > 1:

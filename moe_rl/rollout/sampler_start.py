@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from moe_rl.config import Config, ConfigError
 from moe_rl.rollout.placement import EnginePlacement
 from moe_rl.sampler import Sampler, make_sampler
@@ -35,10 +37,13 @@ def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int, placement: Engin
                 "gpu_memory_utilization": s.gpu_memory_utilization,
                 "return_routed_experts": cfg.rl.replay == "R3"}
         if s.sleep_between_steps:
+            if not torch.cuda.is_available():
+                raise ConfigError("sampler.sleep_between_steps needs a GPU (vLLM's sleep mode frees GPU memory; "
+                                  "there is none to free on CPU)")
             opts["enable_sleep_mode"] = True
         if placement.ranks_per_engine > 1:
             opts.update(tensor_parallel_size=placement.ranks_per_engine,
-                        distributed_executor_backend="external_launcher")
+                        distributed_executor_backend="external_launcher", group_env=placement.group_env())
         if s.expert_parallel:
             opts["enable_expert_parallel"] = True
     return make_sampler(s.backend, hf_dir, precision=s.precision, seed=cfg.run.seed,

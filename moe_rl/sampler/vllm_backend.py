@@ -170,6 +170,10 @@ class VLLMSampler:
     bucket_bytes: shard size of the temp-directory weight sync.
     repack_moe_after_reload: the CPU MoE repack fix; off only to show that it is needed.
     weight_sync: "auto", "stream" (in-process iterator) or "disk" (temp directory).
+    group_env: for a tensor-parallel engine spread over several trainer processes
+        (`distributed_executor_backend="external_launcher"`), the environment of the
+        engine's own torch.distributed world (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT of
+        its rollout group), set while vLLM starts; the trainer's world stays hidden.
     Other keyword arguments go to `vllm.LLM` (e.g. max_model_len, tensor_parallel_size).
     """
 
@@ -191,6 +195,7 @@ class VLLMSampler:
         bucket_bytes: int = 128 << 20,
         repack_moe_after_reload: bool = True,
         weight_sync: str = "auto",
+        group_env: dict[str, str] | None = None,
         **llm_kwargs: Any,
     ) -> None:
         check_precision(precision)
@@ -220,7 +225,10 @@ class VLLMSampler:
             enforce_eager=enforce_eager,
             routed_experts=self.returns_routed_experts,
         )
-        self._start_engine(kwargs | llm_kwargs, env)
+        self.sleep_mode = bool(llm_kwargs.get("enable_sleep_mode", False))
+        self.asleep = False
+        self.external_launcher = llm_kwargs.get("distributed_executor_backend") == "external_launcher"
+        self._start_engine(kwargs | llm_kwargs, env | (group_env or {}))
         self.in_process = in_process
         self._choose_weight_sync(weight_sync)
         if precision == "fp8_emulated":
@@ -239,7 +247,8 @@ class VLLMSampler:
     def _choose_weight_sync(self, weight_sync: str) -> None:
         """Resolve "auto": stream into a single in-process worker, else use a temp directory."""
         workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
-        streamable = self.in_process and workers == 1
+        # external_launcher: this process runs exactly one worker (its shard) in-process
+        streamable = self.in_process and (workers == 1 or self.external_launcher)
         self.weight_sync = weight_sync if weight_sync != "auto" else ("stream" if streamable else "disk")
         if self.weight_sync == "stream" and not streamable:
             self.close()
@@ -342,6 +351,7 @@ class VLLMSampler:
         return scores
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.wake_up()
         stream = transform_weights(named_tensors, self.precision)
         repack = self.repack_moe_after_reload
         if self.weight_sync == "stream":
@@ -355,6 +365,19 @@ class VLLMSampler:
                 write_safetensors_buckets(stream, d, self.bucket_bytes)
                 self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights_path": d, "repack_moe": repack})
         self._call(self.llm.reset_prefix_cache)
+
+    def sleep(self) -> None:
+        """vLLM sleep mode (level 1, GPU): free the KV cache and move the weights to host
+        memory, so the learner has the GPU during its update. No-op without sleep mode."""
+        if self.sleep_mode and not self.asleep:
+            self._call(self.llm.sleep, level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Undo `sleep` (weights back on the GPU, KV cache re-allocated)."""
+        if self.asleep:
+            self._call(self.llm.wake_up)
+            self.asleep = False
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
