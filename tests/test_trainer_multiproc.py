@@ -92,3 +92,20 @@ def test_r3_with_a_transformers_engine_per_rank(tmp_path):
         # the sampler's routing of both engines reached the learner: in fp32 they agree
         assert r["routing/sampler_disagree_any"] < 0.02
         assert r["routing/gamma_min"] < 1  # the second mini-batch saw a moved router
+
+
+def test_rollout_tensor_parallel_engine_over_two_processes(reference, tmp_path):
+    """sampler.tensor_parallel_size=2: one vLLM engine sharded over both ranks through its
+    external_launcher backend, in its own torch.distributed world (the trainer's hidden).
+    Same tokens and rewards as one engine on one process; logprobs to TP's reduction-order
+    rounding; after each sync both shards hold the learner's weights."""
+    rows = train(tmp_path, "rtp2", 2, "sampler.backend=vllm", "sampler.tensor_parallel_size=2", "run.steps=3")
+    ref_dir, ref = reference["vllm"]
+    assert all(r["sampler/engines"] == 1 for r in rows)
+    mine, theirs = rollout(tmp_path, "rtp2", 1), rollout(ref_dir, "vllm", 1)
+    assert [r["response_ids"] for r in mine] == [r["response_ids"] for r in theirs]
+    gap = max(abs(a - b) for x, y in zip(mine, theirs) for a, b in zip(x["sampler_logprobs"], y["sampler_logprobs"]))
+    assert gap < 1e-5
+    for r, q in zip(rows, ref):
+        assert r["reward/mean"] == q["reward/mean"]
+        assert r["mismatch/dp_max"] < 1e-4
