@@ -62,7 +62,9 @@ class Trainer:
         # The layout is checked against torchrun's WORLD_SIZE before any process group exists.
         validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.cfg = cfg
-        self.rank, self.world = init_distributed(cfg.parallel.distributed_backend)
+        separate = cfg.sampler.placement == "separate"
+        self.rank, self.world = init_distributed(cfg.parallel.distributed_backend,
+                                                 engine_ranks=cfg.sampler.engine_ranks if separate else 0)
         self.collector = RolloutCollector(cfg)
         self.run_dir = RunDirectory(cfg)
         self.records_routing = cfg.rl.records_routing
@@ -96,6 +98,7 @@ class Trainer:
             self._load_init(self.ref, init)
         self._stack.callback(self.collector.close)
         self.collector.start_sampler(self.run_dir.path, resume_from or (Path(init) if init else None))
+        self.start_step = self.collector.placement.from_rank0(self.start_step)  # (to engine-only ranks)
         if self.rank == 0:
             self._stack.callback(self.run_dir.close)
             self.run_dir.start_logging(self.start_step)
@@ -188,19 +191,36 @@ class Trainer:
         return metrics, score
 
     def _sync_weights(self) -> dict[str, float]:
-        """Every rank assembles the learner's full tensors (receiving only the pieces it
-        lacks) and streams them into its own engine, in layer-aligned buckets."""
+        """Colocated: every rank assembles the learner's full tensors (receiving only the
+        pieces it lacks) and streams them into its own engine, in layer-aligned buckets.
+        Separate: rank 0 assembles them and broadcasts the buckets to the engine ranks."""
         from moe_rl.learner.export import hf_named_tensors
         from moe_rl.learner.gather import SyncTraffic
 
         traffic = SyncTraffic()
-        report = self.collector.sync_weights(hf_named_tensors(self.learner, dst=None, traffic=traffic))
+        colocated = self.cfg.sampler.placement == "colocated"
+        stream = hf_named_tensors(self.learner, dst=None if colocated else 0, traffic=traffic)
+        report = self.collector.sync_weights(stream)
         return {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
                 "sync/bytes_sent": float(traffic.bytes_sent)}
+
+    def _serve_rollouts(self) -> dict[str, Any]:
+        """An engine-only rank (separate placement): sample its share of every step and take
+        the weights after each update; the learner ranks do the rest."""
+        with self._stack:
+            self._stack.callback(self.collector.close)
+            self.collector.start_sampler(self.run_dir.path, None)
+            start = self.collector.placement.from_rank0(None)
+            for step in range(start + 1, self.cfg.run.steps + 1):
+                self.collector.collect(step, StepTimer())
+                self.collector.receive_weights()
+        return {}
 
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
+        if not self.collector.placement.trains:
+            return self._serve_rollouts()
         with self._stack:
             self.setup()
             t0 = time.perf_counter()

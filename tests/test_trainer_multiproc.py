@@ -109,3 +109,17 @@ def test_rollout_tensor_parallel_engine_over_two_processes(reference, tmp_path):
     for r, q in zip(rows, ref):
         assert r["reward/mean"] == q["reward/mean"]
         assert r["mismatch/dp_max"] < 1e-4
+
+
+def test_separate_placement_matches_one_process(reference, tmp_path):
+    """sampler.placement=separate with 2 processes: rank 0 trains alone (megatron's world is
+    just it), rank 1 hosts the engine only and receives the weights by broadcast. Same
+    engine, same learner numerics as one process: every logged number but the timings is
+    identical to the one-process run."""
+    rows = train(tmp_path, "sep", 2, "sampler.backend=vllm", "sampler.placement=separate", "sampler.engine_ranks=1",
+                 "run.steps=3")
+    _, ref = reference["vllm"]
+    for r, q in zip(rows, ref):
+        assert r["sampler/engines"] == 1
+        for key in ("reward/mean", "learner/loss", "learner/grad_norm", "mismatch/dp_max", "policy/clip_frac"):
+            assert r[key] == q[key], key

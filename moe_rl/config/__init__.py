@@ -35,7 +35,7 @@ from moe_rl.config.sections import (
     SFTConfig,
     TaskConfig,
 )
-from moe_rl.config.validate import validate, validate_layout
+from moe_rl.config.validate import learner_world_size, validate, validate_layout
 
 __all__ = [
     "Config",
@@ -54,6 +54,7 @@ __all__ = [
     "config_from_dict",
     "describe",
     "field_docs",
+    "learner_world_size",
     "load_config",
     "parse_overrides",
     "save_config",

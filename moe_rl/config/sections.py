@@ -86,6 +86,13 @@ class SamplerConfig:
     """vLLM sleep mode (GPU): after the rollout the engine frees its KV cache and offloads its
     weights, and wakes before the next weight sync, so the learner has the GPU to itself
     during the update."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: every rank trains and hosts an engine (or a TP shard of one). separate: the
+    last `engine_ranks` ranks host engines only and receive the weights by broadcast after
+    each update, while the other ranks train (docs/sampler.md says when each wins)."""
+    engine_ranks: int = 0
+    """With placement=separate: how many of the last torchrun ranks host engines only (a
+    multiple of tensor_parallel_size; the learner layout must fit the ranks before them)."""
     weight_sync_bucket_mib: int = 512
     """Weight sync streams the learner's tensors to each engine in layer-aligned buckets of
     about this size (MiB): the most any rank holds in flight beyond its own shard."""

@@ -87,6 +87,11 @@ def validate_sampler(cfg: Config) -> None:
     if s.tensor_parallel_size > 1 and s.backend != "vllm":
         raise ConfigError(f"sampler.tensor_parallel_size={s.tensor_parallel_size} needs sampler.backend=vllm "
                           "(the transformers sampler runs one whole model per rank)")
+    if s.placement == "separate" and (s.engine_ranks < 1 or s.engine_ranks % s.tensor_parallel_size):
+        raise ConfigError(f"sampler.placement=separate needs sampler.engine_ranks >= 1 and a multiple of "
+                          f"sampler.tensor_parallel_size={s.tensor_parallel_size}, got {s.engine_ranks}")
+    if s.placement == "colocated" and s.engine_ranks:
+        raise ConfigError("sampler.engine_ranks is for sampler.placement=separate; leave it 0 when colocated")
     if s.sleep_between_steps and s.backend != "vllm":
         raise ConfigError("sampler.sleep_between_steps needs sampler.backend=vllm (vLLM's sleep mode)")
     if s.temperature <= 0:
@@ -114,24 +119,35 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         validate_layout(cfg, world_size)
 
 
+def learner_world_size(cfg: Config, world_size: int) -> int:
+    """Ranks that train: all of them, or those before the engine-only ranks (separate)."""
+    return world_size - cfg.sampler.engine_ranks if cfg.sampler.placement == "separate" else world_size
+
+
 def validate_layout(cfg: Config, world_size: int) -> int:
-    """Check the parallel layout against the world size; returns the data-parallel size."""
+    """Check the parallel layout against the torchrun world size (the learner's part of it
+    under separate placement); returns the data-parallel size."""
     p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel "
-            f"({tp} x {pp}); launch a multiple of {tp * pp} processes"
-        )
-    if world_size % cfg.sampler.tensor_parallel_size:
+    if cfg.sampler.placement == "colocated" and world_size % cfg.sampler.tensor_parallel_size:
         raise ConfigError(
             f"world size {world_size} is not divisible by sampler.tensor_parallel_size="
             f"{cfg.sampler.tensor_parallel_size}; each engine takes that many consecutive ranks"
         )
+    learners = learner_world_size(cfg, world_size)
+    if learners < 1:
+        raise ConfigError(f"sampler.engine_ranks={cfg.sampler.engine_ranks} leaves no learner rank of "
+                          f"{world_size}; launch more processes")
+    world_size = learners
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"learner world size {world_size} is not divisible by tensor x pipeline parallel "
+            f"({tp} x {pp}); launch a multiple of {tp * pp} processes"
+        )
     if world_size % (etp * ep * pp):
         raise ConfigError(
-            f"world size {world_size} is not divisible by expert-tensor x expert x pipeline "
+            f"learner world size {world_size} is not divisible by expert-tensor x expert x pipeline "
             f"parallel ({etp} x {ep} x {pp}); launch a multiple of {etp * ep * pp} processes"
         )
     return world_size // (tp * pp)

@@ -28,6 +28,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import rerun_state_machine as rerun
 from megatron.core import tensor_parallel
 
+from moe_rl import worlds as moe_worlds
 from moe_rl.config import ConfigError, ParallelConfig
 from moe_rl.learner import cpu_shims
 
@@ -48,23 +49,38 @@ def resolve_backend(requested: str = "auto") -> str:
     return requested
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int]:
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0, engine_ranks: int = 0) -> tuple[int, int]:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT); without it, make a one-process world. Idempotent.
-    Also applies megatron-core's CPU shims when CUDA is absent. Returns (rank, world)."""
+    Also applies megatron-core's CPU shims when CUDA is absent. Returns (rank, world) of
+    the torchrun world.
+
+    `engine_ranks` > 0 (separate placement): the last `engine_ranks` ranks host rollout
+    engines only. Every rank then joins the bridge world of all ranks
+    (`moe_rl.worlds.BRIDGE_WORLD`), and the learner ranks' default world, megatron's, holds
+    only them; an engine-only rank has no default world."""
     cpu_shims.apply()
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    if dist.is_initialized() or moe_worlds.BRIDGE_WORLD.initialized:
+        with moe_worlds.bridge():
+            return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = resolve_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
-    )
-    return dist.get_rank(), dist.get_world_size()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not engine_ranks:
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        return dist.get_rank(), dist.get_world_size()
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    with moe_worlds.BRIDGE_WORLD.enter():
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("bridge", store), rank=rank,
+                                world_size=world, timeout=timeout)
+    if rank < world - engine_ranks:
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("learner", store), rank=rank,
+                                world_size=world - engine_ranks, timeout=timeout)
+    return rank, world
 
 
 def comm_device() -> torch.device:

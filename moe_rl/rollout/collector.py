@@ -27,7 +27,12 @@ from moe_rl.rollout.packing import pack_rollout
 from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.rollout.types import Rollout, ScoredGroup
-from moe_rl.rollout.weight_sync import SyncReport, stream_in_buckets
+from moe_rl.rollout.weight_sync import (
+    SyncReport,
+    broadcast_buckets,
+    receive_buckets,
+    stream_in_buckets,
+)
 from moe_rl.sampler import Sampler
 from moe_rl.sampler.base import base_seeds
 from moe_rl.tasks import make_task
@@ -43,12 +48,17 @@ class RolloutCollector:
 
     def __init__(self, cfg: Config, placement: EnginePlacement | None = None) -> None:
         self.cfg = cfg
-        self.placement = placement or EnginePlacement.current(cfg.sampler.tensor_parallel_size)
+        separate = cfg.sampler.placement == "separate"
+        self.placement = placement or EnginePlacement.current(cfg.sampler.tensor_parallel_size,
+                                                              cfg.sampler.engine_ranks if separate else 0)
+        self._weights_group = self.placement.weights_group() if separate and self.placement.world > 1 else None
         self.task = make_task(cfg.task)
         self.tok = load_tokenizer(cfg.task.tokenizer)
         if self.tok.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tok.vocab_size} pieces; model.vocab_size={cfg.model.vocab_size}")
         self.sampler: Sampler | None = None
+        self.returns_routed_experts = False
+        """Every engine returns its routed experts (known after `start_sampler`)."""
         self.engine_seconds: list[float] = []
 
     @property
@@ -56,18 +66,22 @@ class RolloutCollector:
         return self.tok.pad_id
 
     def start_sampler(self, run_dir: Path, weights_source: Path | None) -> None:
-        """Build this rank's engine on the weights the learner starts from (collective: rank 0
-        converts a megatron checkpoint for all, the others wait for it)."""
-        if self.placement.rank == 0:
+        """Build this rank's engine (shard) on the weights the learner starts from.
+        Collective: rank 0's `weights_source` counts, rank 0 converts a megatron checkpoint
+        for all, engine groups agree on their rendezvous, and every rank learns whether the
+        engines return routed experts."""
+        pl = self.placement
+        weights_source = pl.from_rank0(weights_source)
+        if pl.rank == 0:
             hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source)
-        self.placement.barrier()
-        if self.placement.rank != 0:
+        pl.barrier()
+        if pl.rank != 0:
             hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
-        self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_id, self.placement)
-
-    @property
-    def returns_routed_experts(self) -> bool:
-        return bool(getattr(self.sampler, "returns_routed_experts", False))
+        group_env = pl.group_env() if pl.ranks_per_engine > 1 else None
+        if pl.hosts_engine:
+            self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_id, pl, group_env)
+        routed = pl.gather(bool(getattr(self.sampler, "returns_routed_experts", False)))
+        self.returns_routed_experts = all(routed)
 
     def problems(self, step: int, draw: int) -> list[Problem]:
         rng = np.random.default_rng([self.cfg.run.seed, step, draw])
@@ -95,7 +109,7 @@ class RolloutCollector:
         with timer.phase("reward"):
             rollout = pack_rollout(kept[: rl.prompts_per_step], drawn, draws, self.cfg, self.pad_id)
         rollout.stats.update(self._engine_stats())
-        if self.cfg.sampler.sleep_between_steps:  # the learner's turn: free the GPU
+        if self.cfg.sampler.sleep_between_steps and self.sampler is not None:  # the learner's turn
             self.sampler.sleep()
         return rollout
 
@@ -108,20 +122,21 @@ class RolloutCollector:
         share = self.placement.share(len(problems))
         prompt_ids = [self.tok.encode(problems[i].prompt) for i in share]
         t0 = time.perf_counter()
-        with timer.phase("sample"):
-            ro = self.sampler.generate(prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
-                                       temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
-                                       prompt_seeds=[seeds[i] for i in share])
+        mine: list[ScoredGroup] = []
+        if self.sampler is not None:  # (a learner-only rank under separate placement has none)
+            with timer.phase("sample"):
+                ro = self.sampler.generate(prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
+                                           temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
+                                           prompt_seeds=[seeds[i] for i in share])
+            with timer.phase("reward"):
+                texts = [self.tok.decode(r) for r in ro.response_token_ids]
+                rewards = self.task.rewards([problems[share[i]] for i in ro.prompt_index], texts)
+            for i, ids in enumerate(prompt_ids):
+                sl = slice(i * G, (i + 1) * G)
+                mine.append(ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
+                                        ro.finish_reasons[sl],
+                                        ro.routed_experts[sl] if ro.routed_experts is not None else None))
         sample_seconds = time.perf_counter() - t0
-        with timer.phase("reward"):
-            texts = [self.tok.decode(r) for r in ro.response_token_ids]
-            rewards = self.task.rewards([problems[share[i]] for i in ro.prompt_index], texts)
-        mine = []
-        for i, ids in enumerate(prompt_ids):
-            sl = slice(i * G, (i + 1) * G)
-            mine.append(ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
-                                    ro.finish_reasons[sl],
-                                    ro.routed_experts[sl] if ro.routed_experts is not None else None))
         with timer.phase("gather"):
             parts = self.placement.gather((mine, sample_seconds))
         self.engine_seconds.append([seconds for _, seconds in parts])
@@ -134,10 +149,24 @@ class RolloutCollector:
                 "sampler/sample_seconds_min": float(per_engine.min())}
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        """Stream the learner's weights (Hugging Face names, full tensors) into this rank's
-        engine in layer-aligned buckets; every rank drains the stream to the end."""
+        """A learner rank's side of the weight sync. Colocated: stream the learner's weights
+        (Hugging Face names, full tensors) into this rank's engine in layer-aligned buckets.
+        Separate: rank 0 broadcasts the buckets to the engine ranks. Every learner rank
+        drains the stream to the end (its collectives are the learner's)."""
         bucket_bytes = self.cfg.sampler.weight_sync_bucket_mib << 20
+        if self._weights_group is not None:
+            return broadcast_buckets(named_tensors, bucket_bytes, self._weights_group, send=self.placement.rank == 0)
         return stream_in_buckets(named_tensors, bucket_bytes, self.sampler.update_weights)
+
+    def receive_weights(self) -> SyncReport:
+        """An engine-only rank's side of the weight sync (separate placement)."""
+        self._wake()
+        return receive_buckets(self._weights_group, self.sampler.update_weights)
+
+    def _wake(self) -> None:
+        wake = getattr(self.sampler, "wake_up", None)
+        if wake is not None:
+            wake()
 
     def close(self) -> None:
         if self.sampler is not None:

@@ -1,12 +1,16 @@
-"""Where the rollout engines sit in the torchrun world, and how a step's prompts and
-results move between them.
+"""Where the rollout engines sit in the torchrun world, and how a step's prompts, results
+and weights move between ranks.
 
-The world is cut into rollout groups of `sampler.tensor_parallel_size` consecutive ranks;
-each group runs one engine (a tensor-parallel shard of it on each of its ranks), so the
-rollout data-parallel size is world / rollout TP. Engine e samples a contiguous block of
-the step's prompts (whole groups of G responses stay on one engine); the blocks are then
-gathered so that every rank holds every scored group, in prompt order, and builds the
-same training batch. At world 1 this is one engine sampling everything.
+Colocated (the default): the world is cut into rollout groups of
+`sampler.tensor_parallel_size` consecutive ranks; each group runs one engine (a
+tensor-parallel shard of it on each of its ranks), so the rollout data-parallel size is
+world / rollout TP. Separate: the last `sampler.engine_ranks` ranks are cut into groups
+that way and host engines only; the ranks before them train and host none.
+
+Engine e samples a contiguous block of the step's prompts (whole groups of G responses stay
+on one engine); the blocks are gathered so that every rank holds every scored group, in
+prompt order, and the training ranks build the same batch. At world 1 this is one engine
+sampling everything. Everything here runs in the world of all ranks (`moe_rl.worlds.bridge`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from moe_rl.worlds import bridge
+
 
 @dataclass(frozen=True)
 class EnginePlacement:
@@ -30,33 +36,51 @@ class EnginePlacement:
     """This rank."""
     ranks_per_engine: int
     """Rollout tensor-parallel size."""
+    engine_ranks: int = 0
+    """Engine-only ranks at the end of the world (separate placement); 0 when colocated."""
 
     @staticmethod
-    def current(ranks_per_engine: int) -> EnginePlacement:
-        if dist.is_initialized():
-            return EnginePlacement(dist.get_world_size(), dist.get_rank(), ranks_per_engine)
+    def current(ranks_per_engine: int, engine_ranks: int = 0) -> EnginePlacement:
+        with bridge():
+            if dist.is_initialized():
+                return EnginePlacement(dist.get_world_size(), dist.get_rank(), ranks_per_engine, engine_ranks)
         return EnginePlacement(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")),
-                               ranks_per_engine)
+                               ranks_per_engine, engine_ranks)
+
+    @property
+    def first_engine_rank(self) -> int:
+        return self.world - self.engine_ranks if self.engine_ranks else 0
+
+    @property
+    def trains(self) -> bool:
+        """This rank is a learner rank."""
+        return self.rank < self.world - self.engine_ranks
+
+    @property
+    def hosts_engine(self) -> bool:
+        return self.rank >= self.first_engine_rank
 
     @property
     def engines(self) -> int:
         """Number of engines (the rollout data-parallel size)."""
-        return self.world // self.ranks_per_engine
+        return (self.world - self.first_engine_rank) // self.ranks_per_engine
 
     @property
-    def engine(self) -> int:
-        """Index of this rank's engine."""
-        return self.rank // self.ranks_per_engine
+    def engine(self) -> int | None:
+        """Index of this rank's engine (None on a learner-only rank)."""
+        return (self.rank - self.first_engine_rank) // self.ranks_per_engine if self.hosts_engine else None
 
     @property
     def leader(self) -> bool:
         """The first rank of its engine's group: the one whose results are gathered (the
         group's other ranks return the same tokens)."""
-        return self.rank % self.ranks_per_engine == 0
+        return self.hosts_engine and (self.rank - self.first_engine_rank) % self.ranks_per_engine == 0
 
     def share(self, num_prompts: int) -> range:
         """The prompts this rank's engine samples: a contiguous block, sizes differing by at
-        most one (the first `num_prompts % engines` engines take one more)."""
+        most one (the first `num_prompts % engines` engines take one more); none without one."""
+        if self.engine is None:
+            return range(0)
         base, extra = divmod(num_prompts, self.engines)
         start = self.engine * base + min(self.engine, extra)
         return range(start, start + base + (1 if self.engine < extra else 0))
@@ -66,8 +90,18 @@ class EnginePlacement:
         if self.world == 1:
             return [mine]
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine if self.leader else None)
-        return [everyone[e * self.ranks_per_engine] for e in range(self.engines)]
+        with bridge():
+            dist.all_gather_object(everyone, mine if self.leader else None)
+        return [everyone[self.first_engine_rank + e * self.ranks_per_engine] for e in range(self.engines)]
+
+    def from_rank0(self, obj: Any) -> Any:
+        """Global rank 0's `obj` on every rank (collective)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        with bridge():
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def group_env(self) -> dict[str, str]:
         """The environment of this rank's engine world (vLLM's external_launcher reads it):
@@ -80,14 +114,25 @@ class EnginePlacement:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind(("", 0))
                 mine = (host, sock.getsockname()[1])
-        host, port = self.gather(mine)[self.engine]
-        return {"RANK": str(self.rank % self.ranks_per_engine), "WORLD_SIZE": str(self.ranks_per_engine),
-                "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"), "MASTER_ADDR": host, "MASTER_PORT": str(port),
-                "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        addresses = self.gather(mine)
+        if self.engine is None:
+            return {}
+        host, port = addresses[self.engine]
+        return {"RANK": str((self.rank - self.first_engine_rank) % self.ranks_per_engine),
+                "WORLD_SIZE": str(self.ranks_per_engine), "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"),
+                "MASTER_ADDR": host, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+    def weights_group(self) -> Any:
+        """Separate placement: a process group of global rank 0 (which holds the learner's
+        full tensors) and the engine ranks, for the weight broadcast. Collective: every rank
+        calls it once, at the same point."""
+        with bridge():
+            return dist.new_group([0, *range(self.first_engine_rank, self.world)])
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            with bridge():
+                dist.barrier()
 
 
 def concat(parts: Sequence[Sequence[Any]]) -> list[Any]:

@@ -28,7 +28,8 @@ def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None, convert
     return hf_dir
 
 
-def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int, placement: EnginePlacement) -> Sampler:
+def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int, placement: EnginePlacement,
+                  group_env: dict[str, str] | None = None) -> Sampler:
     """The configured backend on `hf_dir`, as this rank's share of its rollout group."""
     s = cfg.sampler
     opts: dict[str, Any] = {}
@@ -43,7 +44,7 @@ def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int, placement: Engin
             opts["enable_sleep_mode"] = True
         if placement.ranks_per_engine > 1:
             opts.update(tensor_parallel_size=placement.ranks_per_engine,
-                        distributed_executor_backend="external_launcher", group_env=placement.group_env())
+                        distributed_executor_backend="external_launcher", group_env=group_env)
         if s.expert_parallel:
             opts["enable_expert_parallel"] = True
     return make_sampler(s.backend, hf_dir, precision=s.precision, seed=cfg.run.seed,

@@ -7,6 +7,10 @@ process-group world for the reload) can then never change which collectives run.
 
 A bucket never splits a decoder layer: vLLM finishes a layer's reload (the CPU MoE repack
 included) at the end of each call, so a layer must arrive whole in one call.
+
+Separate placement: rank 0 holds the full tensors and broadcasts each bucket (its names,
+shapes and dtypes first, then the tensors) over a group of itself and the engine ranks,
+which load it into their engines; an empty announcement ends the sync.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from moe_rl.worlds import bridge
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -72,5 +79,55 @@ def stream_in_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_
         report.bytes_streamed += sum(t.numel() * t.element_size() for _, t in bucket)
         if load is not None:
             load(bucket)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _device() -> torch.device:
+    """Where broadcast payloads live: the current GPU under NCCL, the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, group: object,
+                      send: bool) -> SyncReport:
+    """Drain `named_tensors`; with `send` (global rank 0), broadcast every bucket over
+    `group` to the engine ranks (`receive_buckets`). Collective over `group` for the sender."""
+    report, t0 = SyncReport(), time.perf_counter()
+    for bucket in layer_buckets(named_tensors, bucket_bytes):
+        report.buckets += 1
+        report.bytes_streamed += sum(t.numel() * t.element_size() for _, t in bucket)
+        if send:
+            with bridge():
+                dev = _device()
+                dist.broadcast_object_list([[(n, tuple(t.shape), t.dtype) for n, t in bucket]], src=0, group=group)
+                for _, t in bucket:
+                    dist.broadcast(t.to(dev).contiguous(), src=0, group=group)
+    if send:
+        with bridge():
+            dist.broadcast_object_list([None], src=0, group=group)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def receive_buckets(group: object, load: Callable[[Bucket], None]) -> SyncReport:
+    """An engine rank's side of `broadcast_buckets`: receive and load buckets until the end."""
+    report, t0 = SyncReport(), time.perf_counter()
+    while True:
+        with bridge():
+            box: list = [None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            if box[0] is None:
+                break
+            dev = _device()
+            bucket = []
+            for name, shape, dtype in box[0]:
+                t = torch.empty(shape, dtype=dtype, device=dev)
+                dist.broadcast(t, src=0, group=group)
+                bucket.append((name, t))
+        report.buckets += 1
+        report.bytes_streamed += sum(t.numel() * t.element_size() for _, t in bucket)
+        load(bucket)
     report.seconds = time.perf_counter() - t0
     return report
