@@ -3,6 +3,8 @@
 # Run this on every node with NODE_RANK=0..NNODES-1 and MASTER_ADDR set to node 0's address
 # (a SLURM wrapper would take these from SLURM_NODEID / the first host of SLURM_NODELIST).
 #   NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash examples/gpu/launch_qwen3_30b_a3b.sh [key=value ...]
+# The recipe's layout (TP2 x EP8 x PP2: one pipeline stage per node) fits 16 x 80 GB; check
+# overrides before booking: python -m moe_rl.plan --config examples/gpu/qwen3_30b_a3b.yaml --gpus 16 [key=value ...]
 set -euo pipefail
 NNODES=${NNODES:-2}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}

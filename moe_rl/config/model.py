@@ -62,6 +62,12 @@ class ModelConfig:
     """Separate output projection (Qwen3-MoE) instead of reusing the input embedding."""
     init_method_std: float = 0.02
     """Std of the normal initialisation of fresh weights."""
+    add_qkv_bias: bool = False
+    """Biases on the q/k/v projections (GLM-4.5's attention_bias)."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recomputation: full recomputes each layer in the backward (megatron's
+    recompute_granularity=full, uniform, 1 layer). Planned by `python -m moe_rl.plan`; the
+    learner refuses it until its routing taps handle a router run twice per micro-batch."""
     layer_spec: Literal["auto", "local", "te"] = "auto"
     """auto: Transformer Engine spec when CUDA and TE are present, else the local spec."""
     params_dtype: Literal["fp32", "bf16"] = "fp32"

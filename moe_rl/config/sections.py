@@ -53,6 +53,12 @@ class OptimizerConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables clipping."""
+    distributed: bool = False
+    """megatron's distributed optimizer: Adam states and fp32 main weights sharded over
+    data-parallel ranks (dense parameters over DP, experts over expert DP). Needs CUDA."""
+    offload_fraction: float = 0.0
+    """Fraction of the distributed optimizer's states kept in host memory (megatron's
+    optimizer_cpu_offload); needs optimizer.distributed."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,13 @@ class RunConfig:
     """Continue from the newest complete checkpoint in the run directory."""
     init_checkpoint: str = ""
     """Starting weights: a megatron checkpoint directory or a Hugging Face directory."""
+    overwrite: bool = False
+    """A fresh start (resume=false) in a run directory that holds checkpoints is refused;
+    true moves the old run aside to <name>.overwritten-<time> first (nothing is deleted)."""
+    trust_checkpoint: bool = False
+    """Load megatron checkpoints that have no manifest.json (saved by an older version or
+    another tool). Their pickled files can run code when read: only for files you trust.
+    A checkpoint whose manifest does not verify is refused either way (docs/checkpoints.md)."""
 
 
 @dataclass(frozen=True)

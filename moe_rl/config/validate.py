@@ -102,13 +102,40 @@ def validate_sampler(cfg: Config) -> None:
 
 def validate_optimizer(cfg: Config) -> None:
     o = cfg.optimizer
+    if not 0 <= o.offload_fraction <= 1:
+        raise ConfigError(f"optimizer.offload_fraction must be in [0, 1], got {o.offload_fraction}")
+    if o.offload_fraction and not o.distributed:
+        raise ConfigError("optimizer.offload_fraction needs optimizer.distributed=true (megatron offloads "
+                          "the distributed optimizer's shards)")
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
 
 
-SECTION_CHECKS = (validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer)
+def validate_run(cfg: Config) -> None:
+    """Run length, cadence, seed and where the run directory is: `run.name` must stay inside
+    `run.output_dir` (retention and temp clean-up delete inside the run directory)."""
+    from pathlib import PurePath
+
+    r = cfg.run
+    _require_positive({"run.steps": r.steps})
+    if r.save_every < 0:
+        raise ConfigError(f"run.save_every must be >= 0 (0: only at the end), got {r.save_every}")
+    if not 0 <= r.seed < 2**63:
+        raise ConfigError(f"run.seed must be in [0, 2**63), got {r.seed}")
+    name = PurePath(r.name)
+    if not r.name.strip() or name.is_absolute() or ".." in name.parts or name.parts in ((), (".",)) or "\0" in r.name:
+        raise ConfigError(f"run.name={r.name!r} must be a relative name inside run.output_dir (no '..', not "
+                          "absolute, not empty); put the directory in run.output_dir instead")
+    if "\0" in r.output_dir or "\0" in r.init_checkpoint:
+        raise ConfigError("run.output_dir and run.init_checkpoint must not contain NUL characters")
+    if r.overwrite and r.resume:
+        raise ConfigError("run.overwrite=true and run.resume=true contradict each other: resume continues the run "
+                          "in the directory, overwrite moves it aside; pick one")
+
+
+SECTION_CHECKS = (validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run)
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

@@ -48,6 +48,7 @@ from moe_rl.convert.hf_layout import (
     common_model_fields,
     gate_up_parts,
     get_field,
+    refuse,
     require_fields,
     zero_parts,
 )
@@ -142,51 +143,28 @@ class Glm4MoeLayout(HFLayout):
         cfg["rope_parameters"]["partial_rotary_factor"] = 1.0
         return cfg
 
-    def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None) -> ModelConfig:
+    def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None, *,
+                             notes: list[str] | None = None) -> ModelConfig:
         """Our ModelConfig from a Glm4-MoE config.json dict. Fields HF does not describe
         (training settings) come from `base`. HF always has an expert bias and a shared
         expert: they are taken as on, unless `base` is a sigmoid-router model without them
-        (then the files must hold zeros there, which `from_hf` checks)."""
+        (then the files must hold zeros there, which `from_hf` checks).
+
+        With `notes` (the planner's mode), settings the learner cannot honour but that change
+        no parameter's shape (partial rotary, routed scaling, group-limited routing, top-k
+        normalisation, multi-token-prediction layers, which neither the learner nor
+        transformers' Glm4MoeForCausalLM builds) are recorded there instead of refused."""
         if cfg.get("model_type") != self.model_type:
             raise ConvertError(f"config.json has model_type={cfg.get('model_type')!r}, not {self.model_type!r}")
-        require_fields(cfg, {
-            "attention_bias": (False, False),
-            "hidden_act": ("silu", "silu"),
-            "routed_scaling_factor": (1.0, 1.0),
-        })
-        mtp = int(cfg.get("num_nextn_predict_layers") or 0)
-        if mtp:
-            raise NotImplementedError(
-                f"config.json num_nextn_predict_layers={mtp}: multi-token-prediction layers have no "
-                "counterpart in the learner"
-            )
-        n_group, topk_group = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
-        if topk_group != n_group:
-            raise NotImplementedError(
-                f"config.json n_group={n_group}, topk_group={topk_group}: group-limited routing is "
-                "not supported (only topk_group == n_group, i.e. every group eligible)"
-            )
-        rope = cfg.get("rope_parameters") or {}
-        rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
-        if rotary != 1.0:
-            raise NotImplementedError(
-                f"config.json partial_rotary_factor={rotary}: megatron rotates the whole head "
-                "(only 1.0 is supported; Glm4-MoE's default is 0.5)"
-            )
-        topk = int(get_field(cfg, "num_experts_per_tok"))
-        if bool(cfg.get("norm_topk_prob", True)) != (topk > 1):
-            raise NotImplementedError(
-                f"config.json norm_topk_prob={cfg.get('norm_topk_prob', True)} with "
-                f"num_experts_per_tok={topk}: megatron normalises the chosen sigmoid scores exactly "
-                "when more than one expert is chosen"
-            )
+        require_fields(cfg, {"hidden_act": ("silu", "silu"), "routed_scaling_factor": (1.0, 1.0)}, notes)
+        _refuse_unbuilt_math(cfg, notes)
         n_shared = int(get_field(cfg, "n_shared_experts", default=1))
         if n_shared < 1:
             raise NotImplementedError(
                 f"config.json n_shared_experts={n_shared}: vLLM cannot serve a zero-size shared expert "
                 "(this converter writes n_shared_experts=1 with zero weights instead)"
             )
-        fields = common_model_fields(cfg)
+        fields = common_model_fields(cfg, notes)
         plain_sigmoid = base is not None and base.moe_router_score_function == "sigmoid"
         bias = not (plain_sigmoid and not base.moe_router_enable_expert_bias)
         shared = n_shared * fields["moe_ffn_hidden_size"]
@@ -201,6 +179,37 @@ class Glm4MoeLayout(HFLayout):
             qk_layernorm=bool(cfg.get("use_qk_norm", False)),
         )
         return dataclasses.replace(base or ModelConfig(), **fields)
+
+
+def _refuse_unbuilt_math(cfg: dict[str, Any], notes: list[str] | None) -> None:
+    """Glm4-MoE settings that change what the model computes but no parameter the learner
+    builds: refused (`notes` None) or recorded in `notes` (planning)."""
+    mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+    if mtp:
+        refuse(
+            f"config.json num_nextn_predict_layers={mtp}: multi-token-prediction layers have no "
+            "counterpart in the learner", notes
+        )
+    n_group, topk_group = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
+    if topk_group != n_group:
+        refuse(
+            f"config.json n_group={n_group}, topk_group={topk_group}: group-limited routing is "
+            "not supported (only topk_group == n_group, i.e. every group eligible)", notes
+        )
+    rope = cfg.get("rope_parameters") or {}
+    rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
+    if rotary != 1.0:
+        refuse(
+            f"config.json partial_rotary_factor={rotary}: megatron rotates the whole head "
+            "(only 1.0 is supported; Glm4-MoE's default is 0.5)", notes
+        )
+    topk = int(get_field(cfg, "num_experts_per_tok"))
+    if bool(cfg.get("norm_topk_prob", True)) != (topk > 1):
+        refuse(
+            f"config.json norm_topk_prob={cfg.get('norm_topk_prob', True)} with "
+            f"num_experts_per_tok={topk}: megatron normalises the chosen sigmoid scores exactly "
+            "when more than one expert is chosen", notes
+        )
 
 
 GLM4_MOE = Glm4MoeLayout()

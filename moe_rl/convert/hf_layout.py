@@ -38,6 +38,7 @@ tensor); on import the two HF tensors must then be equal.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -155,7 +156,8 @@ class HFLayout:
                   eos_token_id: int | None, pad_token_id: int | None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None) -> ModelConfig:
+    def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None, *,
+                             notes: list[str] | None = None) -> ModelConfig:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the map
@@ -310,32 +312,64 @@ def get_field(cfg: dict[str, Any], name: str, *alts: str, default: Any = ...) ->
     return default
 
 
-def require_fields(cfg: dict[str, Any], wanted: dict[str, tuple[Any, Any]]) -> None:
+def refuse(message: str, notes: list[str] | None = None) -> None:
+    """A config.json setting the learner cannot honour. Converting or training (`notes` is
+    None): NotImplementedError. Planning (`notes` given, used only for settings that change
+    the math but no parameter's shape, so the planner's counts stay exact): recorded there."""
+    if notes is None:
+        raise NotImplementedError(message)
+    notes.append(message)
+
+
+def require_fields(cfg: dict[str, Any], wanted: dict[str, tuple[Any, Any]],
+                   notes: list[str] | None = None) -> None:
     """{field: (default, the only supported value)}: NotImplementedError naming the first
-    field of `cfg` (or its default when absent) with another value."""
+    field of `cfg` (or its default when absent) with another value (with `notes`: each one
+    recorded there instead; pass only fields that leave every parameter shape unchanged)."""
     for field, (default, want) in wanted.items():
         got = cfg.get(field, default)
         if got != want:
-            raise NotImplementedError(f"config.json {field}={got!r}: only {want!r} is supported")
+            refuse(f"config.json {field}={got!r}: only {want!r} is supported", notes)
 
 
-def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+def qkv_bias_fields(cfg: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
+    """ModelConfig fields for config.json `attention_bias` (biases on q/k/v, GLM-4.5's).
+
+    The converter has no bias tensors, so converting refuses `true`. Planning (`notes` given)
+    counts them when ModelConfig has `add_qkv_bias` (the learner builds them then), and
+    otherwise says that the plan leaves them out."""
+    bias = bool(cfg.get("attention_bias", False))
+    has_field = "add_qkv_bias" in {f.name for f in dataclasses.fields(ModelConfig)}
+    if not bias:
+        return {"add_qkv_bias": False} if has_field else {}
+    if notes is None:
+        raise NotImplementedError("config.json attention_bias=True: only False is supported")
+    if has_field:
+        return {"add_qkv_bias": True}
+    notes.append("config.json attention_bias=true: ModelConfig has no add_qkv_bias field yet, so the "
+                 "plan leaves out the q/k/v biases ((heads + 2 * kv_heads) * head_dim per layer)")
+    return {}
+
+
+def rope_parameters(cfg: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
     """The RoPE parameters of config.json (transformers 5 `rope_parameters`, or the older
-    `rope_scaling`), refusing anything but plain RoPE."""
+    `rope_scaling`), refusing anything but plain RoPE (with `notes`: recording it)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise NotImplementedError(f"config.json rope_type={rope_type!r}: only plain RoPE is supported")
+        refuse(f"config.json rope_type={rope_type!r}: only plain RoPE is supported", notes)
     return rope
 
 
-def common_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig fields that Qwen3-MoE and Glm4-MoE config.json spell the same way."""
+def common_model_fields(cfg: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
+    """ModelConfig fields that Qwen3-MoE and Glm4-MoE config.json spell the same way (with
+    `notes`, the planner's mode: shape-neutral settings the learner lacks are recorded)."""
     heads = int(get_field(cfg, "num_attention_heads"))
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     if dtype not in PARAMS_DTYPES:
-        raise NotImplementedError(f"config.json dtype={dtype!r}: only float32 and bfloat16 are supported")
-    rope = rope_parameters(cfg)
+        refuse(f"config.json dtype={dtype!r}: only float32 and bfloat16 are supported", notes)
+        dtype = "bfloat16"
+    rope = rope_parameters(cfg, notes)
     return dict(
         num_layers=int(get_field(cfg, "num_hidden_layers")),
         hidden_size=int(get_field(cfg, "hidden_size")),
@@ -351,4 +385,5 @@ def common_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         norm_epsilon=float(get_field(cfg, "rms_norm_eps")),
         untie_embeddings_and_output_weights=not bool(cfg.get("tie_word_embeddings", False)),
         params_dtype=PARAMS_DTYPES[dtype],
+        **qkv_bias_fields(cfg, notes),
     )

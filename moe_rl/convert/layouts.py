@@ -76,6 +76,9 @@ def hf_config(m: ModelConfig, dtype: torch.dtype, *, bos_token_id: int | None,
                                    pad_token_id=pad_token_id)
 
 
-def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig | None = None) -> ModelConfig:
-    """Our ModelConfig from a config.json dict of any supported layout."""
-    return layout_for_hf(cfg).model_config_from_hf(cfg, base)
+def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig | None = None, *,
+                         notes: list[str] | None = None) -> ModelConfig:
+    """Our ModelConfig from a config.json dict of any supported layout. With `notes` (the
+    planner's mode), settings that change the math but no parameter's shape are recorded
+    there instead of refused."""
+    return layout_for_hf(cfg).model_config_from_hf(cfg, base, notes=notes)

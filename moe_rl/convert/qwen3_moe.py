@@ -107,25 +107,29 @@ class Qwen3MoeLayout(HFLayout):
             "sliding_window": None,
         }
 
-    def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None) -> ModelConfig:
+    def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None, *,
+                             notes: list[str] | None = None) -> ModelConfig:
         """Our ModelConfig from a Qwen3-MoE config.json dict. Fields HF does not describe
-        (training settings: aux-loss coefficient, dispatcher, init) come from `base`."""
+        (training settings: aux-loss coefficient, dispatcher, init) come from `base`.
+
+        With `notes` (the planner's mode), settings the learner cannot honour but that
+        change no parameter's shape (sliding window, activation, top-k normalisation, RoPE
+        scaling, fp16) are recorded there instead of refused; shape-changing ones still raise."""
         if cfg.get("model_type") != self.model_type:
             raise ConvertError(f"config.json has model_type={cfg.get('model_type')!r}, not {self.model_type!r}")
+        require_fields(cfg, {"decoder_sparse_step": (1, 1)})
         require_fields(cfg, {
-            "attention_bias": (False, False),
             "use_sliding_window": (False, False),
             "hidden_act": ("silu", "silu"),
             "norm_topk_prob": (False, True),
-            "decoder_sparse_step": (1, 1),
-        })
+        }, notes)
         dense = sorted(int(x) for x in cfg.get("mlp_only_layers") or [])
         if dense != list(range(len(dense))):
             raise NotImplementedError(
                 f"config.json mlp_only_layers={dense}: only leading dense layers [0, 1, ..., k-1] are supported"
             )
         fields = dict(
-            common_model_fields(cfg),
+            common_model_fields(cfg, notes),
             num_dense_layers=len(dense),
             num_experts=int(get_field(cfg, "num_experts", "num_local_experts")),
             moe_shared_expert_intermediate_size=0,

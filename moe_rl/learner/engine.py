@@ -72,7 +72,7 @@ class Learner:
         self.scheduler = None
         if trainable:
             self.model = wrap_ddp(self.gpt, self.tcfg,
-                                  distributed_optimizer=bool(getattr(cfg.optimizer, "distributed", False)))
+                                  distributed_optimizer=cfg.optimizer.distributed)
             self.tcfg.finalize_model_grads_func = finalize_model_grads
             self.tcfg.grad_scale_func = None
             self._build_optimizer(total_updates or max(1, cfg.run.steps * cfg.rl.num_minibatches * cfg.rl.epochs))
@@ -94,6 +94,12 @@ class Learner:
                 "optimizer only takes CUDA tensors. Train in fp32 on CPU (a bf16 learner can still "
                 "score with trainable=False, e.g. in tools/measure_mismatch.py)"
             )
+        if o.distributed and not torch.cuda.is_available():
+            raise ConfigError("optimizer.distributed=true needs CUDA: megatron-core's distributed optimizer only "
+                              "takes CUDA tensors; leave it false on CPU")
+        if self.cfg.model.recompute != "none":
+            raise ConfigError("model.recompute=full is not supported by the learner yet: the routing taps would "
+                              "see each router twice per micro-batch (the planner accounts for it)")
         self.optimizer = get_megatron_optimizer(
             MegatronOptimizerConfig(
                 optimizer="adam",
@@ -106,7 +112,9 @@ class Learner:
                 clip_grad=o.clip_grad,
                 bf16=bf16,
                 params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                use_distributed_optimizer=bool(getattr(o, "distributed", False)),
+                use_distributed_optimizer=o.distributed,
+                optimizer_cpu_offload=o.offload_fraction > 0,
+                optimizer_offload_fraction=o.offload_fraction,
             ),
             [self.model],
         )

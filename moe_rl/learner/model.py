@@ -72,7 +72,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        # GLM-4.5's attention_bias; read with getattr until ModelConfig has the field
+        add_qkv_bias=model.add_qkv_bias,
         hidden_dropout=0.0,  # RL fine-tuning: dropout would make old/new logprobs disagree
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
@@ -154,12 +155,14 @@ def _reduce_expert_grads_over_expert_dp(gpt: GPTModel, tcfg: TransformerConfig) 
             param.allreduce = False
 
 
-def wrap_ddp(gpt: GPTModel, tcfg: TransformerConfig) -> DistributedDataParallel:
-    """megatron's DDP: contiguous grad buffers, fp32 grad reduction, averaging over DP."""
+def wrap_ddp(gpt: GPTModel, tcfg: TransformerConfig, *, distributed_optimizer: bool = False) -> DistributedDataParallel:
+    """megatron's DDP: contiguous grad buffers, fp32 grad reduction, averaging over DP. With
+    `distributed_optimizer` the buffers are laid out (padded) for megatron's distributed
+    optimizer, which must then be built with `use_distributed_optimizer=True` too."""
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
         check_for_nan_in_grad=True,
     )
     return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=gpt)

@@ -1,0 +1,160 @@
+"""One plan: the recipe's model built per distinct rank on the meta device, its memory per
+phase, its traffic and its time, at a world size on a given machine.
+
+    src = resolve_model(load_config("examples/gpu/qwen3_30b_a3b.yaml"))
+    p = make_plan(src, Hardware(gpus=16), prompt_tokens=1024)
+    p.fits, p.params_total, p.ranks[0].kinds
+
+`switches` plans a what-if (distributed optimizer, offload, recompute, sleeping sampler)
+without the recipe having the field; the meta-device builds are cached per (model, layout,
+world), so re-planning a what-if costs no new build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from moe_rl.config import Config, ConfigError, ModelConfig, ParallelConfig
+from moe_rl.learner.meta import MetaRank, build_meta_ranks, model_param_counts
+from moe_rl.plan.comms import Traffic, traffic
+from moe_rl.plan.hardware import Hardware
+from moe_rl.plan.memory import RankMemory, Switches, engine_memory, model_state, rank_memory
+from moe_rl.plan.model_source import ModelSource
+from moe_rl.plan.sampler import SamplerMemory, sampler_memory
+from moe_rl.plan.timing import learner_seconds, optimizer_seconds, rollout_seconds
+from moe_rl.plan.workload import Layout, Workload, check_world, workload
+
+_BUILDS: dict[tuple[ModelConfig, ParallelConfig, int], list[MetaRank]] = {}
+_COUNTS: dict[tuple[ModelConfig, int], dict[str, int]] = {}
+
+
+def _built(what: str, build: Any) -> Any:
+    """megatron refusing a shape (an assertion deep in a layer) is the recipe's error."""
+    try:
+        return build()
+    except (AssertionError, ValueError) as e:
+        raise ConfigError(f"megatron-core cannot build {what}: {' '.join(str(e).split()) or type(e).__name__}") from None
+
+
+def meta_ranks(cfg: Config, world: int) -> list[MetaRank]:
+    # micro-batch size and backend do not change what a rank holds: one build serves all
+    key = (cfg.model, dataclasses.replace(cfg.parallel, micro_batch_size=1, distributed_backend="auto"), world)
+    if key not in _BUILDS:
+        _BUILDS[key] = _built(f"this layout at {world} GPUs", lambda: build_meta_ranks(cfg, world))
+    return _BUILDS[key]
+
+
+def param_counts(cfg: Config) -> dict[str, int]:
+    key = (cfg.model, cfg.parallel.expert_model_parallel_size)
+    if key not in _COUNTS:
+        _COUNTS[key] = _built("the model", lambda: model_param_counts(cfg))
+    return _COUNTS[key]
+
+
+def active_params(cfg: Config, by_kind: dict[str, int]) -> int:
+    """Every parameter one token's forward touches: all but the E - K routed experts it skips
+    (all experts of a layer are the same size)."""
+    m = cfg.model
+    routed = by_kind["routed_experts"]
+    return sum(by_kind.values()) - routed + routed // m.num_experts * m.moe_router_topk
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: Config
+    source: ModelSource
+    hw: Hardware
+    layout: Layout
+    work: Workload
+    switches: Switches
+    params_by_kind: dict[str, int]
+    """The whole model's parameter elements by kind (`moe_rl.learner.meta.KINDS`)."""
+    sampler: SamplerMemory
+    ranks: tuple[RankMemory, ...]
+    """One per distinct learner rank (pipeline stage)."""
+    engine: RankMemory | None
+    """The engine-only ranks under `sampler.placement=separate`, else None."""
+    traffic: tuple[tuple[Traffic, ...], ...]
+    """Per distinct rank, by family."""
+    times: dict[str, float]
+    """Seconds per step by part (the slowest rank's where ranks differ)."""
+
+    @property
+    def params_total(self) -> int:
+        return sum(self.params_by_kind.values())
+
+    @property
+    def params_active(self) -> int:
+        return active_params(self.cfg, self.params_by_kind)
+
+    @property
+    def all_ranks(self) -> tuple[RankMemory, ...]:
+        return self.ranks + ((self.engine,) if self.engine else ())
+
+    @property
+    def rollout_peak(self) -> int:
+        return max(r.rollout for r in self.all_ranks)
+
+    @property
+    def update_peak(self) -> int:
+        return max(r.update for r in self.all_ranks)
+
+    @property
+    def fits_rollout(self) -> bool:
+        return self.sampler.starts and self.rollout_peak <= self.hw.gpu_memory_bytes
+
+    @property
+    def fits_update(self) -> bool:
+        return self.update_peak <= self.hw.gpu_memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_rollout and self.fits_update
+
+
+def _gemm_params(cfg: Config, by_kind: dict[str, int]) -> int:
+    """Active parameters that are GEMM weights in the forward (the embedding lookup is not,
+    unless the output layer reuses it)."""
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    return active_params(cfg, by_kind) - (0 if tied else by_kind["embedding"])
+
+
+def _times(cfg: Config, layout: Layout, work: Workload, sw: Switches, by_kind: dict[str, int],
+           sampler: SamplerMemory, metas: list[MetaRank], traffic_: list[list[Traffic]], hw: Hardware) -> dict[str, float]:
+    gemm = _gemm_params(cfg, by_kind)
+    times = {**rollout_seconds(cfg, work, gemm, sampler, hw),
+             **learner_seconds(cfg, layout, work, gemm, sw.recompute, hw)}
+    for family in ("tp", "ep", "pp", "dp"):
+        times[family] = max(next(t.seconds for t in ts if t.family == family) for ts in traffic_)
+    opt = []
+    for meta in metas:
+        state = model_state(meta, sw.distributed_optimizer)
+        off = int(state.optimizer * sw.offload_fraction)
+        opt.append(optimizer_seconds(state.optimizer - off, off, state.grads, state.params,
+                                     sw.offload_fraction, work.updates, hw))
+    times["optimizer"] = max(opt)
+    times["weight_sync"] = max(next(t.seconds for t in ts if t.family == "weight_sync") for ts in traffic_)
+    times["total"] = sum(times.values())
+    return times
+
+
+def make_plan(source: ModelSource, hw: Hardware, prompt_tokens: int, switches: Switches | None = None) -> Plan:
+    """Plan `source.cfg` on `hw` (world = hw.gpus); `switches` default to the recipe's."""
+    cfg = source.cfg
+    check_world(cfg, hw.gpus)
+    sw = switches or Switches.of(cfg)
+    if sw.offload_fraction and not sw.distributed_optimizer:
+        raise ConfigError("optimizer.offload_fraction > 0 needs optimizer.distributed=true "
+                          "(megatron offloads the distributed optimizer's shards)")
+    layout = Layout.of(cfg, hw.gpus)
+    work = workload(cfg, layout, prompt_tokens)
+    metas = meta_ranks(cfg, layout.learners)
+    by_kind = param_counts(cfg)
+    sampler = sampler_memory(cfg, by_kind, work, hw)
+    ranks = [rank_memory(cfg, r, layout, work, sampler, hw, sw) for r in metas]
+    traffic_ = [traffic(cfg, r, layout, work, sw, sampler.weights_bytes, hw) for r in metas]
+    times = _times(cfg, layout, work, sw, by_kind, sampler, metas, traffic_, hw)
+    return Plan(cfg, source, hw, layout, work, sw, by_kind, sampler, tuple(ranks),
+                engine_memory(layout, sampler, hw, sw), tuple(tuple(t) for t in traffic_), times)

@@ -1,0 +1,93 @@
+"""Where a step's time goes: compute from FLOPs at a stated fraction of peak, decoding from
+HBM bandwidth, communication from `comms`, all without overlap (an upper bound on what is
+exposed; megatron hides part of the DP and TP traffic behind compute).
+
+FLOPs (Kaplan et al. 2020 / Narayanan et al. 2021 counting): a forward pass costs 2 FLOPs
+per active GEMM weight per token (the embedding lookup is no GEMM) plus causal attention
+2*a*d*s per layer per token (QK^T and AV over s/2 positions on average); backward is twice
+the forward, full recompute one more forward. Per rank the work is the step's total / world
+(balanced), and the update pays the 1F1B pipeline bubble (pp - 1) / micro-batches.
+
+Rollout: prefill of the prompts is compute-bound (2 * active FLOPs per token); decoding is
+one step per generated token for every running sequence, bound by the larger of reading the
+rank's weight shard plus the running sequences' KV cache from HBM and its FLOPs, plus the
+engine's tensor-parallel all-reduces; a KV cache smaller than the batch needs means more
+waves of decoding.
+"""
+
+from __future__ import annotations
+
+import math
+
+from moe_rl.config import Config
+from moe_rl.plan.hardware import Hardware
+from moe_rl.plan.sampler import SamplerMemory
+from moe_rl.plan.workload import Layout, Workload
+
+TERA = 1e12
+
+
+def attention_flops_per_token(cfg: Config, seq_len: int) -> float:
+    m = cfg.model
+    return 2.0 * m.num_attention_heads * m.kv_channels * seq_len * m.num_layers
+
+
+def _peak(cfg: Config, hw: Hardware) -> float:
+    return (hw.fp8_tflops if cfg.model.fp8 != "none" else hw.bf16_tflops) * TERA * hw.mfu
+
+
+def learner_seconds(cfg: Config, layout: Layout, work: Workload, gemm_params: int, recompute: bool,
+                    hw: Hardware) -> dict[str, float]:
+    """Seconds per step of the scoring passes and the update passes (fwd + bwd), per rank."""
+    s = work.seq_len
+    fwd_gemm = 2.0 * gemm_params
+    fwd_attn = attention_flops_per_token(cfg, s)
+    tokens = work.sequences * s
+    gemm_peak, attn_peak = _peak(cfg, hw), hw.bf16_tflops * TERA * hw.mfu
+    fwd_seconds = tokens * (fwd_gemm / gemm_peak + fwd_attn / attn_peak) / layout.learners
+    bubble = 1 + (layout.pp - 1) / work.micro_batches
+    update_factor = (3 + (1 if recompute else 0)) * cfg.rl.epochs * bubble
+    return {"scoring": work.scoring_passes * fwd_seconds, "update_compute": update_factor * fwd_seconds}
+
+
+def rollout_seconds(cfg: Config, work: Workload, gemm_params: int, sampler: SamplerMemory,
+                    hw: Hardware) -> dict[str, float]:
+    """Prefill and decode seconds of one engine (engines run in parallel)."""
+    peak = hw.bf16_tflops * TERA * hw.mfu
+    per_engine_gpus = work.rollout_tp
+    prefill = sampler.sequences_per_engine * work.prompt_tokens * 2.0 * gemm_params / (peak * per_engine_gpus)
+    length = work.prompt_tokens + work.response_tokens
+    running = sampler.sequences_per_engine
+    if sampler.kv_capacity_bytes > 0 and sampler.kv_bytes_per_token:
+        running = min(running, max(1, sampler.kv_capacity_bytes // (length * sampler.kv_bytes_per_token)))
+    else:
+        return {"rollout_prefill": prefill, "rollout_decode": math.inf}
+    waves = math.ceil(sampler.sequences_per_engine / running)
+    hbm = hw.hbm_tbps * TERA * hw.bandwidth_efficiency
+    avg_context = work.prompt_tokens + work.response_tokens / 2
+    read = sampler.weights_bytes + running * avg_context * sampler.kv_bytes_per_token
+    flops = running * 2.0 * gemm_params / per_engine_gpus
+    step = max(read / hbm, flops / peak) + _decode_allreduce_seconds(cfg, running, per_engine_gpus, hw)
+    return {"rollout_prefill": prefill, "rollout_decode": waves * work.response_tokens * step}
+
+
+def _decode_allreduce_seconds(cfg: Config, running: int, rollout_tp: int, hw: Hardware) -> float:
+    """vLLM's tensor parallelism all-reduces the hidden states twice per layer per decoding
+    step (ring: 2(t-1)/t of running x hidden x 2 bytes); across nodes at InfiniBand speed.
+    Latency (tens of microseconds per all-reduce) is not counted."""
+    if rollout_tp == 1:
+        return 0.0
+    gbps = hw.ib_gbps if rollout_tp > hw.gpus_per_node else hw.nvlink_gbps
+    nbytes = 2 * cfg.model.num_layers * 2 * (rollout_tp - 1) / rollout_tp * running * cfg.model.hidden_size * 2
+    return nbytes / (gbps * 1e9 * hw.bandwidth_efficiency)
+
+
+def optimizer_seconds(state_bytes_gpu: int, offloaded_bytes: int, grads_bytes: int, params_bytes: int,
+                      offload_fraction: float, updates: int, hw: Hardware) -> float:
+    """Adam is memory-bound: read and write the states and main params, read the grads,
+    write the params; the offloaded part crosses PCIe (grads down, params up) instead."""
+    hbm = hw.hbm_tbps * TERA * hw.bandwidth_efficiency
+    gpu = (2 * state_bytes_gpu + grads_bytes + params_bytes) / hbm
+    pcie = offload_fraction * (grads_bytes + params_bytes) / (hw.pcie_gbps * 1e9 * hw.bandwidth_efficiency)
+    host = offloaded_bytes * 2 / (hw.pcie_gbps * 1e9)  # host Adam at about PCIe speed (stated)
+    return updates * (gpu + pcie + host)

@@ -1,0 +1,138 @@
+"""One RL step's shapes as the trainer runs it, from the recipe and the world size.
+
+A step: every engine samples its share of `prompts_per_step * group_size` sequences; the
+learner scores the batch once (old log-probs, unless the on-policy shortcut lets the first
+update's forward score; one more forward for the reference policy when `rl.kl_coef > 0`),
+then takes `num_minibatches * epochs` optimizer updates, each over
+1/num_minibatches of the batch; the weights go to the engines. Every sequence is taken at
+its longest (prompt + `sampler.max_new_tokens`), which is the bound memory must meet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe_rl.config import Config, ConfigError, validate_layout
+
+
+def separate_engine_ranks(cfg: Config) -> int:
+    """GPUs that host engines only (`sampler.placement=separate`), else 0."""
+    if cfg.sampler.placement != "separate":
+        return 0
+    return cfg.sampler.engine_ranks
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The recipe's process layout at a world size."""
+
+    world: int
+    learners: int
+    """Ranks that train: the world, less the engine-only ranks under separate placement."""
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    """Dense data-parallel size: world / (tp * pp)."""
+    expert_dp: int
+    """Expert data-parallel size: world / (etp * ep * pp)."""
+
+    @classmethod
+    def of(cls, cfg: Config, world: int) -> Layout:
+        p = cfg.parallel
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+        n = world - separate_engine_ranks(cfg)
+        return cls(world, n, tp, pp, ep, etp, n // (tp * pp), n // (etp * ep * pp))
+
+    def describe(self) -> str:
+        engines = f" + {self.world - self.learners} engine-only" if self.world > self.learners else ""
+        return (f"TP{self.tp} x EP{self.ep} x ETP{self.etp} x PP{self.pp}, DP{self.dp} "
+                f"(expert DP{self.expert_dp}), {self.learners}{engines} GPUs")
+
+
+@dataclass(frozen=True)
+class Workload:
+    sequences: int
+    """Sequences per step: prompts_per_step * group_size."""
+    prompt_tokens: int
+    response_tokens: int
+    """sampler.max_new_tokens."""
+    seq_len: int
+    """Learner sequence length: prompt + response, padded to a multiple of TP (sequence parallel)."""
+    micro_batch: int
+    """Sequences per micro-batch (parallel.micro_batch_size, or fewer when a rank has fewer)."""
+    micro_batches: int
+    """Micro-batches per data-parallel rank per optimizer update."""
+    updates: int
+    """Optimizer updates per step: num_minibatches * epochs."""
+    scoring_passes: int
+    """Forward-only passes over the whole batch per step (old log-probs, reference policy)."""
+    rollout_tp: int
+    engines: int
+    """vLLM engines: one per rollout group of `rollout_tp` ranks (all ranks, or the engine-only
+    ones under separate placement)."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences * (self.prompt_tokens + self.response_tokens)
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def workload(cfg: Config, layout: Layout, prompt_tokens: int) -> Workload:
+    """The step's shapes for `cfg` at `layout` with prompts of `prompt_tokens` tokens."""
+    rl = cfg.rl
+    sequences = rl.prompts_per_step * rl.group_size
+    per_update = math.ceil(sequences / rl.num_minibatches)
+    per_rank = math.ceil(per_update / layout.dp)
+    micro_batch = min(cfg.parallel.micro_batch_size, per_rank)
+    response = cfg.sampler.max_new_tokens
+    rollout_tp = cfg.sampler.tensor_parallel_size
+    return Workload(
+        sequences=sequences,
+        prompt_tokens=prompt_tokens,
+        response_tokens=response,
+        seq_len=math.ceil((prompt_tokens + response) / layout.tp) * layout.tp,
+        micro_batch=micro_batch,
+        micro_batches=math.ceil(per_rank / micro_batch),
+        updates=rl.num_minibatches * rl.epochs,
+        # the old-logprob pass is skipped when the first update's forward scores (on-policy)
+        scoring_passes=(0 if getattr(rl, "scores_in_update", False) else 1) + (rl.kl_coef > 0),
+        rollout_tp=rollout_tp,
+        engines=(layout.world - layout.learners or layout.world) // rollout_tp,
+    )
+
+
+def check_rollout_tp(cfg: Config, world: int) -> None:
+    """vLLM's tensor parallelism needs whole query heads per rank and KV heads either split
+    evenly or replicated evenly."""
+    rtp = cfg.sampler.tensor_parallel_size
+    m = cfg.model
+    hosts = separate_engine_ranks(cfg) or world
+    if hosts % rtp or m.num_attention_heads % rtp or (m.num_query_groups % rtp and rtp % m.num_query_groups):
+        raise ConfigError(
+            f"sampler.tensor_parallel_size={rtp} must divide the engines' ranks ({hosts}) and "
+            f"model.num_attention_heads={m.num_attention_heads}, and divide or be a multiple of "
+            f"model.num_query_groups={m.num_query_groups}"
+        )
+
+
+def check_world(cfg: Config, world: int) -> None:
+    """The trainer's layout check at this world size, and the rollout TP's (cheap: no build)."""
+    validate_layout(cfg, world)
+    check_rollout_tp(cfg, world)
+
+
+def prompt_tokens_for(cfg: Config, requested: int) -> int:
+    """The prompt length to plan: `requested`, capped so that prompt + max_new_tokens fits
+    model.max_position_embeddings."""
+    room = cfg.model.max_position_embeddings - cfg.sampler.max_new_tokens
+    if room < 1:
+        raise ConfigError(f"sampler.max_new_tokens={cfg.sampler.max_new_tokens} leaves no room for a prompt in "
+                          f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    return max(1, min(requested, room))

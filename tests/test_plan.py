@@ -1,0 +1,301 @@
+"""`python -m moe_rl.plan`: exact per-rank parameter counts from megatron's meta-device
+build, memory checked against the real learner, the published model sizes, the GPU
+recipes fitting, and one-line errors for bad recipes.
+
+The planner runs in subprocesses (tests/workers/plan_worker.py and the CLI): its build joins
+a fake process group, which a pytest process that already holds a real one cannot.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import WORKERS, torchrun
+
+from moe_rl.config import ConfigError, ModelConfig, load_config, validate_layout
+from moe_rl.plan.published import CONFIGS as PUBLISHED_CONFIGS
+from moe_rl.plan.published import SIZES as PUBLISHED_SIZES
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_QKV_BIAS = "add_qkv_bias" in ModelConfig.__dataclass_fields__
+
+# Random-init shapes unlike the tiny model: one dense first layer, GQA 2:1, untied output.
+QWEN_SMALL = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "intermediate_size": 96, "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+    "mlp_only_layers": [0], "decoder_sparse_step": 1, "norm_topk_prob": True, "vocab_size": 160,
+    "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False, "torch_dtype": "float32",
+}
+# GLM-4.5-Air's features at small size: dense first layer, shared expert, sigmoid router with
+# expert bias, no QK-norm, partial rotary and an MTP layer (neither changes the learner's
+# parameters: the planner notes them). attention_bias as GLM has it once ModelConfig can build it.
+GLM_SMALL = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 64,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "intermediate_size": 96, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+    "n_group": 1, "topk_group": 1, "use_qk_norm": False, "partial_rotary_factor": 0.5,
+    "num_nextn_predict_layers": 1, "vocab_size": 160, "max_position_embeddings": 128, "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": HAS_QKV_BIAS,
+    "torch_dtype": "float32",
+}
+# The published config.json files; GLM-4.5-Air's q/k/v biases only once the learner can
+# build them (ModelConfig.add_qkv_bias), otherwise planned and counted without them.
+GLM45_AIR = {**PUBLISHED_CONFIGS["GLM-4.5-Air"], "attention_bias": HAS_QKV_BIAS}
+CONFIGS = {"qwen_small": QWEN_SMALL, "glm_small": GLM_SMALL, "qwen3_30b_a3b": PUBLISHED_CONFIGS["Qwen3-30B-A3B"],
+           "qwen3_235b_a22b": PUBLISHED_CONFIGS["Qwen3-235B-A22B"], "glm45_air": GLM45_AIR}
+
+SMALL = ("qwen_small", "glm_small")
+REAL = ("qwen3_30b_a3b", "qwen3_235b_a22b", "glm45_air")
+LAYOUTS = {"one": ([], 1), "tp2": (["parallel.tensor_model_parallel_size=2"], 2),
+           "ep2": (["parallel.expert_model_parallel_size=2"], 2),
+           "pp2": (["parallel.pipeline_model_parallel_size=2"], 2)}
+CARD = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_235b_a22b": "Qwen3-235B-A22B", "glm45_air": "GLM-4.5-Air"}
+# The real shapes at a 16-GPU layout the recipe's family uses (TP2 x EP8 x PP2).
+REAL_LAYOUT = ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=8",
+               "parallel.pipeline_model_parallel_size=2", "parallel.micro_batch_size=1", "sampler.max_new_tokens=1024"]
+TINY = str(ROOT / "examples/tiny_rspo.yaml")
+RECIPES = {"qwen3_30b_a3b": ("examples/gpu/qwen3_30b_a3b.yaml", 16), "deepseek_style": ("examples/gpu/deepseek_style.yaml", 8)}
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_configs")
+    for name, cfg in CONFIGS.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(cfg))
+    return {name: root / name for name in CONFIGS}
+
+
+def _jobs(dirs) -> list[dict]:
+    jobs = [{"name": f"{m}/{lay}", "recipe": None, "overrides": [f"run.init_checkpoint={dirs[m]}", *ov], "gpus": n}
+            for m in SMALL for lay, (ov, n) in LAYOUTS.items()]
+    jobs += [{"name": m, "recipe": TINY, "overrides": [f"run.init_checkpoint={dirs[m]}", *REAL_LAYOUT], "gpus": 16}
+             for m in REAL]
+    jobs.append({"name": "tiny", "recipe": TINY, "overrides": [], "gpus": 1})
+    jobs.append({"name": "separate", "recipe": TINY, "gpus": 3,
+                 "overrides": ["sampler.placement=separate", "sampler.engine_ranks=1"]})
+    jobs += [{"name": f"recipe/{r}", "recipe": str(ROOT / path), "overrides": [], "gpus": n, "suggest": True}
+             for r, (path, n) in RECIPES.items()]
+    # does not fit: activations of 128 x 64-token micro-batches in a 0.3 GiB GPU beside vLLM
+    jobs.append({"name": "unfit", "recipe": TINY, "overrides": [], "gpus": 1, "suggest": True,
+                 "hardware": {"gpu_memory_gib": 0.3, "reserve_gib": 0.0, "vllm_workspace_gib": 0.0}})
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def planned(model_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("planned")
+    (out / "jobs.json").write_text(json.dumps(_jobs(model_dirs)))
+    proc = subprocess.run([sys.executable, str(WORKERS / "plan_worker.py"), str(out / "jobs.json"), str(out / "plans.json")],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads((out / "plans.json").read_text())
+
+
+def _plan(planned, name) -> dict:
+    p = planned[name]
+    assert "error" not in p, p.get("error")
+    return p
+
+
+def hf_counts(config_dir: Path) -> tuple[int, int]:
+    """(total, active) parameters of transformers' model of config.json, built on the meta
+    device; active leaves out the E - K routed experts a token skips in every MoE layer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    E = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+    K = cfg.num_experts_per_tok
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    return total, total - routed // E * (E - K)
+
+
+# --------------------------------------------------------------------------- counts
+
+
+@pytest.mark.parametrize("name", SMALL + REAL)
+def test_total_and_active_equal_transformers(planned, model_dirs, name):
+    p = _plan(planned, name if name in REAL else f"{name}/one")
+    total, active = hf_counts(model_dirs[name])
+    assert (p["params_total"], p["params_active"]) == (total, active)
+    assert p["params_by_kind"]["other"] == 0
+    assert p["model_source"] == str(model_dirs[name] / "config.json")
+
+
+def test_glm_notes_say_what_the_learner_leaves_out(planned):
+    notes = " ".join(_plan(planned, "glm_small/one")["notes"])
+    assert "partial_rotary_factor=0.5" in notes and "num_nextn_predict_layers=1" in notes
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_shapes_match_published_sizes(planned, name):
+    """Within one unit of the card's last digit: cards round loosely (Qwen3-30B-A3B's 3.35 B
+    active is written "3.3B", GLM-4.5-Air's 105.6 B without embeddings "106B")."""
+    p = _plan(planned, name)
+    total_b, active_b, without_emb, unit = PUBLISHED_SIZES[CARD[name]]
+    suffix = "_without_embeddings" if without_emb else ""
+    total, active = p["params_total" + suffix] / 1e9, p["params_active" + suffix] / 1e9
+    print(f"{name}: {total:.2f} B total, {active:.2f} B active{' (without embeddings)' if without_emb else ''}")
+    assert abs(total - total_b) < unit and abs(active - active_b) < unit
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_shapes_have_one_entry_per_stage(planned, name):
+    """TP2 x EP8 x PP2 at 16 GPUs: two distinct ranks, the stages, each a shard of the model."""
+    p = _plan(planned, name)
+    assert [r["pp_rank"] for r in p["ranks"]] == [0, 1]
+    assert p["ranks"][0]["stage_ranks"] == list(range(8)) and p["ranks"][1]["stage_ranks"] == list(range(8, 16))
+    assert all(0 < r["params"] < p["params_total"] / 8 for r in p["ranks"])
+
+
+@pytest.fixture(scope="module")
+def learned(model_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("learned")
+    models = {m: [f"run.init_checkpoint={model_dirs[m]}"] for m in SMALL}
+    one = {"models": models, "layouts": {"one": []}, "tiny": TINY}
+    two = {"models": models, "layouts": {k: ov for k, (ov, n) in LAYOUTS.items() if n == 2}}
+    for tag, spec, n in (("one", one, 1), ("two", two, 2)):
+        (out / f"{tag}.json").write_text(json.dumps(spec))
+        torchrun("plan_learner.py", n, str(out / f"{tag}.json"), str(out / tag), timeout=600)
+    results: dict[str, list[dict]] = {}
+    for f in sorted(out.glob("*.*.json")):
+        for key, value in json.loads(f.read_text()).items():
+            results.setdefault(key, []).append(value)
+    return results
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", SMALL)
+def test_per_rank_params_equal_the_learner(planned, learned, model, layout):
+    plan = _plan(planned, f"{model}/{layout}")
+    ranks = learned[f"{model}/{layout}"]
+    assert len(ranks) == LAYOUTS[layout][1]
+    for measured in ranks:
+        (entry,) = [r for r in plan["ranks"] if measured["rank"] in r["stage_ranks"]]
+        assert entry["pp_rank"] == measured["pp_rank"]
+        assert entry["params"] == measured["params"], f"rank {measured['rank']}"
+        assert entry["memory_bytes"]["params"] == measured["param_bytes"]
+        assert entry["memory_bytes"]["grads"] == measured["grad_bytes"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_tiny_memory_equals_the_learner(planned, learned):
+    """Bytes of parameters, megatron's gradient buffers and Adam's moments after a step."""
+    (measured,) = learned["tiny"]
+    (rank,) = _plan(planned, "tiny")["ranks"]
+    mem = rank["memory_bytes"]
+    assert (mem["params"], mem["grads"], mem["optimizer_states"]) == (
+        measured["param_bytes"], measured["grad_bytes"], measured["adam_bytes"])
+    assert rank["params"] == measured["params"]
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_gpu_recipes_fit_on_their_gpus(planned, recipe):
+    p = _plan(planned, f"recipe/{recipe}")
+    print(f"{recipe}: rollout {p['phases']['rollout']['peak_bytes'] / 2**30:.1f} GiB, "
+          f"update {p['phases']['update']['peak_bytes'] / 2**30:.1f} GiB")
+    assert p["fits"] and p["phases"]["rollout"]["fits"] and p["phases"]["update"]["fits"]
+    assert p["sampler"]["starts"]
+
+
+def test_unfit_plan_suggests_changes_that_fit(planned):
+    p = _plan(planned, "unfit")
+    assert not p["fits"] and p["suggestions"]
+    limit = 0.3 * 2**30
+    for s in p["suggestions"]:
+        assert s["changes"] and s["fits"]
+        assert max(s["rollout_peak_bytes"], s["update_peak_bytes"]) <= limit
+
+
+def test_separate_placement_puts_the_engine_on_its_own_gpus(planned):
+    learner, engine = _plan(planned, "separate")["ranks"]
+    assert (learner["role"], learner["stage_ranks"], engine["role"], engine["stage_ranks"]) == (
+        "learner", [0, 1], "engine", [2])
+    assert learner["memory_bytes"]["sampler_budget"] == 0 and engine["memory_bytes"]["sampler_budget"] > 0
+    assert engine["params"] == 0 and engine["memory_bytes"]["optimizer_states"] == 0
+
+
+def test_recompute_and_distribution_shrink_memory(planned):
+    rank = _plan(planned, "qwen3_30b_a3b")["ranks"][0]
+    alt = rank["alternatives_bytes"]
+    assert alt["activations_full_recompute"] < alt["activations_no_recompute"]
+    assert alt["optimizer_distributed"] < alt["optimizer_replicated"]
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moe_rl.plan", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _config_error(overrides: list[str], world: int | None = None) -> str:
+    with pytest.raises(ConfigError) as e:
+        cfg = load_config(TINY, overrides)
+        if world is not None:
+            validate_layout(cfg, world)
+    return str(e.value)
+
+
+BAD = {
+    "heads": (["parallel.tensor_model_parallel_size=3"], None),
+    "experts": (["parallel.expert_model_parallel_size=3"], None),
+    "layers": (["parallel.pipeline_model_parallel_size=3"], None),
+    "world": (["parallel.tensor_model_parallel_size=2"], 3),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_layout_is_the_trainers_one_line_error(case):
+    overrides, world = BAD[case]
+    proc = cli("--config", TINY, *overrides, *(["--gpus", str(world)] if world else []))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == f"python -m moe_rl.plan: config error: {_config_error(overrides, world)}"
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"],
+                                                      "model_type": "deepseek_v3"}))
+    proc = cli("--config", TINY, f"run.init_checkpoint={tmp_path}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "deepseek_v3" in line and "Qwen3MoeForCausalLM" in line and "Glm4MoeForCausalLM" in line
+
+
+def test_json_output_parses_with_the_keys():
+    proc = cli("--config", TINY, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    p = json.loads(proc.stdout)
+    assert isinstance(p["params_total"], int) and isinstance(p["params_active"], int)
+    assert isinstance(p["fits"], bool) and p["fits"]
+    assert p["params_active"] < p["params_total"]
+    (rank,) = p["ranks"]
+    kinds = rank["memory_bytes"]
+    assert {"params", "grads", "optimizer_states", "activations", "kv_cache", "sampler_weights"} <= set(kinds)
+    assert all(isinstance(v, int) and v >= 0 for v in kinds.values())
+    assert all(v is None or math.isfinite(v) for v in p["times_s"].values())

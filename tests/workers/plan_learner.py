@@ -1,0 +1,75 @@
+"""Worker for tests/test_plan.py (run under torchrun): what the real learner holds, per rank.
+
+    plan_learner.py SPEC.json OUT_PREFIX
+
+SPEC: {"models": {name: [overrides]}, "layouts": {name: [overrides]}, "tiny": recipe or null}.
+For every model x layout, each rank builds `moe_rl.learner.Learner` (model from the
+overrides, e.g. run.init_checkpoint=<dir with config.json>, resolved as the planner does)
+and reports its parameter count, parameter bytes and megatron DDP grad-buffer bytes.
+With "tiny" (one process), the recipe's learner also takes one optimizer step and reports
+the bytes of Adam's moments. Rank r writes OUT_PREFIX.r.json.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from learner_utils import fixed_batch, reinforce_loss
+
+from moe_rl.config import load_config
+from moe_rl.learner.engine import Learner
+from moe_rl.learner.parallel import init_distributed, parallel_layout
+from moe_rl.plan.model_source import resolve_model
+
+
+def grad_buffer_bytes(learner: Learner) -> int:
+    buffers = learner.model.buffers + learner.model.expert_parallel_buffers
+    return sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+
+
+def adam_state_bytes(learner: Learner) -> int:
+    """exp_avg + exp_avg_sq of every parameter (torch's per-tensor `step` scalars aside)."""
+    total = 0
+    for opt in learner.optimizer.chained_optimizers:
+        for state in opt.optimizer.state.values():
+            total += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+    return total
+
+
+def measure(learner: Learner) -> dict:
+    params = list(learner.gpt.parameters())
+    return {
+        "rank": dist.get_rank(),
+        "pp_rank": learner.layout.pp_rank,
+        "params": sum(p.numel() for p in params),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "grad_bytes": grad_buffer_bytes(learner),
+    }
+
+
+def main() -> None:
+    spec, prefix = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+    rank, _ = init_distributed()
+    out = {}
+    for model, model_overrides in spec.get("models", {}).items():
+        for layout_name, layout_overrides in spec["layouts"].items():
+            cfg = resolve_model(load_config(None, model_overrides + layout_overrides)).cfg
+            with parallel_layout(cfg.parallel, seed=1) as layout:
+                out[f"{model}/{layout_name}"] = measure(Learner(cfg, layout))
+    if spec.get("tiny"):
+        cfg = load_config(spec["tiny"], ["parallel.micro_batch_size=4"])
+        with parallel_layout(cfg.parallel, seed=1) as layout:
+            learner = Learner(cfg, layout)
+            batch, adv_B = fixed_batch()
+            learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
+            out["tiny"] = {**measure(learner), "adam_bytes": adam_state_bytes(learner)}
+    with open(f"{prefix}.{rank}.json", "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
