@@ -74,18 +74,16 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> None:
-        from moe_rl.learner import Learner, latest_checkpoint, load_checkpoint, parallel_layout
+        from moe_rl.learner import Learner, load_checkpoint, parallel_layout
 
         cfg = self.cfg
-        resume_from = latest_checkpoint(self.run_dir.path) if cfg.run.resume else None
-        if self.rank == 0:
-            self.run_dir.prepare(resuming=resume_from is not None)
+        resume_from = self.run_dir.prepare(cfg.run.resume, rank=self.rank)
         self.layout = self._stack.enter_context(parallel_layout(cfg.parallel, seed=cfg.run.seed))
         updates = cfg.run.steps * cfg.rl.epochs * cfg.rl.num_minibatches
         self.learner = Learner(cfg, self.layout, total_updates=updates)
         init = cfg.run.init_checkpoint
         if resume_from is not None:
-            meta = load_checkpoint(self.learner, resume_from)
+            meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint)
             self.start_step = int(meta.get("trainer_step", meta["step"]))
             log.info("resumed from %s at step %d", resume_from, self.start_step)
         elif init:
@@ -111,7 +109,7 @@ class Trainer:
 
         p = Path(path)
         if is_checkpoint(p):
-            load_checkpoint(learner, p, load_optimizer=False)
+            load_checkpoint(learner, p, load_optimizer=False, trust=self.cfg.run.trust_checkpoint)
         elif (p / "config.json").is_file():
             load_hf_weights(learner, p)
         else:
@@ -201,8 +199,12 @@ class Trainer:
         colocated = self.cfg.sampler.placement == "colocated"
         stream = hf_named_tensors(self.learner, dst=None if colocated else 0, traffic=traffic)
         report = self.collector.sync_weights(stream)
-        return {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
+        mine = {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
                 "sync/bytes_sent": float(traffic.bytes_sent)}
+        everyone = self.learner.all_gather_object(mine)
+        per_rank = {f"{k}_rank{r}": v for r, m in enumerate(everyone) if len(everyone) > 1 for k, v in m.items()
+                    if k in ("sync/seconds", "sync/bytes_received")}
+        return {**mine, **per_rank, "sync/seconds_max": max(m["sync/seconds"] for m in everyone)}
 
     def _serve_rollouts(self) -> dict[str, Any]:
         """An engine-only rank (separate placement): sample its share of every step and take
@@ -251,7 +253,8 @@ class Trainer:
     def _save(self, step: int) -> None:
         from moe_rl.learner import save_checkpoint
 
-        save_checkpoint(self.learner, self.run_dir.checkpoints / f"step_{step:06d}", extra_meta={"trainer_step": step})
+        save_checkpoint(self.learner, self.run_dir.checkpoints / f"step_{step:06d}",
+                        extra_meta={"trainer_step": step, "run_id": self.run_dir.run_id})
         if self.rank == 0:
             self.run_dir.rotate_checkpoints()
 

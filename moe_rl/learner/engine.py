@@ -399,6 +399,14 @@ class Learner:
 
     # ------------------------------------------------------------------ collectives for callers
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every learner rank's picklable `obj`, in rank order, on every learner rank."""
+        if dist.get_world_size() == 1:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """A picklable object from global rank `src` to every rank (rollouts, decisions)."""
         if dist.get_world_size() == 1:
