@@ -5,13 +5,8 @@ A library: tensors in, numbers and files out. It imports nothing of the learner 
 samplers; the application that starts them and measures a checkpoint is `moe_rl.mismatch`.
 """
 
-from moe_rl.diagnostics.metrics import (
-    BucketTable,
-    MismatchResult,
-    TokenArrays,
-    compute_mismatch,
-    default_position_edges,
-)
+from moe_rl.diagnostics.buckets import BucketTable, default_position_edges
+from moe_rl.diagnostics.metrics import MismatchResult, TokenArrays, compute_mismatch
 from moe_rl.diagnostics.report import write_report
 
 __all__ = [

@@ -44,7 +44,6 @@ exp(d) - 1 - d would be mostly rounding error there).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,74 +51,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from moe_rl.diagnostics.buckets import (
+    DEFAULT_PROB_EDGES,
+    BucketTable,
+    bucket_index,
+    bucket_table,
+    check_edges,
+    default_position_edges,
+)
 from moe_rl.routing.stats import topk_disagreement
 
 PREFIX = "mismatch/"
 TIS_CAP = 2.0
 ICEPOP_BAND = (0.5, 2.0)
 LN2 = math.log(2.0)
-DEFAULT_PROB_EDGES = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
 LOGP_TOL = 1e-3  # a valid log-prob above this is not a log-prob (rounding may give +1e-7)
-
-# token-level columns of the bucket tables, in display order
-BUCKET_COLUMNS = (
-    "num_tokens",
-    "dp_mean",
-    "dp_max_mean",
-    "k1",
-    "k3",
-    "frac_tis_capped",
-    "frac_outside_icepop",
-    "frac_dlogp_gt_ln2",
-)
-
-
-def default_position_edges(T: int) -> tuple[float, ...]:
-    """(0, 4, 8, 16, ..., 2^k) with 2^k >= T: every position 0..T-1 falls in a bucket."""
-    edges = [0.0, 4.0]
-    while edges[-1] < T:
-        edges.append(edges[-1] * 2)
-    return tuple(edges)
-
-
-def _check_edges(
-    name: str, edges: Sequence[float], lo: float, hi: float | None
-) -> tuple[float, ...]:
-    e = tuple(float(x) for x in edges)
-    if len(e) < 2 or any(b <= a for a, b in itertools.pairwise(e)):
-        raise ValueError(f"{name} must be >= 2 strictly increasing numbers, got {e}")
-    if e[0] < lo or (hi is not None and e[-1] > hi):
-        raise ValueError(f"{name} must lie in [{lo}, {hi if hi is not None else 'inf'}], got {e}")
-    return e
-
-
-def bucket_labels(edges: Sequence[float]) -> list[str]:
-    """'[a, b)' per bucket, the last one '[a, b]' (it is closed)."""
-    n = len(edges) - 1
-    return [f"[{edges[i]:g}, {edges[i + 1]:g}{']' if i == n - 1 else ')'}" for i in range(n)]
-
-
-@dataclass(frozen=True)
-class BucketTable:
-    """Mismatch metrics per bucket of `by` ("position" or "sampler_prob")."""
-
-    by: str
-    edges: tuple[float, ...]
-    columns: dict[str, Tensor]  # name -> [num_buckets]; BUCKET_COLUMNS order
-    num_outside: Tensor  # valid tokens in no bucket
-
-    @property
-    def labels(self) -> list[str]:
-        return bucket_labels(self.edges)
-
-    def rows(self) -> list[dict[str, float | str]]:
-        """One dict per bucket: {"bucket": label, column: float, ...} (NaN where empty)."""
-        cols = {k: v.double().cpu().tolist() for k, v in self.columns.items()}
-        return [
-            {"bucket": label, **{k: cols[k][i] for k in cols}}
-            for i, label in enumerate(self.labels)
-        ]
-
 
 @dataclass(frozen=True)
 class TokenArrays:
@@ -239,87 +185,6 @@ def _check_values(name: str, logp_BT: Tensor, mask_BT: Tensor) -> None:
         )
 
 
-# --------------------------------------------------------------------------- buckets
-
-
-def _bucket_index(x: Tensor, edges: tuple[float, ...], valid: Tensor) -> Tensor:
-    """Bucket id per element; the extra id len(edges)-1 collects invalid / out-of-range."""
-    nb = len(edges) - 1
-    e = torch.tensor(edges, dtype=x.dtype, device=x.device)
-    idx = torch.bucketize(x, e, right=True) - 1  # e[i] <= x < e[i+1]  ->  i
-    idx = torch.where(x == e[-1], nb - 1, idx)  # the last bucket is closed
-    ok = valid & (idx >= 0) & (idx < nb)
-    return torch.where(ok, idx, nb)
-
-
-# bit b of a token's flag code <-> the b-th threshold flag (capped, outside band, > ln 2)
-_FLAG_COLUMNS = ("frac_tis_capped", "frac_outside_icepop", "frac_dlogp_gt_ln2")
-
-
-def _bucket_table(
-    by: str,
-    edges: tuple[float, ...],
-    idx_BT: Tensor,
-    abs_dp_BT: Tensor,
-    d_BT: Tensor,
-    k3_BT: Tensor,
-    flags_BT: Tensor,  # int64 code: sum_b 2^b * flag_b
-    n_valid: Tensor,
-) -> BucketTable:
-    """Bucket sums via bincount over one flat key per (sequence, bucket).
-
-    bincount is the fastest scatter-sum on CPU; the three 0/1 flags ride along in one
-    unweighted count over (key, flag code) instead of three weighted ones.
-    """
-    nb = len(edges) - 1
-    B = idx_BT.shape[0]
-    n_keys = B * (nb + 1)
-    seq_B1 = torch.arange(B, device=idx_BT.device)[:, None] * (nb + 1)
-    key_N = (seq_B1 + idx_BT).reshape(-1)
-    n_codes = 1 << len(_FLAG_COLUMNS)
-
-    def per_bucket(weights_BT: Tensor) -> Tensor:  # [nb] sum over tokens in each bucket
-        s = torch.bincount(key_N, weights=weights_BT.reshape(-1), minlength=n_keys)
-        return s.view(B, nb + 1)[:, :nb].sum(0)
-
-    codes_Sc = torch.bincount(
-        key_N * n_codes + flags_BT.reshape(-1), minlength=n_keys * n_codes
-    ).view(B, nb + 1, n_codes)[:, :nb]
-    count_Bb = codes_Sc.sum(-1).to(abs_dp_BT.dtype)
-    count_b = count_Bb.sum(0)
-    codes_bc = codes_Sc.sum(0).to(abs_dp_BT.dtype)
-    bits_cF = torch.tensor(
-        [[(c >> f) & 1 for f in range(len(_FLAG_COLUMNS))] for c in range(n_codes)],
-        dtype=abs_dp_BT.dtype,
-        device=key_N.device,
-    )
-    flags_bF = codes_bc @ bits_cF
-
-    def mean(sum_b: Tensor) -> Tensor:  # NaN marks an empty bucket
-        return torch.where(count_b > 0, sum_b / count_b.clamp_min(1), torch.nan)
-
-    # per (sequence, bucket) max |dp|, then the mean over sequences present in the bucket
-    max_S = torch.zeros(n_keys, dtype=abs_dp_BT.dtype, device=key_N.device)
-    max_S.scatter_reduce_(0, key_N, abs_dp_BT.reshape(-1), reduce="amax")
-    present_Bb = (count_Bb > 0).to(abs_dp_BT.dtype)
-    n_seq_b = present_Bb.sum(0)
-    dp_max_mean_b = torch.where(
-        n_seq_b > 0,
-        (max_S.view(B, nb + 1)[:, :nb] * present_Bb).sum(0) / n_seq_b.clamp_min(1),
-        torch.nan,
-    )
-
-    columns = {
-        "num_tokens": count_b,
-        "dp_mean": mean(per_bucket(abs_dp_BT)),
-        "dp_max_mean": dp_max_mean_b,
-        "k1": mean(-per_bucket(d_BT)),
-        "k3": mean(per_bucket(k3_BT)),
-        **{name: mean(flags_bF[:, f]) for f, name in enumerate(_FLAG_COLUMNS)},
-    }
-    return BucketTable(by=by, edges=edges, columns=columns, num_outside=n_valid - count_b.sum())
-
-
 # --------------------------------------------------------------------------- per token
 
 
@@ -424,15 +289,15 @@ def _bucket_tables(
     bucket_args = (tok.abs_dp_BT, tok.d_BT, tok.k3_BT, flags_BT, num_tokens)
     # position = index among the sequence's valid tokens; bucket it once per position 0..T-1
     pos_BT = (m_BT.cumsum(1) - 1).clamp_min(0)
-    pos_bucket_T = _bucket_index(
+    pos_bucket_T = bucket_index(
         torch.arange(T, device=m_BT.device, dtype=torch.float64),
         pos_edges,
         torch.ones(T, dtype=torch.bool, device=m_BT.device),
     )
     pos_idx_BT = torch.where(m_BT, pos_bucket_T[pos_BT], len(pos_edges) - 1)
-    by_position = _bucket_table("position", pos_edges, pos_idx_BT, *bucket_args)
-    prob_idx_BT = _bucket_index(tok.q_BT.clamp(0.0, 1.0), prob_edges, m_BT)
-    by_prob = _bucket_table("sampler_prob", prob_edges, prob_idx_BT, *bucket_args)
+    by_position = bucket_table("position", pos_edges, pos_idx_BT, *bucket_args)
+    prob_idx_BT = bucket_index(tok.q_BT.clamp(0.0, 1.0), prob_edges, m_BT)
+    by_prob = bucket_table("sampler_prob", prob_edges, prob_idx_BT, *bucket_args)
     return by_position, by_prob
 
 
@@ -480,13 +345,13 @@ def _check_params(
     lo, hi = (float(x) for x in icepop_band)
     if not 0 < lo < hi:
         raise ValueError(f"icepop_band must be (lo, hi) with 0 < lo < hi, got {icepop_band}")
-    pos_edges = _check_edges(
+    pos_edges = check_edges(
         "position_edges",
         default_position_edges(T) if position_edges is None else position_edges,
         0.0,
         None,
     )
-    return (lo, hi), pos_edges, _check_edges("prob_edges", prob_edges, 0.0, 1.0)
+    return (lo, hi), pos_edges, check_edges("prob_edges", prob_edges, 0.0, 1.0)
 
 
 def compute_mismatch(

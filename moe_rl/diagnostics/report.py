@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from moe_rl.atomic import atomic_output_dir
-from moe_rl.diagnostics.metrics import BUCKET_COLUMNS, PREFIX, BucketTable, MismatchResult
+from moe_rl.diagnostics.buckets import BUCKET_COLUMNS, BucketTable
+from moe_rl.diagnostics.metrics import PREFIX, MismatchResult
 
 # Rules of thumb for "look at this" (our choice, from the TIS/IcePop defaults: a token
 # whose ratio leaves [0.5, 2] is one the correction would cap or drop). Used for the
