@@ -2,33 +2,101 @@
 routing heat map, checkpoint rotation and summary.json (written by global rank 0).
 
     runs/<name>/
-      config.yaml        resolved recipe (what resume reads back)
+      run.json           the run's id: what owns this directory and its checkpoints
+      .lock              held (flock) by the process running it
+      config.yaml        resolved recipe, written once a start succeeded (what resume checks)
       metrics.jsonl      one JSON object per step
       tb/                TensorBoard events (scalars, routing flip-rate heat map)
       rollouts/step_*.jsonl  whole rollouts, every `logging.rollouts_every` steps
-      checkpoints/step_* megatron checkpoints, the newest KEEP_CHECKPOINTS kept
+      checkpoints/step_* megatron checkpoints, this run's newest KEEP_CHECKPOINTS kept
       summary.json       first/last rewards, median timings, where the logs are
+
+A directory belongs to one run. A fresh start (`run.resume=false`) where checkpoints exist
+is refused, with the two ways out: `run.resume=true`, or `run.overwrite=true`, which moves
+the old run aside to `<name>.overwritten-<time>` (never deletes it). Each checkpoint
+records the run id, and retention deletes only this run's older checkpoints. A resume whose
+recipe differs from the saved one in anything but RESUME_MAY_CHANGE is refused, naming the
+fields. Temp directories that kills left (`checkpoints/step_*.tmp-*`, `sampler_hf.tmp-*`)
+are removed at start, under the lock, so they can only be this run's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import math
+import os
 import shutil
 import statistics
+import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moe_rl.atomic import atomic_write_text
-from moe_rl.config import Config, save_config
+from moe_rl.checkpoint_files import (
+    CONFIG_FILE,
+    TRUST_HINT,
+    CheckpointError,
+    is_checkpoint,
+    is_complete,
+    latest_checkpoint,
+    read_meta,
+    remove_file_temps,
+    remove_temps,
+    step_dirs,
+)
+from moe_rl.config import Config, ConfigError, config_from_dict, save_config, to_dict
+from moe_rl.config.loading import yaml_load
 
 log = logging.getLogger("moe_rl.trainer")
 
 KEEP_CHECKPOINTS = 2
+RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
+# What a resume may change: run length and checkpoint cadence, where the directory is, the
+# trust flags, the logging, SFT/eval settings (unused by RL), the learner layout (a
+# checkpoint loads at any layout) and the sampler's resources (per-prompt seeds make the
+# rollouts independent of the number of engines). Everything else changes the run itself.
+RESUME_MAY_CHANGE = (
+    "run.steps", "run.save_every", "run.resume", "run.overwrite", "run.trust_checkpoint", "run.name",
+    "run.output_dir", "logging.", "sft.", "eval.", "parallel.", "sampler.vllm_kv_cache_gib",
+    "sampler.gpu_memory_utilization", "sampler.in_process", "sampler.tensor_parallel_size",
+    "sampler.expert_parallel", "sampler.sleep_between_steps", "sampler.placement", "sampler.engine_ranks",
+    "sampler.weight_sync_bucket_mib",
+)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def config_changes(saved: Config, now: Config) -> list[str]:
+    """`key (old -> new)` for every field that differs and may not change on resume."""
+    a, b = _flatten(to_dict(saved)), _flatten(to_dict(now))
+    keys = sorted(set(a) | set(b))
+    return [f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in keys
+            if a.get(k) != b.get(k) and not k.startswith(RESUME_MAY_CHANGE)]
+
+
+def read_saved_config(path: Path) -> Config:
+    """A config.yaml written by an earlier start, read safely and strictly."""
+    import yaml
+
+    try:
+        return config_from_dict(yaml_load(path.read_text()) or {})
+    except (ConfigError, ValueError, OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path} cannot be read back ({' '.join(str(e).split())}); "
+                          "restore it, or start a new run under another run.name") from e
 
 
 class RunDirectory:
@@ -41,21 +109,134 @@ class RunDirectory:
         self._flip_history: list[list[float]] = []
         self._writer = None
         self._num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers
+        self.run_id: str | None = None
+        self._lock_fd: int | None = None
 
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
-    def prepare(self, resuming: bool) -> None:
-        """Create the directory and write the resolved config."""
-        if not resuming and self.path.exists() and any(self.checkpoints.glob("step_*")):
-            log.warning("%s holds checkpoints from an earlier run; starting fresh (run.resume=true continues it)",
-                        self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.path / "config.yaml")
+    def prepare(self, resume: bool, rank: int = 0) -> Path | None:
+        """Before any model is built, on every rank: check the task's inputs, claim the
+        directory for this run (refusing another run's), and return the checkpoint to resume
+        from (None: a fresh start). Rank 0 alone changes files (moves an old run aside when
+        asked, removes stale temps, takes the lock); config.yaml and run.json are written by
+        `start_logging`, once the start succeeded."""
+        from moe_rl.preflight import check_init_model, check_task_inputs
+
+        check_task_inputs(self.cfg)
+        check_init_model(self.cfg)
+        run = self.cfg.run
+        if not resume and self._old_checkpoints():
+            if not run.overwrite:
+                raise ConfigError(
+                    f"{self.path} holds checkpoints of an earlier run; continue it with run.resume=true, or "
+                    f"start over with run.overwrite=true (moves it aside to {self.path.name}.overwritten-<time>, "
+                    "deleting nothing), or choose another run.name")
+            if rank == 0:
+                self._move_aside()
+        resume_from = self._resume_point() if resume else None
+        if resume_from is not None:
+            self._check_resume_config(resume_from)
+        owner = self._owner() if resume else None
+        self.run_id = owner or (read_meta(resume_from).get("run_id") if resume_from else None) or uuid.uuid4().hex
+        if rank == 0:
+            self._claim()
+        return resume_from
+
+    def _old_checkpoints(self) -> list[Path]:
+        return [p for _, p in step_dirs(self.checkpoints) if is_checkpoint(p)]
+
+    def _owner(self) -> str | None:
+        try:
+            return json.loads((self.path / RUN_FILE).read_text()).get("run_id")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            return None
+
+    def _resume_point(self) -> Path | None:
+        """This run's newest complete checkpoint; a newer one without a manifest (written
+        before checkpoints carried one) only when the user trusts it."""
+        owner = self._owner()
+        found = latest_checkpoint(self.path, owner)
+        legacy = [p for s, p in step_dirs(self.checkpoints) if is_checkpoint(p) and not is_complete(p)
+                  and (found is None or s > int(found.name.split("_")[1]))]
+        if found is None and not legacy and self._old_checkpoints():
+            raise CheckpointError(f"the checkpoints in {self.checkpoints} belong to another run than this "
+                                  f"directory's ({self.path / RUN_FILE}); move them out, or delete {RUN_FILE} to "
+                                  "adopt them")
+        if not legacy:
+            return found
+        if self.cfg.run.trust_checkpoint:
+            return legacy[-1]
+        raise CheckpointError(f"newest checkpoint {legacy[-1]} has no manifest.json (saved by an older version, "
+                              f"or not by moe_rl); to resume from it pass {TRUST_HINT}")
+
+    def _check_resume_config(self, ckpt: Path) -> None:
+        saved_path = ckpt / CONFIG_FILE
+        if not saved_path.is_file():
+            saved_path = self.path / CONFIG_FILE
+        if not saved_path.is_file():
+            return
+        changes = config_changes(read_saved_config(saved_path), self.cfg)
+        if changes:
+            shown = ", ".join(changes[:4]) + (f" and {len(changes) - 4} more" if len(changes) > 4 else "")
+            raise ConfigError(f"run.resume=true with a recipe that differs from the run's ({saved_path}) in {shown}; "
+                              "resume with the saved values, or start a new run under another run.name")
+
+    def _move_aside(self) -> None:
+        """run.overwrite=true: the old run's whole directory goes to <name>.overwritten-<time>."""
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        dest = self.path.with_name(f"{self.path.name}.overwritten-{stamp}")
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self.path.with_name(f"{self.path.name}.overwritten-{stamp}-{n}")
+        self._lock()
+        self._unlock()
+        os.replace(self.path, dest)
+        log.warning("run.overwrite=true: the earlier run in %s was moved to %s", self.path, dest)
+
+    def _claim(self) -> None:
+        """Rank 0: the directory exists and is locked; what killed writes left is removed."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the run directory {self.path} ({e.strerror or e}); "
+                              "choose a writable run.output_dir") from e
+        self._lock()
+        left = [*remove_temps(self.checkpoints, "step_*"), *remove_temps(self.path, "sampler_hf"),
+                *remove_file_temps(self.path), *remove_file_temps(self.path / "rollouts")]
+        for p in left:
+            log.info("cleaned up %s (left by an interrupted write)", p)
+
+    def _lock(self) -> None:
+        import fcntl
+
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(f"{self.path} is in use by another running process; wait for it to finish, "
+                              "or choose another run.name") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+        self._release = weakref.finalize(self, os.close, fd)  # also when a failed start drops us
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            self._release()
+            self._lock_fd = None
 
     def start_logging(self, start_step: int) -> None:
-        """Open TensorBoard and metrics.jsonl, keeping the lines up to `start_step` (resume)."""
+        """The start succeeded: write config.yaml and run.json, open TensorBoard and
+        metrics.jsonl, keeping the lines up to `start_step` (resume)."""
+        save_config(self.cfg, self.path / CONFIG_FILE)
+        if self._owner() != self.run_id:
+            atomic_write_text(self.path / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
         if self.cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -119,10 +300,17 @@ class RunDirectory:
         atomic_write_text(self.path / "rollouts" / f"step_{step:06d}.jsonl", "\n".join(lines) + "\n")
 
     def rotate_checkpoints(self) -> None:
-        """Keep the newest KEEP_CHECKPOINTS complete checkpoints."""
-        done = sorted(p for p in self.checkpoints.glob("step_*") if (p / "moe_rl.json").is_file())
-        for old in done[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep this run's newest KEEP_CHECKPOINTS complete checkpoints; never touch another
+        run's (or one whose run id cannot be read)."""
+        mine = []
+        for _, p in step_dirs(self.checkpoints):
+            with contextlib.suppress(CheckpointError):
+                if is_complete(p) and read_meta(p).get("run_id") == self.run_id:
+                    mine.append(p)
+        for old in mine[:-KEEP_CHECKPOINTS]:
+            doomed = old.with_name(f"{old.name}.deleting-{uuid.uuid4().hex[:8]}")
+            os.replace(old, doomed)  # invisible at once; a kill during the removal leaves only this
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def write_summary(self, wall_seconds: float, world_size: int, layout_name: str) -> dict[str, Any]:
         rewards = [h["reward/mean"] for h in self.history]
@@ -151,3 +339,4 @@ class RunDirectory:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        self._unlock()

@@ -9,13 +9,17 @@ megatron learner the RL loop uses. Every `sft.eval_every` steps it measures the 
 exact-match reward of sampling at temperature 1 on a fixed held-out set,
 mean_i exp(sum_t log pi(answer_it)), which is exactly the reward RL starts from, and stops
 once it reaches `sft.target_reward`. The final model (no optimizer state) is saved with
-`save_checkpoint` to `sft.output`.
+`save_checkpoint` to `sft.output` (an existing checkpoint there is replaced once the new
+one is complete; any other existing directory is refused). The run directory gets
+config.yaml and sft_summary.json when the run finished. Errors are one line (exit 2);
+`--debug` shows the traceback.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +28,7 @@ import torch
 
 from moe_rl.atomic import atomic_write_text
 from moe_rl.batch import TokenBatch
-from moe_rl.cli import cpu_environment, parse, setup_logging
+from moe_rl.cli import cpu_environment, parse, run_guarded, setup_logging
 from moe_rl.config import Config, save_config
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
@@ -63,19 +67,31 @@ def expected_reward(learner, batch: TokenBatch) -> float:
     return float(torch.exp(seq).mean())
 
 
+def _check_output(cfg: Config) -> None:
+    """sft.output is replaced at the end only when it is a checkpoint (or absent / empty):
+    refuse anything else before training rather than after."""
+    from moe_rl.checkpoint_files import is_checkpoint
+    from moe_rl.config import ConfigError
+
+    out = Path(cfg.sft.output) if cfg.sft.output else cfg.run_dir / "base"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"sft.output={out} is a file; choose a directory path")
+    if out.is_dir() and any(out.iterdir()) and not is_checkpoint(out):
+        raise ConfigError(f"sft.output={out} exists and is not a moe_rl checkpoint (it would be replaced); "
+                          "choose another path")
+
+
 def run(cfg: Config) -> dict:
     from moe_rl.learner import Learner, init_distributed, parallel_layout, save_checkpoint
+    from moe_rl.preflight import check_task_inputs
 
+    check_task_inputs(cfg, completions=True)  # before any process group: one line naming the key
+    _check_output(cfg)
     rank, world = init_distributed(cfg.parallel.distributed_backend)
     setup_logging(rank)
     task, tok = make_task(cfg.task), load_tokenizer(cfg.task.tokenizer)
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer has {tok.vocab_size} pieces but model.vocab_size={cfg.model.vocab_size}")
     run_dir = cfg.run_dir
     out = Path(cfg.sft.output) if cfg.sft.output else run_dir / "base"
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
     rng = np.random.default_rng(cfg.run.seed)
     eval_problems = task.sample(cfg.sft.eval_problems, np.random.default_rng(cfg.run.seed + 1_000_003))
     history = []
@@ -103,6 +119,7 @@ def run(cfg: Config) -> dict:
                "seconds": time.perf_counter() - t0, "world_size": world, "checkpoint": str(out),
                "history": history}
     if rank == 0:
+        save_config(cfg, run_dir / "config.yaml")  # only once the run succeeded
         atomic_write_text(run_dir / "sft_summary.json", json.dumps(summary, indent=2) + "\n")
         log.info("sft done: %d steps, expected reward %.3f, checkpoint %s", summary["steps"],
                  summary["expected_reward"], out)
@@ -111,8 +128,13 @@ def run(cfg: Config) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     cpu_environment()
-    _, cfg = parse(argv, "python -m moe_rl.sft", __doc__)
+    args, cfg = parse(argv, "python -m moe_rl.sft", __doc__)
+    sys.exit(run_guarded("python -m moe_rl.sft", lambda: _run_cli(cfg), debug=args.debug))
+
+
+def _run_cli(cfg: Config) -> int:
     run(cfg)
+    return 0
 
 
 if __name__ == "__main__":

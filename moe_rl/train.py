@@ -7,7 +7,8 @@
 
 A recipe that names an unknown key, a value of the wrong type or an impossible layout
 fails here (exit status 2, the message names the key), before any process group, model or
-sampler is built.
+sampler is built. Every later error the user can fix (task data, checkpoints, the run
+directory, a full disk) is one line too, with exit status 2; `--debug` shows the traceback.
 """
 
 from __future__ import annotations
@@ -15,25 +16,30 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
-from moe_rl.cli import cpu_environment, parse, setup_logging
+from moe_rl.cli import cpu_environment, parse, run_guarded, setup_logging
+
+PROG = "python -m moe_rl.train"
+
+
+def _train(cfg: Any) -> int:
+    from moe_rl.preflight import check_init_model, check_task_inputs
+    from moe_rl.trainer import Trainer
+
+    check_task_inputs(cfg)
+    check_init_model(cfg)
+    summary = Trainer(cfg).fit()
+    if summary:
+        print(json.dumps({k: v for k, v in summary.items() if k != "median_timings"}, indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
     cpu_environment()
-    _, cfg = parse(argv, "python -m moe_rl.train", __doc__)
-    from moe_rl.config import ConfigError
-    from moe_rl.trainer import Trainer
-
+    args, cfg = parse(argv, PROG, __doc__)
     setup_logging(int(os.environ.get("RANK", "0")))
-    try:
-        trainer = Trainer(cfg)
-    except ConfigError as e:
-        print(f"python -m moe_rl.train: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    summary = trainer.fit()
-    if summary:
-        print(json.dumps({k: v for k, v in summary.items() if k != "median_timings"}, indent=2))
+    sys.exit(run_guarded(PROG, lambda: _train(cfg), debug=args.debug))
 
 
 if __name__ == "__main__":

@@ -6,15 +6,26 @@
 --to hf streams tensor by tensor (peak memory ~ the largest tensor) from a checkpoint saved
 at any TP/EP/PP layout; --to megatron builds a one-process learner and saves it (loadable
 at any layout). The output is written under a temp name and renamed when complete; an
-existing output is refused unless --force. Bad input exits with status 2 and one line
-naming the problem.
+existing output is refused unless --force, and temp directories an interrupted conversion
+left beside it (`<dst>.tmp-*`) are removed first.
+
+Trust: a megatron checkpoint is read only when its manifest.json verifies (every file's
+size and SHA-256; nothing is unpickled before); one without a manifest needs --trust
+(docs/checkpoints.md). Hugging Face directories (safetensors) hold no code.
+
+Bad input, a damaged checkpoint, an unwritable --dst or a full disk exits with status 2 and
+one line naming the file and the fix; --debug shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import re
 import sys
+from pathlib import Path
+
+PROG = "convert_checkpoint"
 
 
 def parse_size(text: str) -> int:
@@ -22,14 +33,22 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", text, flags=re.IGNORECASE)
     if not match:
         raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 2GB, 512MiB or 1000000")
-    value, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    try:
+        value = float(match.group(1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 2GB, 512MiB or 1000000") from None
+    unit = (match.group(2) or "B").upper()
     powers = {"K": 1, "M": 2, "G": 3, "T": 4}
     scale = 1 if unit == "B" else (1024 if "I" in unit else 1000) ** powers[unit[0]]
+    if not 0 < value * scale < 2**62:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
     return int(value * scale)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from moe_rl.cli import add_debug_flag
+
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--to", choices=["hf", "megatron"], required=True, help="output format")
     ap.add_argument("--src", required=True, help="input directory")
     ap.add_argument("--dst", required=True, help="output directory (must not exist unless --force)")
@@ -39,31 +58,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None,
                     help="SentencePiece model for the tokenizer files (--to hf; default: the checkpoint's)")
     ap.add_argument("--force", action="store_true", help="replace an existing output")
+    ap.add_argument("--trust", action="store_true",
+                    help="read a megatron checkpoint that has no manifest.json (its pickles can run code: only "
+                         "for files you trust)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
+    add_debug_flag(ap)
+    return ap
 
-    from moe_rl.config import ConfigError
-    from moe_rl.convert import ConvertError
 
-    try:
-        if args.to == "hf":
-            from moe_rl.convert import megatron_to_hf
+def convert(args: argparse.Namespace) -> int:
+    from moe_rl.checkpoint_files import remove_temps
 
-            out = megatron_to_hf(args.src, args.dst, max_shard_bytes=args.shard_size, dtype=args.dtype,
-                                 force=args.force, tokenizer=args.tokenizer, progress=not args.no_progress)
-        else:
-            from moe_rl.learner.checkpoint import CheckpointError
-            from moe_rl.learner.hf_import import hf_to_megatron
+    dst = Path(args.dst)
+    remove_temps(dst.parent, glob.escape(dst.name))  # what a killed conversion to this --dst left
+    if args.to == "hf":
+        from moe_rl.convert import megatron_to_hf
 
-            try:
-                out = hf_to_megatron(args.src, args.dst, dtype=args.dtype, force=args.force)
-            except CheckpointError as e:
-                raise ConvertError(str(e)) from e
-    except (ConvertError, ConfigError, FileExistsError, FileNotFoundError, NotImplementedError, ValueError) as e:
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
-        return 2
+        out = megatron_to_hf(args.src, args.dst, max_shard_bytes=args.shard_size, dtype=args.dtype,
+                             force=args.force, tokenizer=args.tokenizer, progress=not args.no_progress,
+                             trust=args.trust)
+    else:
+        from moe_rl.learner.hf_import import hf_to_megatron
+
+        out = hf_to_megatron(args.src, args.dst, dtype=args.dtype, force=args.force)
     print(f"wrote {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from moe_rl.cli import cpu_environment, run_guarded
+
+    cpu_environment()
+    return run_guarded(PROG, lambda: convert(args), debug=args.debug)
 
 
 if __name__ == "__main__":

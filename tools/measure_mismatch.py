@@ -20,7 +20,8 @@ A multi-process layout runs the learner in torchrun workers that the tool launch
 process, and every layout scores the very same rollouts.
 
 Bad input (missing checkpoint, empty or malformed prompt file, unknown setting, a layout
-that does not fit the model) exits with status 2 and one message naming the file and line.
+that does not fit the model, a damaged checkpoint, an unwritable --out, a full disk) exits
+with status 2 and one line naming the file and line; --debug shows the traceback.
 """
 
 from __future__ import annotations
@@ -125,15 +126,10 @@ def quiet_libraries() -> None:
     logging.getLogger("torch._library").setLevel(logging.ERROR)  # "Triton not available"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    from moe_rl.cli import cpu_environment
+def measure(args: argparse.Namespace) -> int:
     from moe_rl.mismatch.run import MeasureConfig, run
     from moe_rl.mismatch.sources import resolve_checkpoint
 
-    cpu_environment()
-    quiet_libraries()
     try:
         recipe = resolve_checkpoint(args.checkpoint).cfg
         mc = MeasureConfig(
@@ -151,10 +147,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         out = run(mc, args.out)
     except MeasureError as e:
-        print(f"measure_mismatch: error: {e}", file=sys.stderr)
+        print(f"measure_mismatch: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(f"wrote {out}/REPORT.md")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Any other error (a damaged checkpoint, an unwritable --out, a full disk) is one line
+    and exit status 2 too; --debug shows the traceback."""
+    ap = build_parser()
+    from moe_rl.cli import add_debug_flag, cpu_environment, run_guarded
+
+    add_debug_flag(ap)
+    args = ap.parse_args(argv)
+    cpu_environment()
+    quiet_libraries()
+    return run_guarded("measure_mismatch", lambda: measure(args), debug=args.debug)
 
 
 if __name__ == "__main__":

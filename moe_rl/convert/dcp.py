@@ -11,6 +11,14 @@ key into a tensor of its global shape reassembles it whatever the layout it was 
 Keys that are not model weights (optimizer state `chained_0.optimizer.state...`, RNG,
 `_extra_state`) are listed but never read here.
 
+Safety. A checkpoint is verified against its manifest (`moe_rl.checkpoint_files`) before
+anything is read, and `.metadata` is read with an unpickler that builds only DCP's own
+metadata classes, torch sizes and dtypes (`load_metadata`): a crafted `.metadata` cannot run
+code even when its manifest matches. `safe_dcp_reading()` puts the same rules under torch's
+and megatron's own loaders (the learner's `load_checkpoint`): the restricted `.metadata`
+reader, and `weights_only=True` for every `torch.load`. A checkpoint the user trusts
+(no manifest, `--trust`) is read the ordinary way.
+
 Reading. Each saved chunk is one `torch.save` zip record inside a `.distcp` file; DCP's own
 loader unpickles it into a fresh tensor and copies that into the destination. The fast path
 here reads the record's raw storage bytes straight into the destination slice (one copy,
@@ -24,6 +32,8 @@ check gives identical tensors.
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
 import io
 import json
 import math
@@ -32,6 +42,7 @@ import pickle
 import struct
 import warnings
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,25 +50,112 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
+from moe_rl.checkpoint_files import (
+    CONFIG_FILE,
+    META_FILE,
+    TRUST_HINT,
+    CheckpointError,
+    describe,
+    ensure_verified,
+)
 from moe_rl.convert.megatron_keys import ConvertError
 
-META_FILE = "moe_rl.json"  # moe_rl.learner.checkpoint.META_FILE (that module imports megatron)
-CONFIG_FILE = "config.yaml"
+METADATA_FILE = ".metadata"
+# What a DCP `.metadata` of this package's checkpoints is made of (torch 2.13): the classes
+# are plain dataclasses and enums, `_get_layout` maps a name to a torch.layout.
+_DCP = "torch.distributed.checkpoint"
+_METADATA_GLOBALS = {
+    *((f"{_DCP}.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                        "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                                        "_MEM_FORMAT_ENCODING")),
+    *((f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata and nothing else: any other global (a function that could run
+    code on load) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not part of DCP metadata")
+
+
+def load_metadata(path: str | os.PathLike) -> Metadata:
+    """A DCP `.metadata` file read with the restricted unpickler; CheckpointError naming the
+    file when it holds anything but DCP metadata."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError, TypeError,
+            ValueError) as e:
+        raise CheckpointError(f"{path} is not plain DCP metadata ({e}); it is not read, since unpickling it "
+                              f"could run code; if you trust this checkpoint, pass {TRUST_HINT}") from e
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{path} holds a {type(md).__name__}, not DCP metadata")
+    return md
+
+
+def _safe_read_metadata(self: FileSystemReader, *args: Any, **kwargs: Any) -> Metadata:
+    """FileSystemReader.read_metadata with the restricted unpickler (same result)."""
+    md = load_metadata(self._get_metadata_path(kwargs.get("rank")))
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    md.storage_meta.load_id = self.load_id
+    return md
+
+
+@contextlib.contextmanager
+def safe_dcp_reading() -> Iterator[None]:
+    """Inside: torch DCP's `.metadata` reads use the restricted unpickler and every
+    `torch.load` is `weights_only=True` (TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides even the
+    explicit `weights_only=False` of DCP's byte objects: RNG state, `_extra_state`)."""
+    saved_env = {k: os.environ.get(k) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    original = FileSystemReader.read_metadata
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    FileSystemReader.read_metadata = _safe_read_metadata
+    try:
+        yield
+    finally:
+        FileSystemReader.read_metadata = original
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class _CachedMetadataReader(FileSystemReader):
-    """FileSystemReader that unpickles `.metadata` once, not once per `dcp.load`."""
+    """FileSystemReader that reads `.metadata` once, not once per `dcp.load`; with the
+    restricted unpickler unless the checkpoint is trusted."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, restricted: bool = True) -> None:
         super().__init__(path)
         self._metadata: Metadata | None = None
+        self._restricted = restricted
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
+            read = _safe_read_metadata if self._restricted else FileSystemReader.read_metadata
+            self._metadata = read(self, *args, **kwargs)
         return self._metadata
 
 
@@ -67,8 +165,10 @@ class TensorInfo:
     dtype: torch.dtype
 
 
-def check_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """`path` as a Path if it is a learner checkpoint directory; ConvertError otherwise."""
+def check_checkpoint_dir(path: str | os.PathLike, *, trust: bool = False) -> tuple[Path, bool]:
+    """`path` as a Path if it is a learner checkpoint directory whose manifest verifies (or
+    that the user trusts), and whether to read it restricted; ConvertError / CheckpointError
+    otherwise."""
     p = Path(path)
     if not p.exists():
         raise ConvertError(f"checkpoint {p} does not exist")
@@ -81,25 +181,29 @@ def check_checkpoint_dir(path: str | os.PathLike) -> Path:
         raise ConvertError(
             f"{p} is not a megatron checkpoint written by the learner: it lacks {', '.join(missing)}{hint}"
         )
+    restricted = ensure_verified(p, trust_it=trust)
     try:
         backend = json.loads((p / "metadata.json").read_text()).get("sharded_backend")
     except (json.JSONDecodeError, AttributeError) as e:
         raise ConvertError(f"{p / 'metadata.json'} is not megatron's checkpoint metadata: {e}") from e
     if backend != "torch_dist":
         raise ConvertError(f"{p} uses sharded backend {backend!r}; only 'torch_dist' (DCP) is supported")
-    return p
+    return p, restricted
 
 
 class DcpCheckpoint:
-    """Tensor listing and one-key-at-a-time reads of a DCP checkpoint directory."""
+    """Tensor listing and one-key-at-a-time reads of a DCP checkpoint directory, verified
+    against its manifest first (`trust=True` accepts one without a manifest)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = check_checkpoint_dir(path)
-        self._reader = _CachedMetadataReader(self.path)
+    def __init__(self, path: str | os.PathLike, *, trust: bool = False) -> None:
+        self.path, restricted = check_checkpoint_dir(path, trust=trust)
+        self._reader = _CachedMetadataReader(self.path, restricted=restricted)
         try:
             metadata = self._reader.read_metadata()
-        except Exception as e:  # a truncated or foreign .metadata: name the file
-            raise ConvertError(f"cannot read {self.path / '.metadata'}: {type(e).__name__}: {e}") from e
+        except CheckpointError:
+            raise
+        except Exception as e:  # a truncated or foreign .metadata (trusted): name the file
+            raise ConvertError(f"cannot read {self.path / METADATA_FILE}: {type(e).__name__}: {e}") from e
         self.tensors: dict[str, TensorInfo] = {
             key: TensorInfo(tuple(md.size), md.properties.dtype)
             for key, md in metadata.state_dict_metadata.items()
@@ -117,8 +221,16 @@ class DcpCheckpoint:
             out = torch.empty(info.shape, dtype=info.dtype)
         elif tuple(out.shape) != info.shape or out.dtype != info.dtype or not out.is_contiguous():
             raise ValueError(f"out for {key!r} must be a contiguous {info.dtype} {list(info.shape)} tensor")
-        if not self._read_raw(key, out):
-            self.read_with_dcp(key, out)
+        try:
+            if not self._read_raw(key, out):
+                self.read_with_dcp(key, out)
+        except (ConvertError, CheckpointError):
+            raise
+        except (Exception, CheckpointException) as e:  # a trusted checkpoint's damaged file
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ConvertError(f"cannot read tensor {key!r} of checkpoint {self.path} ({describe(e)}): one of its "
+                               "files is truncated or damaged; restore it from a copy") from e
         return out
 
     def read_with_dcp(self, key: str, out: torch.Tensor) -> torch.Tensor:

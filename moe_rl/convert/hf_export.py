@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from moe_rl.atomic import atomic_output_dir, check_distinct
-from moe_rl.config import ModelConfig, load_config
+from moe_rl.config import Config, ConfigError, ModelConfig, load_config
 from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
 from moe_rl.convert.hf_layout import HFLayout, generation_config
 from moe_rl.convert.layouts import hf_config, layout_for
@@ -48,6 +49,16 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def checkpoint_config(path: Path) -> Config:
+    """The run config stored beside the weights, errors naming the file."""
+    try:
+        return load_config(path / CONFIG_FILE)
+    except ConfigError as e:
+        raise ConvertError(f"{path / CONFIG_FILE}: {e}") from e
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path / CONFIG_FILE} is not valid YAML ({' '.join(str(e).split())})") from e
 
 
 def match_checkpoint_keys(ckpt: DcpCheckpoint, m: ModelConfig) -> dict[str, str]:
@@ -109,6 +120,7 @@ def megatron_to_hf(
     force: bool = False,
     tokenizer: str | os.PathLike | None = None,
     progress: bool = False,
+    trust: bool = False,
 ) -> Path:
     """Convert the learner checkpoint `src` into a Hugging Face directory `dst`.
 
@@ -116,11 +128,12 @@ def megatron_to_hf(
     tokenizer: SentencePiece model for the tokenizer files; None uses the checkpoint's
         `task.tokenizer` (the shipped tokenizer when that is empty).
     progress: show a tqdm bar over the bytes written.
+    trust: accept a checkpoint without a manifest (its pickles are read the ordinary way).
     """
     out_dtype = resolve_dtype(dtype)
-    ckpt = DcpCheckpoint(src)
+    ckpt = DcpCheckpoint(src, trust=trust)
     check_distinct(src, dst)
-    cfg = load_config(ckpt.path / CONFIG_FILE)
+    cfg = checkpoint_config(ckpt.path)
     m = cfg.model
     layout = layout_for(m)
     layout.check_supported(m)

@@ -1,24 +1,38 @@
 """Checkpoints through megatron-core `dist_checkpointing`: saved at one TP/EP/PP layout,
-loadable at any other; complete or absent, never half-written.
+loadable at any other; complete or invisible, verified before anything is read.
 
 Directory layout:
     <path>/                  dist_checkpointing files (model, optimizer, per-rank RNG)
-    <path>/moe_rl.json       step, the layout it was saved at, format version
+    <path>/moe_rl.json       step, the layout it was saved at, run id, format version
     <path>/config.yaml       the resolved run config
+    <path>/manifest.json     size and SHA-256 of every file but config.yaml (written last)
 
-Atomicity: everything is written into `<path>.tmp-<nonce>` and renamed to `<path>` by rank
-0 after every rank finished; a crash leaves only the temp directory (ignored by
-`latest_checkpoint` and removed by the next save). Resume restores model, optimizer, LR
-schedule, step and, when the layout is unchanged, every rank's RNG states.
+Atomicity: everything is written into `<path>.tmp-<nonce>`, the manifest last, and renamed
+to `<path>` by rank 0 after every rank finished; a kill leaves only the temp directory,
+which `latest_checkpoint` never picks and the run directory removes at its next start.
+The files are written by threads of this process (no writer process pool, no
+multiprocessing manager: megatron's default starts both, and a SIGKILL left them orphaned).
+
+Loading verifies the manifest first (every rank hashes its share of the files), then reads
+under `safe_dcp_reading` (restricted `.metadata` unpickler, `weights_only=True` for every
+`torch.load`) unless the user trusts the checkpoint; one without a manifest loads only with
+`trust=True`. Resume restores
+model, optimizer, LR schedule, step and, when the layout is unchanged, every rank's RNG
+states.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
 import os
+import queue
 import shutil
 import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +40,55 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_rl.atomic import atomic_write_text
+from moe_rl.checkpoint_files import (
+    MANIFEST_FILE,
+    META_FILE,
+    CheckpointError,
+    describe,
+    digest_files,
+    disk_full,
+    is_checkpoint,
+    is_trusted,
+    is_verified,
+    kill_point,
+    latest_checkpoint,
+    list_files,
+    mark_verified,
+    read_meta,
+    remove_temps,
+    share,
+    trust,
+    verify_share,
+    write_manifest,
+)
 from moe_rl.config import save_config
+from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
 
 log = logging.getLogger(__name__)
 
-META_FILE = "moe_rl.json"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read as asked; the message names the path and the fix."""
+__all__ = [
+    "META_FILE",
+    "CheckpointError",
+    "is_checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "read_meta",
+    "save_checkpoint",
+]
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -56,30 +103,30 @@ def _broadcast_str(s: str) -> str:
     return box[0]
 
 
-def is_checkpoint(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return (p / META_FILE).is_file() and (p / "metadata.json").is_file()
+def _gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"checkpoint {p} does not exist")
-    if not is_checkpoint(p):
-        raise CheckpointError(
-            f"{p} is not a moe_rl checkpoint (no {META_FILE} / metadata.json); "
-            "pass a directory written by Learner.save or tools/convert_checkpoint.py"
-        )
-    return json.loads((p / META_FILE).read_text())
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """Newest complete checkpoint `step_XXXXXX` under `<run_dir>/checkpoints`, if any."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if p.name.startswith("step_") and is_checkpoint(p)]
-    return max(done, key=lambda p: read_meta(p)["step"], default=None)
+def _on_rank0(fn: Callable[[], None]) -> None:
+    """Run `fn` on rank 0 and raise its failure on every rank (as a CheckpointError), so no
+    rank waits at a barrier for a rank that gave up."""
+    problem = ""
+    if _rank() == 0:
+        try:
+            fn()
+        except CheckpointError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"cannot write the checkpoint: {describe(e)}"
+        except Exception as e:
+            problem = f"could not save the checkpoint: {describe(e)}"
+    problem = _broadcast_str(problem)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def _has_optimizer_state(learner: Any) -> bool:
@@ -122,51 +169,179 @@ def _sharded_state(learner: Any, *, with_optimizer: bool, with_rng: bool, loadin
     return sd
 
 
+# --------------------------------------------------------------------------- save
+
+
+def _write_bucket(transform_list: list, use_msc: bool, i: int, bucket: Any) -> Any:
+    """One bucket (one `.distcp` file) through megatron's own writer; its results or error."""
+    local, count = queue.Queue(), queue.Queue()
+    count.put(i)
+    FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, use_msc=use_msc)
+    return local.get()[1]
+
+
+def _write_buckets_in_process(transform_list: list, use_msc: bool, rank: int, write_buckets: list,
+                              results: Any) -> None:
+    """Megatron's `write_preloaded_data_multiproc` with threads of this process instead of
+    forked writer processes: the files are still written in parallel (file I/O releases the
+    GIL), and nothing outlives a SIGKILL of the trainer."""
+    out: dict[int, Any] | Exception = {}
+    with ThreadPoolExecutor(max_workers=max(1, len(write_buckets)), thread_name_prefix="ckpt-write") as pool:
+        futures = {pool.submit(_write_bucket, transform_list, use_msc, i, b): i for i, b in enumerate(write_buckets)}
+        for future in as_completed(futures):
+            written = future.result()
+            if isinstance(written, Exception):
+                out = written
+            elif isinstance(out, dict):
+                out[futures[future]] = written
+            kill_point("save.file")
+    results.put(out)
+
+
+@contextlib.contextmanager
+def _in_process_writes() -> Iterator[None]:
+    """dist_checkpointing.save with its writes in this process: megatron's results queue is
+    a `multiprocessing.Manager()` (a spawned server process and a resource tracker, both
+    orphaned by a SIGKILL of the trainer) and its writers are forked processes."""
+    saved = (filesystem_async._get_write_results_queue, FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"])
+    filesystem_async._get_write_results_queue = queue.Queue
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
+    try:
+        yield
+    finally:
+        filesystem_async._get_write_results_queue = saved[0]
+        FileSystemWriterAsync.write_preloaded_data_multiproc = saved[1]
+
+
+def _prepare_target(path: Path, tmp: Path, replace_foreign: bool) -> None:
+    """Rank 0: the parent exists, `path` is absent or a checkpoint (or may be replaced),
+    stale temps of this name are gone, the temp directory is created."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory; move it or choose another path")
+    if path.exists() and not replace_foreign and not is_checkpoint(path) and any(path.iterdir()):
+        raise CheckpointError(f"{path} exists and is not a moe_rl checkpoint; it is not replaced: "
+                              "choose another output path (or remove it)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_temps(path.parent, glob.escape(path.name))
+    tmp.mkdir()
+
+
+def _finish(learner: Any, tmp: Path, path: Path, meta: dict[str, Any], digests: dict) -> None:
+    """Rank 0: moe_rl.json, config.yaml, the manifest (last), then the rename."""
+    atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
+    kill_point("save.meta")
+    save_config(learner.cfg, tmp / "config.yaml")
+    kill_point("save.config")
+    digests.update(digest_files(tmp, [META_FILE]))
+    write_manifest(tmp, digests)
+    kill_point("save.manifest")
+    if path.exists():
+        old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power cut
+    finally:
+        os.close(fd)
+    mark_verified(path)
+    kill_point("save.renamed")
+
+
+def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_meta: dict[str, Any] | None) -> None:
+    with_opt = include_optimizer and _has_optimizer_state(learner)
+    sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False)
+    with _in_process_writes():
+        dist_checkpointing.save(sd, str(tmp))
+    kill_point("save.dcp")
+    _barrier()
+    names = [n for n in list_files(tmp) if n != META_FILE]
+    digests: dict = {}
+    for part in _gather(digest_files(tmp, share(names, _rank(), _world()))):
+        digests.update(part)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": learner.step,
+        "layout": _layout_tag(learner),
+        "has_optimizer": with_opt,
+        "scheduler": learner.scheduler.state_dict() if with_opt else None,
+        **(extra_meta or {}),
+    }
+    _on_rank0(lambda: _finish(learner, tmp, path, meta, digests))
+
+
 def save_checkpoint(
     learner: Any,
     path: str | os.PathLike,
     extra_meta: dict[str, Any] | None = None,
     include_optimizer: bool = True,
+    *,
+    replace_foreign: bool = False,
 ) -> Path:
     """Collective. Write model, optimizer, LR schedule, RNG and config to `path` atomically
-    (`include_optimizer=False`: model and RNG only, e.g. a shipped base model)."""
+    (`include_optimizer=False`: model and RNG only, e.g. a shipped base model). An existing
+    checkpoint at `path` is replaced once the new one is complete; an existing directory
+    that is not a checkpoint is refused unless `replace_foreign` (the converter's --force).
+    A full disk, an unwritable directory or a file in the way is a one-line CheckpointError."""
     path = Path(path)
     tmp = Path(_broadcast_str(f"{path}.tmp-{uuid.uuid4().hex[:8]}"))
-    if _rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f"{path.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+    _on_rank0(lambda: _prepare_target(path, tmp, replace_foreign))
     _barrier()
+    kill_point("save.begin")
     try:
-        with_opt = include_optimizer and _has_optimizer_state(learner)
-        sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False)
-        dist_checkpointing.save(sd, str(tmp))
-        _barrier()
-        if _rank() == 0:
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "step": learner.step,
-                "layout": _layout_tag(learner),
-                "has_optimizer": with_opt,
-                "scheduler": learner.scheduler.state_dict() if with_opt else None,
-                **(extra_meta or {}),
-            }
-            atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
-            save_config(learner.cfg, tmp / "config.yaml")
-            if path.exists():
-                old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
-                os.replace(path, old)
-                os.replace(tmp, path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, path)
-    except BaseException:
+        _write(learner, tmp, path, include_optimizer, extra_meta)
+    except CheckpointError:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    except (Exception, CheckpointException) as e:
+        full = disk_full(e, tmp)
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise CheckpointError(f"disk full while saving checkpoint {path}: free space on that file system "
+                                  "or choose another run.output_dir (nothing was kept of this save)") from e
+        raise CheckpointError(f"could not save checkpoint {path}: {describe(e)}") from e
     _barrier()
     return path
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _verify(path: Path, trust_it: bool) -> bool:
+    """Collective. Check the manifest (each rank hashes its share of the files) before any
+    file is read; returns whether to read restricted (True unless trusted). A checkpoint
+    without a manifest passes only on trust. Every rank takes part in the gather, also one
+    that verified (or wrote) this checkpoint before, so none waits for another."""
+    if trust_it:
+        trust(path)
+    if not (path / MANIFEST_FILE).is_file() and is_trusted(path):
+        log.warning("checkpoint %s has no %s; loading it because it is trusted (run.trust_checkpoint / --trust)",
+                    path, MANIFEST_FILE)
+        return False
+    mine = None if is_verified(path) else verify_share(path, _rank(), _world())
+    problem = next((p for p in _gather(mine) if p), None)
+    if problem:
+        raise CheckpointError(problem)
+    mark_verified(path)
+    return not is_trusted(path)
+
+
+def _load_files(learner: Any, path: Path, sd: dict, restricted: bool) -> dict:
+    if restricted:
+        load_metadata(path / ".metadata")  # refused here, in one line (DCP would log a traceback and retry)
+    reading = safe_dcp_reading() if restricted else contextlib.nullcontext()
+    try:
+        with reading:
+            return dist_checkpointing.load(sd, str(path), strict="assume_ok_unexpected")
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"could not load {path}: {describe(e)}") from e
 
 
 def load_checkpoint(
@@ -175,18 +350,21 @@ def load_checkpoint(
     *,
     load_optimizer: bool = True,
     strict: bool = True,
+    trust: bool = False,
 ) -> dict[str, Any]:
-    """Collective. Load `path` (saved at any layout) into the learner. Optimizer state and
-    LR schedule are restored when present and asked for; RNG states only when the layout
-    is the one the checkpoint was saved at. Returns the checkpoint's metadata."""
+    """Collective. Load `path` (saved at any layout) into the learner, after checking its
+    manifest (`trust=True` accepts a checkpoint without one). Optimizer state and LR
+    schedule are restored when present and asked for; RNG states only when the layout is
+    the one the checkpoint was saved at. Returns the checkpoint's metadata."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        read_meta(path)  # raises the one-line error naming what is missing
+    restricted = _verify(path, trust)
     meta = read_meta(path)
     same_layout = meta.get("layout") == _layout_tag(learner)
     want_opt = load_optimizer and learner.optimizer is not None and meta.get("has_optimizer", False)
     sd = _sharded_state(learner, with_optimizer=want_opt, with_rng=same_layout, loading=True)
-    try:
-        loaded = dist_checkpointing.load(sd, str(path), strict="assume_ok_unexpected")
-    except Exception as e:  # megatron raises several types; name the checkpoint in the error
-        raise CheckpointError(f"could not load {path}: {type(e).__name__}: {e}") from e
+    loaded = _load_files(learner, path, sd, restricted)
     missing, _unexpected = learner.gpt.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if strict and missing:
@@ -199,6 +377,12 @@ def load_checkpoint(
         # Weights only: mixed-precision optimizers keep fp32 master copies of the params,
         # which must follow the weights just loaded (a no-op for fp32 training).
         learner.optimizer.reload_model_params()
+    _restore_rng(loaded, same_layout, path, meta, learner)
+    learner.step = int(meta.get("step", 0))
+    return meta
+
+
+def _restore_rng(loaded: dict, same_layout: bool, path: Path, meta: dict, learner: Any) -> None:
     if same_layout and "rng_state" in loaded:
         rng = loaded["rng_state"]
         torch.set_rng_state(rng["cpu"])
@@ -208,5 +392,3 @@ def load_checkpoint(
     elif not same_layout:
         log.info("checkpoint %s saved at layout %s, loading at %s: RNG states not restored",
                  path, meta.get("layout"), _layout_tag(learner))
-    learner.step = int(meta.get("step", 0))
-    return meta

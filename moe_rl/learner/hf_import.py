@@ -22,9 +22,11 @@ per-module extra state objects (layer-spec dependent) would have to be forged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -71,11 +73,47 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
     return copied
 
 
+def _broken_file(hf_dir: Path) -> Path | None:
+    """The first file of an HF directory that does not open as what it claims to be."""
+    from safetensors import safe_open
+
+    for f in sorted(hf_dir.glob("*.json")):
+        try:
+            json.loads(f.read_text())
+        except (ValueError, OSError):
+            return f
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    h.get_slice(name).get_shape()
+        except Exception:  # SafetensorError, OSError: this is the damaged file
+            return f
+    return None
+
+
+@contextlib.contextmanager
+def hf_read_errors(hf_dir: str | os.PathLike) -> Iterator[None]:
+    """Errors from reading a Hugging Face directory as ConvertErrors naming the damaged file
+    (safetensors' SafetensorError and json's errors name none)."""
+    try:
+        yield
+    except ConvertError:
+        raise
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError" and not isinstance(e, json.JSONDecodeError | UnicodeDecodeError):
+            raise
+        bad = _broken_file(Path(hf_dir))
+        what = f"{bad} is damaged" if bad else f"a file of {hf_dir} is damaged"
+        raise ConvertError(f"{what} ({' '.join(str(e).split())}); restore it from the original model "
+                           "directory") from e
+
+
 def load_hf_weights(learner, hf_dir: str | os.PathLike) -> None:
     """Load a Hugging Face directory into `learner` (any layout; every rank reads the files
     itself). The directory's config.json must describe the learner's model, and tensors are
     cast to the dtype of the parameter (or buffer) they load into."""
-    with HFCheckpoint(hf_dir) as hf:
+    with hf_read_errors(hf_dir), HFCheckpoint(hf_dir) as hf:
         m = learner.cfg.model
         got = hf.model_config(base=m)
         fields = [f.name for f in dataclasses.fields(ModelConfig) if getattr(got, f.name) != getattr(m, f.name)
@@ -113,7 +151,7 @@ def hf_to_megatron(
     from moe_rl.learner.parallel import init_distributed, parallel_layout
 
     dst = Path(dst)
-    with HFCheckpoint(src) as hf:
+    with hf_read_errors(src), HFCheckpoint(src) as hf:
         base = base or Config()
         m = hf.model_config(base=base.model)
         if dtype is not None:
@@ -129,4 +167,5 @@ def hf_to_megatron(
         learner = Learner(cfg, layout, trainable=False)
         load_hf_weights(learner, src)
         # save_checkpoint writes <dst>.tmp-<nonce> and renames it: complete or absent.
-        return save_checkpoint(learner, dst, extra_meta={"converted_from": str(Path(src).resolve())})
+        return save_checkpoint(learner, dst, extra_meta={"converted_from": str(Path(src).resolve())},
+                               replace_foreign=force)

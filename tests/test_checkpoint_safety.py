@@ -1,0 +1,396 @@
+"""Nothing lost, nothing executed (issue 15): manifests, complete-or-invisible checkpoints,
+run-directory ownership and retention, the restricted metadata reader, and the chaos test
+(a real training process SIGKILLed at many points, resumed each time, bit-exact).
+
+The chaos test drives the test hook `MOE_RL_TEST_KILL_AT=<point>[#<n>]`
+(`moe_rl.checkpoint_files.kill_point`): the process SIGKILLs itself the n-th time it
+reaches a named point of a save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from moe_rl.checkpoint_files import (
+    MANIFEST_FILE,
+    CheckpointError,
+    digest_files,
+    ensure_verified,
+    latest_checkpoint,
+    list_files,
+    remove_temps,
+    verify_share,
+    write_manifest,
+)
+from moe_rl.config import ConfigError, load_config
+from moe_rl.rundir import RunDirectory
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
+BASE = ROOT / "moe_rl" / "assets" / "tiny_base"
+SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "sampler.backend=transformers",
+         "run.save_every=1", "logging.progress=false", "logging.tensorboard=false", f"run.init_checkpoint={BASE}"]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the one-process world an in-process learner test
+    may have set up (a child would try to listen on the same MASTER_PORT)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOE_RL_TEST_KILL_AT")}
+    return {**env, **extra}
+
+
+def fake_checkpoint(dst: Path, step: int = 1, run_id: str | None = "r1", manifest: bool = True) -> Path:
+    """A copy of the shipped base as a checkpoint of `run_id` at `step` (manifest rewritten)."""
+    shutil.copytree(BASE, dst)
+    meta = json.loads((dst / "moe_rl.json").read_text())
+    meta.update(step=step, trainer_step=step, run_id=run_id)
+    (dst / "moe_rl.json").write_text(json.dumps(meta))
+    (dst / MANIFEST_FILE).unlink()
+    if manifest:
+        write_manifest(dst, digest_files(dst, list_files(dst)))
+    return dst
+
+
+def make_cfg(tmp_path: Path, *overrides: str):
+    return load_config(RECIPE, [*SMALL, f"run.output_dir={tmp_path}", "run.name=r", *overrides])
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def test_shipped_base_checkpoint_verifies():
+    assert verify_share(BASE) is None
+    manifest = json.loads((BASE / MANIFEST_FILE).read_text())
+    assert sorted(manifest["files"]) == list_files(BASE)  # every file but config.yaml and itself
+
+
+def test_manifest_names_the_damaged_file(tmp_path):
+    ck = fake_checkpoint(tmp_path / "c")
+    assert verify_share(ck) is None
+    shard = ck / "__0_1.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100_000:100_256] = b"\xff" * 256  # issue 15 item 4: 256 bytes overwritten inside a shard
+    shard.write_bytes(bytes(data))
+    assert verify_share(ck) == (f"checkpoint file {shard} is corrupt (its SHA-256 differs from manifest.json); "
+                                "restore the checkpoint from a copy (or resume from an older one)")
+    shard.write_bytes(bytes(data[:1000]))
+    assert "is truncated (1000 bytes, manifest.json says" in verify_share(ck)
+    shard.unlink()
+    assert "is missing (manifest.json lists it)" in verify_share(ck)
+    fake_checkpoint(tmp_path / "d")
+    (tmp_path / "d" / "rng_state.pt").write_bytes(b"x")
+    assert "rng_state.pt is not in manifest.json" in verify_share(tmp_path / "d")
+    (tmp_path / "d" / MANIFEST_FILE).write_text('{"files": ')
+    with pytest.raises(CheckpointError, match=r"manifest\.json is damaged"):
+        verify_share(tmp_path / "d")
+
+
+def test_no_manifest_needs_trust_and_a_bad_manifest_is_never_trusted(tmp_path):
+    ck = fake_checkpoint(tmp_path / "c", manifest=False)
+    with pytest.raises(CheckpointError, match=r"has no manifest.json.*--trust"):
+        ensure_verified(ck)
+    assert ensure_verified(ck, trust_it=True) is False  # accepted, read the trusting way
+    bad = fake_checkpoint(tmp_path / "b")
+    (bad / "common.pt").write_bytes(b"changed")
+    with pytest.raises(CheckpointError, match=r"common\.pt is truncated"):
+        ensure_verified(bad, trust_it=True)
+
+
+def test_crafted_metadata_pickle_is_never_executed(tmp_path):
+    """Even with a manifest that matches it: the restricted unpickler builds DCP metadata only."""
+    from moe_rl.convert.dcp import DcpCheckpoint, load_metadata
+
+    marker = tmp_path / "pwned"
+    ck = fake_checkpoint(tmp_path / "c", manifest=False)
+    (ck / ".metadata").write_bytes(_evil_pickle(marker))
+    write_manifest(ck, digest_files(ck, list_files(ck)))
+    with pytest.raises(CheckpointError, match=r"not plain DCP metadata \(global posix.system"):
+        load_metadata(ck / ".metadata")
+    with pytest.raises(CheckpointError, match="not plain DCP metadata"):
+        DcpCheckpoint(ck)
+    assert not marker.exists()
+    assert load_metadata(BASE / ".metadata").state_dict_metadata  # the real one reads
+
+
+def _evil_pickle(marker: Path) -> bytes:
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    return pickle.dumps(Evil())
+
+
+# --------------------------------------------------------------------------- directories
+
+
+def test_latest_checkpoint_sees_only_complete_checkpoints_of_the_run(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    fake_checkpoint(ckpts / "step_000001", 1)
+    fake_checkpoint(ckpts / "step_000002.tmp-1234abcd", 2)        # killed before the rename
+    fake_checkpoint(ckpts / "step_000003", 3, manifest=False)     # no manifest: never complete
+    fake_checkpoint(ckpts / "step_000004", 4, run_id="other")
+    assert latest_checkpoint(tmp_path, "r1") == ckpts / "step_000001"
+    assert latest_checkpoint(tmp_path) == ckpts / "step_000004"
+    assert latest_checkpoint(tmp_path / "nothing") is None
+
+
+def test_stale_temps_are_removed_and_a_cut_replacement_is_undone(tmp_path):
+    for name in ("step_000001.tmp-aa", "step_000002.deleting-bb", "step_000003.old-cc", "sampler_hf.tmp-dd"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step_000004").mkdir()
+    (tmp_path / "step_000004.old-ee").mkdir()
+    removed = remove_temps(tmp_path, "step_*")
+    assert len(removed) == 4
+    # step_000003 was moved aside for a replacement that never arrived: it comes back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sampler_hf.tmp-dd", "step_000003", "step_000004"]
+
+
+def test_fresh_start_in_a_used_directory_is_refused_or_moved_aside(tmp_path):
+    run = tmp_path / "r"
+    fake_checkpoint(run / "checkpoints" / "step_000005", 5, run_id="old")
+    with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run; continue it with run.resume=true, or "
+                                          r"start over with run.overwrite=true"):
+        RunDirectory(make_cfg(tmp_path)).prepare(resume=False)
+    rd = RunDirectory(make_cfg(tmp_path, "run.overwrite=true"))
+    assert rd.prepare(resume=False) is None
+    rd.close()
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("r.overwritten-")]
+    assert len(moved) == 1 and (moved[0] / "checkpoints" / "step_000005" / "moe_rl.json").is_file()
+    assert rd.run_id != "old" and not (run / "checkpoints").exists()
+
+
+def test_retention_deletes_only_this_runs_older_checkpoints(tmp_path):
+    ckpts = tmp_path / "r" / "checkpoints"
+    fake_checkpoint(ckpts / "step_000009", 9, run_id="other")
+    for s in (1, 2, 3):
+        fake_checkpoint(ckpts / f"step_{s:06d}", s, run_id="mine")
+    rd = RunDirectory(make_cfg(tmp_path))
+    rd.run_id = "mine"
+    rd.rotate_checkpoints()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003", "step_000009"]
+
+
+def test_resume_with_a_different_recipe_is_refused_naming_the_fields(tmp_path):
+    from moe_rl.config import save_config
+
+    ck = fake_checkpoint(tmp_path / "r" / "checkpoints" / "step_000002", 2, run_id="mine")
+    save_config(make_cfg(tmp_path), ck / "config.yaml")
+    (tmp_path / "r" / "run.json").write_text('{"run_id": "mine"}')
+    ok = RunDirectory(make_cfg(tmp_path, "run.steps=80", "logging.jsonl=false", "run.save_every=5"))
+    assert ok.prepare(resume=True) == ck and ok.run_id == "mine"
+    ok.close()
+    with pytest.raises(ConfigError, match=r"differs from the run's \(.*step_000002/config.yaml\) in rl.group_size "
+                                          r"\(4 -> 8\), rl.objective \('rspo' -> 'gspo'\); resume with the saved"):
+        RunDirectory(make_cfg(tmp_path, "rl.group_size=8", "rl.objective=gspo")).prepare(resume=True)
+
+
+def test_resume_from_a_checkpoint_without_manifest_needs_trust(tmp_path):
+    from moe_rl.config import save_config
+
+    ck = fake_checkpoint(tmp_path / "r" / "checkpoints" / "step_000001", 1, run_id=None, manifest=False)
+    save_config(make_cfg(tmp_path), ck / "config.yaml")
+    with pytest.raises(CheckpointError, match=r"step_000001 has no manifest.json .* run.trust_checkpoint=true"):
+        RunDirectory(make_cfg(tmp_path)).prepare(resume=True)
+    rd = RunDirectory(make_cfg(tmp_path, "run.trust_checkpoint=true"))
+    assert rd.prepare(resume=True).name == "step_000001"
+    rd.close()
+
+
+def test_a_second_process_in_the_same_run_directory_is_refused(tmp_path):
+    first = RunDirectory(make_cfg(tmp_path))
+    first.prepare(resume=False)
+    code = ("import sys; from moe_rl.config import load_config; from moe_rl.rundir import RunDirectory\n"
+            f"cfg = load_config({str(RECIPE)!r}, {[*SMALL, f'run.output_dir={tmp_path}', 'run.name=r']!r})\n"
+            "try:\n    RunDirectory(cfg).prepare(resume=True)\nexcept Exception as e:\n    print(e); sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env=child_env())
+    first.close()
+    assert proc.returncode == 3 and "is in use by another running process" in proc.stdout
+
+
+def test_run_directory_validation():
+    for override, message in [("run.name=../../x", "run.name='../../x' must be a relative name inside"),
+                              ("run.name=/abs/x", "run.name='/abs/x' must be a relative name"),
+                              ("run.save_every=-1", "run.save_every must be >= 0"),
+                              ("run.steps=0", "run.steps must be >= 1"),
+                              ("run.seed=-3", "run.seed must be in [0, 2**63)")]:
+        with pytest.raises(ConfigError, match=re_escape(message)):
+            load_config(RECIPE, [override])
+    with pytest.raises(ConfigError, match="contradict each other"):
+        load_config(RECIPE, ["run.resume=true", "run.overwrite=true"])
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+# --------------------------------------------------------------------------- save / load in process
+
+
+def test_save_writes_no_processes_and_load_refuses_damage(megatron_world, tmp_path):
+    """A save starts no writer process, no multiprocessing manager and no resource tracker
+    (megatron's default save left two orphans per kill); a damaged checkpoint is refused
+    before anything is read; a model-only save of the base is identical tensor for tensor."""
+    import psutil
+    import torch
+
+    from moe_rl.convert.dcp import DcpCheckpoint
+    from moe_rl.learner import Learner, load_checkpoint, parallel_layout, save_checkpoint
+
+    cfg = load_config(BASE / "config.yaml")
+    with parallel_layout(cfg.parallel, seed=1) as layout:
+        learner = Learner(cfg, layout, trainable=False)
+        load_checkpoint(learner, BASE, load_optimizer=False)
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        out = save_checkpoint(learner, tmp_path / "c", include_optimizer=False)
+        assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+        from multiprocessing import resource_tracker
+
+        assert resource_tracker._resource_tracker._pid is None
+        assert verify_share(out) is None and not list(tmp_path.glob("c.tmp-*"))
+        a, b = DcpCheckpoint(BASE), DcpCheckpoint(out)
+        assert a.tensors == b.tensors
+        assert all(torch.equal(a.read(k), b.read(k)) for k in a.tensors)
+        bad = tmp_path / "bad"
+        shutil.copytree(out, bad)
+        (bad / "__0_0.distcp").write_bytes(b"\0" * 10)
+        with pytest.raises(CheckpointError, match=r"__0_0.distcp is truncated \(10 bytes"):
+            load_checkpoint(learner, bad, load_optimizer=False)
+        (tmp_path / "notckpt").mkdir()
+        (tmp_path / "notckpt" / "mine.txt").write_text("keep me")
+        with pytest.raises(CheckpointError, match="exists and is not a moe_rl checkpoint"):
+            save_checkpoint(learner, tmp_path / "notckpt", include_optimizer=False)
+        assert (tmp_path / "notckpt" / "mine.txt").read_text() == "keep me"
+
+
+# --------------------------------------------------------------------------- chaos
+
+
+def _train_cmd(out: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *SMALL, f"run.output_dir={out}",
+            f"run.name={name}", *extra]
+
+
+def _tagged(tag: str) -> list[int]:
+    """Live processes started by one launch (they inherit its environment tag)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and p.environ().get("MOE_RL_CHAOS_TAG") == tag:
+                found.append(p.info["pid"])
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _wait_for_metrics(run: Path, since: float, proc: subprocess.Popen, timeout: float = 120) -> None:
+    path = run / "metrics.jsonl"
+    t0 = time.time()
+    while time.time() - t0 < timeout and proc.poll() is None:
+        if path.exists() and path.stat().st_mtime > since and path.read_text().endswith("\n"):
+            return
+        time.sleep(0.05)
+
+
+def _launch(out: Path, kill: str, first: bool, steps: int) -> int:
+    """One training process under a kill plan: `timer:<s>` (SIGKILL after s seconds),
+    `after_step:<s>` (SIGKILL s seconds after a step is logged), `none`, or a kill_point
+    name for the test hook. Returns its exit status after checking nothing it started lives."""
+    tag = uuid.uuid4().hex
+    env = child_env(MOE_RL_CHAOS_TAG=tag)
+    kind, _, arg = kill.partition(":")
+    if kind not in ("timer", "after_step", "none"):
+        env["MOE_RL_TEST_KILL_AT"] = kill
+    cmd = _train_cmd(out, "chaos", f"run.steps={steps}", f"run.resume={str(not first).lower()}")
+    started = time.time()
+    errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the child
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+    if kind == "timer":
+        time.sleep(float(arg))
+        proc.send_signal(signal.SIGKILL)
+    elif kind == "after_step":
+        _wait_for_metrics(out / "chaos", started, proc)
+        time.sleep(float(arg))
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=300)
+    errors.seek(0)
+    err = errors.read()
+    deadline = time.time() + 5  # orphans may take a moment to notice; none may outlive this
+    while _tagged(tag) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _tagged(tag), f"processes left after kill plan {kill}"
+    assert proc.returncode in (0, -signal.SIGKILL), f"{kill}: exit {proc.returncode}\n{err[-3000:]}"
+    return proc.returncode
+
+
+NOISY = ("time/", "sampler/sample_seconds", "sync/seconds")
+
+# Across start-up (1.5 s: imports), mid-step, mid-save (between the data files, after megatron's files, after
+# moe_rl.json, after config.yaml, after the manifest but before the rename) and just after
+# the rename. Each hook plan trains at least one step before its kill.
+KILL_PLANS = ["timer:1.5", "save.file#1", "save.manifest", "save.renamed", "save.meta#2", "after_step:0.3",
+              "save.dcp#2", "after_step:1", "save.config", "save.file#2", "save.begin"]
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
+    steps = 8  # more than the kill plans can reach, so every hook fires
+    ref = subprocess.run(_train_cmd(tmp_path, "ref", f"run.steps={steps}"), cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=child_env())
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run, ref_run = tmp_path / "chaos", tmp_path / "ref"
+    outcomes, saved = [], []
+    for i, plan in enumerate(KILL_PLANS):
+        outcomes.append(_launch(tmp_path, plan, i == 0, steps))
+        latest = latest_checkpoint(run)
+        saved.append(int(latest.name[5:]) if latest else 0)
+    print("newest checkpoint after each kill:", dict(zip(KILL_PLANS, saved)))
+    hooked = [o for plan, o in zip(KILL_PLANS, outcomes) if plan.startswith("save.")]
+    assert hooked == [-signal.SIGKILL] * len(hooked), dict(zip(KILL_PLANS, outcomes))
+    # the kills landed at different steps: resumes from 0 (nothing saved) up to late in the run
+    assert saved == sorted(saved) and saved[0] == 0 and saved[-1] >= 3, saved
+    assert saved[KILL_PLANS.index("save.manifest")] == 0 < saved[KILL_PLANS.index("save.renamed")], saved
+    assert _launch(tmp_path, "none", False, steps) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ref_rows = [json.loads(line) for line in (ref_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for a, b in zip(rows, ref_rows):
+        assert {k: v for k, v in a.items() if not k.startswith(NOISY)} == \
+               {k: v for k, v in b.items() if not k.startswith(NOISY)}, a["step"]
+    _assert_same_final_checkpoint(run, ref_run, steps)
+    left = [p for p in run.rglob("*") if any(m in p.name for m in (".tmp-", ".old-", ".deleting-"))
+            or (p.name.startswith(".") and p.name.endswith(".tmp"))]
+    assert not left
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s:06d}" for s in (steps - 1, steps)]
+
+
+def _assert_same_final_checkpoint(run: Path, ref_run: Path, step: int) -> None:
+    """Model and optimizer state (every tensor) and the LR schedule, bit for bit."""
+    import torch
+
+    from moe_rl.convert.dcp import DcpCheckpoint
+
+    a = DcpCheckpoint(run / "checkpoints" / f"step_{step:06d}")
+    b = DcpCheckpoint(ref_run / "checkpoints" / f"step_{step:06d}")
+    assert a.tensors == b.tensors and any("optimizer" in k for k in a.tensors)
+    for key in a.tensors:
+        assert torch.equal(a.read(key), b.read(key)), key
+    meta_a, meta_b = (json.loads((c.path / "moe_rl.json").read_text()) for c in (a, b))
+    assert meta_a["scheduler"] == meta_b["scheduler"] and meta_a["step"] == meta_b["step"]
