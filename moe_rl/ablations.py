@@ -58,16 +58,18 @@ def run_one(name: str, extra: list[str], out: Path = OUT) -> Path:
     """Train one setting in a fresh process; returns its run directory."""
     overrides = settings()[name]
     run_dir = out / name
+    # A setting is run whole: a run directory left by a killed attempt is moved aside.
     cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *overrides,
-           f"run.name={name}", f"run.output_dir={out}", "logging.progress=false", *extra]
+           f"run.name={name}", f"run.output_dir={out}", "logging.progress=false", "run.overwrite=true", *extra]
     env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
     t0 = time.perf_counter()
     print(f"== {name}: {' '.join(overrides)}", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "train.log", "w") as log:
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / f"{name}.log"  # beside the run directory, which the trainer owns
+    with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if proc.returncode != 0:
-        raise RuntimeError(f"ablation {name} failed (exit {proc.returncode}); see {run_dir / 'train.log'}")
+        raise RuntimeError(f"ablation {name} failed (exit {proc.returncode}); see {log_path}")
     print(f"== {name}: done in {time.perf_counter() - t0:.0f}s", flush=True)
     return run_dir
 

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from moe_rl.cli import cpu_environment, setup_logging
+from moe_rl.cli import cpu_environment, run_guarded, setup_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
@@ -24,17 +24,18 @@ TARGET_GAIN = 0.30
 def main(argv: list[str] | None = None) -> int:
     cpu_environment()
     setup_logging(0)
-    from moe_rl.config import ConfigError, load_config
+    # Each `make demo` starts over: the previous demo run is moved aside, never deleted.
+    overrides = ["run.name=demo", "run.output_dir=runs", f"run.init_checkpoint={BASE}", "run.overwrite=true",
+                 *(argv if argv is not None else sys.argv[1:])]
+    return run_guarded("demo", lambda: _run(overrides))
+
+
+def _run(overrides: list[str]) -> int:
+    from moe_rl.config import load_config
     from moe_rl.trainer import Trainer
 
-    overrides = ["run.name=demo", "run.output_dir=runs", f"run.init_checkpoint={BASE}", *(argv or sys.argv[1:])]
-    try:
-        cfg = load_config(RECIPE, overrides)
-        trainer = Trainer(cfg)
-    except ConfigError as e:
-        print(f"demo: config error: {e}", file=sys.stderr)
-        return 2
-    summary = trainer.fit()
+    cfg = load_config(RECIPE, overrides)
+    summary = Trainer(cfg).fit()
     gain = summary["reward_last10"] - summary["reward_first10"]
     print(json.dumps({k: v for k, v in summary.items() if k != "median_timings"}, indent=2))
     print(f"\nsummary:     {cfg.run_dir / 'summary.json'}")

@@ -3,6 +3,9 @@ layout check against the world size (which needs torchrun's WORLD_SIZE)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.sections import Config
 
@@ -135,7 +138,64 @@ def validate_run(cfg: Config) -> None:
                           "in the directory, overwrite moves it aside; pick one")
 
 
-SECTION_CHECKS = (validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run)
+def _require(checks: dict[str, tuple[bool, str]]) -> None:
+    """{key: (holds, what it must be)}: the first that does not hold is the error."""
+    for key, (ok, must) in checks.items():
+        if not ok:
+            raise ConfigError(f"{key} must be {must}")
+
+
+def validate_finite(cfg: Config) -> None:
+    """No NaN or infinity in any number of the recipe (YAML reads .nan and .inf)."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(values):
+            continue
+        for f in dataclasses.fields(values):
+            v = getattr(values, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {v}")
+
+
+def validate_ranges(cfg: Config) -> None:
+    """Ranges the sections' own checks do not cover."""
+    m, o, s, rl, t, sft, lg = cfg.model, cfg.optimizer, cfg.sampler, cfg.rl, cfg.task, cfg.sft, cfg.logging
+    _require({
+        "optimizer.weight_decay": (o.weight_decay >= 0, f">= 0, got {o.weight_decay}"),
+        "optimizer.adam_beta1": (0 <= o.adam_beta1 < 1, f"in [0, 1), got {o.adam_beta1}"),
+        "optimizer.adam_beta2": (0 <= o.adam_beta2 < 1, f"in [0, 1), got {o.adam_beta2}"),
+        "optimizer.adam_eps": (o.adam_eps > 0, f"> 0, got {o.adam_eps}"),
+        "optimizer.clip_grad": (o.clip_grad >= 0, f">= 0 (0 disables clipping), got {o.clip_grad}"),
+        "optimizer.lr_warmup_steps": (o.lr_warmup_steps >= 0, f">= 0, got {o.lr_warmup_steps}"),
+        "model.max_position_embeddings": (m.max_position_embeddings >= 1, f">= 1, got {m.max_position_embeddings}"),
+        "model.ffn_hidden_size": (m.ffn_hidden_size >= 1, f">= 1, got {m.ffn_hidden_size}"),
+        "model.norm_epsilon": (m.norm_epsilon > 0, f"> 0, got {m.norm_epsilon}"),
+        "model.init_method_std": (m.init_method_std > 0, f"> 0, got {m.init_method_std}"),
+        "model.rotary_base": (m.rotary_base > 0, f"> 0, got {m.rotary_base}"),
+        "model.moe_aux_loss_coeff": (m.moe_aux_loss_coeff >= 0, f">= 0, got {m.moe_aux_loss_coeff}"),
+        "model.moe_z_loss_coeff": (m.moe_z_loss_coeff >= 0, f">= 0, got {m.moe_z_loss_coeff}"),
+        "model.moe_router_bias_update_rate": (m.moe_router_bias_update_rate >= 0,
+                                              f">= 0, got {m.moe_router_bias_update_rate}"),
+        "sampler.gpu_memory_utilization": (0 < s.gpu_memory_utilization <= 1,
+                                           f"in (0, 1], got {s.gpu_memory_utilization}"),
+        "sampler.vllm_kv_cache_gib": (s.vllm_kv_cache_gib >= 1, f">= 1, got {s.vllm_kv_cache_gib}"),
+        "rl.overlong_max_len": (rl.overlong_max_len >= 0, f">= 0 (0 disables shaping), got {rl.overlong_max_len}"),
+        "rl.overlong_cache": (rl.overlong_cache >= 0, f">= 0, got {rl.overlong_cache}"),
+        "rl.kl_coef": (rl.kl_coef >= 0, f">= 0, got {rl.kl_coef}"),
+        "task.min_digits": (t.min_digits >= 1, f">= 1, got {t.min_digits}"),
+        "task.max_digits": (t.max_digits >= t.min_digits, f">= task.min_digits={t.min_digits}, got {t.max_digits}"),
+        "sft.steps": (sft.steps >= 1, f">= 1, got {sft.steps}"),
+        "sft.batch_size": (sft.batch_size >= 1, f">= 1, got {sft.batch_size}"),
+        "sft.eval_every": (sft.eval_every >= 1, f">= 1, got {sft.eval_every}"),
+        "sft.eval_problems": (sft.eval_problems >= 1, f">= 1, got {sft.eval_problems}"),
+        "sft.target_reward": (0 <= sft.target_reward <= 1, f"in [0, 1] (0 disables early stopping), got "
+                                                          f"{sft.target_reward}"),
+        "logging.heatmap_every": (lg.heatmap_every >= 0, f">= 0 (0 disables it), got {lg.heatmap_every}"),
+        "logging.rollouts_every": (lg.rollouts_every >= 0, f">= 0 (0 disables it), got {lg.rollouts_every}"),
+    })
+
+
+SECTION_CHECKS = (validate_finite, validate_ranges, validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run)
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
