@@ -176,7 +176,7 @@ class RouterTaps(ForwardHooks):
                                    fresh_full.transpose(0, 1) if fresh_full is not None else None))
         if self.plan.old is not None:
             sums_N = st.shift_sum_N if st.shift_sum_N is not None else torch.zeros(
-                st.mask_SB.numel(), device=st.mask_SB.device)
+                st.mask_SB.numel(), device=comm_device())  # sent over NCCL on GPU: never a host tensor
             sums_SB = self._gather_sp(sums_N.reshape(-1, mbs))
             if not self.layout.is_last_stage:
                 self._pending_sends.append(
