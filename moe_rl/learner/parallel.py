@@ -63,13 +63,17 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, engine_ran
     if dist.is_initialized() or moe_worlds.BRIDGE_WORLD.initialized:
         with moe_worlds.bridge():
             return dist.get_rank(), dist.get_world_size()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = resolve_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ:
+        # A plain process: a one-rank world on a private port. Nothing goes into os.environ,
+        # so a subprocess started later (a tool, torchrun) does not inherit this world's
+        # rendezvous and try to host it again.
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                world_size=1, timeout=timeout)
+        return 0, 1
     if not engine_ranks:
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         return dist.get_rank(), dist.get_world_size()
