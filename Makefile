@@ -10,12 +10,25 @@ ACCEL     ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 TORCH_CPU := torch==2.13.0
 STAMP     := $(VENV)/.moe_rl-installed-$(ACCEL)
 PYTEST_ARGS ?=
+# GPU machines (ACCEL=gpu): PYTHON is the machine's interpreter, the one with its CUDA torch.
+# The venv is made from it with --system-site-packages: the machine's torch (and its CUDA
+# wheels) show through and are never reinstalled, while everything we add lands in $(VENV),
+# so the machine's environment stays untouched (and pip is not refused by an
+# externally-managed system python) and every other target keeps using $(PY).
+# WHEELS: a folder from `make stage-wheels` when the machine has no package registry.
+PYTHON    ?= python3
+WHEELS    ?=
+GPU_DEPS  := $(if $(filter gpu,$(ACCEL)),tools/gpu/install.sh tools/gpu/versions.py)
+# make stage-wheels DIR=wheels [TORCH=2.11.0+cu130] [STAGE_ARGS="--have freeze.txt"]
+DIR       ?=
+TORCH     ?= 2.11.0+cu130
+STAGE_ARGS ?=
 
 export TORCHDYNAMO_DISABLE := 1
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install test test-fast demo bench lint ablations ablations-report clean-runs
+.PHONY: help install stage-wheels test test-fast demo bench lint ablations ablations-report clean-runs
 
 help:
 	@echo "make demo       RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~10 min)"
@@ -23,6 +36,8 @@ help:
 	@echo "make bench      benchmarks -> bench/results/"
 	@echo "make ablations  GRPO/R2/R3/GSPO/RSPO x TIS x on/off-policy -> runs/ablations/"
 	@echo "make lint       ruff"
+	@echo "make install ACCEL=gpu [WHEELS=dir]   GPU stack on the machine's torch (tools/gpu/install.sh)"
+	@echo "make stage-wheels DIR=dir [TORCH=2.11.0+cu130]   wheels for a GPU machine without a registry"
 
 install: $(STAMP)
 
@@ -31,10 +46,10 @@ install: $(STAMP)
 # torchcodec builds that do not match the CPU torch: each one that fails to import (which
 # then breaks `import vllm` / transformers' model imports) is removed, and so is triton
 # (1 GB) that the CPU path never uses.
-$(STAMP): setup.py
+$(STAMP): setup.py $(GPU_DEPS)
+ifeq ($(ACCEL),cpu)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-ifeq ($(ACCEL),cpu)
 	$(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q "megatron-core>=0.16.1,<0.20" psutil
 	$(PY) -m pip install -q -e ".[cpu,dev]"
@@ -43,7 +58,13 @@ ifeq ($(ACCEL),cpu)
 	done
 	@$(PY) -m pip uninstall -q -y triton 2>/dev/null || true
 else
-	$(PY) -m pip install -q -e ".[gpu,dev]"
+	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@grep -qx 'include-system-site-packages = true' $(VENV)/pyvenv.cfg || { echo "error: $(VENV) was made without --system-site-packages, so it cannot see the machine's torch: remove $(VENV) and re-run make install ACCEL=gpu" >&2; exit 1; }
+# make -n: also show the pip commands install.sh would run (needs a python with the torch).
+ifneq (,$(findstring n,$(firstword -$(MAKEFLAGS))))
+	+@PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/gpu/install.sh --dry-run $(WHEELS) || echo "(make -n: no install plan from $(PYTHON); pass PYTHON=<the machine's python with its CUDA torch>)"
+endif
+	PYTHON=$(PY) tools/gpu/install.sh $(WHEELS)
 endif
 	$(PY) -c "import torch, megatron.core, vllm, moe_rl; print('moe_rl installed: torch', torch.__version__)"
 	@rm -f $(VENV)/.moe_rl-installed-*
@@ -77,3 +98,9 @@ ablate-%: install
 
 clean-runs:
 	rm -rf runs/
+
+# On a machine with registry access: every wheel a GPU machine without one needs, in chunks
+# of at most 50 MiB (see tools/gpu/stage_wheels.sh --help).
+stage-wheels:
+	@test -n "$(DIR)" || { echo "error: no DIR: make stage-wheels DIR=wheels [TORCH=2.11.0+cu130]" >&2; exit 1; }
+	PYTHON=$(PYTHON) tools/gpu/stage_wheels.sh $(DIR) --torch $(TORCH) $(STAGE_ARGS)

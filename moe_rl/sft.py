@@ -32,7 +32,8 @@ from moe_rl.cli import cpu_environment, parse, run_guarded, setup_logging
 from moe_rl.config import Config, save_config
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
-from moe_rl.tasks.tokenizer import Tokenizer, load_tokenizer
+from moe_rl.tasks.tokenizer import Tokenizer
+from moe_rl.tokenization import load_tokenizer
 
 log = logging.getLogger("moe_rl.sft")
 
@@ -89,7 +90,7 @@ def run(cfg: Config) -> dict:
     _check_output(cfg)
     rank, world = init_distributed(cfg.parallel.distributed_backend)
     setup_logging(rank)
-    task, tok = make_task(cfg.task), load_tokenizer(cfg.task.tokenizer)
+    task, tok = make_task(cfg.task), load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint or None)
     run_dir = cfg.run_dir
     out = Path(cfg.sft.output) if cfg.sft.output else run_dir / "base"
     rng = np.random.default_rng(cfg.run.seed)

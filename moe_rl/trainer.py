@@ -142,6 +142,9 @@ class Trainer:
         metrics.update(self._rollout_metrics(rollout, score))
         with timer.phase("sync"):
             metrics.update(self._sync_weights())
+        if self._eval_due(step):
+            with timer.phase("eval"):
+                metrics.update(self.collector.evaluate(step))
         timings = timer.seconds
         timings["step"] = time.perf_counter() - t_step
         timings["other"] = timings["step"] - sum(v for k, v in timings.items() if k != "step")
@@ -216,7 +219,13 @@ class Trainer:
             for step in range(start + 1, self.cfg.run.steps + 1):
                 self.collector.collect(step, StepTimer())
                 self.collector.receive_weights()
+                if self._eval_due(step):
+                    self.collector.evaluate(step)
         return {}
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.run.eval_every
+        return bool(every) and (step % every == 0 or step == self.cfg.run.steps)
 
     # ------------------------------------------------------------------ loop
 
@@ -238,6 +247,8 @@ class Trainer:
                     self._save(step)
             if self.rank != 0:
                 return {}
+            if self.cfg.run.export_hf:
+                self._export_final()
             return self.run_dir.write_summary(time.perf_counter() - t0, self.world, self.layout.name)
 
     def _progress_bar(self) -> Any:
@@ -257,6 +268,16 @@ class Trainer:
                         extra_meta={"trainer_step": step, "run_id": self.run_dir.run_id})
         if self.rank == 0:
             self.run_dir.rotate_checkpoints()
+
+    def _export_final(self) -> None:
+        """The final checkpoint as a Hugging Face directory, `<run>/hf` (rank 0): the source
+        checkpoint's config.json, generation config and tokenizer files when the run started
+        from one (`moe_rl.convert.hf_files`)."""
+        from moe_rl.convert import megatron_to_hf
+
+        final = self.run_dir.checkpoints / f"step_{self.cfg.run.steps:06d}"
+        out = megatron_to_hf(final, self.run_dir.path / "hf", force=True)
+        log.info("exported the final model to %s", out)
 
     def close(self) -> None:
         """Release the sampler, the logs and the layout (what `fit` does on its way out)."""

@@ -204,7 +204,7 @@ def test_defect8_converter_removes_what_a_killed_conversion_left(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "needles"), [
     (["task.name=math_jsonl", "task.data_path=/nonexistent/problems.jsonl"],
-     ["task.name=math_jsonl", "/nonexistent/problems.jsonl does not exist"]),
+     ["task.name=math_jsonl", "/nonexistent/problems.jsonl: no such file; check task.data_path"]),
     (["task.tokenizer=/nonexistent/tok.model"], ["task.tokenizer='/nonexistent/tok.model'", "does not exist"]),
     (["model.num_experts=16"], ["holds another model than the recipe's: model.num_experts=16 (the checkpoint has 8)"]),
     (["sampler.max_new_tokens=60"], ["with sampler.max_new_tokens=60 a sequence needs", "max_position_embeddings=64",

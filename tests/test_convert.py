@@ -102,6 +102,9 @@ def test_expert_fc1_is_gate_then_up_per_global_expert():
 @pytest.mark.parametrize("fields,named", [
     ({"moe_shared_expert_intermediate_size": 32}, "moe_shared_expert_intermediate_size"),  # softmax + shared
     ({"qk_layernorm": False}, "qk_layernorm"),  # softmax without QK-norm
+    ({"add_qkv_bias": True}, "add_qkv_bias"),  # softmax: Qwen3-MoE would add an o_proj bias too
+    ({"rotary_percent": 0.5}, "rotary_percent"),
+    ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor"),
     ({"moe_router_score_function": "sigmoid", "moe_shared_expert_intermediate_size": 48},
      "moe_shared_expert_intermediate_size=48 is not a multiple of model.moe_ffn_hidden_size"),
 ])
@@ -120,8 +123,17 @@ def test_hf_config_round_trips_the_model_config():
     cfg = hf_config(m, torch.bfloat16, bos_token_id=2, eos_token_id=3, pad_token_id=0)
     assert cfg["mlp_only_layers"] == [0, 1] and cfg["tie_word_embeddings"] and cfg["dtype"] == "bfloat16"
     assert model_config_from_hf(json.loads(json.dumps(cfg)), base=m) == m
-    with pytest.raises(NotImplementedError, match="norm_topk_prob"):
-        model_config_from_hf({**cfg, "norm_topk_prob": False})
+    # norm_topk_prob=false: top-k of the softmax over all experts, megatron's pre-softmax
+    unnormed = model_config_from_hf({**cfg, "norm_topk_prob": False}, base=m)
+    assert unnormed == dataclasses.replace(m, moe_router_pre_softmax=True)
+    assert hf_config(unnormed, torch.bfloat16, bos_token_id=2, eos_token_id=3, pad_token_id=0)["norm_topk_prob"] is False
+    for change, named in [({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                          ({"attention_bias": True}, "attention_bias=true"),
+                          ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+                          ({"num_experts_per_tok": 1}, "norm_topk_prob=true with num_experts_per_tok=1"),
+                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling has rope_type='yarn'")]:
+        with pytest.raises(NotImplementedError, match=named):
+            model_config_from_hf({**cfg, "rope_parameters": None, **change})
     with pytest.raises(NotImplementedError, match="mlp_only_layers"):
         model_config_from_hf({**cfg, "mlp_only_layers": [1]})
     with pytest.raises(ConvertError, match="model_type"):

@@ -44,7 +44,7 @@ from moe_rl.convert.megatron_keys import is_model_key
 from moe_rl.convert.qwen3_moe import QWEN3_MOE
 
 TOL = 1e-5  # fp32 learner vs transformers per-token logprobs
-DS = ModelConfig(num_dense_layers=1, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+DS = ModelConfig(params_dtype="fp32", num_dense_layers=1, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                  moe_shared_expert_intermediate_size=64)
 # Glm4-MoE variants: what the model lacks is written as zeros / what is tied is written twice.
 VARIANTS = {
@@ -179,16 +179,25 @@ def test_hf_config_round_trips_the_model_config(variant):
     # without a base, HF's always-present bias and shared expert are taken as on
     fresh = model_config_from_hf(cfg)
     assert fresh.moe_router_enable_expert_bias and fresh.moe_shared_expert_intermediate_size >= m.moe_ffn_hidden_size
-    refused = [({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default"}}, "partial_rotary_factor=0.5"),
-               ({"rope_parameters": {**cfg["rope_parameters"], "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
-               ({"n_group": 8, "topk_group": 4}, "group-limited routing"),
-               ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+    # mapped: partial rotary (top level or in rope_parameters; absent is Glm4-MoE's 0.5),
+    # routed scaling, and MTP layers (left out)
+    plain_rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    mapped = [({"partial_rotary_factor": 0.5, "rope_parameters": plain_rope}, "rotary_percent", 0.5),
+              ({"rope_parameters": {**cfg["rope_parameters"], "partial_rotary_factor": 0.25}}, "rotary_percent", 0.25),
+              ({"partial_rotary_factor": None, "rope_parameters": plain_rope}, "rotary_percent", 0.5),
+              ({"routed_scaling_factor": 2.5}, "moe_router_topk_scaling_factor", 2.5),
+              ({"num_nextn_predict_layers": 1}, "num_layers", m.num_layers)]
+    for change, field, want in mapped:
+        assert getattr(model_config_from_hf({**cfg, **change}, base=m), field) == want, change
+    refused = [({"n_group": 8, "topk_group": 4}, "group-limited routing"),
                ({"norm_topk_prob": not cfg["norm_topk_prob"]}, "norm_topk_prob"),
-               ({"num_nextn_predict_layers": 1}, "multi-token-prediction"),
+               ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters has rope_type='yarn'"),
                ({"n_shared_experts": 0}, "n_shared_experts=0")]
     for change, msg in refused:
         with pytest.raises(NotImplementedError, match=msg):
             model_config_from_hf({**cfg, **change})
+    with pytest.raises(ConvertError, match=r"partial_rotary_factor=1.5: must be in \(0, 1\]"):
+        model_config_from_hf({**cfg, "partial_rotary_factor": 1.5, "rope_parameters": plain_rope})
 
 
 def test_softmax_router_with_shared_expert_is_refused():

@@ -90,8 +90,9 @@ def _jobs(dirs) -> list[dict]:
                  "overrides": ["sampler.placement=separate", "sampler.engine_ranks=1"]})
     jobs += [{"name": f"recipe/{r}", "recipe": str(ROOT / path), "overrides": [], "gpus": n, "suggest": True}
              for r, (path, n) in RECIPES.items()]
-    # does not fit: activations of 128 x 64-token micro-batches in a 0.3 GiB GPU beside vLLM
-    jobs.append({"name": "unfit", "recipe": TINY, "overrides": [], "gpus": 1, "suggest": True,
+    # does not fit: activations of 128 x 64-token fp32 micro-batches in a 0.3 GiB GPU beside vLLM
+    jobs.append({"name": "unfit", "recipe": TINY, "overrides": ["model.params_dtype=fp32", "sampler.precision=fp32"],
+                 "gpus": 1, "suggest": True,
                  "hardware": {"gpu_memory_gib": 0.3, "reserve_gib": 0.0, "vllm_workspace_gib": 0.0}})
     return jobs
 

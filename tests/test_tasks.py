@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 
 import numpy as np
@@ -14,7 +13,6 @@ from moe_rl.config import TaskConfig
 from moe_rl.tasks import (
     TASKS,
     AddTask,
-    MathJsonlTask,
     Problem,
     ReverseTask,
     SortTask,
@@ -22,15 +20,7 @@ from moe_rl.tasks import (
     register_task,
     sft_examples,
 )
-from moe_rl.tasks.math_jsonl import MAX_REPORTED_LINES, load_problems
-from moe_rl.tasks.math_verify import (
-    answers_match,
-    extract_answer,
-    math_reward,
-    normalize_answer,
-    parse_number,
-    reference_answer,
-)
+from moe_rl.tasks.rewards import math_verify_score
 
 SYNTHETIC = (ReverseTask, SortTask, AddTask)
 GARBAGE = ["", "   ", "</s>", "<pad>", "\x00\xff\n", "⁇ ⁇", "rev 48213 =", None, 12345, b"1"]
@@ -39,7 +29,7 @@ GARBAGE = ["", "   ", "</s>", "<pad>", "\x00\xff\n", "⁇ ⁇", "rev 48213 =", N
 
 
 def test_registry_names_and_default_task():
-    assert set(TASKS) == {"reverse", "sort", "add", "math_jsonl"}
+    assert set(TASKS) == {"reverse", "sort", "add", "math_jsonl", "dataset"}
     task = make_task(TaskConfig())
     assert isinstance(task, ReverseTask)
     assert (task.min_digits, task.max_digits) == (4, 6)
@@ -48,7 +38,7 @@ def test_registry_names_and_default_task():
 
 def test_unknown_task_lists_valid_names():
     with pytest.raises(
-        ValueError, match=r"unknown task 'revers'; valid names: reverse, sort, add, math_jsonl"
+        ValueError, match=r"unknown task 'revers'; valid names: reverse, sort, add, math_jsonl, dataset"
     ):
         make_task(TaskConfig(name="revers"))
 
@@ -60,9 +50,13 @@ def test_duplicate_registration_and_read_only_registry():
         TASKS["x"] = ReverseTask.from_config  # type: ignore[index]
 
 
-def test_math_jsonl_needs_data_path():
-    with pytest.raises(ValueError, match="data_path"):
-        make_task(TaskConfig(name="math_jsonl"))
+def test_math_jsonl_is_the_dataset_task():
+    """The older name of the dataset task (its own reader and verifier were retired: the
+    math-verify comparison in bench/results/math_verify_compare.md)."""
+    assert TASKS["math_jsonl"] is TASKS["dataset"]
+    for name in ("math_jsonl", "dataset"):
+        with pytest.raises(ValueError, match="data_path"):
+            make_task(TaskConfig(name=name))
 
 
 @pytest.mark.parametrize("lo,hi", [(0, 3), (5, 4), (1, 19)])
@@ -163,191 +157,4 @@ def test_rewards_in_range_on_any_text(text):
     problems = [Problem("rev 12 =", "21"), Problem("What is 1/2?", "\\frac{1}{2}")]
     for task, p in [(ReverseTask(), problems[0]), (AddTask(), problems[0])]:
         assert task.reward(p, text) in (0.0, 1.0)
-    assert math_reward(text, problems[1].answer) in (0.0, 1.0)
-
-
-# --------------------------------------------------------------------------- math verifier
-
-
-@pytest.mark.parametrize(
-    "response,expected",
-    [
-        ("The answer is \\boxed{42}.", "42"),
-        ("first \\boxed{1}, finally \\boxed{2}", "2"),
-        ("\\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
-        ("nested \\boxed{a_{1}+{b}}", "a_{1}+{b}"),
-        ("\\boxed{\\boxed{7}}", "7"),
-        ("$\\boxed {-3}$", "-3"),
-        ("\\boxed 5$ done", "5"),
-        ("\\fbox{9}", "9"),
-        ("unclosed \\boxed{12 ... so 13", "13"),  # a truncated box: fall back to last number
-        ("It costs $1,250.", "1,250"),
-        ("1,2345 apples", "2345"),  # not a thousands comma
-        ("x = -5", "-5"),
-        ("10-5 leaves 5", "5"),
-        ("10-5", "5"),  # a minus after a digit is an operator
-        ("so -0.75 it is", "-0.75"),
-        ("between 3/4 and", "3/4"),
-        ("about 1.5e-3 m", "1.5e-3"),
-        ("we get 50%", "50%"),
-        ("value −7 (unicode minus)", "-7"),
-        ("1, 2, 3", "3"),
-        ("no numbers here", None),
-        ("", None),
-        (None, None),
-    ],
-)
-def test_extract_answer(response, expected):
-    assert extract_answer(response) == expected
-
-
-@pytest.mark.parametrize(
-    "predicted,reference",
-    [
-        ("42", "42"),
-        ("42.0", "42"),
-        ("\\frac{3}{4}", "0.75"),
-        ("\\dfrac{3}{4}", "3/4"),
-        ("-\\frac{1}{2}", "-0.5"),
-        ("\\frac12", "0.5"),
-        ("1,250", "1250"),
-        ("1,234,567.5", "1234567.5"),
-        ("$1,250", "1250"),
-        ("+5", "5"),
-        ("5.", "5"),
-        ("x = 5", "5"),
-        ("50%", "50"),
-        ("50\\%", "50"),
-        ("1e3", "1000"),
-        ("2.5E-2", "0.025"),
-        ("0.3333333", "1/3"),  # within rel 1e-6
-        ("5 \\text{ cm}", "5"),
-        ("\\text{yes}", "yes"),
-        ("90^\\circ", "90"),
-        ("\\left(1, 2\\right)", "(1,2)"),
-        ("  7 ", "7"),
-    ],
-)
-def test_answers_match(predicted, reference):
-    assert answers_match(predicted, reference)
-
-
-@pytest.mark.parametrize(
-    "predicted,reference",
-    [
-        ("41", "42"),
-        ("-42", "42"),
-        ("0.7", "3/4"),
-        ("0.333", "1/3"),
-        ("1/0", "0"),
-        ("yes", "no"),
-        ("", "0"),
-        (None, "0"),
-        ("1e999", "1e998"),  # both overflow: compared as strings
-    ],
-)
-def test_answers_differ(predicted, reference):
-    assert not answers_match(predicted, reference)
-
-
-def test_normalize_and_parse():
-    assert normalize_answer(" $\\$1,000.$ ") == "1000"
-    assert parse_number("\\frac{1}{0}") is None
-    assert parse_number("abc") is None
-    assert parse_number("-3.5e2") == -350.0
-
-
-@pytest.mark.parametrize(
-    "answer,expected",
-    [("\\boxed{12}", "12"), ("reasoning...\n#### 72", " 72"), ("3/4", "3/4")],
-)
-def test_reference_answer(answer, expected):
-    assert reference_answer(answer) == expected
-
-
-def test_math_reward():
-    assert math_reward("So the total is \\boxed{1,250} dollars.", "1250") == 1.0
-    assert math_reward("Total: 1250 dollars, or 125 tens", "1250") == 0.0  # last number
-    assert math_reward("It is 72.", "Work...\n#### 72") == 1.0
-    assert math_reward("It is \\boxed{0.5}", "\\boxed{\\frac{1}{2}}") == 1.0
-    assert math_reward("garbage", "3") == 0.0
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("0123456789-+.,/%{}\\boxedfrac $e ")), max_size=40))
-def test_math_verifier_never_raises(text):
-    answers_match(extract_answer(text), text)
-    parse_number(normalize_answer(text))
-
-
-# --------------------------------------------------------------------------- JSONL task
-
-
-def _write(path, lines):
-    path.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
-    return path
-
-
-def test_jsonl_malformed_lines_are_reported_and_skipped(tmp_path, caplog):
-    path = _write(
-        tmp_path / "data.jsonl",
-        [
-            '{"prompt": "What is 2+2?", "answer": "4"}',  # 1 ok
-            "{not json",  # 2
-            '{"prompt": "no answer"}',  # 3
-            "",  # 4 blank: ignored silently
-            '{"prompt": "", "answer": "1"}',  # 5 empty prompt
-            '{"prompt": "numeric answer", "answer": 7, "id": "q6"}',  # 6 ok
-            '["a", "list"]',  # 7
-            '{"prompt": 5, "answer": "1"}',  # 8 wrong type
-            '{"prompt": "bool", "answer": true}',  # 9 wrong type
-            b'{"prompt": "\xff\xfe", "answer": "1"}',  # 10 bad UTF-8
-            '{"prompt": "p", "answer": "  "}',  # 11 empty answer
-            '{"prompt": "last", "answer": "\\\\frac{1}{2}"}',  # 12 ok
-        ],
-    )
-    with caplog.at_level(logging.WARNING, logger="moe_rl.tasks.math_jsonl"):
-        problems = load_problems(path)
-    assert [p.meta["line"] for p in problems] == [1, 6, 12]
-    assert problems[1].answer == "7" and problems[1].meta["fields"] == {"id": "q6"}
-    messages = [r.getMessage() for r in caplog.records]
-    for line_no in (2, 3, 5, 7, 8, 9, 10, 11):
-        assert any(f"data.jsonl:{line_no}:" in m for m in messages), line_no
-    assert not any(f"data.jsonl:{n}:" in m for m in messages for n in (1, 4, 6, 12))
-    assert any("skipped 8 malformed line(s)" in m for m in messages)
-
-
-def test_jsonl_report_is_capped(tmp_path, caplog):
-    path = _write(
-        tmp_path / "d.jsonl", ["bad"] * (MAX_REPORTED_LINES + 5) + ['{"prompt":"p","answer":"1"}']
-    )
-    with caplog.at_level(logging.WARNING, logger="moe_rl.tasks.math_jsonl"):
-        assert len(load_problems(path)) == 1
-    assert len(caplog.records) == MAX_REPORTED_LINES + 1
-    assert f"skipped {MAX_REPORTED_LINES + 5} malformed" in caplog.records[-1].getMessage()
-
-
-def test_jsonl_missing_or_empty_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
-        MathJsonlTask(tmp_path / "nope.jsonl")
-    path = _write(tmp_path / "all_bad.jsonl", ["{", '{"prompt": "x"}'])
-    with pytest.raises(ValueError, match=r"all_bad\.jsonl has no valid problems \(2 malformed"):
-        MathJsonlTask(path)
-    with pytest.raises(ValueError, match=r"empty\.jsonl"):
-        MathJsonlTask(_write(tmp_path / "empty.jsonl", [""]))
-
-
-def test_jsonl_bom_and_task(tmp_path):
-    lines = [f'{{"prompt": "What is {i} + {i}?", "answer": "{2 * i}"}}' for i in range(10)]
-    path = _write(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + lines[0].encode(), *lines[1:]])
-    task = make_task(TaskConfig(name="math_jsonl", data_path=str(path)))
-    assert len(task.problems) == 10
-    batch = task.sample(25, seed=0)
-    assert batch == task.sample(25, seed=0) and batch != task.sample(25, seed=1)
-    assert len({p.prompt for p in batch[:10]}) == 10  # a full pass before any repeat
-    p = batch[0]
-    assert task.completion(p) == f" \\boxed{{{p.answer}}}"
-    assert task.reward(p, task.completion(p)) == 1.0
-    assert task.reward(p, f"I think it is {int(p.answer) + 1}") == 0.0
-    for response in GARBAGE:
-        assert task.reward(p, response) in (0.0, 1.0)
+    assert math_verify_score(text, problems[1].answer) in (0.0, 1.0)

@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--num-prompts", type=int, default=32,
                      help="prompts drawn from the task, or the first N of the file (default: 32)")
     src.add_argument("--tokenizer", default="",
-                     help="SentencePiece model (default: the checkpoint's tokenizer, else the shipped one)")
+                     help="tokenizer directory, tokenizer.json or SentencePiece .model (default: the checkpoint's own)")
+    src.add_argument("--chat-template", default="auto",
+                     help="auto (the tokenizer's template when it has one), none, or a .jinja file")
 
     samp = ap.add_argument_group("sampling")
     samp.add_argument("-n", "--samples-per-prompt", type=int, default=4,
@@ -143,6 +145,7 @@ def measure(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             seed=args.seed,
             tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
             progress=not args.no_progress,
         )
         out = run(mc, args.out)

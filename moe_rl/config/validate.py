@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.sections import Config
@@ -192,7 +193,24 @@ def validate_ranges(cfg: Config) -> None:
                                                           f"{sft.target_reward}"),
         "logging.heatmap_every": (lg.heatmap_every >= 0, f">= 0 (0 disables it), got {lg.heatmap_every}"),
         "logging.rollouts_every": (lg.rollouts_every >= 0, f">= 0 (0 disables it), got {lg.rollouts_every}"),
+        "run.eval_every": (cfg.run.eval_every >= 0, f">= 0 (0 disables it), got {cfg.run.eval_every}"),
+        "run.eval_k": (cfg.run.eval_k >= 1, f">= 1, got {cfg.run.eval_k}"),
+        "run.eval_max_problems": (cfg.run.eval_max_problems >= 0, f">= 0 (0: all), got {cfg.run.eval_max_problems}"),
     })
+    validate_task(t, cfg.run)
+
+
+def validate_task(t: Any, run: Any) -> None:
+    """The task's text settings: reward spec, chat template, evaluation data."""
+    if t.reward != "math" and (t.reward.count(":") != 1 or not all(t.reward.split(":"))):
+        raise ConfigError(f"task.reward={t.reward!r}: expected 'math' or a function 'module.path:function'")
+    if t.chat_template not in ("auto", "none") and not t.chat_template.endswith(".jinja"):
+        raise ConfigError(f"task.chat_template={t.chat_template!r}: expected auto, none or a .jinja file")
+    if run.eval_every and not t.eval_data_path:
+        raise ConfigError(f"run.eval_every={run.eval_every} needs task.eval_data_path (the held-out prompts)")
+    for key in ("prompt_key", "messages_key", "answer_key", "metadata_key"):
+        if not getattr(t, key):
+            raise ConfigError(f"task.{key} must not be empty")
 
 
 SECTION_CHECKS = (validate_finite, validate_ranges, validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run)

@@ -3,15 +3,19 @@ sigmoid router with expert bias, shared expert, optional QK-norm (pure torch).
 
 Glm4-MoE is the architecture in both transformers (5.19) and vLLM (0.32) that computes what
 megatron computes for these models, configured as `hf_config` writes it:
-- attention: GQA, `attention_bias=false`, per-head q/k RMSNorm iff `use_qk_norm`, RoPE over
-  the whole head: `partial_rotary_factor=1.0` (both libraries default to 0.5 when absent,
-  which rotates half of each head and is a different model), rotate-half style like
-  megatron's non-interleaved RoPE.
+- attention: GQA, biases on q/k/v (not o) iff `attention_bias` (megatron's add_qkv_bias),
+  per-head q/k RMSNorm iff `use_qk_norm`, RoPE on the first `partial_rotary_factor` of each
+  head (megatron's rotary_percent; written at top level and in `rope_parameters`, since both
+  libraries default to 0.5 when absent), rotate-half style within those dimensions like
+  megatron's non-interleaved RoPE; the rest of the head passes through (transformers'
+  `apply_rotary_pos_emb`, vLLM's neox-style `get_rope` with rotary_dim = int(D * factor),
+  megatron's int(kv_channels * rotary_percent): the same dimensions and frequencies).
 - the first `first_k_dense_replace` layers are dense (`intermediate_size`).
 - router (`mlp.gate`): sigmoid scores; top-k chosen on scores + `e_score_correction_bias`
   (megatron's `router.expert_bias`, float32); weights are the chosen scores, normalised to
   sum to 1 when k > 1 (`norm_topk_prob`; megatron leaves a single score as it is), times
-  `routed_scaling_factor=1.0` (megatron's `moe_router_topk_scaling_factor` is unset);
+  `routed_scaling_factor` (megatron's `moe_router_topk_scaling_factor`, applied after the
+  normalisation in both);
   `n_group=topk_group=1` (no group-limited routing).
 - shared expert: an ungated SwiGLU MLP of `n_shared_experts * moe_intermediate_size`
   added to the routed output, as megatron's `shared_experts` (no `moe_shared_expert_gate`).
@@ -26,6 +30,12 @@ exactly 0, at the cost of computing it), and importing requires them to be zeros
 Glm4MoE has no tied output head, so a tied model also writes `lm_head.weight` (the
 embedding's values; `tie_word_embeddings` stays true for transformers).
 
+Multi-token-prediction layers (`num_nextn_predict_layers`, GLM-4.5's speculative-decoding
+head, stored as layers num_hidden_layers ...) feed nothing into the main model's logits, and
+neither transformers' Glm4MoeForCausalLM nor vLLM without speculative decoding runs them: import
+skips their tensors (with a warning), and export writes `num_nextn_predict_layers=0`, since the
+learner neither has nor trains them (a stale MTP head would mispredict after training).
+
 Refused (NotImplementedError naming the fields): a softmax router (GLM's router is sigmoid,
 and Qwen3-MoE has no shared expert, so a softmax model with a shared expert has no target
 in both libraries), and a shared expert size that is not a multiple of the routed experts'.
@@ -34,6 +44,8 @@ in both libraries), and a shared expert size that is not a multiple of the route
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from typing import Any
 
 import torch
@@ -54,6 +66,8 @@ from moe_rl.convert.hf_layout import (
 )
 from moe_rl.convert.megatron_keys import ConvertError
 
+log = logging.getLogger(__name__)
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 NO_BIAS = "model.moe_router_enable_expert_bias=false"
 NO_SHARED = "model.moe_shared_expert_intermediate_size=0"
 
@@ -133,15 +147,22 @@ class Glm4MoeLayout(HFLayout):
             "n_shared_experts": n_shared_experts(m),
             "first_k_dense_replace": m.num_dense_layers,
             "norm_topk_prob": m.moe_router_topk > 1,  # megatron renormalises only k > 1 scores
-            "routed_scaling_factor": 1.0,
+            "routed_scaling_factor": m.moe_router_topk_scaling_factor,
             "n_group": 1,
             "topk_group": 1,
             "use_qk_norm": m.qk_layernorm,
-            "partial_rotary_factor": 1.0,  # both places: transformers and vLLM default to 0.5
-            "num_nextn_predict_layers": 0,
+            "partial_rotary_factor": m.rotary_percent,  # both places: both libraries default to 0.5
+            "num_nextn_predict_layers": 0,  # the learner has no MTP layers (module docstring)
         }
-        cfg["rope_parameters"]["partial_rotary_factor"] = 1.0
+        cfg["rope_parameters"]["partial_rotary_factor"] = m.rotary_percent
         return cfg
+
+    def ignored_hf_tensor(self, name: str, cfg: dict[str, Any]) -> bool:
+        """The multi-token-prediction layers' tensors (layers num_hidden_layers ... + MTP - 1)."""
+        match = _LAYER_NAME.match(name)
+        first = int(cfg.get("num_hidden_layers") or 0)
+        mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+        return bool(match) and first <= int(match.group(1)) < first + mtp
 
     def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None, *,
                              notes: list[str] | None = None) -> ModelConfig:
@@ -151,12 +172,12 @@ class Glm4MoeLayout(HFLayout):
         (then the files must hold zeros there, which `from_hf` checks).
 
         With `notes` (the planner's mode), settings the learner cannot honour but that change
-        no parameter's shape (partial rotary, routed scaling, group-limited routing, top-k
-        normalisation, multi-token-prediction layers, which neither the learner nor
-        transformers' Glm4MoeForCausalLM builds) are recorded there instead of refused."""
+        no parameter's shape (group-limited routing, top-k normalisation) are recorded there
+        instead of refused. Multi-token-prediction layers are left out either way (module
+        docstring): noted with `notes`, else logged as a warning."""
         if cfg.get("model_type") != self.model_type:
             raise ConvertError(f"config.json has model_type={cfg.get('model_type')!r}, not {self.model_type!r}")
-        require_fields(cfg, {"hidden_act": ("silu", "silu"), "routed_scaling_factor": (1.0, 1.0)}, notes)
+        require_fields(cfg, {"hidden_act": ("silu", "silu")}, notes)
         _refuse_unbuilt_math(cfg, notes)
         n_shared = int(get_field(cfg, "n_shared_experts", default=1))
         if n_shared < 1:
@@ -177,6 +198,9 @@ class Glm4MoeLayout(HFLayout):
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=bias,
             qk_layernorm=bool(cfg.get("use_qk_norm", False)),
+            rotary_percent=_rotary_percent(cfg),
+            moe_router_topk_scaling_factor=_routed_scaling(cfg),
+            moe_router_pre_softmax=False,  # sigmoid routing: megatron ignores it
         )
         return dataclasses.replace(base or ModelConfig(), **fields)
 
@@ -186,30 +210,47 @@ def _refuse_unbuilt_math(cfg: dict[str, Any], notes: list[str] | None) -> None:
     builds: refused (`notes` None) or recorded in `notes` (planning)."""
     mtp = int(cfg.get("num_nextn_predict_layers") or 0)
     if mtp:
-        refuse(
-            f"config.json num_nextn_predict_layers={mtp}: multi-token-prediction layers have no "
-            "counterpart in the learner", notes
-        )
+        msg = (f"config.json num_nextn_predict_layers={mtp}: the multi-token-prediction layers are "
+               "left out (they do not change the model's logits; the learner neither runs nor trains them)")
+        if notes is None:
+            log.warning(msg)
+        else:
+            notes.append(msg)
     n_group, topk_group = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
     if topk_group != n_group:
         refuse(
             f"config.json n_group={n_group}, topk_group={topk_group}: group-limited routing is "
             "not supported (only topk_group == n_group, i.e. every group eligible)", notes
         )
-    rope = cfg.get("rope_parameters") or {}
-    rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
-    if rotary != 1.0:
-        refuse(
-            f"config.json partial_rotary_factor={rotary}: megatron rotates the whole head "
-            "(only 1.0 is supported; Glm4-MoE's default is 0.5)", notes
-        )
     topk = int(get_field(cfg, "num_experts_per_tok"))
     if bool(cfg.get("norm_topk_prob", True)) != (topk > 1):
         refuse(
             f"config.json norm_topk_prob={cfg.get('norm_topk_prob', True)} with "
             f"num_experts_per_tok={topk}: megatron normalises the chosen sigmoid scores exactly "
-            "when more than one expert is chosen", notes
+            f"when more than one expert is chosen (only norm_topk_prob={str(topk > 1).lower()} is "
+            "supported)", notes
         )
 
 
 GLM4_MOE = Glm4MoeLayout()
+
+
+def _rotary_percent(cfg: dict[str, Any]) -> float:
+    """`partial_rotary_factor` (transformers 5 keeps it in `rope_parameters`, older files at
+    top level; absent means Glm4-MoE's default 0.5 in transformers and vLLM alike)."""
+    rope = cfg.get("rope_parameters") or {}
+    rotary = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    rotary = 0.5 if rotary is None else float(rotary)
+    if not 0.0 < rotary <= 1.0:
+        raise ConvertError(f"config.json partial_rotary_factor={rotary}: must be in (0, 1] (the fraction of "
+                           "each head that RoPE rotates; GLM-4.5 uses 0.5)")
+    return rotary
+
+
+def _routed_scaling(cfg: dict[str, Any]) -> float:
+    """`routed_scaling_factor`; megatron skips a zero factor (transformers would zero the
+    routed output), so only positive ones are taken."""
+    scale = float(get_field(cfg, "routed_scaling_factor", default=1.0))
+    if scale <= 0:
+        raise ConvertError(f"config.json routed_scaling_factor={scale}: must be > 0 (GLM-4.5 uses 2.5)")
+    return scale

@@ -94,7 +94,7 @@ def check_tensors(hf: HFCheckpoint, m: ModelConfig) -> None:
     layout = layout_for(m)
     layout.check_supported(m)
     specs = {s.name: s.shape for s in layout.hf_specs_all(m)}
-    names = hf.names()
+    names = {n for n in hf.names() if not layout.ignored_hf_tensor(n, hf.config)}  # e.g. MTP layers
     extra = sorted(names - set(specs))
     missing = [n for n in specs if n not in names]
     if not m.untie_embeddings_and_output_weights:

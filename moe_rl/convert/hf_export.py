@@ -22,7 +22,6 @@ one q_proj copy.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -34,8 +33,9 @@ import yaml
 from moe_rl.atomic import atomic_output_dir, check_distinct
 from moe_rl.config import Config, ConfigError, ModelConfig, load_config
 from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
-from moe_rl.convert.hf_layout import HFLayout, generation_config
-from moe_rl.convert.layouts import hf_config, layout_for
+from moe_rl.convert.hf_files import find_hf_source, source_dtype, write_from_source, write_own
+from moe_rl.convert.hf_layout import HFLayout
+from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, is_model_key, megatron_specs
 from moe_rl.convert.safetensors_writer import PlannedTensor, ShardedSafetensorsWriter
 
@@ -91,26 +91,6 @@ def match_checkpoint_keys(ckpt: DcpCheckpoint, m: ModelConfig) -> dict[str, str]
     return stored
 
 
-def write_hf_metadata(out_dir: Path, m: ModelConfig, dtype: torch.dtype, tokenizer: str | os.PathLike | None) -> None:
-    """config.json, generation_config.json and the tokenizer files (token ids from the
-    tokenizer: bos / eos / pad)."""
-    from moe_rl.tasks.tokenizer import Tokenizer, write_hf_tokenizer
-
-    tok = Tokenizer(tokenizer or None)
-    if tok.vocab_size > m.vocab_size:
-        raise ConvertError(
-            f"tokenizer {tok.path} has {tok.vocab_size} pieces but model.vocab_size={m.vocab_size}"
-        )
-    ids = {
-        "bos_token_id": tok.bos_id if tok.bos_id >= 0 else None,
-        "eos_token_id": tok.eos_id,
-        "pad_token_id": tok.pad_id,
-    }
-    (out_dir / "config.json").write_text(json.dumps(hf_config(m, dtype, **ids), indent=2) + "\n")
-    (out_dir / "generation_config.json").write_text(json.dumps(generation_config(**ids), indent=2) + "\n")
-    write_hf_tokenizer(out_dir, tok.path)
-
-
 def megatron_to_hf(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -125,8 +105,11 @@ def megatron_to_hf(
     """Convert the learner checkpoint `src` into a Hugging Face directory `dst`.
 
     dtype: output dtype ("fp32", "bf16" or a torch dtype); None keeps the stored dtype.
-    tokenizer: SentencePiece model for the tokenizer files; None uses the checkpoint's
-        `task.tokenizer` (the shipped tokenizer when that is empty).
+    tokenizer: a SentencePiece model for the project's own models' tokenizer files, or a
+        Hugging Face directory to take config.json, generation_config.json and the tokenizer
+        files from; None: the checkpoint's source (`hf_files.find_hf_source`: the Hugging
+        Face directory the run started from), else its recorded SentencePiece tokenizer.
+        With a Hugging Face source, `dtype=None` writes the source's dtype.
     progress: show a tqdm bar over the bytes written.
     trust: accept a checkpoint without a manifest (its pickles are read the ordinary way).
     """
@@ -144,9 +127,18 @@ def megatron_to_hf(
         for key in megatron_specs(m)
         for spec in layout.hf_specs(key, m)
     ]
+    source = _hf_source(cfg, tokenizer)
+    if source is not None and out_dtype is None:
+        out_dtype = source_dtype(source)
+        dtypes = {key: out_dtype or ckpt.tensors[stored[key]].dtype for key in stored}
+        plan = [PlannedTensor(spec.name, spec.shape, spec.dtype or dtypes[key])
+                for key in megatron_specs(m) for spec in layout.hf_specs(key, m)]
     config_dtype = out_dtype or dtypes["embedding.word_embeddings.weight"]
     with atomic_output_dir(dst, force=force) as tmp:
-        write_hf_metadata(tmp, m, config_dtype, tokenizer or cfg.task.tokenizer or None)
+        if source is not None:
+            write_from_source(tmp, source, m, config_dtype)
+        else:
+            write_own(tmp, m, config_dtype, str(tokenizer) if tokenizer else cfg.task.tokenizer)
         with ShardedSafetensorsWriter(tmp, plan, max_shard_bytes) as writer:
             bar = None
             if progress:
@@ -157,6 +149,14 @@ def megatron_to_hf(
             if bar is not None:
                 bar.close()
     return Path(dst)
+
+
+def _hf_source(cfg: Config, tokenizer: str | os.PathLike | None) -> Path | None:
+    """Where config.json and the tokenizer files come from (None: written from our own)."""
+    if tokenizer:
+        p = Path(tokenizer)
+        return p if p.is_dir() and (p / "config.json").is_file() else None
+    return find_hf_source(cfg)
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored: dict[str, str],

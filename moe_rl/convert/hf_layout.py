@@ -10,6 +10,7 @@ tests/test_convert.py and tests/test_convert_glm4.py against transformers and vL
   decoder.layers.{i}.                          model.layers.{i}.
   self_attention.linear_qkv.layer_norm_weight  input_layernorm.weight
   self_attention.linear_qkv.weight             self_attn.{q,k,v}_proj.weight   (de-interleaved)
+  self_attention.linear_qkv.bias               self_attn.{q,k,v}_proj.bias     (de-interleaved alike)
   self_attention.{q,k}_layernorm.weight        self_attn.{q,k}_norm.weight
   self_attention.linear_proj.weight            self_attn.o_proj.weight
   mlp.linear_fc1.layer_norm_weight             post_attention_layernorm.weight
@@ -38,7 +39,6 @@ tensor); on import the two HF tensors must then be equal.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -85,10 +85,11 @@ def _none(w: torch.Tensor) -> None:
 
 
 def qkv_views(w: torch.Tensor, m: ModelConfig) -> list[torch.Tensor]:
-    """[q, k, v] strided views of an interleaved linear_qkv weight [G*(Q/G+2)*D, H]."""
+    """[q, k, v] strided views of an interleaved linear_qkv weight [G*(Q/G+2)*D, H] or its
+    bias [G*(Q/G+2)*D] (megatron lays both out per query group: the group's q heads, k, v)."""
     G = m.num_query_groups
     qpg = m.num_attention_heads // G
-    w4 = w.view(G, qpg + 2, m.kv_channels, w.shape[-1])  # per group: q heads, k, v
+    w4 = w.view(G, qpg + 2, m.kv_channels, *w.shape[1:])  # per group: q heads, k, v
     return [w4[:, :qpg], w4[:, qpg], w4[:, qpg + 1]]
 
 
@@ -160,6 +161,11 @@ class HFLayout:
                              notes: list[str] | None = None) -> ModelConfig:
         raise NotImplementedError
 
+    def ignored_hf_tensor(self, name: str, cfg: dict[str, Any]) -> bool:
+        """True for a tensor of the directory that the model the learner builds leaves out
+        on purpose (e.g. Glm4-MoE's multi-token-prediction layers): import skips it."""
+        return False
+
     # ------------------------------------------------------------------ the map
 
     def layer_parts(self, i: int, rest: str, m: ModelConfig) -> list[Part] | None:
@@ -173,6 +179,12 @@ class HFLayout:
             return [
                 (TensorSpec(f"{p}self_attn.{n}_proj.weight", s), lambda w, j=j: qkv_views(w, m)[j])
                 for j, (n, s) in enumerate(zip("qkv", shapes))
+            ]
+        if rest == "self_attention.linear_qkv.bias":
+            Q, G = m.num_attention_heads * D, m.num_query_groups * D
+            return [
+                (TensorSpec(f"{p}self_attn.{n}_proj.bias", (s,)), lambda b, j=j: qkv_views(b, m)[j])
+                for j, (n, s) in enumerate(zip("qkv", (Q, G, G)))
             ]
         if rest == "mlp.linear_fc1.weight":
             return gate_up_parts(p + "mlp.", m.ffn_hidden_size, H)
@@ -280,7 +292,7 @@ def common_hf_config(m: ModelConfig, dtype: torch.dtype, *, bos_token_id: int | 
         "moe_intermediate_size": m.moe_ffn_hidden_size,
         "num_experts_per_tok": m.moe_router_topk,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": m.add_qkv_bias,
         "attention_dropout": 0.0,
         "max_position_embeddings": m.max_position_embeddings,
         "rope_theta": float(m.rotary_base),
@@ -332,23 +344,10 @@ def require_fields(cfg: dict[str, Any], wanted: dict[str, tuple[Any, Any]],
             refuse(f"config.json {field}={got!r}: only {want!r} is supported", notes)
 
 
-def qkv_bias_fields(cfg: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
-    """ModelConfig fields for config.json `attention_bias` (biases on q/k/v, GLM-4.5's).
-
-    The converter has no bias tensors, so converting refuses `true`. Planning (`notes` given)
-    counts them when ModelConfig has `add_qkv_bias` (the learner builds them then), and
-    otherwise says that the plan leaves them out."""
-    bias = bool(cfg.get("attention_bias", False))
-    has_field = "add_qkv_bias" in {f.name for f in dataclasses.fields(ModelConfig)}
-    if not bias:
-        return {"add_qkv_bias": False} if has_field else {}
-    if notes is None:
-        raise NotImplementedError("config.json attention_bias=True: only False is supported")
-    if has_field:
-        return {"add_qkv_bias": True}
-    notes.append("config.json attention_bias=true: ModelConfig has no add_qkv_bias field yet, so the "
-                 "plan leaves out the q/k/v biases ((heads + 2 * kv_heads) * head_dim per layer)")
-    return {}
+def qkv_bias_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields for config.json `attention_bias`: biases on q, k and v (GLM-4.5's;
+    megatron's add_qkv_bias builds exactly those, o_proj stays without)."""
+    return {"add_qkv_bias": bool(cfg.get("attention_bias", False))}
 
 
 def rope_parameters(cfg: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
@@ -357,7 +356,9 @@ def rope_parameters(cfg: dict[str, Any], notes: list[str] | None = None) -> dict
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        refuse(f"config.json rope_type={rope_type!r}: only plain RoPE is supported", notes)
+        field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+        refuse(f"config.json {field} has rope_type={rope_type!r}: the learner's RoPE is unscaled; "
+               f"remove {field} (and keep sequences within max_position_embeddings)", notes)
     return rope
 
 
@@ -385,5 +386,5 @@ def common_model_fields(cfg: dict[str, Any], notes: list[str] | None = None) -> 
         norm_epsilon=float(get_field(cfg, "rms_norm_eps")),
         untie_embeddings_and_output_weights=not bool(cfg.get("tie_word_embeddings", False)),
         params_dtype=PARAMS_DTYPES[dtype],
-        **qkv_bias_fields(cfg, notes),
+        **qkv_bias_fields(cfg),
     )

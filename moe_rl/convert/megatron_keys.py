@@ -8,6 +8,7 @@ is later written in. Per layer i (global numbering; layers < num_dense_layers ar
   decoder.layers.{i}.                          shape
   self_attention.linear_qkv.layer_norm_weight  [H]
   self_attention.linear_qkv.weight             [G*(Q/G+2)*D, H]   rows per group: q heads, k, v
+  self_attention.linear_qkv.bias               [G*(Q/G+2)*D]      same order (add_qkv_bias)
   self_attention.{q,k}_layernorm.weight        [D]                (qk_layernorm)
   self_attention.linear_proj.weight            [H, Q*D]
   mlp.linear_fc1.layer_norm_weight             [H]
@@ -83,6 +84,8 @@ def _megatron_specs(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"decoder.layers.{i}."
         out[p + "self_attention.linear_qkv.layer_norm_weight"] = (H,)
         out[p + "self_attention.linear_qkv.weight"] = ((Q + 2 * G) * D, H)
+        if m.add_qkv_bias:
+            out[p + "self_attention.linear_qkv.bias"] = ((Q + 2 * G) * D,)
         if m.qk_layernorm:
             out[p + "self_attention.q_layernorm.weight"] = (D,)
             out[p + "self_attention.k_layernorm.weight"] = (D,)

@@ -2,13 +2,19 @@
 
 The tensor map is the one every layout shares (`hf_layout`): GQA attention with QK-norm,
 dense SwiGLU MLPs in the first `num_dense_layers` layers (`mlp_only_layers`), routed SwiGLU
-experts behind a softmax router with renormalised top-k (`norm_topk_prob=true`: megatron's
-softmax over the k selected logits is the same thing).
+experts behind a softmax router: `norm_topk_prob=true` renormalises the top-k
+probabilities, which is megatron's softmax over the k selected logits
+(`moe_router_pre_softmax=false`); `norm_topk_prob=false` keeps the top-k of the softmax over
+all experts, which is megatron's `moe_router_pre_softmax=true`.
 
 Not representable in Qwen3-MoE, refused by `check_supported` (never silently dropped):
 shared experts (transformers' Qwen3MoeForCausalLM has none), the sigmoid router / expert
 bias (Qwen3 routes by softmax) -- both go to the Glm4-MoE layout instead (`layouts.py`) --
-and disabled QK-norm with a softmax router (Qwen3 always normalises q and k).
+disabled QK-norm with a softmax router (Qwen3 always normalises q and k), q/k/v biases
+(transformers' Qwen3-MoE gives o_proj a bias too when `attention_bias` is set, vLLM's does
+not, and the learner has none), partial rotary and a top-k scaling factor (Qwen3-MoE has
+neither). From config.json: `decoder_sparse_step` other than 1 and `mlp_only_layers` other
+than leading layers (the learner's dense layers are the first `num_dense_layers`).
 
 The module-level functions are this layout's; `moe_rl.convert` exports the dispatching ones.
 """
@@ -28,6 +34,7 @@ from moe_rl.convert.hf_layout import (
     common_model_fields,
     generation_config,
     get_field,
+    refuse,
     require_fields,
 )
 from moe_rl.convert.megatron_keys import (
@@ -89,6 +96,14 @@ class Qwen3MoeLayout(HFLayout):
                 "(an all-ones norm weight is not the identity), and Glm4-MoE, which can leave it "
                 "out, routes by sigmoid (model.moe_router_score_function=softmax here); not representable"
             )
+        unsupported = {"add_qkv_bias": (m.add_qkv_bias, False), "rotary_percent": (m.rotary_percent, 1.0),
+                       "moe_router_topk_scaling_factor": (m.moe_router_topk_scaling_factor, 1.0)}
+        for field, (got, want) in unsupported.items():
+            if got != want:
+                raise NotImplementedError(
+                    f"model.{field}={got} with a softmax router: Qwen3-MoE has no such setting and "
+                    f"Glm4-MoE routes by sigmoid; use model.{field}={want} or the sigmoid router"
+                )
 
     def hf_config(self, m: ModelConfig, dtype: torch.dtype, *, bos_token_id: int | None,
                   eos_token_id: int | None, pad_token_id: int | None) -> dict[str, Any]:
@@ -100,7 +115,7 @@ class Qwen3MoeLayout(HFLayout):
             **common_hf_config(m, dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                                pad_token_id=pad_token_id),
             "num_experts": m.num_experts,
-            "norm_topk_prob": True,  # megatron's softmax over the top-k logits == renormalised top-k
+            "norm_topk_prob": not m.moe_router_pre_softmax,  # module docstring
             "decoder_sparse_step": 1,
             "mlp_only_layers": list(range(m.num_dense_layers)),
             "use_sliding_window": False,
@@ -113,20 +128,16 @@ class Qwen3MoeLayout(HFLayout):
         (training settings: aux-loss coefficient, dispatcher, init) come from `base`.
 
         With `notes` (the planner's mode), settings the learner cannot honour but that
-        change no parameter's shape (sliding window, activation, top-k normalisation, RoPE
-        scaling, fp16) are recorded there instead of refused; shape-changing ones still raise."""
+        change no parameter's shape (sliding window, activation, top-1 renormalisation, RoPE
+        scaling, fp16) are recorded there instead of refused; the others still raise."""
         if cfg.get("model_type") != self.model_type:
             raise ConvertError(f"config.json has model_type={cfg.get('model_type')!r}, not {self.model_type!r}")
-        require_fields(cfg, {"decoder_sparse_step": (1, 1)})
-        require_fields(cfg, {
-            "use_sliding_window": (False, False),
-            "hidden_act": ("silu", "silu"),
-            "norm_topk_prob": (False, True),
-        }, notes)
+        _refuse_unsupported(cfg, notes)
         dense = sorted(int(x) for x in cfg.get("mlp_only_layers") or [])
         if dense != list(range(len(dense))):
             raise NotImplementedError(
-                f"config.json mlp_only_layers={dense}: only leading dense layers [0, 1, ..., k-1] are supported"
+                f"config.json mlp_only_layers={dense}: only leading dense layers [0, 1, ..., k-1] are "
+                "supported (the learner's dense layers are the first model.num_dense_layers)"
             )
         fields = dict(
             common_model_fields(cfg, notes),
@@ -136,8 +147,37 @@ class Qwen3MoeLayout(HFLayout):
             moe_router_score_function="softmax",
             moe_router_enable_expert_bias=False,
             qk_layernorm=True,
+            # transformers' Qwen3MoeConfig defaults norm_topk_prob to false
+            moe_router_pre_softmax=not bool(cfg.get("norm_topk_prob", False)),
         )
         return dataclasses.replace(base or ModelConfig(), **fields)
+
+
+def _refuse_unsupported(cfg: dict[str, Any], notes: list[str] | None) -> None:
+    """Qwen3-MoE config.json settings the learner cannot build: refused, naming the field
+    (with `notes`, the shape-neutral ones are recorded there instead)."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    if step != 1:
+        raise NotImplementedError(
+            f"config.json decoder_sparse_step={step}: only 1 is supported (every layer outside "
+            "mlp_only_layers an MoE layer); the learner cannot interleave dense and MoE layers"
+        )
+    if cfg.get("attention_bias"):
+        raise NotImplementedError(
+            "config.json attention_bias=true: transformers' Qwen3-MoE then adds an o_proj bias too, "
+            "which vLLM and the learner do not have; only attention_bias=false is supported"
+        )
+    rope = cfg.get("rope_parameters") or {}
+    rotary = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if rotary not in (None, 1, 1.0):
+        raise NotImplementedError(
+            f"config.json partial_rotary_factor={rotary}: Qwen3-MoE rotates whole heads; remove the field"
+        )
+    if int(get_field(cfg, "num_experts_per_tok")) == 1 and cfg.get("norm_topk_prob"):
+        refuse("config.json norm_topk_prob=true with num_experts_per_tok=1: the chosen expert's weight "
+               "would be 1, but megatron's top-1 softmax router needs pre-softmax (weight = its "
+               "probability); only norm_topk_prob=false is supported at top-1", notes)
+    require_fields(cfg, {"use_sliding_window": (False, False), "hidden_act": ("silu", "silu")}, notes)
 
 
 QWEN3_MOE = Qwen3MoeLayout()

@@ -340,6 +340,8 @@ def apply() -> bool:
     global _APPLIED
     _import_megatron_modules()
     _define_missing_te_general_gemm()
+    # Not a CPU matter: the local spec's torch norms under sequence parallel, on any device.
+    _allow_torch_norm_with_sequence_parallel()
     if torch.cuda.is_available():
         return False
     if _APPLIED:
@@ -347,7 +349,6 @@ def apply() -> bool:
     n = _redirect_torch_in_megatron_modules()
     _patch_rng_tracker()
     _patch_alltoall_split_sizes()
-    _allow_torch_norm_with_sequence_parallel()
     _clip_grads_without_cuda_type_check()
     _tied_embedding_sync_without_cuda()
     _APPLIED = True

@@ -41,7 +41,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config, ConfigError
 from moe_rl.learner.logprobs import response_logprobs
-from moe_rl.learner.microbatch import BatchTotals, ForwardHooks, LossFn, MicroBatch, ScoreResult
+from moe_rl.learner.microbatch import (
+    BatchTotals,
+    ForwardHooks,
+    LossFn,
+    MicroBatch,
+    ScoreResult,
+    padded_seq_len,
+)
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
 from moe_rl.learner.parallel import Layout, all_reduce_, comm_device
 from moe_rl.learner.routing import RouterTaps, RoutingPlan, sampler_disagreement
@@ -87,7 +94,7 @@ class Learner:
 
     def _build_optimizer(self, total_updates: int) -> None:
         o = self.cfg.optimizer
-        bf16 = self.cfg.model.params_dtype == "bf16"
+        bf16 = self.cfg.model.dtype_on(torch.cuda.is_available()) == "bf16"
         if bf16 and not torch.cuda.is_available():
             raise ConfigError(
                 "model.params_dtype=bf16 training needs CUDA: megatron-core's mixed-precision "
@@ -160,8 +167,7 @@ class Learner:
         mine = torch.nonzero(row_ids % dp == self.layout.dp_rank).flatten()  # batch positions
         pos = torch.full((n_micro * mbs_eff,), -1, dtype=torch.long)
         pos[: mine.numel()] = mine
-        # S must split evenly over TP ranks under sequence parallel.
-        S = math.ceil(batch.seq_len / self.layout.tp) * self.layout.tp
+        S = padded_seq_len(batch.seq_len, self.layout.tp, fp8=self.cfg.model.fp8 != "none")
         valid = pos >= 0
         safe = pos.clamp(min=0)
         tokens = batch.tokens_BS.new_zeros((pos.numel(), S))
@@ -225,7 +231,7 @@ class Learner:
         # callback's contributions already carry the global normalisers.
         scale = self._num_microbatches * self.layout.dp
         reduced = {"loss": out.loss.detach(), "metrics": {k: v.detach() for k, v in out.metrics.items()},
-                   "weight": torch.as_tensor(out.weight, dtype=torch.float64),
+                   "weight": torch.as_tensor(out.weight, dtype=torch.float64, device=out.loss.device),
                    "logp_BT": logp_BT.detach(), "batch_pos_B": mb.batch_pos_B}  # (train_step_scored)
         return out.loss * scale, reduced
 

@@ -11,6 +11,19 @@ import torch
 from moe_rl.batch import TokenBatch
 from moe_rl.routing.record import RoutingRecord
 
+FP8_TOKEN_MULTIPLE = 16
+"""Transformer Engine's fp8 GEMMs want the token dimension divisible by 16 (8 for some
+shapes; 16 covers both)."""
+
+
+def padded_seq_len(seq_len: int, tp: int, fp8: bool) -> int:
+    """The sequence length a micro-batch is padded to: a multiple of the TP size (sequence
+    parallel splits S evenly over TP ranks) and, under fp8, of 16 * TP, so that every TP
+    rank's token count is a multiple of 16 for any micro-batch size. Padding is masked out
+    of the loss; it costs compute only."""
+    multiple = tp * (FP8_TOKEN_MULTIPLE if fp8 else 1)
+    return -(-max(seq_len, 1) // multiple) * multiple
+
 
 @dataclass(frozen=True)
 class BatchTotals:

@@ -5,7 +5,9 @@ pre-RMSNorm decoder layers; GQA attention with per-head RMSNorm on queries and k
 RoPE; MoE MLP of SwiGLU experts behind a softmax top-k router whose top-k weights are
 renormalised (megatron's `moe_router_pre_softmax=False`: softmax over the k selected
 logits, identical to Qwen3's `norm_topk_prob=True`); optional shared expert and
-DeepSeek-V3-style sigmoid router with expert bias; untied output layer by default.
+DeepSeek-V3-style sigmoid router with expert bias; untied output layer by default. GLM-4.5's
+extras (Hugging Face `Glm4MoeForCausalLM`): q/k/v biases (`add_qkv_bias`), RoPE on part of
+each head (`rotary_percent`) and scaled routed weights (`moe_router_topk_scaling_factor`).
 
 Layer spec: the Transformer Engine spec on CUDA when TE imports (needed for fp8), the
 local megatron-core spec otherwise; `model.layer_spec` overrides.
@@ -32,30 +34,63 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def transformer_engine_available() -> bool:
+    """CUDA and Transformer Engine's torch extension. `import transformer_engine` alone
+    succeeds without the compiled `transformer_engine_torch` (it is a separate, source-only
+    package), so the check imports `transformer_engine.pytorch`."""
     if not torch.cuda.is_available():
         return False
     try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
         return False
     return True
 
 
+def _check_fp8(model: ModelConfig, spec: str) -> None:
+    """fp8 needs the TE spec on a GPU that has the recipe's kernels."""
+    if model.fp8 == "none":
+        return
+    if spec != "te":
+        why = ("Transformer Engine's torch extension does not import here (transformer_engine.pytorch)"
+               if torch.cuda.is_available() else "there is no GPU here")
+        raise ConfigError(f"model.fp8={model.fp8} needs the Transformer Engine layer spec, and {why}; "
+                          "set model.fp8=none, or install TE (make install on a CUDA machine)")
+    if model.fp8_recipe == "mxfp8" and torch.cuda.get_device_capability() < (10, 0):
+        raise ConfigError(f"model.fp8_recipe=mxfp8 needs a Blackwell GPU; this is {torch.cuda.get_device_name()} "
+                          "(use blockwise, the Hopper default, or tensorwise/delayed)")
+
+
 def resolve_layer_spec(model: ModelConfig) -> str:
-    """'te' or 'local' for this machine; an explicit 'te' without TE/CUDA is an error."""
+    """'te' or 'local' for this machine; an explicit 'te' without TE/CUDA is an error, and so
+    is fp8 without the TE spec (checked here, before megatron fails deep in a layer)."""
     if model.layer_spec == "auto":
-        return "te" if transformer_engine_available() else "local"
-    if model.layer_spec == "te" and not transformer_engine_available():
-        raise ConfigError("model.layer_spec=te needs CUDA and transformer_engine; use auto or local")
-    if model.fp8 != "none" and model.layer_spec == "local":
-        raise ConfigError("model.fp8 needs the Transformer Engine spec (model.layer_spec=te or auto)")
-    return model.layer_spec
+        spec = "te" if transformer_engine_available() else "local"
+    elif model.layer_spec == "te" and not transformer_engine_available():
+        raise ConfigError("model.layer_spec=te needs CUDA and Transformer Engine's torch extension "
+                          "(transformer_engine.pytorch); use auto or local")
+    else:
+        spec = model.layer_spec
+    _check_fp8(model, spec)
+    return spec
+
+
+def fp8_settings(model: ModelConfig) -> dict:
+    """TransformerConfig's fp8 fields: format, recipe, and the delayed-scaling knobs. The
+    scoring pass and the update pass run under this one config, so both quantize with the
+    same recipe."""
+    if model.fp8 == "none":
+        return {"fp8": None}
+    out = {"fp8": model.fp8, "fp8_recipe": model.fp8_recipe}
+    if model.fp8_recipe == "delayed":
+        out.update(fp8_amax_history_len=model.fp8_amax_history_len,
+                   fp8_amax_compute_algo=model.fp8_amax_compute_algo)
+    return out
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """megatron-core's TransformerConfig for our architecture and layout."""
     on_cpu = not torch.cuda.is_available()
-    dtype = DTYPES[model.params_dtype]
+    dtype = DTYPES[model.dtype_on(torch.cuda.is_available())]
     spec = resolve_layer_spec(model)
     moe_layer_freq = [0] * model.num_dense_layers + [1] * (model.num_layers - model.num_dense_layers)
     return TransformerConfig(
@@ -72,8 +107,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        # GLM-4.5's attention_bias; read with getattr until ModelConfig has the field
-        add_qkv_bias=model.add_qkv_bias,
+        add_qkv_bias=model.add_qkv_bias,  # GLM-4.5's attention_bias
         hidden_dropout=0.0,  # RL fine-tuning: dropout would make old/new logprobs disagree
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
@@ -84,7 +118,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
         moe_router_score_function=model.moe_router_score_function,
-        moe_router_pre_softmax=False,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        # megatron skips a falsy factor; 1.0 would multiply by one, exactly
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=model.moe_router_bias_update_rate,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
@@ -105,8 +141,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         # precision
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=model.params_dtype == "bf16",
-        fp8="e4m3" if model.fp8 == "e4m3" else ("hybrid" if model.fp8 == "hybrid" else None),
+        bf16=dtype == torch.bfloat16,
+        **fp8_settings(model),
         # CPU: build weights on the host, no CUDA-only fusions
         use_cpu_initialization=on_cpu,
         bias_activation_fusion=not on_cpu,
@@ -127,6 +163,7 @@ def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         position_embedding_type="rope",
+        rotary_percent=model.rotary_percent,  # RoPE on the first part of each head only
         rotary_base=int(model.rotary_base) if float(model.rotary_base).is_integer() else model.rotary_base,
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         pre_process=ps.is_pipeline_first_stage(),  # embedding only on the first stage

@@ -25,6 +25,7 @@ exactly what the learner computes, so any difference is numerics, not sampling r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
@@ -83,7 +84,10 @@ class MeasureConfig:
     seed: int = 0
     """Seeds the task's prompts and every sampler (same seed: comparable rollouts)."""
     tokenizer: str = ""
-    """SentencePiece model; empty: the HF directory's tokenizer.model, the recipe's, or the shipped one."""
+    """A tokenizer directory / tokenizer.json / SentencePiece .model; empty: the checkpoint's
+    own (a Hugging Face directory's files, a learner checkpoint's recorded one)."""
+    chat_template: str = "auto"
+    """auto: the tokenizer's chat template when it has one; none; or a .jinja file."""
     progress: bool = True
     """tqdm progress bar on stderr."""
 
@@ -141,14 +145,6 @@ def check_out_dir(out_dir: str | os.PathLike, ckpt_path: Path) -> Path:
     return out
 
 
-def _tokenizer_path(mc: MeasureConfig, ckpt: Checkpoint) -> str:
-    if mc.tokenizer:
-        return mc.tokenizer
-    if ckpt.kind == "hf" and (ckpt.path / "tokenizer.model").is_file():
-        return str(ckpt.path / "tokenizer.model")
-    return ckpt.cfg.task.tokenizer
-
-
 def prepare(mc: MeasureConfig, out_dir: str | os.PathLike | None = None) -> Prepared:
     """Check every input; raises MeasureError naming the file, line or flag. No side effects."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -164,15 +160,15 @@ def prepare(mc: MeasureConfig, out_dir: str | os.PathLike | None = None) -> Prep
     for layout in dict.fromkeys(s.layout for s in mc.settings):
         check_layout(ckpt.cfg, layout)
 
-    from moe_rl.tasks.tokenizer import load_tokenizer
+    from moe_rl.tokenization import PromptEncoder, check_fits_model, load_tokenizer
 
     try:
-        tok = load_tokenizer(_tokenizer_path(mc, ckpt))
+        tok = load_tokenizer(mc.tokenizer or ckpt.cfg.task.tokenizer, ckpt.path)
+        check_fits_model(tok, ckpt.cfg.model.vocab_size, where="the model's vocab_size")
+        encoder = PromptEncoder.from_config(dataclasses.replace(ckpt.cfg.task, chat_template=mc.chat_template,
+                                                                system_prompt=""), tok)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
-        raise MeasureError(f"tokenizer: {e}") from e
-    if tok.vocab_size > ckpt.cfg.model.vocab_size:
-        raise MeasureError(f"the tokenizer has {tok.vocab_size} pieces but the model's vocabulary is "
-                           f"{ckpt.cfg.model.vocab_size}")
+        raise MeasureError(f"tokenizer: {' '.join(str(e).split())}") from e
 
     if mc.prompts_file:
         prompts = read_prompt_file(mc.prompts_file)[: mc.num_prompts]
@@ -181,7 +177,7 @@ def prepare(mc: MeasureConfig, out_dir: str | os.PathLike | None = None) -> Prep
         name = mc.task or ckpt.cfg.task.name
         prompts = task_prompts(ckpt.cfg, name, mc.num_prompts, mc.seed)
         source = f"task {name} ({len(prompts)} prompts, seed {mc.seed})"
-    ids = encode_prompts(prompts, tok, max_new_tokens, ckpt.cfg.model.max_position_embeddings)
+    ids = encode_prompts(prompts, encoder, max_new_tokens, ckpt.cfg.model.max_position_embeddings)
     return Prepared(ckpt, tok, prompts, ids, tuple(mc.settings), max_new_tokens, temperature, source)
 
 
@@ -228,10 +224,11 @@ def sample_all(prep: Prepared, hf_dir: Path, samples_per_prompt: int, seed: int,
         if backend == "vllm":
             opts = {"kv_cache_gib": cfg.sampler.vllm_kv_cache_gib,
                     "gpu_memory_utilization": cfg.sampler.gpu_memory_utilization,
+                    "return_routed_experts": torch.cuda.is_available(),  # the routing comparison
                     "use_tqdm_on_load": False}  # one progress bar: ours
         elif torch.cuda.is_available():
             opts = {"device": "cuda"}
-        sampler = make_sampler(backend, hf_dir, precision=precision, seed=seed, eos_token_id=prep.tok.eos_id, **opts)
+        sampler = make_sampler(backend, hf_dir, precision=precision, seed=seed, eos_token_id=prep.tok.eos_ids, **opts)
         try:
             ro = sampler.generate(prep.prompt_ids, n=samples_per_prompt, max_new_tokens=prep.max_new_tokens,
                                   temperature=prep.temperature, top_p=1.0, seed=seed)
@@ -359,7 +356,7 @@ def measure(mc: MeasureConfig, prep: Prepared | None = None) -> tuple[dict[str, 
             if prep.ckpt.kind == "megatron":
                 from moe_rl.convert import megatron_to_hf
 
-                hf_dir = megatron_to_hf(prep.ckpt.path, work / "hf", tokenizer=_tokenizer_path(mc, prep.ckpt) or None)
+                hf_dir = megatron_to_hf(prep.ckpt.path, work / "hf", tokenizer=mc.tokenizer or None)
             packed = sample_all(prep, hf_dir, mc.samples_per_prompt, mc.seed, stages)
             scored = score_all(prep, packed, work, stages)
     finally:

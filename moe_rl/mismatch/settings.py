@@ -6,7 +6,7 @@ learner (precision, parallel layout). Pure parsing, no engines.
 
 Grammar: `BACKEND:PRECISION[/learner:PRECISION][@LAYOUT]`.
   BACKEND    vllm | transformers
-  PRECISION  sampler: fp32 | bf16 | fp8_emulated;  learner: fp32 | bf16
+  PRECISION  sampler: fp32 | bf16 | fp8_emulated | fp8 (vLLM's fp8 kernels, GPU);  learner: fp32 | bf16
   LAYOUT     "1" (one process) or size tokens joined by "-": tp2, pp2, ep2, etp2
              (e.g. "tp2-ep2"); the learner then runs under torchrun with the fewest
              processes that hold the layout.
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from moe_rl.config import ParallelConfig
 
 SAMPLER_BACKENDS = ("vllm", "transformers")
-SAMPLER_PRECISIONS = ("fp32", "bf16", "fp8_emulated")
+SAMPLER_PRECISIONS = ("fp32", "bf16", "fp8_emulated", "fp8")
 LEARNER_PRECISIONS = ("fp32", "bf16")
-SWEEP_PRECISIONS = SAMPLER_PRECISIONS  # what --sweep puts against the learner
+SWEEP_PRECISIONS = ("fp32", "bf16", "fp8_emulated")  # what --sweep puts against the learner (any machine)
 
 _LAYOUT_TOKEN = re.compile(r"^(tp|pp|ep|etp)([1-9][0-9]*)$")
 
@@ -102,6 +102,9 @@ class Setting:
         ):
             if value not in allowed:
                 raise MeasureError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+        if self.sampler_precision == "fp8" and self.backend != "vllm":
+            raise MeasureError("sampler precision fp8 is vLLM's fp8 execution (GPU); the transformers "
+                               "sampler has fp8_emulated")
 
     @property
     def sampler(self) -> tuple[str, str]:

@@ -4,11 +4,10 @@ starts (no megatron, no vLLM here).
     ckpt = resolve_checkpoint("moe_rl/assets/tiny_base")    # megatron dir or HF dir
     prompts = read_prompt_file("prompts.jsonl")              # strict: first bad line raises
 
-Prompt files use the `math_jsonl` line format (one JSON object per line with a non-empty
-string `prompt`; `answer` and other keys are allowed and ignored) but are read in STRICT
-mode: the math task skips a malformed line with a warning, this reader raises a
-`MeasureError` naming the file and its 1-based line. A measurement quietly taken on fewer
-prompts than the user listed is worse than none. Blank lines are skipped; a file with no
+Prompt files use the dataset task's JSONL line format (one JSON object per line with a
+non-empty string `prompt`; `answer` and other keys are allowed and ignored); a malformed
+line raises a `MeasureError` naming the file and its 1-based line. A measurement quietly
+taken on fewer prompts than the user listed is worse than none. Blank lines are skipped; a file with no
 prompt at all is an error.
 """
 
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from moe_rl.config import Config, ConfigError, load_config, validate
+from moe_rl.config import Config, ConfigError, RunConfig, load_config, validate
 from moe_rl.mismatch.settings import LearnerLayout, MeasureError
 
 SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "tiny_base"
@@ -54,7 +53,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 model = hf.model_config()
         except (ConvertError, NotImplementedError, ValueError) as e:
             raise MeasureError(f"checkpoint {p}: {e}") from e
-        cfg = Config(model=model)
+        cfg = Config(model=model, run=RunConfig(init_checkpoint=str(p.resolve())))
         return Checkpoint(p.resolve(), "hf", cfg)
     missing = [n for n in _MEGATRON_FILES if not (p / n).is_file()]
     if missing:
@@ -149,12 +148,15 @@ def task_prompts(cfg: Config, task_name: str, n: int, seed: int) -> list[Prompt]
     return [Prompt(pr.prompt, f"task {task_name} #{i}") for i, pr in enumerate(task.sample(n, seed))]
 
 
-def encode_prompts(prompts: list[Prompt], tok, max_new_tokens: int, max_positions: int) -> list[list[int]]:
-    """Token ids per prompt; a prompt that encodes to nothing, or leaves no room for
+def encode_prompts(prompts: list[Prompt], encoder, max_new_tokens: int, max_positions: int) -> list[list[int]]:
+    """Token ids per prompt (`encoder`: a `moe_rl.tokenization.PromptEncoder`: the chat
+    template when one applies); a prompt that encodes to nothing, or leaves no room for
     `max_new_tokens` within the model's positions, is an error naming its origin."""
+    from moe_rl.tasks.base import Problem
+
     out = []
     for pr in prompts:
-        ids = tok.encode(pr.text)
+        ids = encoder.encode(Problem(pr.text, ""))
         if not ids:
             raise MeasureError(f"{pr.origin}: the prompt encodes to no tokens")
         if len(ids) + max_new_tokens > max_positions:

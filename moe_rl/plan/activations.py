@@ -41,14 +41,14 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def attention_bytes_per_token(m: ModelConfig) -> int:
-    e = DTYPE_BYTES[m.params_dtype]
+    e = DTYPE_BYTES[m.dtype_on(True)]
     a, g, d, h = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.hidden_size
     qk_norm = (a + g) * d if m.qk_layernorm else 0
     return e * (2 * h + (a + 2 * g) * d + qk_norm + a * d) + 4 * a
 
 
 def mlp_bytes_per_token(m: ModelConfig, moe: bool) -> int:
-    e = DTYPE_BYTES[m.params_dtype]
+    e = DTYPE_BYTES[m.dtype_on(True)]
     h = m.hidden_size
     if not moe:
         return e * (2 * h + 3 * m.ffn_hidden_size)
@@ -70,14 +70,14 @@ def stage_activation_bytes(m: ModelConfig, *, tokens: int, tp: int, pp: int, sta
     per_moe, per_dense = layer_bytes(m, tokens, tp, True), layer_bytes(m, tokens, tp, False)
     if not recompute:
         return in_flight * (moe_layers * per_moe + dense * per_dense)
-    e = DTYPE_BYTES[m.params_dtype]
+    e = DTYPE_BYTES[m.dtype_on(True)]
     inputs = in_flight * layers * tokens * e * m.hidden_size // tp
     return inputs + max(per_moe if moe_layers else 0, per_dense if dense else 0)
 
 
 def logits_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, response_tokens: int, tp: int) -> int:
     """Peak of the logits and the log-prob computation on the last stage (one micro-batch)."""
-    e = DTYPE_BYTES[m.params_dtype]
+    e = DTYPE_BYTES[m.dtype_on(True)]
     per_position = micro_batch * m.vocab_size // tp
     gathered = e + (4 if e != 4 else 0) + 4 + 4  # gather, fp32 copy, transpose, saved softmax
     return per_position * (e * seq_len + gathered * response_tokens)

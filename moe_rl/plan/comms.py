@@ -85,7 +85,7 @@ def _passes(cfg: Config, layout: Layout, work: Workload, sw: Switches) -> _Passe
 
 def _tp_bytes(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, p: _Passes) -> float:
     m, t = cfg.model, layout.tp
-    e = DTYPE_BYTES[m.params_dtype]
+    e = DTYPE_BYTES[m.dtype_on(True)]
     x = work.micro_batch_tokens * m.hidden_size * e
     dense = rank.num_layers - rank.num_moe_layers
     blocks = rank.num_layers + dense + (rank.num_moe_layers if m.moe_shared_expert_intermediate_size else 0)
@@ -98,7 +98,7 @@ def _tp_bytes(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, p: _P
 
 def _ep_bytes(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, p: _Passes) -> float:
     m, ep = cfg.model, layout.ep
-    e = DTYPE_BYTES[m.params_dtype]
+    e = DTYPE_BYTES[m.dtype_on(True)]
     tokens = work.micro_batch_tokens / layout.tp
     if m.moe_token_dispatcher_type == "allgather":
         per = 2 * tokens * m.hidden_size * e * (ep - 1)
@@ -132,7 +132,7 @@ def traffic(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, sw: Swi
     out.append(Traffic("tp", int(tp), *_ring_seconds(tp, g.tp, hw)))
     ep = _ep_bytes(cfg, rank, layout, work, p)
     out.append(Traffic("ep", int(ep), *_alltoall_seconds(ep, g.ep, rank.rank, hw)))
-    e = DTYPE_BYTES[cfg.model.params_dtype]
+    e = DTYPE_BYTES[cfg.model.dtype_on(True)]
     boundary = work.micro_batch_tokens / layout.tp * cfg.model.hidden_size * e
     sends = (p.forwards if rank.pp_rank < layout.pp - 1 else 0) + (p.backwards if rank.pp_rank > 0 else 0)
     pp = boundary * sends

@@ -73,7 +73,7 @@ def _model_lines(plan: Plan) -> list[str]:
     lines = [
         f"model ({plan.source.source}): {m.num_layers} layers ({m.num_dense_layers} dense), hidden {m.hidden_size}, "
         f"{m.num_attention_heads}/{m.num_query_groups} heads x {m.kv_channels}, {m.num_experts} experts "
-        f"top-{m.moe_router_topk} (ffn {m.moe_ffn_hidden_size}{shared}), vocab {m.vocab_size}, {m.params_dtype}"
+        f"top-{m.moe_router_topk} (ffn {m.moe_ffn_hidden_size}{shared}), vocab {m.vocab_size}, {m.dtype_on(True)}"
         + (f" + fp8 {m.fp8}" if m.fp8 != "none" else ""),
         f"  parameters: {_b(plan.params_total)} total, {_b(plan.params_active)} active per token "
         f"(without embeddings: {_b(plan.params_total - emb)} / {_b(plan.params_active - emb)})",

@@ -26,8 +26,8 @@ from moe_rl.plan.workload import Workload
 
 # bytes per weight element: vLLM serves fp32 / bf16 as is; fp8_emulated rounds bf16 values
 # through e4m3 but keeps them in bf16; real fp8 weights (GPU) take one byte.
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8_emulated": 2, "fp8": 1}
-KV_BYTES = {"fp32": 4, "bf16": 2, "fp8_emulated": 2, "fp8": 2}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8_emulated": 2, "fp8": 1, "auto": 2}  # (auto: bf16 on a GPU)
+KV_BYTES = {"fp32": 4, "bf16": 2, "fp8_emulated": 2, "fp8": 2, "auto": 2}
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,18 @@ whatever the number of engines, and a resumed run replays what an uninterrupted 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from moe_rl.config import Config, ConfigError
+from moe_rl.rollout.evaluate import EvalReport, evaluate_problems
 from moe_rl.rollout.packing import pack_rollout
 from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
@@ -37,8 +40,8 @@ from moe_rl.sampler import Sampler
 from moe_rl.sampler.base import base_seeds
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem
-from moe_rl.tasks.tokenizer import load_tokenizer
 from moe_rl.timing import StepTimer
+from moe_rl.tokenization import PromptEncoder, check_fits_model, load_tokenizer
 
 log = logging.getLogger("moe_rl.rollout")
 
@@ -53,13 +56,15 @@ class RolloutCollector:
                                                               cfg.sampler.engine_ranks if separate else 0)
         self._weights_group = self.placement.weights_group() if separate and self.placement.world > 1 else None
         self.task = make_task(cfg.task)
-        self.tok = load_tokenizer(cfg.task.tokenizer)
-        if self.tok.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tok.vocab_size} pieces; model.vocab_size={cfg.model.vocab_size}")
+        self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)
+        check_fits_model(self.tok, cfg.model.vocab_size)
+        self.prompts = PromptEncoder.from_config(cfg.task, self.tok)
         self.sampler: Sampler | None = None
         self.returns_routed_experts = False
         """Every engine returns its routed experts (known after `start_sampler`)."""
         self.engine_seconds: list[float] = []
+        self._eval: tuple[Any, list[Problem]] | None = None
+        self.last_eval_examples: list[dict[str, Any]] = []
 
     @property
     def pad_id(self) -> int:
@@ -79,13 +84,18 @@ class RolloutCollector:
             hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
         group_env = pl.group_env() if pl.ranks_per_engine > 1 else None
         if pl.hosts_engine:
-            self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_id, pl, group_env)
+            self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_ids, pl, group_env)
         routed = pl.gather(bool(getattr(self.sampler, "returns_routed_experts", False)))
         self.returns_routed_experts = all(routed)
 
     def problems(self, step: int, draw: int) -> list[Problem]:
-        rng = np.random.default_rng([self.cfg.run.seed, step, draw])
-        return self.task.sample(self.cfg.rl.prompts_per_step, rng)
+        """The problems of one draw of (1-based) training step `step`: the first is the task's
+        batch (a dataset walks its epochs), dynamic sampling's further draws are random ones
+        seeded from (run.seed, step, draw)."""
+        n = self.cfg.rl.prompts_per_step
+        if draw == 0:
+            return self.task.batch(step - 1, n, self.cfg.run.seed)
+        return self.task.sample(n, np.random.default_rng([self.cfg.run.seed, step, draw]))
 
     def collect(self, step: int, timer: StepTimer) -> Rollout:
         """Generate and score groups (dynamic sampling: keep drawing until
@@ -120,7 +130,7 @@ class RolloutCollector:
         problems = self.problems(step, draw)
         seeds = base_seeds(cfg.run.seed * 1_000_003 + step * 101 + draw, len(problems), G)
         share = self.placement.share(len(problems))
-        prompt_ids = [self.tok.encode(problems[i].prompt) for i in share]
+        prompt_ids = [self.prompts.encode(problems[i]) for i in share]
         t0 = time.perf_counter()
         mine: list[ScoredGroup] = []
         if self.sampler is not None:  # (a learner-only rank under separate placement has none)
@@ -141,6 +151,31 @@ class RolloutCollector:
             parts = self.placement.gather((mine, sample_seconds))
         self.engine_seconds.append([seconds for _, seconds in parts])
         return concat([groups for groups, _ in parts])
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Greedy accuracy and pass@k on `task.eval_data_path` (`evaluate.py`), every engine
+        taking its block of the held-out problems. Collective: every rank returns the same."""
+        if self._eval is None:
+            task = make_task(dataclasses.replace(self.cfg.task, data_path=self.cfg.task.eval_data_path))
+            problems = list(getattr(task, "problems", None) or [])
+            if not problems:
+                raise ConfigError(f"task.eval_data_path={self.cfg.task.eval_data_path}: the task {task.name!r} "
+                                  "has no fixed problems to evaluate on; use task.name=dataset")
+            self._eval = (task, problems[: self.cfg.run.eval_max_problems or None])
+        task, problems = self._eval
+        self._wake()
+        mine = EvalReport(self.cfg.run.eval_k)
+        share = self.placement.share(len(problems))
+        if self.sampler is not None:
+            s = self.cfg.sampler
+            mine = evaluate_problems(self.sampler, self.prompts, self.tok, task, [problems[i] for i in share],
+                                     k=self.cfg.run.eval_k, temperature=s.temperature, top_p=s.top_p,
+                                     max_new_tokens=s.max_new_tokens, seed=self.cfg.run.seed + 7 * share.start)
+        total = EvalReport(self.cfg.run.eval_k)
+        for part in self.placement.gather(mine):
+            total.add(part)
+        self.last_eval_examples = total.examples
+        return total.metrics()
 
     def _engine_stats(self) -> dict[str, float]:
         per_engine = np.sum(np.array(self.engine_seconds), axis=0)  # over draws

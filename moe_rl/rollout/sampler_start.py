@@ -10,6 +10,7 @@ import torch
 from moe_rl.config import Config, ConfigError
 from moe_rl.rollout.placement import EnginePlacement
 from moe_rl.sampler import Sampler, make_sampler
+from moe_rl.sampler.precision import resolve_precision
 
 
 def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None, convert: bool = True) -> Path:
@@ -24,11 +25,11 @@ def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None, convert
         return source
     hf_dir = run_dir / "sampler_hf"
     if convert:
-        megatron_to_hf(source, hf_dir, force=True, tokenizer=cfg.task.tokenizer or None)
+        megatron_to_hf(source, hf_dir, force=True)
     return hf_dir
 
 
-def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int, placement: EnginePlacement,
+def build_sampler(cfg: Config, hf_dir: Path, eos_token_ids: list[int], placement: EnginePlacement,
                   group_env: dict[str, str] | None = None) -> Sampler:
     """The configured backend on `hf_dir`, as this rank's share of its rollout group."""
     s = cfg.sampler
@@ -47,5 +48,11 @@ def build_sampler(cfg: Config, hf_dir: Path, eos_token_id: int, placement: Engin
                         distributed_executor_backend="external_launcher", group_env=group_env)
         if s.expert_parallel:
             opts["enable_expert_parallel"] = True
-    return make_sampler(s.backend, hf_dir, precision=s.precision, seed=cfg.run.seed,
-                        eos_token_id=eos_token_id, **opts)
+    elif torch.cuda.is_available():  # the transformers sampler on this rank's GPU
+        opts["device"] = f"cuda:{torch.cuda.current_device()}"
+    try:
+        precision = resolve_precision(s.precision, torch.cuda.is_available())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return make_sampler(s.backend, hf_dir, precision=precision, seed=cfg.run.seed,
+                        eos_token_id=eos_token_ids, **opts)

@@ -130,9 +130,8 @@ class Sampler(Protocol):
 def check_generate_args(n: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
-    if temperature <= 0:
-        # Greedy decoding has no sampling distribution to report logprobs of.
-        raise ValueError(f"temperature must be > 0 (got {temperature}); greedy is not supported")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy decoding), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 

@@ -116,6 +116,8 @@ class HFSampler:
         from transformers import AutoModelForCausalLM
 
         check_precision(precision)
+        if precision == "fp8":
+            raise ValueError("precision fp8 is vLLM's fp8 execution; the transformers sampler has fp8_emulated")
         self.model_dir = str(model_dir)
         self.precision = precision
         self.eos_token_ids = resolve_eos(model_dir, eos_token_id)
@@ -259,10 +261,7 @@ class HFSampler:
         done_B = torch.zeros(B, dtype=torch.bool)
         length_B = torch.zeros(B, dtype=torch.long)  # response length once done
         for step in range(max_new_tokens):
-            logits_BV = top_p_filter(out.logits[:, -1].float().cpu() / temperature, top_p)
-            logp_BV = torch.log_softmax(logits_BV, dim=-1)
-            q_BV = torch.stack([torch.empty(logp_BV.shape[1]).exponential_(generator=g) for g in gens])
-            tok_B = (logp_BV.exp() / q_BV).argmax(dim=-1)
+            tok_B, logp_BV = _next_tokens(out.logits[:, -1].float().cpu(), gens, temperature, top_p)
             tokens.append(tok_B)
             logps.append(logp_BV.gather(1, tok_B[:, None])[:, 0])
             stop_B = torch.isin(tok_B, eos) | (step + 1 >= budget_B)
@@ -299,3 +298,15 @@ class HFSampler:
             routed.append(torch.cat(rows_SLK, dim=0).numpy().astype(caps.dtype))
         caps.calls = []
         return responses, logprobs, finish, routed
+
+
+def _next_tokens(logits_BV: torch.Tensor, gens: list[torch.Generator], temperature: float,
+                 top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled token of each row and the log-distribution it came from. Temperature 0 is
+    greedy decoding (evaluation): the argmax, with the T=1 log-distribution reported."""
+    if temperature == 0:
+        logp_BV = torch.log_softmax(logits_BV, dim=-1)
+        return logp_BV.argmax(dim=-1), logp_BV
+    logp_BV = torch.log_softmax(top_p_filter(logits_BV / temperature, top_p), dim=-1)
+    q_BV = torch.stack([torch.empty(logp_BV.shape[1]).exponential_(generator=g) for g in gens])
+    return (logp_BV.exp() / q_BV).argmax(dim=-1), logp_BV

@@ -1,9 +1,12 @@
-"""Sampler precisions: fp32, bf16, and fp8_emulated, as one weight transform.
+"""Sampler precisions: fp32, bf16, fp8_emulated and (vLLM on a GPU) fp8, as one weight transform.
 
     fp32          weights and compute in float32 (the reference; matches the CPU learner)
     bf16          weights and compute in bfloat16
     fp8_emulated  bf16 compute; the weight *matrices* of linear layers and experts are
                   rounded to float8_e4m3fn with a per-tensor scale and dequantized back
+    fp8           vLLM's own fp8 execution (`quantization="fp8"`: weights quantized by the
+                  engine at load and after each weight sync, fp8 GEMMs); GPU only. The
+                  weights are handed over in bf16 and vLLM does the rounding.
 
 fp8_emulated is an emulation, not fp8 execution: no fp8 kernels run and activations stay in
 bf16. It reproduces the weight-rounding part of an fp8 sampler (per-tensor scale
@@ -29,8 +32,8 @@ from typing import Literal
 
 import torch
 
-Precision = Literal["fp32", "bf16", "fp8_emulated"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8_emulated")
+Precision = Literal["fp32", "bf16", "fp8_emulated", "fp8"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8_emulated", "fp8")
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -44,6 +47,18 @@ _QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_
 def check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown sampler precision {precision!r}; choose one of {list(PRECISIONS)}")
+
+
+def resolve_precision(precision: str, on_gpu: bool) -> str:
+    """`sampler.precision: auto` is bf16 on a GPU and fp32 on CPU (where the learner's
+    reference precision is fp32); fp8 (vLLM's fp8 kernels) exists only on a GPU."""
+    if precision == "auto":
+        return "bf16" if on_gpu else "fp32"
+    check_precision(precision)
+    if precision == "fp8" and not on_gpu:
+        raise ValueError("sampler.precision=fp8 runs vLLM's fp8 kernels, which need a GPU; on CPU use "
+                         "fp8_emulated (the same weight rounding, bf16 compute)")
+    return precision
 
 
 def compute_dtype(precision: str) -> torch.dtype:

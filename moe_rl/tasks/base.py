@@ -25,13 +25,16 @@ _TRAILING_SPECIALS = ("</s>", "<pad>")
 class Problem:
     """One prompt with its reference answer.
 
-    `meta` carries task-specific details for logging (operand length, source line); it is
+    `meta` carries task-specific details for logging (operand length, source line) and
+    `messages` a chat conversation ([{"role", "content"}, ...]) when the data gave one
+    instead of a prompt text (`prompt` is then its last user message, for logs); both are
     excluded from the hash so problems can be used as dict keys.
     """
 
     prompt: str
     answer: str
     meta: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    messages: tuple[Mapping[str, str], ...] | None = field(default=None, hash=False)
 
 
 def as_rng(seed: int | np.random.Generator) -> np.random.Generator:
@@ -63,6 +66,12 @@ class Task(ABC):
     @abstractmethod
     def sample(self, n: int, seed: int | np.random.Generator) -> list[Problem]:
         """`n` problems drawn with `seed` (same seed, same problems)."""
+
+    def batch(self, step: int, n: int, seed: int) -> list[Problem]:
+        """The `n` problems of batch `step` (0-based: training step step + 1), a pure function
+        of (step, seed) so a resumed run sees the same ones; file-backed tasks override it to
+        walk epochs. Drawn as the rollout's other draws are, from (seed, training step, 0)."""
+        return self.sample(n, np.random.default_rng([seed, step + 1, 0]))
 
     @abstractmethod
     def reward(self, problem: Problem, response: str) -> float:

@@ -155,6 +155,8 @@ class Tokenizer:
         if self.eos_id < 0:
             raise ValueError(f"tokenizer model {self.path} has no EOS piece; sampling needs one")
         self.pad_id: int = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
+        self.eos_ids: list[int] = [self.eos_id]
+        self.chat_template: str | None = None  # SentencePiece models carry none
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
@@ -184,8 +186,9 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike | None = "") -> Tokenizer:
-    """`TaskConfig.tokenizer` semantics: a model path, or "" / None for the shipped model."""
-    return Tokenizer(path or None)
+    """A SentencePiece model path, or "" / None / "shipped" for the shipped model. (A run's
+    `task.tokenizer` is resolved by `moe_rl.tokenization.load_tokenizer`.)"""
+    return Tokenizer(None if path in (None, "", "shipped") else path)
 
 
 # --------------------------------------------------------------------------- HF export

@@ -1,4 +1,7 @@
-r"""Final-answer extraction and comparison for math responses.
+r"""The hand-written math verifier that `task.reward=math` used before math-verify, kept
+only so `bench/math_verify_compare.py` can reproduce the comparison that retired it.
+
+Final-answer extraction and comparison for math responses.
 
     extract_answer("... so the area is \boxed{\frac{3}{4}}.")   -> "\frac{3}{4}"
     extract_answer("It costs $1,250.")                          -> "1,250"

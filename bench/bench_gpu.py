@@ -1,0 +1,233 @@
+"""The GPU benchmark of `make gpu-check` (one Hopper GPU): the learner at the Qwen3-30B-A3B
+layer shape in bf16 and each fp8 recipe, fp8 logprob drift, vLLM generation, weight sync.
+
+    python -m bench.bench_gpu [--layers N] [--quick]    # -> bench/results/gpu_<device>.md/.json
+
+Model: Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads of 128, QK-norm, 128
+experts top-8 of FFN 768), as many layers as fit beside the optimizer (`--layers`, default
+4), a 32768-token vocabulary (the real 151936 would make the output layer the benchmark),
+random init, bf16 parameters, Transformer Engine spec. Every precision trains from the same
+weights (a checkpoint of the bf16 learner), so drift and speed are comparable in one run:
+
+- learner tokens/s: median over timed `train_step`s of B x S tokens; MFU = model FLOPs /
+  (step time x peak dense bf16 FLOP/s of the GPU), model FLOPs = 6 x active parameters x
+  tokens + causal attention (6 x layers x S x heads x head_dim per token), the same formula
+  for the fp8 rows (fp8 speed-up = their tokens/s over bf16's);
+- fp8 drift against bf16 on the same batch and weights: mean and max |dlogp|, k3;
+- on-policy ratio: the update pass's logprobs against the scoring pass's (exactly 0 under
+  current scaling);
+- vLLM bf16 generate tokens/s and weight-sync seconds and GB/s (learner -> in-process engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import markdown_table, time_fn, write_results  # noqa: E402
+
+PRECISIONS = (("bf16", []), ("fp8 blockwise", ["model.fp8=hybrid", "model.fp8_recipe=blockwise"]),
+              ("fp8 tensorwise", ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"]),
+              ("fp8 delayed", ["model.fp8=hybrid", "model.fp8_recipe=delayed"]))
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0}  # dense, SXM datasheets
+
+
+def shape_overrides(layers: int) -> list[str]:
+    return [f"model.num_layers={layers}", "model.hidden_size=2048", "model.num_attention_heads=32",
+            "model.num_query_groups=4", "model.kv_channels=128", "model.ffn_hidden_size=6144",
+            "model.num_experts=128", "model.moe_router_topk=8", "model.moe_ffn_hidden_size=768",
+            "model.qk_layernorm=true", "model.vocab_size=32768", "model.max_position_embeddings=4096",
+            "model.rotary_base=1000000.0", "model.layer_spec=te", "model.params_dtype=bf16",
+            "model.moe_token_dispatcher_type=alltoall", "parallel.micro_batch_size=1"]
+
+
+def active_params(m: Any) -> int:
+    """Parameters a token passes through (no embedding / output layer)."""
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
+    attn = h * (a + 2 * g) * d + a * d * h
+    experts = m.moe_router_topk * 3 * h * m.moe_ffn_hidden_size
+    return m.num_layers * (attn + h * m.num_experts + experts)
+
+
+def flops_per_token(m: Any, seq_len: int) -> float:
+    attention = 6 * m.num_layers * seq_len * m.num_attention_heads * m.kv_channels  # causal: half of 12
+    return 6 * active_params(m) + attention
+
+
+def peak_flops() -> float:
+    name = torch.cuda.get_device_name()
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return 989.0e12
+
+
+def bench_batch(batch_size: int, seq_len: int, vocab: int) -> tuple[Any, torch.Tensor]:
+    from moe_rl.batch import TokenBatch
+
+    g = torch.Generator().manual_seed(0)
+    prompt = seq_len // 4
+    prompts = [torch.randint(10, vocab, (prompt,), generator=g).tolist() for _ in range(batch_size)]
+    responses = [torch.randint(10, vocab, (seq_len - prompt,), generator=g).tolist() for _ in range(batch_size)]
+    return TokenBatch.from_lists(prompts, responses), torch.randn(batch_size, generator=g)
+
+
+def reinforce(batch: Any) -> Any:
+    from moe_rl.learner import MicroBatchLoss
+
+    total = batch.response_lens_B.sum().clamp(min=1)
+
+    def loss_fn(logp_BT: torch.Tensor, mb: Any) -> Any:
+        mask = mb.batch.response_mask().to(logp_BT.device)
+        adv = mb.extras["adv_B"].to(logp_BT.device)[:, None]
+        return MicroBatchLoss(-(adv * logp_BT * mask).sum() / total, {}, weight=mask.sum())
+
+    return loss_fn
+
+
+def run_precision(name: str, overrides: list[str], base: Path, layout: Any, batch: Any, adv_B: torch.Tensor,
+                  iters: int) -> dict[str, Any]:
+    """One precision: load the shared weights, score (drift), the on-policy pass, timed steps."""
+    from moe_rl.config import load_config
+    from moe_rl.learner import Learner, load_checkpoint
+
+    cfg = load_config(ROOT / "examples/tiny_rspo.yaml", [*shape_overrides(_LAYERS), *overrides])
+    learner = Learner(cfg, layout, total_updates=iters + 8)
+    load_checkpoint(learner, base, load_optimizer=False)
+    scored = learner.score(batch)
+    _, own = learner.train_step_scored(batch, reinforce(batch), {"adv_B": adv_B}, scored=True)
+    mask = batch.response_mask()
+    on_policy = float((own.logp_BT.float() - scored.logp_BT.float()).abs()[mask].max())
+    timing = time_fn(lambda: learner.train_step(batch, reinforce(batch), {"adv_B": adv_B}), warmup=1, iters=iters)
+    tokens = batch.batch_size * batch.seq_len
+    out = {"precision": name, "step_s": timing["median_s"], "tokens_per_s": tokens / timing["median_s"],
+           "mfu": tokens * flops_per_token(cfg.model, batch.seq_len) / timing["median_s"] / peak_flops(),
+           "on_policy_max_abs_dlogp": on_policy, "logp_BT": scored.logp_BT.float().cpu(),
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return out  # (the learner is freed by the caller's collection)
+
+
+def free_gpu() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def drift(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    d = (ref - logp)[mask].double()  # log(p_bf16 / p_fp8) per token
+    return {"mean_abs_dlogp": float(d.abs().mean()), "max_abs_dlogp": float(d.abs().max()),
+            "k3": float((torch.exp(-d) - 1 + d).mean())}
+
+
+def save_base(layout: Any, path: Path) -> Any:
+    """The bf16 learner's random initial weights, shared by every precision."""
+    from moe_rl.config import load_config
+    from moe_rl.learner import Learner, save_checkpoint
+
+    cfg = load_config(ROOT / "examples/tiny_rspo.yaml", shape_overrides(_LAYERS))
+    learner = Learner(cfg, layout, trainable=False)
+    save_checkpoint(learner, path)
+    return cfg, learner
+
+
+def bench_vllm(cfg: Any, learner: Any, hf_dir: Path, quick: bool) -> dict[str, float]:
+    """vLLM bf16 on the exported weights: generate tokens/s; weight sync from the learner."""
+    from moe_rl.learner.export import hf_named_tensors
+    from moe_rl.sampler import make_sampler
+
+    sampler = make_sampler("vllm", hf_dir, precision="bf16", gpu_memory_utilization=0.3, max_model_len=2048)
+    prompts = [[11 + (i * 7 + j) % 30000 for j in range(256)] for i in range(16 if quick else 64)]
+    sampler.generate(prompts[:2], n=1, max_new_tokens=8, seed=0)  # warm-up (CUDA graphs)
+    t0 = time.perf_counter()
+    ro = sampler.generate(prompts, n=4, max_new_tokens=128 if quick else 512, seed=1)
+    gen_s = time.perf_counter() - t0
+    new_tokens = sum(len(r) for r in ro.response_token_ids)
+    nbytes = sum(t.numel() * t.element_size() for _, t in hf_named_tensors(learner))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sampler.update_weights(hf_named_tensors(learner))
+    torch.cuda.synchronize()
+    sync_s = time.perf_counter() - t0
+    sampler.close()
+    return {"generate_tokens_per_s": new_tokens / gen_s, "generated_tokens": new_tokens,
+            "sync_seconds": sync_s, "sync_gb": nbytes / 1e9, "sync_gb_per_s": nbytes / 1e9 / sync_s}
+
+
+_LAYERS = 4
+
+
+def report(rows: list[dict[str, Any]], drifts: dict[str, dict[str, float]], vllm: dict[str, float],
+           layers: int, batch: Any) -> tuple[str, str]:
+    bf16 = rows[0]["tokens_per_s"]
+    table = markdown_table(
+        ["precision", "step s", "tokens/s", "MFU", "x bf16", "on-policy max |dlogp|", "mean |dlogp| vs bf16",
+         "max |dlogp|", "k3", "peak GiB"],
+        [[r["precision"], r["step_s"], r["tokens_per_s"], f"{100 * r['mfu']:.1f}%", r["tokens_per_s"] / bf16,
+          r["on_policy_max_abs_dlogp"], *(drifts.get(r["precision"], {}).get(k, 0.0)
+                                           for k in ("mean_abs_dlogp", "max_abs_dlogp", "k3")), r["peak_mem_gib"]]
+         for r in rows])
+    table += "\n\n" + markdown_table(["vLLM bf16 generate tokens/s", "weight sync s", "GB", "GB/s"],
+                                     [[vllm["generate_tokens_per_s"], vllm["sync_seconds"], vllm["sync_gb"],
+                                       vllm["sync_gb_per_s"]]])
+    notes = (f"Qwen3-30B-A3B layer shape x {layers} layers, vocab 32768, TE spec, bf16 params; batch "
+             f"{batch.batch_size} x {batch.seq_len} tokens per step, one GPU. `python -m bench.bench_gpu` "
+             "(also the last stage of `make gpu-check`).")
+    return table, notes
+
+
+def main(quick: bool = False, layers: int = 4) -> None:
+    global _LAYERS
+    from moe_rl.convert import megatron_to_hf
+    from moe_rl.learner import init_distributed, parallel_layout
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA GPU")
+    _LAYERS = 1 if quick else layers
+    init_distributed()
+    batch, adv_B = bench_batch(2 if quick else 8, 1024 if quick else 2048, 32768)
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_") as work, parallel_layout(
+            _parallel(), seed=0) as layout:
+        cfg, learner = save_base(layout, Path(work) / "base")
+        hf_dir = megatron_to_hf(Path(work) / "base", Path(work) / "hf")
+        vllm = bench_vllm(cfg, learner, hf_dir, quick)
+        del learner
+        free_gpu()
+        rows = []
+        for name, ov in PRECISIONS:
+            rows.append(run_precision(name, ov, Path(work) / "base", layout, batch, adv_B, 3 if quick else 10))
+            free_gpu()
+    mask = batch.response_mask()
+    drifts = {r["precision"]: drift(r["logp_BT"], rows[0]["logp_BT"], mask) for r in rows[1:]}
+    table, notes = report(rows, drifts, vllm, _LAYERS, batch)
+    device = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
+    short = next((k.lower() for k in PEAK_BF16_TFLOPS if k in torch.cuda.get_device_name()), device)
+    data = {"layers": _LAYERS, "rows": [{k: v for k, v in r.items() if k != "logp_BT"} for r in rows],
+            "drift": drifts, "vllm": vllm, "quick": quick}
+    print(table)
+    print(write_results(f"gpu_{short}", data, table, notes))
+
+
+def _parallel() -> Any:
+    from moe_rl.config import ParallelConfig
+
+    return ParallelConfig(micro_batch_size=1)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 layer, small batch (smoke test)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-30B-A3B shape (default 4)")
+    args = ap.parse_args()
+    main(quick=args.quick, layers=args.layers)

@@ -1,0 +1,78 @@
+"""A recipe completed by its starting checkpoint: the model section from a Hugging Face
+directory's config.json, and the tokenizer made concrete.
+
+    cfg, given = load_recipe(path, overrides)
+    cfg = resolve_recipe(cfg, given)       # every CLI does this before building anything
+
+`run.init_checkpoint=<HF dir>` is enough to train a supported architecture
+(`moe_rl.convert.layouts`: Qwen3-MoE, Glm4-MoE): every config.json field that changes the
+math is mapped (`model_config_from_hf`), a field the learner cannot honour is an error
+naming it, and so is an unsupported architecture. Training settings config.json does not
+describe (layer spec, fp8, aux-loss coefficients, dispatcher) stay the recipe's. A model key
+the recipe *sets* must agree with config.json, except `model.params_dtype`, which follows
+config.json's dtype unless the recipe overrides it. `task.tokenizer` becomes "shipped" or a
+path, so checkpoints record which tokenizer their ids belong to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from moe_rl.config import Config, ConfigError, validate
+
+OVERRIDABLE = frozenset({"params_dtype"})
+"""Model keys a recipe may set differently from config.json (a training choice)."""
+
+
+def read_config_json(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return data
+
+
+def model_from_checkpoint(cfg: Config, directory: Path, given: frozenset[str]) -> Config:
+    """`cfg` with its model section derived from `directory`/config.json."""
+    from moe_rl.convert import ConvertError, model_config_from_hf
+
+    hf = read_config_json(directory)
+    try:
+        derived = model_config_from_hf(hf, base=cfg.model)
+    except (ConvertError, NotImplementedError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"run.init_checkpoint={directory}: {' '.join(str(e).split())}") from None
+    conflicts, keep = [], {}
+    for key in sorted(k.split(".", 1)[1] for k in given if k.startswith("model.")):
+        mine, theirs = getattr(cfg.model, key, None), getattr(derived, key, None)
+        if key in OVERRIDABLE:
+            keep[key] = mine
+        elif mine != theirs:
+            conflicts.append(f"model.{key}={mine!r} (config.json gives {theirs!r})")
+    if conflicts:
+        raise ConfigError(f"the recipe disagrees with run.init_checkpoint={directory}/config.json: "
+                          f"{'; '.join(conflicts[:4])}; remove these keys (the checkpoint defines the model)")
+    return dataclasses.replace(cfg, model=dataclasses.replace(derived, **keep))
+
+
+def resolve_recipe(cfg: Config, given: frozenset[str] = frozenset()) -> Config:
+    """The recipe with the starting checkpoint's model and a concrete tokenizer (module doc)."""
+    from moe_rl.tokenization import resolve_spec
+
+    init = cfg.run.init_checkpoint
+    if init and (Path(init) / "config.json").is_file():
+        cfg = model_from_checkpoint(cfg, Path(init), given)
+    try:
+        tokenizer = resolve_spec(cfg.task.tokenizer, init or None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if tokenizer != "shipped":
+        tokenizer = str(Path(tokenizer).resolve())
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, tokenizer=tokenizer))
+    validate(cfg)
+    return cfg
