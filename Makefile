@@ -28,7 +28,7 @@ export TORCHDYNAMO_DISABLE := 1
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels test test-fast demo bench lint ablations ablations-report clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo bench lint ablations ablations-report clean-runs
 
 help:
 	@echo "make demo       RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~10 min)"
@@ -37,6 +37,7 @@ help:
 	@echo "make ablations  GRPO/R2/R3/GSPO/RSPO x TIS x on/off-policy -> runs/ablations/"
 	@echo "make lint       ruff"
 	@echo "make install ACCEL=gpu [WHEELS=dir]   GPU stack on the machine's torch (tools/gpu/install.sh)"
+	@echo "make gpu-check [WHEELS=dir]          one Hopper GPU: install, pytest -m gpu, bench/bench_gpu.py (<= 20 min)"
 	@echo "make stage-wheels DIR=dir [TORCH=2.11.0+cu130]   wheels for a GPU machine without a registry"
 
 install: $(STAMP)
@@ -95,6 +96,19 @@ ablations-report: install
 # One setting, e.g. `make ablate-rspo-off` or `make ablate-grpo-r3-tis-on` (see `python -m moe_rl.ablations list`)
 ablate-%: install
 	$(PY) -m moe_rl.ablations run $*
+
+# One Hopper GPU from a bare machine (its own CUDA torch, WHEELS=dir without a registry): the
+# GPU install, every `gpu` test, then the benchmark -> bench/results/gpu_<device>.md. The
+# benchmark runs even when a test fails (its figures say where), and the target then fails.
+# GPU_CHECK_S bounds the tests + benchmark (the issue's budget is 20 minutes with install).
+GPU_CHECK_S ?= 1080
+gpu-check:
+	@test "$(ACCEL)" = gpu || { echo "error: make gpu-check needs a CUDA machine (no nvidia-smi here); on a GPU machine whose PATH lacks nvidia-smi pass ACCEL=gpu" >&2; exit 1; }
+	$(MAKE) install ACCEL=gpu WHEELS=$(WHEELS) PYTHON=$(PYTHON) VENV=$(VENV)
+	rc=0; \
+	timeout $(GPU_CHECK_S) $(PY) -m pytest -m gpu -rs -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
+	timeout $(GPU_CHECK_S) $(PY) -m bench.bench_gpu || rc=$$?; \
+	exit $$rc
 
 clean-runs:
 	rm -rf runs/

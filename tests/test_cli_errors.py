@@ -365,6 +365,7 @@ OUT_OF_RANGE = [
     "optimizer.clip_grad=-1", "optimizer.lr_warmup_steps=-1", "optimizer.lr=.inf",
     "model.max_position_embeddings=0", "model.ffn_hidden_size=-1", "model.norm_epsilon=-1",
     "model.init_method_std=-1", "model.rotary_base=0", "model.moe_aux_loss_coeff=-1",
+    "model.rotary_percent=0", "model.rotary_percent=1.5", "model.moe_router_topk_scaling_factor=0",
     "sampler.temperature=.nan", "sampler.temperature=.inf", "sampler.gpu_memory_utilization=2",
     "sampler.vllm_kv_cache_gib=0", "rl.overlong_cache=-1", "task.min_digits=0", "task.max_digits=-1",
     "sft.steps=0", "sft.batch_size=0", "sft.eval_every=0", "sft.eval_problems=0", "logging.heatmap_every=-1",

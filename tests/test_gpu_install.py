@@ -216,3 +216,21 @@ def test_stage_wheels_dry_run_lists_every_step(tmp_path):
     assert "sdist.py transformer_engine_torch 2.11.0" in out
     assert "chunks.py split" in out and "--max-mib 50" in out
     assert not (tmp_path / "w").exists()  # a dry run writes nothing
+
+
+def test_make_gpu_check_installs_then_runs_the_gpu_tests_and_the_benchmark(tmp_path):
+    out = subprocess.run(
+        ["make", "-n", "gpu-check", "ACCEL=gpu", "WHEELS=/w", f"VENV={tmp_path}/venv", "PYTHON=false"],
+        capture_output=True, text=True, timeout=30, cwd=ROOT,
+    ).stdout
+    install = out.index(f"PYTHON={tmp_path}/venv/bin/python tools/gpu/install.sh /w")
+    tests = out.index(f"{tmp_path}/venv/bin/python -m pytest -m gpu")
+    bench = out.index(f"{tmp_path}/venv/bin/python -m bench.bench_gpu")
+    assert install < tests < bench
+    assert "timeout 1080" in out  # tests + benchmark inside the 20-minute budget with install
+
+
+def test_make_gpu_check_on_a_cpu_machine_is_a_one_line_error():
+    result = subprocess.run(["make", "gpu-check", "ACCEL=cpu"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert result.returncode != 0
+    assert "make gpu-check needs a CUDA machine" in result.stderr

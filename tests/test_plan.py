@@ -62,7 +62,8 @@ CARD = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_235b_a22b": "Qwen3-235B-A22B", 
 REAL_LAYOUT = ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=8",
                "parallel.pipeline_model_parallel_size=2", "parallel.micro_batch_size=1", "sampler.max_new_tokens=1024"]
 TINY = str(ROOT / "examples/tiny_rspo.yaml")
-RECIPES = {"qwen3_30b_a3b": ("examples/gpu/qwen3_30b_a3b.yaml", 16), "deepseek_style": ("examples/gpu/deepseek_style.yaml", 8)}
+RECIPES = {"qwen3_30b_a3b": ("examples/gpu/qwen3_30b_a3b.yaml", 16), "deepseek_style": ("examples/gpu/deepseek_style.yaml", 8),
+           "glm45_air": ("examples/gpu/glm45_air.yaml", 64)}
 
 
 def _env() -> dict:
@@ -142,7 +143,8 @@ def test_total_and_active_equal_transformers(planned, model_dirs, name):
 
 def test_glm_notes_say_what_the_learner_leaves_out(planned):
     notes = " ".join(_plan(planned, "glm_small/one")["notes"])
-    assert "partial_rotary_factor=0.5" in notes and "num_nextn_predict_layers=1" in notes
+    # partial rotary is honoured (model.rotary_percent); only the MTP layers are left out
+    assert "num_nextn_predict_layers=1" in notes and "partial_rotary_factor" not in notes
 
 
 @pytest.mark.parametrize("name", REAL)
@@ -300,3 +302,17 @@ def test_json_output_parses_with_the_keys():
     assert {"params", "grads", "optimizer_states", "activations", "kv_cache", "sampler_weights"} <= set(kinds)
     assert all(isinstance(v, int) and v >= 0 for v in kinds.values())
     assert all(v is None or math.isfinite(v) for v in p["times_s"].values())
+
+
+@pytest.mark.parametrize(("recipe", "card"), [("qwen3_30b_a3b", "Qwen3-30B-A3B"), ("glm45_air", "GLM-4.5-Air")])
+def test_gpu_recipes_restate_the_real_config_json(tmp_path, recipe, card):
+    """The recipes' model sections are what the real checkpoints' config.json give: pointed
+    at a directory holding that config.json, no key conflicts and the model is unchanged."""
+    from moe_rl.config import load_recipe
+    from moe_rl.plan.published import write_config_dir
+    from moe_rl.recipe_source import model_from_checkpoint
+
+    directory = write_config_dir(card, tmp_path / card)
+    cfg, given = load_recipe(ROOT / RECIPES[recipe][0])
+    resolved = model_from_checkpoint(cfg, directory, given)
+    assert resolved.model == cfg.model
