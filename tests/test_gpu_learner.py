@@ -125,7 +125,10 @@ def test_vllm_bf16_generate_sync_and_learner_parity(tmp_path):
 @pytest.mark.vllm
 def test_r3_replays_vllms_routed_experts(tmp_path):
     replay = _train(tmp_path, "r3", "model.params_dtype=bf16", "rl.replay=R3")
-    assert all(r["routing/sampler_disagree_any"] == 0 for r in replay)
+    # the routing the learner used is the sampler's, although its own router (bf16 vs vLLM's
+    # kernels) would pick otherwise on some tokens
+    assert all(r["routing/sampler_used_disagree_any"] == 0 for r in replay)
+    print("router's own choice vs vLLM under replay:", [r["routing/sampler_disagree_any"] for r in replay])
     plain = _train(tmp_path, "plain", "model.params_dtype=bf16", "rl.replay=none", "rl.objective=grpo")
     print("sampler-learner routing disagreement without replay:", [r.get("routing/sampler_disagree_any")
                                                                    for r in plain])

@@ -293,8 +293,7 @@ def test_rl_recipe_with_transformers_sampler_and_r3(arch, hf_dirs, data, tmp_pat
     metrics = [json.loads(line) for line in (tmp_path / "hf_rspo" / "metrics.jsonl").open()]
     assert len(metrics) == 3
     # R3 replays the sampler's routing: the learner's routing disagrees with it nowhere
-    assert all(m["routing/sampler_disagree_any"] == 0 for m in metrics), [m.get("routing/sampler_disagree_any")
-                                                                           for m in metrics]
+    assert all(m["routing/sampler_used_disagree_any"] == 0 for m in metrics), metrics
 
 
 @pytest.mark.slow

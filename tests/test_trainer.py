@@ -132,3 +132,12 @@ def test_on_policy_shortcut_changes_nothing_but_the_time(megatron_world, tmp_pat
         # off the shortcut, rspo measures the router shift of an unmoved router: exactly 1
         if objective == "rspo":
             assert slow["routing/gamma_min"] == 1.0 and slow["routing/flip_rate_mean"] == 0.0
+
+
+def test_r3_uses_the_samplers_routing_where_the_learners_router_differs(megatron_world, tmp_path):
+    """bf16 sampler, fp32 learner: the learner's own router picks other experts than the
+    sampler on some tokens; under R3 the routing the pass used is the sampler's on all."""
+    _, _, rows = run_trainer(tmp_path, "run.steps=2", "run.name=r3_bf16", "rl.objective=grpo", "rl.replay=R3",
+                             "sampler.backend=transformers", "sampler.precision=bf16", "rl.prompts_per_step=8")
+    assert all(r["routing/sampler_used_disagree_any"] == 0 for r in rows)
+    assert max(r["routing/sampler_disagree_any"] for r in rows) > 0, [r["routing/sampler_disagree_any"] for r in rows]

@@ -1,0 +1,83 @@
+"""python -m moe_rl.ablations: see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import moe_rl.ablations as pkg
+from moe_rl.ablations.runner import OUT, Run, run_all
+from moe_rl.ablations.settings import DEFAULT_SEEDS, parse_seeds, settings
+
+
+def _seeds(text: str | None) -> tuple[int, ...]:
+    try:
+        return parse_seeds(text) if text else DEFAULT_SEEDS
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _lrs(text: str) -> list[float]:
+    try:
+        lrs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --lrs {text!r}: give numbers, e.g. 1e-4,3e-4,1e-3") from None
+    if not lrs or any(lr <= 0 for lr in lrs):
+        raise SystemExit(f"error: --lrs {text!r}: give positive learning rates, e.g. 1e-4,3e-4,1e-3")
+    return lrs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_rl.ablations", description=pkg.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", type=Path, default=OUT, help="parent directory of the runs (default runs/ablations)")
+    common.add_argument("--seeds", help="comma-separated seeds or ranges (default 1,2,3)")
+    common.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2, at most the cores)")
+    common.add_argument("--base", type=Path, help="warm-start checkpoint (default: made by SFT under --out)")
+    r = sub.add_parser("run", parents=[common], help="train settings (skips finished runs)")
+    r.add_argument("names", nargs="*", help="settings to run (see `list`)")
+    r.add_argument("--all", action="store_true", help="every setting")
+    s = sub.add_parser("sweep", parents=[common], help="plain off-policy GRPO at several learning rates")
+    s.add_argument("--lrs", default="1e-4,3e-4,1e-3")
+    rep = sub.add_parser("report", help="write REPORT.md, results.json and plots")
+    rep.add_argument("--out", type=Path, default=OUT)
+    sub.add_parser("list", help="list the settings")
+    args = ap.parse_args(argv)
+    from moe_rl.ablations.report import report
+
+    if args.cmd == "list":
+        for n, o in settings().items():
+            print(f"{n:20s} {' '.join(o)}")
+        return 0
+    if args.cmd == "report":
+        print(report(args.out))
+        return 0
+    seeds = _seeds(args.seeds)
+    t0 = time.perf_counter()
+    if args.cmd == "sweep":
+        from moe_rl.ablations.sweep import run_sweep, write_sweep
+
+        lrs = _lrs(args.lrs)
+        failed = run_sweep(args.out, lrs, seeds, args.base, args.jobs)
+        print(write_sweep(args.out, lrs))
+    else:
+        names = list(settings()) if args.all else args.names
+        unknown = [n for n in names if n not in settings()]
+        if unknown or not names:
+            ap.error(f"unknown or no settings {unknown}; valid: {', '.join(settings())}")
+        # seed-major: a stopped run leaves whole seeds of every setting, not all seeds of a few
+        failed = run_all([Run(n, s) for s in seeds for n in names], args.out, args.base, args.jobs)
+        print(report(args.out))
+    print(f"done in {(time.perf_counter() - t0) / 60:.1f} min")
+    if failed:
+        print("failed: " + ", ".join(f"{r.setting} seed {r.seed}" for r in failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
