@@ -68,6 +68,8 @@ def summarize_run(rows: list[dict[str, Any]]) -> dict[str, float]:
         "sampler_learner_k3": _mean(_finite(rows, "mismatch/k3")),
         "sampler_disagree_any": _mean(_finite(rows, "routing/sampler_disagree_any")),
         "sampler_disagree_max_layer": max(per_layer, default=float("nan")),
+        "sampler_disagree_worst_step": max((max(r[k] for k in layers if k in r) for r in rows
+                                            if any(k in r for k in layers)), default=float("nan")),
         "sampler_used_disagree_any": _mean(_finite(rows, "routing/sampler_used_disagree_any")),
         "seconds_per_step": _mean(_finite(rows, "time/step")),
     }
