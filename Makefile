@@ -98,13 +98,26 @@ ablations-report: install
 	$(PY) -m moe_rl.ablations report
 
 # The lr sweep the report shows: plain off-policy GRPO at LRS.
-LRS ?= 1e-4,2e-4,3e-4
+LRS ?= 1e-4,2e-4,4e-4
 ablations-sweep: install
 	$(PY) -m moe_rl.ablations sweep --lrs $(LRS) $(SEED_ARG)
 
 # One setting, e.g. `make ablate-rspo-post-off SEEDS=1,2,3` (see `python -m moe_rl.ablations list`)
 ablate-%: install
 	$(PY) -m moe_rl.ablations run $* $(SEED_ARG)
+
+# One Hopper GPU from a bare machine (its own CUDA torch, WHEELS=dir without a registry): the
+# GPU install, every `gpu` test, then the benchmark -> bench/results/gpu_<device>.md. The
+# benchmark runs even when a test fails (its figures say where), and the target then fails.
+# GPU_CHECK_S bounds the tests + benchmark (the issue's budget is 20 minutes with install).
+GPU_CHECK_S ?= 1080
+gpu-check:
+	@test "$(ACCEL)" = gpu || { echo "error: make gpu-check needs a CUDA machine (no nvidia-smi here); on a GPU machine whose PATH lacks nvidia-smi pass ACCEL=gpu" >&2; exit 1; }
+	$(MAKE) install ACCEL=gpu WHEELS=$(WHEELS) PYTHON=$(PYTHON) VENV=$(VENV)
+	rc=0; \
+	timeout $(GPU_CHECK_S) $(PY) -m pytest -m gpu -rs -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
+	timeout $(GPU_CHECK_S) $(PY) -m bench.bench_gpu || rc=$$?; \
+	exit $$rc
 
 clean-runs:
 	rm -rf runs/
