@@ -11,12 +11,12 @@ that config.json does not describe (layer spec, fp8, dispatcher) stay the recipe
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl.config import Config, ConfigError, validate
 from moe_rl.convert import ConvertError, model_config_from_hf
+from moe_rl.recipe_source import read_config_json
 
 
 @dataclass(frozen=True)
@@ -28,16 +28,6 @@ class ModelSource:
     """'recipe' or the config.json path."""
     notes: tuple[str, ...]
     """What the plan assumes that the checkpoint's config.json says otherwise."""
-
-
-def _read_config_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read config.json ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: config.json is not a JSON object")
-    return data
 
 
 def resolve_model(cfg: Config) -> ModelSource:
@@ -53,7 +43,7 @@ def resolve_model(cfg: Config) -> ModelSource:
         return ModelSource(cfg, "recipe", (f"run.init_checkpoint={init} {why}: the recipe's model section is planned",))
     notes: list[str] = []
     try:
-        model = model_config_from_hf(_read_config_json(path), base=cfg.model, notes=notes)
+        model = model_config_from_hf(read_config_json(path.parent), base=cfg.model, notes=notes)
     except (ConvertError, NotImplementedError) as e:
         raise ConfigError(f"{path}: {e}") from None
     resolved = dataclasses.replace(cfg, model=model)
