@@ -32,32 +32,12 @@ from safetensors.torch import load_file, save_file
 
 from moe_rl.config import ModelConfig, load_config
 from moe_rl.convert import HFCheckpoint, hf_config, model_config_from_hf
+from moe_rl.plan.published import CONFIGS  # the published config.json files
 
 TOL = 1e-5  # fp32 learner vs transformers per-token logprobs
 
 # ----------------------------------------------------------------- published config.json
 
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-    "mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True, "vocab_size": 151936,
-    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-6,
-    "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
-    "sliding_window": None, "max_window_layers": 48, "router_aux_loss_coef": 0.001, "torch_dtype": "bfloat16",
-    "bos_token_id": 151643, "eos_token_id": 151645,
-}
-GLM_45_AIR = {
-    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096,
-    "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
-    "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 128, "num_experts_per_tok": 8,
-    "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
-    "n_group": 1, "topk_group": 1, "use_qk_norm": False, "partial_rotary_factor": 0.5,
-    "num_nextn_predict_layers": 1, "vocab_size": 151552, "max_position_embeddings": 131072,
-    "rope_theta": 1000000, "rope_scaling": None, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-    "tie_word_embeddings": False, "attention_bias": True, "torch_dtype": "bfloat16",
-    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
-}
 # Every architecture field of ModelConfig, as each config.json implies it; the rest
 # (training settings) must come from the base unchanged.
 ARCH = {
@@ -78,7 +58,7 @@ ARCH = {
         add_qkv_bias=True, rotary_percent=0.5, moe_router_topk_scaling_factor=1.0,
         moe_router_pre_softmax=False, params_dtype="bf16"),
 }
-PUBLISHED = {"Qwen3-30B-A3B": QWEN3_30B_A3B, "GLM-4.5-Air": GLM_45_AIR}
+PUBLISHED = {name: CONFIGS[name] for name in ("Qwen3-30B-A3B", "GLM-4.5-Air")}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -95,7 +75,7 @@ def test_published_configs_map_exactly(name, caplog):
     assert [n for n in notes if "num_nextn_predict_layers" not in n] == []
     # GLM-4.5 (not Air) scales the routed weights by 2.5; the config written back keeps it
     if name == "GLM-4.5-Air":
-        glm45 = model_config_from_hf({**GLM_45_AIR, "routed_scaling_factor": 2.5}, base=base)
+        glm45 = model_config_from_hf({**CONFIGS["GLM-4.5-Air"], "routed_scaling_factor": 2.5}, base=base)
         assert glm45 == dataclasses.replace(want, moe_router_topk_scaling_factor=2.5)
         out = hf_config(glm45, torch.bfloat16, bos_token_id=None, eos_token_id=None, pad_token_id=None)
         assert (out["routed_scaling_factor"], out["partial_rotary_factor"], out["attention_bias"]) == (2.5, 0.5, True)
