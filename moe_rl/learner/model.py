@@ -119,9 +119,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
         moe_router_score_function=model.moe_router_score_function,
         moe_router_pre_softmax=model.moe_router_pre_softmax,
-        # None for 1.0: megatron then skips the multiply (and its autograd node) altogether
-        moe_router_topk_scaling_factor=(None if model.moe_router_topk_scaling_factor == 1.0
-                                        else model.moe_router_topk_scaling_factor),
+        # megatron skips a falsy factor; 1.0 multiplies by one, exactly
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=model.moe_router_bias_update_rate,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
