@@ -7,16 +7,23 @@ another torch build). The extras pick the sampler/kernels stack:
   dev: test and lint tools
 """
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 setup(
     name="moe_rl",
     version="0.1.0",
     description="RL post-training (RSPO, GSPO, GRPO family) for megatron-core MoE models",
     python_requires=">=3.10",
-    packages=find_packages(include=["moe_rl", "moe_rl.*"]),
-    package_data={"moe_rl": ["tasks/assets/*", "assets/**/*"]},
-    include_package_data=True,
+    # Namespace discovery makes the asset folders packages too, so their files are package
+    # data of their own package (setuptools warns about, and will drop, data folders that
+    # are not in `packages`).
+    packages=find_namespace_packages(include=["moe_rl", "moe_rl.*"], exclude=["*.__pycache__"]),
+    package_data={
+        # the shipped SFT checkpoint; ".*" because globs skip dotfiles and torch DCP's
+        # `.metadata` is what makes it loadable
+        "moe_rl.assets.tiny_base": ["*", ".*"],
+        "moe_rl.tasks.assets": ["*.model"],  # the tiny task's SentencePiece tokenizer
+    },
     install_requires=[
         # torch is installed first by the Makefile (2.13.0 CPU build here); GPU machines
         # keep their own. The range only guards against a wildly different torch.

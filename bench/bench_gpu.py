@@ -106,8 +106,8 @@ def run_precision(name: str, overrides: list[str], base: Path, layout: Any, batc
     cfg = load_config(ROOT / "examples/tiny_rspo.yaml", [*shape_overrides(_LAYERS), *overrides])
     learner = Learner(cfg, layout, total_updates=iters + 8)
     load_checkpoint(learner, base, load_optimizer=False)
-    scored = learner.score(batch)
-    _, own = learner.train_step_scored(batch, reinforce(batch), {"adv_B": adv_B}, scored=True)
+    scored = learner.score_whole(batch)
+    own = learner.update(learner.own_rows(batch, {"adv_B": adv_B}), reinforce(batch))
     mask = batch.response_mask()
     on_policy = float((own.logp_BT.float() - scored.logp_BT.float()).abs()[mask].max())
     timing = time_fn(lambda: learner.train_step(batch, reinforce(batch), {"adv_B": adv_B}), warmup=1, iters=iters)
@@ -145,9 +145,9 @@ def save_base(layout: Any, path: Path) -> Any:
 def bench_vllm(cfg: Any, learner: Any, hf_dir: Path, quick: bool) -> dict[str, float]:
     """vLLM bf16 on the exported weights: generate tokens/s; weight sync from the learner."""
     from moe_rl.learner.export import hf_named_tensors
-    from moe_rl.sampler import make_sampler
+    from moe_rl.sampler import VLLMEngineConfig, make_sampler
 
-    sampler = make_sampler("vllm", hf_dir, precision="bf16", gpu_memory_utilization=0.3, max_model_len=2048)
+    sampler = make_sampler(hf_dir, VLLMEngineConfig(precision="bf16", gpu_memory_utilization=0.3, max_model_len=2048))
     prompts = [[11 + (i * 7 + j) % 30000 for j in range(256)] for i in range(16 if quick else 64)]
     sampler.generate(prompts[:2], n=1, max_new_tokens=8, seed=0)  # warm-up (CUDA graphs)
     t0 = time.perf_counter()

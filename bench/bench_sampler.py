@@ -21,7 +21,7 @@ from bench.common import markdown_table, time_fn, write_results
 
 
 def main(quick: bool = False) -> None:
-    from moe_rl.sampler import make_sampler
+    from moe_rl.sampler import HFEngineConfig, VLLMEngineConfig, make_sampler
     from moe_rl.sampler.weights import iter_checkpoint
     from tests.sampler_utils import build_tiny_moe, prompts
 
@@ -33,8 +33,8 @@ def main(quick: bool = False) -> None:
         weight_mb = sum(t.numel() * t.element_size() for _, t in weights) / 2**20
         ps = prompts(num_prompts)
 
-        vllm = make_sampler("vllm", model_dir, eos_token_id=[], kv_cache_gib=0.25)
-        hf = make_sampler("transformers", model_dir, eos_token_id=[])
+        vllm = make_sampler(model_dir, VLLMEngineConfig(eos_token_ids=(), kv_cache_gib=0.25))
+        hf = make_sampler(model_dir, HFEngineConfig(eos_token_ids=()))
         try:
             sync = {}
             for mode in ("stream", "disk"):

@@ -78,10 +78,10 @@ def main() -> None:
             t = timed(step, iters=15)
             result["fwd_bwd_step_s"] = statistics.median(t)
             result["tokens_per_s"] = tokens / statistics.median(t)
-            fwd = timed(lambda: learner.score(batch), iters=15)
+            fwd = timed(lambda: learner.score_whole(batch), iters=15)
             result["fwd_only_s"] = statistics.median(fwd)
         else:
-            old = learner.score(batch, routing=RoutingPlan(capture=True)).record
+            old = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
             plans = {"plain": None,
                      "capture_gamma": RoutingPlan(old=old),
                      "capture_gamma_r2": RoutingPlan(old=old, replay=ReplayIds.from_record(old))}
@@ -100,11 +100,11 @@ def main() -> None:
             result["record_bytes_per_token"] = old.nbytes / max(old.ids_RSLK.shape[0] * old.ids_RSLK.shape[1], 1)
             t0 = time.perf_counter()
             for _ in range(10):
-                learner.score(batch, routing=RoutingPlan(capture=True))
+                learner.score_whole(batch, routing=RoutingPlan(capture=True))
             result["capture_score_s"] = (time.perf_counter() - t0) / 10
             t0 = time.perf_counter()
             for _ in range(10):
-                learner.score(batch)
+                learner.score_whole(batch)
             result["plain_score_s"] = (time.perf_counter() - t0) / 10
     if rank == 0:
         with open(out, "w") as f:

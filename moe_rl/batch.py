@@ -71,6 +71,13 @@ class TokenBatch:
         j = torch.arange(self.response_width, device=self.tokens_BS.device)
         return j[None, :] < self.response_lens_B[:, None]
 
+    def scoring_positions(self) -> torch.Tensor:
+        """[B, T] int64: the position whose logits (and routing) score each response token,
+        prompt_len - 1 + j, clamped into [0, S - 1] (the one copy of the rule; slots past a
+        response are clamped, not meaningful)."""
+        j = torch.arange(self.response_width, device=self.tokens_BS.device)
+        return (self.prompt_lens_B[:, None] - 1 + j[None, :]).clamp(min=0, max=self.seq_len - 1)
+
     def scored_positions(self) -> torch.Tensor:
         """[B, S] bool: True at the positions whose logits score a response token
         (prompt_len - 1 ... prompt_len + response_len - 2)."""
@@ -79,11 +86,9 @@ class TokenBatch:
         return (s >= lo) & (s < lo + self.response_lens_B[:, None])
 
     def response_tokens(self) -> torch.Tensor:
-        """[B, T] int64 response token ids (pad positions hold 0)."""
-        j = torch.arange(self.response_width, device=self.tokens_BS.device)
-        idx = (self.prompt_lens_B[:, None] + j[None, :]).clamp(
-            max=self.seq_len - 1
-        )
+        """[B, T] int64 response token ids (pad positions hold 0): each sits one position
+        after the one that scores it."""
+        idx = (self.scoring_positions() + 1).clamp(max=self.seq_len - 1)
         return torch.where(self.response_mask(), self.tokens_BS.gather(1, idx), 0)
 
     def select(self, index: torch.Tensor | slice) -> TokenBatch:
@@ -102,12 +107,14 @@ class TokenBatch:
         pad_id: int = 0,
         response_width: int | None = None,
         seq_multiple: int = 1,
+        min_seq_len: int = 1,
     ) -> TokenBatch:
-        """Pack token lists; S is rounded up to `seq_multiple` (e.g. the TP size)."""
+        """Pack token lists; S is at least `min_seq_len` (a width shared with other ranks'
+        rows) and rounded up to `seq_multiple` (e.g. the TP size)."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        S = max(lens, default=1)
+        S = max(max(lens, default=1), min_seq_len)
         S = -(-S // seq_multiple) * seq_multiple
         tokens = torch.full((len(prompts), S), pad_id, dtype=torch.long)
         for b, (p, r) in enumerate(zip(prompts, responses)):
@@ -122,3 +129,14 @@ class TokenBatch:
             torch.tensor([len(r) for r in responses], dtype=torch.long),
             width,
         )
+
+
+def ragged_rows(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """[len(rows), width] fp32: each row's values from column 0, zeros after (e.g. the
+    sampler's per-token logprobs of responses of different lengths)."""
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for b, values in enumerate(rows):
+        if len(values) > width:
+            raise ValueError(f"row {b} has {len(values)} values, more than the width {width}")
+        out[b, : len(values)] = torch.tensor(list(values), dtype=torch.float32)
+    return out

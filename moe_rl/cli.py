@@ -22,13 +22,14 @@ import contextlib
 import logging
 import os
 import sys
-import warnings
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
-from moe_rl.checkpoint_files import CheckpointError, causes, disk_full
-from moe_rl.checkpoint_files import describe as describe_error
-from moe_rl.config import Config, ConfigError, describe, load_recipe
+from moe_rl.checkpoints.errors import CheckpointError
+from moe_rl.config import Config, ConfigError, describe
+from moe_rl.failures import causes, disk_full
+from moe_rl.failures import describe as describe_error
 
 T = TypeVar("T")
 USER_ERROR, INTERNAL_ERROR = 2, 1
@@ -39,28 +40,90 @@ def add_debug_flag(ap: argparse.ArgumentParser) -> None:
                     help="show the full traceback of an error instead of one line (also MOE_RL_DEBUG=1)")
 
 
-def parse(argv: list[str] | None, prog: str, doc: str) -> tuple[argparse.Namespace, Config]:
-    """`--config FILE` plus `section.key=value` overrides -> a validated Config. A bad
-    recipe exits with status 2 and the ConfigError message, before anything is built."""
+def parse(argv: list[str] | None, prog: str, doc: str, *, sft: bool = False,
+          check: Callable[[Config, int], str] | None = None) -> tuple[argparse.Namespace, Config]:
+    """`--config FILE` plus `section.key=value` overrides -> a validated Config (loaded, its
+    model taken from run.init_checkpoint's config.json, then checked). A bad recipe exits
+    with status 2 and one line, printed by rank 0 only under torchrun. `--check` checks the
+    whole run for `--nproc` processes (moe_rl.preflight.check_run, or a program's own
+    `check(cfg, world) -> summary line`), prints `recipe OK: ...` and exits 0: the launch
+    scripts run it once before torchrun."""
     ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML recipe (sections: model, parallel, optimizer, rl, ...)")
     ap.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="only check the recipe and the run's inputs for --nproc processes, print one line, exit")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="with --check: the world size to check for (default: $WORLD_SIZE or 1)")
     add_debug_flag(ap)
+    add_verbose_flag(ap)
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may sit between the flags
     if args.help_config:
         print(describe())
         sys.exit(0)
     try:
-        from moe_rl.recipe_source import resolve_recipe
+        from moe_rl.recipe_source import load_resolved
 
-        cfg = resolve_recipe(*load_recipe(args.config, args.overrides))
+        cfg = load_resolved(args.config, args.overrides)
+        world = _check_world(args.nproc)
     except ConfigError as e:
         if _debugging(args.debug):
             raise
-        print(f"{prog}: config error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(USER_ERROR)
+        config_error_exit(prog, e)
+    if args.check:
+        sys.exit(run_guarded(prog, lambda: _check(cfg, world, sft, check), debug=args.debug))
     return args, cfg
+
+
+def _check(cfg: Config, world: int, sft: bool, check: Callable[[Config, int], str] | None = None) -> int:
+    from moe_rl.recipe_check import check_recipe
+
+    print(f"recipe OK: {check(cfg, world) if check else check_recipe(cfg, world, sft=sft)}")
+    return 0
+
+
+def _check_world(nproc: int | None) -> int:
+    world = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {world}")
+    return world
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of a torchrun world, or a plain process (no RANK set)."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+RANK_ZERO_GRACE_S = 3.0
+"""On an error every rank sees, the other ranks wait this long before exiting: torchrun
+stops the whole world at the first exit, and rank 0 must have printed the line by then."""
+
+
+def config_error_exit(prog: str, e: ConfigError) -> NoReturn:
+    """Print `<prog>: config error: <message>` and exit with status 2. Under torchrun only
+    rank 0 prints (every rank reads the same recipe, the others would repeat it)."""
+    if is_rank_zero():
+        print(f"{prog}: config error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK_ZERO_GRACE_S)
+    sys.exit(USER_ERROR)
+
+
+def add_verbose_flag(ap: argparse.ArgumentParser) -> None:
+    """`--verbose`: show the third-party warnings `moe_rl.noise` hides (MOE_RL_WARNINGS=1)."""
+    ap.add_argument("--verbose", action=_ShowWarnings, nargs=0,
+                    help="show known-harmless third-party warnings too (also MOE_RL_WARNINGS=1)")
+
+
+class _ShowWarnings(argparse.Action):
+    """Acts as soon as the flag is parsed: warnings of what runs next must not be hidden."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from moe_rl.noise import show_third_party_warnings
+
+        setattr(namespace, self.dest, True)
+        show_third_party_warnings()
 
 
 def _debugging(flag: bool) -> bool:
@@ -105,7 +168,10 @@ def run_guarded(prog: str, fn: Callable[[], T], *, debug: bool = False) -> T | i
             raise
         line, status = error_line(prog, e)
         _quiet_shutdown()
-        print(line, file=sys.stderr)
+        if is_rank_zero() or not isinstance(e, ConfigError):  # every rank checks the same inputs
+            print(line, file=sys.stderr, flush=True)
+        else:
+            time.sleep(RANK_ZERO_GRACE_S)
         return status
 
 
@@ -131,15 +197,14 @@ def setup_logging(rank: int) -> None:
 
 def cpu_environment() -> None:
     """Environment the CPU path needs before torch/megatron/vLLM start (idempotent), and
-    silence for the import-time warnings third-party stacks print on every start (missing
-    Apex/TE fallbacks, deprecations inside torch.distributed.checkpoint and vLLM): they are
-    not actionable for a user of this package. Set MOE_RL_WARNINGS=1 to see them."""
+    silence for the third-party warnings known to be harmless, matched by their exact text
+    (`moe_rl.noise`: every other warning still shows). MOE_RL_WARNINGS=1 or --verbose shows
+    them all."""
+    from moe_rl.noise import silence_known_noise
+
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM's start-up warnings for an in-process engine without a tokenizer (chat-template
     # warm-up, thread binding, EOS from the tokenizer) are expected here; errors still show.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    if os.environ.get("MOE_RL_WARNINGS") != "1":
-        for module in ("megatron", "torch.distributed", "vllm", "transformers"):
-            for category in (UserWarning, FutureWarning, DeprecationWarning):
-                warnings.filterwarnings("ignore", category=category, module=module)
+    silence_known_noise()

@@ -9,6 +9,7 @@ temporary Hugging Face directory first). Prompts go through the checkpoint's own
 and chat template, rewards through `task.reward` (default `math`), sampling through the
 recipe's sampler settings, exactly as `run.eval_every` evaluates during training
 (`moe_rl.rollout.evaluate`). Prints one JSON object; `--out` also writes it (atomically).
+`--check` stops after checking the flags, the files and the recipe (`eval OK: ...`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from moe_rl.cli import add_debug_flag, cpu_environment, run_guarded, setup_logging
 
@@ -32,22 +34,46 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="samples per prompt for pass@k (default: 4)")
     ap.add_argument("--max-problems", type=int, default=0, help="evaluate the first N prompts (default: all)")
     ap.add_argument("--out", default="", help="also write the JSON result here")
+    ap.add_argument("--check", action="store_true",
+                    help="check the flags, files and recipe, print `eval OK: ...` and exit (nothing is built)")
     add_debug_flag(ap)
     ap.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
     return ap.parse_args(argv)
 
 
-def evaluate_checkpoint(args: argparse.Namespace) -> dict:
-    from moe_rl.atomic import atomic_write_text
+def check_inputs(args: argparse.Namespace) -> None:
+    """The files the flags name exist. Checked here, before they become recipe keys, so the
+    error names the flag the user typed (not `task.data_path` / `run.init_checkpoint`)."""
+    from moe_rl.config import ConfigError
+
+    if not Path(args.data).is_file():
+        raise ConfigError(f"--data {args.data}: no such file; give a JSONL or Parquet file of held-out prompts")
+    if not Path(args.checkpoint).is_dir():
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory; give a Hugging Face directory "
+                          "(e.g. runs/<name>/hf) or a learner checkpoint (runs/<name>/checkpoints/step_N)")
+
+
+def eval_recipe(args: argparse.Namespace) -> Any:
+    """The recipe (`--config` or the defaults) with the flags applied as overrides."""
     from moe_rl.config import load_recipe
     from moe_rl.recipe_source import resolve_recipe
-    from moe_rl.rollout import RolloutCollector
 
     overrides = [*args.overrides, f"run.init_checkpoint={args.checkpoint}", f"task.eval_data_path={args.data}",
                  f"run.eval_k={args.k}", f"run.eval_max_problems={args.max_problems}"]
     if not any(o.startswith("task.name=") for o in args.overrides):
         overrides += ["task.name=dataset", f"task.data_path={args.data}"]
-    cfg = resolve_recipe(*load_recipe(args.config, overrides))
+    return resolve_recipe(*load_recipe(args.config, overrides))
+
+
+def evaluate_checkpoint(args: argparse.Namespace) -> dict:
+    from moe_rl.atomic import atomic_write_text
+    from moe_rl.rollout import RolloutCollector
+
+    check_inputs(args)
+    cfg = eval_recipe(args)
+    if args.check:
+        print(f"eval OK: {args.checkpoint} on {args.data} (greedy + pass@{args.k}, {cfg.sampler.backend} sampler)")
+        return {}
     collector = RolloutCollector(cfg)
     try:
         with tempfile.TemporaryDirectory(prefix="moe_rl_eval_") as work:

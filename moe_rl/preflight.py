@@ -1,9 +1,13 @@
-"""Checks of a run's inputs that need the task and the tokenizer but no model and no process
-group, so that a recipe that cannot run fails in a second with one line naming the key:
+"""Every check of a run's inputs, in one place, run once before anything is built (no model,
+no process group, no engine), so that a recipe that cannot run fails in a second with one
+line naming the key:
 
-    check_task_inputs(cfg)                    # RL: longest prompt + sampler.max_new_tokens
-    check_task_inputs(cfg, completions=True)  # SFT: longest prompt + reference completion
-    check_init_model(cfg)                     # run.init_checkpoint holds the recipe's model
+    check_run(cfg, world)                     # RL: everything below, for a world of `world` ranks
+    check_run(cfg, world, sft=True)           # SFT: the same, with the completions' lengths
+
+What it covers, in order:
+- the layout against the world size (`config.validate_layout`);
+- the starting weights: `run.init_checkpoint` exists and holds the recipe's model;
 
 - the task builds (`task.name`, `task.data_path`, digit ranges) and the tokenizer loads
   (`task.tokenizer`) and fits `model.vocab_size`;
@@ -11,16 +15,79 @@ group, so that a recipe that cannot run fails in a second with one line naming t
   longest prompts are the common ones) plus `sampler.max_new_tokens` (RL) or plus the
   reference completion and EOS (SFT) fits `model.max_position_embeddings`. Beyond it the
   learner's rotary positions and the sampler's context disagree, or the sampler refuses the
-  prompt mid-run.
+  prompt mid-run;
+- a user reward function imports and runs on the first problem;
+- what this device can do: the learner's precision and optimizer (bf16 training and the
+  distributed optimizer need CUDA), the sampler's (sleep mode needs a GPU, R3 needs an
+  engine that returns routed experts) and the engine's own limits
+  (`moe_rl.sampler.check_engine_limits`).
+The recipe's static checks (`config.validate`) ran when it was loaded.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from moe_rl.config import Config, ConfigError
+import torch
+
+from moe_rl.config import Config, ConfigError, validate_layout
 
 SYNTHETIC_DRAWS = 512
+
+
+def check_run(cfg: Config, world: int, *, sft: bool = False) -> None:
+    """Raise a one-line ConfigError for the first input of the run that cannot work (see the
+    module docstring). `world`: ranks in the torchrun world (WORLD_SIZE)."""
+    validate_layout(cfg, world)
+    check_init_weights(cfg, sft=sft)
+    check_task_inputs(cfg, completions=sft)
+    check_init_model(cfg)
+    check_learner_device(cfg)
+    if not sft:
+        check_reward(cfg)
+        check_sampler(cfg)
+
+
+def check_init_weights(cfg: Config, *, sft: bool = False) -> None:
+    """The starting weights are named and exist (a resume continues from the run's own)."""
+    init = cfg.run.init_checkpoint
+    if not init and not cfg.run.resume and not sft:
+        raise ConfigError("run.init_checkpoint is required: a moe_rl checkpoint or a Hugging Face directory "
+                          "(the tiny recipes use moe_rl/assets/tiny_base)")
+    if init and not Path(init).exists():
+        raise ConfigError(f"run.init_checkpoint={init} does not exist (paths are relative to the working directory)")
+    if not sft and cfg.rl.kl_coef > 0 and not init:
+        raise ConfigError("rl.kl_coef > 0 needs run.init_checkpoint (the reference policy)")
+
+
+def check_learner_device(cfg: Config) -> None:
+    """What megatron-core's optimizer and the learner accept on this device."""
+    cuda = torch.cuda.is_available()
+    if cfg.model.dtype_on(cuda) == "bf16" and not cuda:
+        raise ConfigError("model.params_dtype=bf16 training needs CUDA: megatron-core's mixed-precision "
+                          "optimizer only takes CUDA tensors. Train in fp32 on CPU (a bf16 learner can still "
+                          "score, e.g. in tools/measure_mismatch.py)")
+    if cfg.optimizer.distributed and not cuda:
+        raise ConfigError("optimizer.distributed=true needs CUDA: megatron-core's distributed optimizer only "
+                          "takes CUDA tensors; leave it false on CPU")
+    if cfg.model.recompute != "none":
+        raise ConfigError("model.recompute=full is not supported by the learner yet: the routing taps would "
+                          "see each router twice per micro-batch (the planner accounts for it)")
+
+
+def check_sampler(cfg: Config) -> None:
+    """The sampler backend can do what the recipe asks of it on this device."""
+    from moe_rl.sampler import check_engine_limits
+
+    s, cuda = cfg.sampler, torch.cuda.is_available()
+    if cfg.rl.replay == "R3" and s.backend == "vllm" and not cuda:
+        raise ConfigError("rl.replay=R3 needs the sampler's routed experts, which vLLM cannot return on CPU "
+                          "(no V2 model runner); use sampler.backend=transformers")
+    if s.sleep_between_steps and not cuda:
+        raise ConfigError("sampler.sleep_between_steps needs a GPU (vLLM's sleep mode frees GPU memory; "
+                          "there is none to free on CPU)")
+    check_engine_limits(cfg)
 
 
 def _build(cfg: Config) -> tuple[Any, Any, Any]:
@@ -100,9 +167,18 @@ def check_init_model(cfg: Config) -> None:
     if megatron_specs(saved) == megatron_specs(cfg.model):
         return
     diff = [f"model.{f.name}={getattr(cfg.model, f.name)!r} (the checkpoint has {getattr(saved, f.name)!r})"
-            for f in dataclasses.fields(ModelConfig) if getattr(saved, f.name) != getattr(cfg.model, f.name)]
+            for f in dataclasses.fields(ModelConfig) if _differs(f.name, saved, cfg.model)]
     raise ConfigError(f"run.init_checkpoint={init} holds another model than the recipe's: {', '.join(diff[:4])}; "
                       "make the recipe's model section match the checkpoint's config.yaml")
+
+
+def _differs(name: str, saved: Any, model: Any) -> bool:
+    """A model field that really differs: `params_dtype: auto` equals the dtype it resolves to
+    on this device (the message must not list it beside the real difference)."""
+    if name == "params_dtype":
+        cuda = torch.cuda.is_available()
+        return saved.dtype_on(cuda) != model.dtype_on(cuda)
+    return getattr(saved, name) != getattr(model, name)
 
 
 def check_hf_weights(directory: Any, model: Any) -> None:

@@ -1,11 +1,14 @@
 """A recipe completed by its starting checkpoint: the model section from a Hugging Face
 directory's config.json, and the tokenizer made concrete.
 
-    cfg, given = load_recipe(path, overrides)
-    cfg = resolve_recipe(cfg, given)       # every CLI does this before building anything
+    cfg = load_resolved(path, overrides)   # every CLI: load -> model from config.json -> validate
+
+The order matters: the recipe's own model section (the tiny default) is replaced by
+config.json before any model or parallel check runs, so `expert_model_parallel_size=3` is
+checked against the checkpoint's 12 experts, not the default's 8.
 
 `run.init_checkpoint=<HF dir>` is enough to train a supported architecture
-(`moe_rl.convert.layouts`: Qwen3-MoE, Glm4-MoE): every config.json field that changes the
+(`moe_rl.convert.layouts`: Qwen3-MoE, Glm4-MoE, DeepseekV3 / Kimi-K2): every config.json field that changes the
 math is mapped (`model_config_from_hf`), a field the learner cannot honour is an error
 naming it, and so is an unsupported architecture. Training settings config.json does not
 describe (layer spec, fp8, aux-loss coefficients, dispatcher) stay the recipe's. A model key
@@ -21,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moe_rl.config import Config, ConfigError, validate
+from moe_rl.config import Config, ConfigError, load_recipe, validate
 
 OVERRIDABLE = frozenset({"params_dtype"})
 """Model keys a recipe may set differently from config.json (a training choice)."""
@@ -61,7 +64,8 @@ def model_from_checkpoint(cfg: Config, directory: Path, given: frozenset[str]) -
 
 
 def resolve_recipe(cfg: Config, given: frozenset[str] = frozenset()) -> Config:
-    """The recipe with the starting checkpoint's model and a concrete tokenizer (module doc)."""
+    """The recipe (as `load_recipe` gives it: typed, not validated) with the starting
+    checkpoint's model and a concrete tokenizer, validated (module doc)."""
     from moe_rl.tokenization import resolve_spec
 
     init = cfg.run.init_checkpoint
@@ -76,3 +80,8 @@ def resolve_recipe(cfg: Config, given: frozenset[str] = frozenset()) -> Config:
     cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, tokenizer=tokenizer))
     validate(cfg)
     return cfg
+
+
+def load_resolved(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """The recipe at `path` with `overrides`, resolved and validated: what a CLI runs."""
+    return resolve_recipe(*load_recipe(path, overrides))

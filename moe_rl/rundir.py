@@ -11,9 +11,13 @@ routing heat map, checkpoint rotation and summary.json (written by global rank 0
       checkpoints/step_* megatron checkpoints, this run's newest KEEP_CHECKPOINTS kept
       summary.json       first/last rewards, median timings, where the logs are
 
-A directory belongs to one run. A fresh start (`run.resume=false`) where checkpoints exist
-is refused, with the two ways out: `run.resume=true`, or `run.overwrite=true`, which moves
-the old run aside to `<name>.overwritten-<time>` (never deletes it). Each checkpoint
+A directory belongs to one run, and its logged steps are never dropped. A fresh start
+(`run.resume=false`) where checkpoints or logged steps exist is refused, with the ways out:
+`run.resume=true`, or `run.overwrite=true`, which moves the old run aside to
+`<name>.overwritten-<time>` (never deletes it). `run.resume=true` in an empty directory
+starts fresh (a launch script may always pass it); where steps were logged but no
+checkpoint was saved it is refused; rows logged after the checkpoint it resumes from move
+to `metrics.jsonl.after-step-<n>-<time>`. Each checkpoint
 records the run id, and retention deletes only this run's older checkpoints. A resume whose
 recipe differs from the saved one in anything but RESUME_MAY_CHANGE is refused, naming the
 fields. Temp directories that kills left (`checkpoints/step_*.tmp-*`, `sampler_hf.tmp-*`)
@@ -38,18 +42,16 @@ from typing import Any
 import numpy as np
 
 from moe_rl.atomic import atomic_write_text
-from moe_rl.checkpoint_files import (
-    CONFIG_FILE,
-    TRUST_HINT,
-    CheckpointError,
+from moe_rl.checkpoints import CONFIG_FILE
+from moe_rl.checkpoints.directories import (
     is_checkpoint,
     is_complete,
     latest_checkpoint,
     read_meta,
-    remove_file_temps,
-    remove_temps,
     step_dirs,
 )
+from moe_rl.checkpoints.errors import TRUST_HINT, CheckpointError
+from moe_rl.checkpoints.temps import remove_file_temps, remove_temps
 from moe_rl.config import Config, ConfigError, config_from_dict, save_config, to_dict
 from moe_rl.config.loading import yaml_load
 
@@ -57,6 +59,7 @@ log = logging.getLogger("moe_rl.trainer")
 
 KEEP_CHECKPOINTS = 2
 RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = ".lock"
 # What a resume may change: run length and checkpoint cadence, where the directory is, the
 # trust flags, the logging, SFT/eval settings (unused by RL), the learner layout (a
@@ -64,7 +67,7 @@ LOCK_FILE = ".lock"
 # rollouts independent of the number of engines). Everything else changes the run itself.
 RESUME_MAY_CHANGE = (
     "run.steps", "run.save_every", "run.resume", "run.overwrite", "run.trust_checkpoint", "run.name",
-    "run.output_dir", "logging.", "sft.", "eval.", "parallel.", "sampler.vllm_kv_cache_gib",
+    "run.output_dir", "logging.", "sft.", "eval.", "dpo.eval_every", "dpo.eval_max_pairs", "parallel.", "sampler.vllm_kv_cache_gib",
     "sampler.gpu_memory_utilization", "sampler.in_process", "sampler.tensor_parallel_size",
     "sampler.expert_parallel", "sampler.sleep_between_steps", "sampler.placement", "sampler.engine_ranks",
     "sampler.weight_sync_bucket_mib",
@@ -93,10 +96,25 @@ def read_saved_config(path: Path) -> Config:
     import yaml
 
     try:
-        return config_from_dict(yaml_load(path.read_text()) or {})
+        return config_from_dict(yaml_load(path.read_text(), str(path)) or {})
     except (ConfigError, ValueError, OSError, yaml.YAMLError) as e:
         raise ConfigError(f"{path} cannot be read back ({' '.join(str(e).split())}); "
                           "restore it, or start a new run under another run.name") from e
+
+
+def _parse_rows(text: str) -> list[tuple[str, dict[str, Any] | None]]:
+    """Each non-empty line of a metrics.jsonl with its row (None: not a JSON object, e.g.
+    a line a kill cut short)."""
+    out: list[tuple[str, dict[str, Any] | None]] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        out.append((line, row if isinstance(row, dict) else None))
+    return out
 
 
 class RunDirectory:
@@ -117,27 +135,22 @@ class RunDirectory:
         return self.path / "checkpoints"
 
     def prepare(self, resume: bool, rank: int = 0) -> Path | None:
-        """Before any model is built, on every rank: check the task's inputs, claim the
-        directory for this run (refusing another run's), and return the checkpoint to resume
-        from (None: a fresh start). Rank 0 alone changes files (moves an old run aside when
-        asked, removes stale temps, takes the lock); config.yaml and run.json are written by
-        `start_logging`, once the start succeeded."""
-        from moe_rl.preflight import check_init_model, check_task_inputs
-
-        check_task_inputs(self.cfg)
-        check_init_model(self.cfg)
+        """Before any model is built, on every rank: claim the directory for this run
+        (refusing another run's, and a fresh start or a resume that would lose logged steps),
+        and return the checkpoint to resume from (None: a fresh start). Rank 0 alone changes
+        files (moves an old run aside when asked, removes stale temps, takes the lock);
+        config.yaml and run.json are written by `start_logging`, once the start succeeded."""
         run = self.cfg.run
-        if not resume and self._old_checkpoints():
+        if not resume and (self._old_checkpoints() or self.logged_steps()):
             if not run.overwrite:
-                raise ConfigError(
-                    f"{self.path} holds checkpoints of an earlier run; continue it with run.resume=true, or "
-                    f"start over with run.overwrite=true (moves it aside to {self.path.name}.overwritten-<time>, "
-                    "deleting nothing), or choose another run.name")
+                raise ConfigError(self._fresh_start_refusal())
             if rank == 0:
                 self._move_aside()
         resume_from = self._resume_point() if resume else None
         if resume_from is not None:
             self._check_resume_config(resume_from)
+        elif resume:
+            self._check_nothing_to_resume(rank)
         owner = self._owner() if resume else None
         self.run_id = owner or (read_meta(resume_from).get("run_id") if resume_from else None) or uuid.uuid4().hex
         if rank == 0:
@@ -146,6 +159,39 @@ class RunDirectory:
 
     def _old_checkpoints(self) -> list[Path]:
         return [p for _, p in step_dirs(self.checkpoints) if is_checkpoint(p)]
+
+    def logged_steps(self) -> list[int]:
+        """The steps metrics.jsonl holds rows of (an earlier start's), in file order."""
+        path = self.path / METRICS_FILE
+        if not path.is_file():
+            return []
+        return [row["step"] for _, row in _parse_rows(path.read_text()) if row is not None and "step" in row]
+
+    def _fresh_start_refusal(self) -> str:
+        aside = f"run.overwrite=true (moves it aside to {self.path.name}.overwritten-<time>, deleting nothing)"
+        if self._old_checkpoints():
+            return (f"{self.path} holds checkpoints of an earlier run; continue it with run.resume=true, or "
+                    f"start over with {aside}, or choose another run.name")
+        steps = self.logged_steps()
+        return (f"{self.path} holds an earlier run ({len(steps)} steps in {METRICS_FILE}, no checkpoint); start "
+                f"over with {aside}, or choose another run.name")
+
+    def _check_nothing_to_resume(self, rank: int) -> None:
+        """run.resume=true without a checkpoint: a fresh start, unless that would lose logged
+        steps or there are no starting weights."""
+        steps = self.logged_steps()
+        if steps:
+            raise ConfigError(
+                f"run.resume=true but {self.path} has no checkpoint to continue from, only {len(steps)} logged "
+                f"steps (up to step {max(steps)} in {METRICS_FILE}; run.save_every=0 saves only at the end); "
+                f"start over with run.resume=false run.overwrite=true (moves them aside to "
+                f"{self.path.name}.overwritten-<time>, deleting nothing), or choose another run.name")
+        if not self.cfg.run.init_checkpoint:
+            raise ConfigError(f"run.resume=true but {self.path} has no checkpoint yet, and run.init_checkpoint is "
+                              "empty; name the starting weights with run.init_checkpoint")
+        if rank == 0:
+            log.info("run.resume=true: nothing to resume in %s yet; starting a fresh run from %s", self.path,
+                     self.cfg.run.init_checkpoint)
 
     def _owner(self) -> str | None:
         try:
@@ -241,27 +287,40 @@ class RunDirectory:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.path / "tb"), purge_step=start_step + 1)
-        path = self.path / "metrics.jsonl"
+        path = self.path / METRICS_FILE
         if path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError):
-                    row = json.loads(line)
-                    if row.get("step", 0) <= start_step:
-                        kept.append(line)
-                        self.history.append(row)
-            atomic_write_text(path, "".join(k + "\n" for k in kept))
+            self.history = self._set_aside_rows_after(start_step)
         if start_step == 0:
             self.history = []
             if path.exists():
                 path.unlink()
+
+    def _set_aside_rows_after(self, start_step: int) -> list[dict[str, Any]]:
+        """Keep metrics.jsonl's rows up to `start_step` (the checkpoint resumed); the rest
+        (steps logged after that checkpoint, a line a kill cut short) move to
+        `metrics.jsonl.after-step-<start_step>-<time>`, never dropped. Returns the kept rows."""
+        path = self.path / METRICS_FILE
+        kept, later = [], []
+        for line, row in _parse_rows(path.read_text()):
+            if row is not None and row.get("step", 0) <= start_step:
+                kept.append((line, row))
+            else:
+                later.append(line)
+        if later:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            aside = path.with_name(f"{METRICS_FILE}.after-step-{start_step}-{stamp}")
+            atomic_write_text(aside, "".join(line + "\n" for line in later))
+            log.warning("%d rows of %s logged after step %d (the checkpoint resumed) were moved to %s",
+                        len(later), METRICS_FILE, start_step, aside)
+        atomic_write_text(path, "".join(line + "\n" for line, _ in kept))
+        return [row for _, row in kept]
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append the step's metrics to metrics.jsonl and TensorBoard."""
         row = {k: (float(v) if isinstance(v, float | int) else v) for k, v in metrics.items()}
         self.history.append(row)
         if self.cfg.logging.jsonl:
-            with open(self.path / "metrics.jsonl", "a") as f:
+            with open(self.path / METRICS_FILE, "a") as f:
                 f.write(json.dumps(row) + "\n")
         if self._writer is None:
             return
@@ -284,20 +343,11 @@ class RunDirectory:
                                 stat_label="flip rate")
             self._writer.add_image("routing/flip_rate_heatmap", img, step, dataformats="HWC")
 
-    def save_rollout(self, step: int, rollout: Any) -> None:
-        """One JSON line per sequence of the step's training batch, when it is due."""
-        every = self.cfg.logging.rollouts_every
-        if not every or step % every:
-            return
-        b = rollout.batch
-        lines = []
-        for i in range(b.batch_size):
-            p, r = int(b.prompt_lens_B[i]), int(b.response_lens_B[i])
-            lines.append(json.dumps({
-                "row": i, "prompt_ids": b.tokens_BS[i, :p].tolist(), "response_ids": b.tokens_BS[i, p:p + r].tolist(),
-                "text": rollout.texts[i], "reward": float(rollout.rewards_B[i]), "advantage": float(rollout.adv_B[i]),
-                "sampler_logprobs": rollout.rollout_logp_BT[i, :r].tolist()}))
-        atomic_write_text(self.path / "rollouts" / f"step_{step:06d}.jsonl", "\n".join(lines) + "\n")
+    def save_rollout(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """One JSON line per sequence of the step's training batch (`Rollout.dump_rows` of
+        every data-parallel rank; the trainer decides when a dump is due)."""
+        atomic_write_text(self.path / "rollouts" / f"step_{step:06d}.jsonl",
+                          "".join(json.dumps(r) + "\n" for r in rows))
 
     def rotate_checkpoints(self) -> None:
         """Keep this run's newest KEEP_CHECKPOINTS complete checkpoints; never touch another

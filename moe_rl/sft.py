@@ -11,14 +11,19 @@ mean_i exp(sum_t log pi(answer_it)), which is exactly the reward RL starts from,
 once it reaches `sft.target_reward`. The final model (no optimizer state) is saved with
 `save_checkpoint` to `sft.output` (an existing checkpoint there is replaced once the new
 one is complete; any other existing directory is refused). The run directory gets
-config.yaml and sft_summary.json when the run finished. Errors are one line (exit 2);
-`--debug` shows the traceback.
+config.yaml and sft_summary.json when the run finished. Ctrl-C or SIGTERM stops it after
+the step in progress, like the target reward, and saves the model so far the same way
+(exit status 130 / 143; `moe_rl.interrupt`). Errors are one line (exit 2);
+`--debug` shows the traceback. `--check [--nproc N]` only checks the recipe and its
+inputs for N ranks and prints one line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,6 +35,7 @@ from moe_rl.atomic import atomic_write_text
 from moe_rl.batch import TokenBatch
 from moe_rl.cli import cpu_environment, parse, run_guarded, setup_logging
 from moe_rl.config import Config, save_config
+from moe_rl.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
 from moe_rl.tasks.tokenizer import Tokenizer
@@ -71,7 +77,7 @@ def expected_reward(learner, batch: TokenBatch) -> float:
 def _check_output(cfg: Config) -> None:
     """sft.output is replaced at the end only when it is a checkpoint (or absent / empty):
     refuse anything else before training rather than after."""
-    from moe_rl.checkpoint_files import is_checkpoint
+    from moe_rl.checkpoints.directories import is_checkpoint
     from moe_rl.config import ConfigError
 
     out = Path(cfg.sft.output) if cfg.sft.output else cfg.run_dir / "base"
@@ -84,9 +90,9 @@ def _check_output(cfg: Config) -> None:
 
 def run(cfg: Config) -> dict:
     from moe_rl.learner import Learner, init_distributed, parallel_layout, save_checkpoint
-    from moe_rl.preflight import check_task_inputs
+    from moe_rl.preflight import check_run
 
-    check_task_inputs(cfg, completions=True)  # before any process group: one line naming the key
+    check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")), sft=True)  # once, before anything is built
     _check_output(cfg)
     rank, world = init_distributed(cfg.parallel.distributed_backend)
     setup_logging(rank)
@@ -104,32 +110,42 @@ def run(cfg: Config) -> dict:
         reward = expected_reward(learner, eval_batch)
         history.append({"step": 0, "expected_reward": reward})
         log.info("sft start: %s, expected reward %.3f", layout.name, reward)
-        for step in range(1, cfg.sft.steps + 1):
-            batch = encode_problems(task.sample(cfg.sft.batch_size, rng), task, tok, layout.tp)
-            metrics = learner.train_step(batch, nll_loss(batch))
-            if step % cfg.sft.eval_every == 0 or step == cfg.sft.steps:
-                reward = expected_reward(learner, eval_batch)
-                history.append({"step": step, "nll": metrics["nll"], "expected_reward": reward,
-                                "seconds": time.perf_counter() - t0})
-                log.info("sft step %d: nll %.3f, expected reward %.3f (%.0fs)", step, metrics["nll"],
-                         reward, time.perf_counter() - t0)
-                if cfg.sft.target_reward and reward >= cfg.sft.target_reward:
-                    break
+        signum = None
+        with StopOnSignal() as stop:  # a signal stops after the step in progress, like the target reward
+            for step in range(1, cfg.sft.steps + 1):
+                batch = encode_problems(task.sample(cfg.sft.batch_size, rng), task, tok, layout.tp)
+                metrics = learner.train_step(batch, nll_loss(batch))
+                signum = stop.agreed() if step < cfg.sft.steps else None  # collective: every rank stops here
+                if signum or step % cfg.sft.eval_every == 0 or step == cfg.sft.steps:
+                    reward = expected_reward(learner, eval_batch)
+                    history.append({"step": step, "nll": metrics["nll"], "expected_reward": reward,
+                                    "seconds": time.perf_counter() - t0})
+                    log.info("sft step %d: nll %.3f, expected reward %.3f (%.0fs)", step, metrics["nll"],
+                             reward, time.perf_counter() - t0)
+                    if signum or (cfg.sft.target_reward and reward >= cfg.sft.target_reward):
+                        break
         save_checkpoint(learner, out, extra_meta={"sft": history[-1]}, include_optimizer=False)
     summary = {"steps": history[-1]["step"], "expected_reward": history[-1]["expected_reward"],
                "seconds": time.perf_counter() - t0, "world_size": world, "checkpoint": str(out),
-               "history": history}
+               "history": history, "stopped_by": signal.Signals(signum).name if signum else None}
     if rank == 0:
         save_config(cfg, run_dir / "config.yaml")  # only once the run succeeded
         atomic_write_text(run_dir / "sft_summary.json", json.dumps(summary, indent=2) + "\n")
-        log.info("sft done: %d steps, expected reward %.3f, checkpoint %s", summary["steps"],
-                 summary["expected_reward"], out)
+        if signum:
+            log.warning("sft stopped by %s after step %d of %d; the model so far is saved in %s (SFT does not "
+                        "resume: run it again to train from the start)", summary["stopped_by"], summary["steps"],
+                        cfg.sft.steps, out)
+        else:
+            log.info("sft done: %d steps, expected reward %.3f, checkpoint %s", summary["steps"],
+                     summary["expected_reward"], out)
+    if signum:
+        raise StoppedBySignal(signum)
     return summary
 
 
 def main(argv: list[str] | None = None) -> None:
     cpu_environment()
-    args, cfg = parse(argv, "python -m moe_rl.sft", __doc__)
+    args, cfg = parse(argv, "python -m moe_rl.sft", __doc__, sft=True)
     sys.exit(run_guarded("python -m moe_rl.sft", lambda: _run_cli(cfg), debug=args.debug))
 
 

@@ -4,11 +4,14 @@
     torchrun --nproc-per-node 2 -m moe_rl.train --config examples/tiny_rspo.yaml \\
         parallel.expert_model_parallel_size=2
     python -m moe_rl.train --help-config
+    python -m moe_rl.train --check --nproc 8 --config RECIPE   # check only: one line, exit 0 or 2
 
 A recipe that names an unknown key, a value of the wrong type or an impossible layout
 fails here (exit status 2, the message names the key), before any process group, model or
-sampler is built. Every later error the user can fix (task data, checkpoints, the run
-directory, a full disk) is one line too, with exit status 2; `--debug` shows the traceback.
+sampler is built; under torchrun rank 0 prints it, once. `--check` runs every pre-flight
+check for `--nproc` ranks and prints `recipe OK: <what would run>`. Every later error the
+user can fix (task data, checkpoints, the run directory, a full disk) is one line too, with
+exit status 2; `--debug` shows the traceback; `--verbose` shows third-party warnings.
 """
 
 from __future__ import annotations

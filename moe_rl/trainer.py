@@ -3,16 +3,16 @@
     trainer = Trainer(cfg)          # inside torchrun or a plain process
     summary = trainer.fit()
 
-One step, on every rank of the torchrun world:
+One step, on every rank of the torchrun world (docs/step.md):
   1. collect (`moe_rl.rollout`): every rollout group's engine samples its block of the
-     problems, G responses each; rewards, dynamic sampling, advantages; the scored groups
-     are gathered so every rank packs the same batch;
-  2. score: the learner recomputes old logprobs and records routing (R3: replaying the
-     sampler's); a reference model scores the batch when `kl_coef > 0`;
+     problems, G responses each; rewards, dynamic sampling, advantages; each data-parallel
+     rank receives only its rows, as a `StepBatch`;
+  2. score: the learner recomputes old logprobs and records routing for those rows (R3:
+     replaying the sampler's); a reference model scores them when `kl_coef > 0`;
   3. update: `epochs x num_minibatches` optimizer steps with the objective's loss
      (`moe_rl.update`), under the learner's routing plan (router shift, R2/R3 replay);
-  4. sync: every rank assembles the learner's full tensors and streams them into its engine;
-  5. log and checkpoint (`moe_rl.rundir`).
+  4. sync: `collector.weight_sync` pushes the weights to the engines, whatever the placement;
+  5. log and checkpoint (`moe_rl.rundir`); SIGINT / SIGTERM end the step, save and exit.
 Determinism: problems, sampler seeds and mini-batch shuffles derive from (run.seed, step)
 alone, so a run resumed from a checkpoint replays the same steps an uninterrupted run takes.
 """
@@ -22,34 +22,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-import torch
-
-from moe_rl.config import Config, ConfigError, validate_layout
-from moe_rl.diagnostics import compute_mismatch
+from moe_rl.config import Config, ConfigError
+from moe_rl.diagnostics import combine_mismatch_summaries, compute_mismatch
+from moe_rl.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.metrics import combine
-from moe_rl.rollout import Rollout, RolloutCollector
+from moe_rl.preflight import check_run
+from moe_rl.rollout import Rollout, RolloutCollector, Sampled
 from moe_rl.rundir import RunDirectory
+from moe_rl.step_batch import StepBatch
 from moe_rl.timing import StepTimer
 from moe_rl.update import PolicyLossFn, minibatch_rows
 
 log = logging.getLogger("moe_rl.trainer")
-
-
-def check_run_inputs(cfg: Config) -> None:
-    """Starting weights and sampler capabilities, checked before any work."""
-    init = cfg.run.init_checkpoint
-    if not init and not cfg.run.resume:
-        raise ConfigError("run.init_checkpoint is required: a moe_rl checkpoint or a Hugging Face directory "
-                          "(the tiny recipes use moe_rl/assets/tiny_base)")
-    if init and not Path(init).exists():
-        raise ConfigError(f"run.init_checkpoint={init} does not exist (paths are relative to the working directory)")
-    if cfg.rl.replay == "R3" and cfg.sampler.backend == "vllm" and not torch.cuda.is_available():
-        raise ConfigError("rl.replay=R3 needs the sampler's routed experts, which vLLM cannot return on CPU "
-                          "(no V2 model runner); use sampler.backend=transformers")
 
 
 class Trainer:
@@ -58,9 +47,8 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         from moe_rl.learner import init_distributed
 
-        check_run_inputs(cfg)
-        # The layout is checked against torchrun's WORLD_SIZE before any process group exists.
-        validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        # Every input check, once, against torchrun's WORLD_SIZE, before anything is built.
+        check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.cfg = cfg
         separate = cfg.sampler.placement == "separate"
         self.rank, self.world = init_distributed(cfg.parallel.distributed_backend,
@@ -75,6 +63,7 @@ class Trainer:
 
     def setup(self) -> None:
         from moe_rl.learner import Learner, load_checkpoint, parallel_layout
+        from moe_rl.learner.offload import HostOffload
 
         cfg = self.cfg
         resume_from = self.run_dir.prepare(cfg.run.resume, rank=self.rank)
@@ -88,19 +77,19 @@ class Trainer:
             log.info("resumed from %s at step %d", resume_from, self.start_step)
         elif init:
             self._load_init(self.learner, init)
+        self._offload = HostOffload(self.learner) if cfg.optimizer.offload_during_rollout else None
         self.ref = None
-        if cfg.rl.kl_coef > 0:
-            if not init:
-                raise ConfigError("rl.kl_coef > 0 needs run.init_checkpoint (the reference policy)")
+        if cfg.rl.kl_coef > 0:  # (the preflight made sure there is an init checkpoint)
             self.ref = Learner(cfg, self.layout, trainable=False)
             self._load_init(self.ref, init)
         self._stack.callback(self.collector.close)
         self.collector.start_sampler(self.run_dir.path, resume_from or (Path(init) if init else None))
         self.start_step = self.collector.placement.from_rank0(self.start_step)  # (to engine-only ranks)
+        self.collector.weight_sync.held_version = self.start_step
+        self.collector.assign_rows(self.layout.dp_rank)
         if self.rank == 0:
             self._stack.callback(self.run_dir.close)
             self.run_dir.start_logging(self.start_step)
-        self._check_sampler_routing()
 
     def _load_init(self, learner: Any, path: str) -> None:
         from moe_rl.learner import load_checkpoint
@@ -116,32 +105,34 @@ class Trainer:
             raise ConfigError(f"run.init_checkpoint={path} is neither a moe_rl checkpoint nor a Hugging Face directory")
         learner.step = 0
 
-    def _check_sampler_routing(self) -> None:
-        if self.cfg.rl.replay == "R3" and not self.collector.returns_routed_experts:
-            raise ConfigError(
-                f"rl.replay=R3 needs the sampler's routed experts; sampler.backend={self.cfg.sampler.backend} "
-                "does not return them here (vLLM on CPU cannot); use sampler.backend=transformers"
-            )
-
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, StepTimer()
         t_step = time.perf_counter()
+        with timer.phase("offload"):
+            offloaded = self._offload.offload() if self._offload is not None else 0
         rollout = self.collector.collect(step, timer)
-        if self.rank == 0:
-            self.run_dir.save_rollout(step, rollout)
-        score = None
+        with timer.phase("offload"):
+            if self._offload is not None:
+                self._offload.reload()
+        self._save_rollout(step, rollout)
+        batch = rollout.batch
         with timer.phase("old_logprob"):
             if not cfg.rl.scores_in_update:
-                score = self.learner.score(rollout.batch, cfg.sampler.temperature, self.learner.routing_plan(
-                    cfg.rl.replay, capture=self.records_routing, sampler=rollout.sampler_routing))
-            ref_logp = self.ref.logprobs(rollout.batch, cfg.sampler.temperature) if self.ref is not None else None
+                plan = self.learner.routing_plan(cfg.rl.replay, batch, capture=self.records_routing)
+                score = self.learner.score(batch, plan, cfg.sampler.temperature)
+                batch = batch.scored(score.logp_BT, score.record)
+            if self.ref is not None:
+                batch = batch.with_reference(self.ref.score(batch, temperature=cfg.sampler.temperature).logp_BT)
         with timer.phase("update"):
-            metrics, score = self._update(step, rollout, score, ref_logp)
-        metrics.update(self._rollout_metrics(rollout, score))
+            metrics, batch = self._update(step, batch)
+        metrics.update(rollout.stats)
+        if self._offload is not None:
+            metrics["learner/offloaded_gib"] = offloaded / 2**30
+        metrics.update(self._mismatch_metrics(batch, step))
         with timer.phase("sync"):
-            metrics.update(self._sync_weights())
+            metrics.update(self._sync_weights(step))
         if self._eval_due(step):
             with timer.phase("eval"):
                 metrics.update(self.collector.evaluate(step))
@@ -152,76 +143,105 @@ class Trainer:
         metrics["step"] = step
         return metrics
 
-    def _rollout_metrics(self, rollout: Rollout, score: Any) -> dict[str, float]:
-        """The rollout's statistics, sampler-learner mismatch and routing disagreement."""
-        metrics: dict[str, float] = dict(rollout.stats)
-        mask_BT = rollout.batch.response_mask()
-        metrics.update(compute_mismatch(rollout.rollout_logp_BT, score.logp_BT, mask_BT, check_values=False).summary())
-        if rollout.sampler_routing is not None and score.record is not None:
-            metrics.update(self.learner.sampler_disagreement(score.record, rollout.sampler_routing, rollout.batch))
+    def _mismatch_metrics(self, batch: StepBatch, step: int) -> dict[str, float]:
+        """Sampler-learner mismatch over every data-parallel rank's rows (each rank measures
+        its own; the scalars are combined by count), split by staleness under asynchronous
+        rollout (`mismatch/k3_stale0`, ...), and the routing disagreement."""
+        mask_BT = batch.response_mask()
+        mine = compute_mismatch(batch.sampler_logp_BT, batch.old_logp_BT, mask_BT, check_values=False)
+        metrics = combine_mismatch_summaries(self.learner.dp_gather_object(mine.summary()))
+        for stale in range(1 + self.cfg.rl.max_staleness) if self.cfg.rl.max_staleness else ():
+            rows = (step - 1) - batch.version_B == stale
+            part = compute_mismatch(batch.sampler_logp_BT[rows], batch.old_logp_BT[rows], mask_BT[rows],
+                                    check_values=False)
+            whole = combine_mismatch_summaries(self.learner.dp_gather_object(part.summary()))
+            metrics[f"mismatch/k3_stale{stale}"] = whole["mismatch/k3"]
+            metrics[f"mismatch/num_tokens_stale{stale}"] = whole["mismatch/num_tokens"]
+        if batch.sampler_routing is not None and batch.old_routing is not None:
+            metrics.update(self.learner.sampler_disagreement(batch.old_routing, batch))
         return metrics
 
-    def _update(self, step: int, rollout: Rollout, score: Any, ref_logp: torch.Tensor | None) -> tuple[dict, Any]:
-        """`epochs x num_minibatches` optimizer steps on the rollout batch. Without `score`
-        (the on-policy shortcut: one update, no replay), the update's own forward provides
-        the old logprobs and routing record, returned as the step's score."""
-        cfg, batch = self.cfg, rollout.batch
-        extras = {"adv_B": rollout.adv_B, "rollout_logp_BT": rollout.rollout_logp_BT}
-        if score is not None:
-            extras["old_logp_BT"] = score.logp_BT
-        if ref_logp is not None:
-            extras["ref_logp_BT"] = ref_logp
-        if score is None:
-            plan = self.learner.routing_plan("none", capture=self.records_routing)
-        elif self.records_routing:
-            plan = self.learner.routing_plan(cfg.rl.replay, old=score.record, sampler=rollout.sampler_routing)
-        else:
-            plan = self.learner.routing_plan("none")
-        loss_fn = PolicyLossFn(cfg, on_policy=score is None)
+    def _update(self, step: int, batch: StepBatch) -> tuple[dict[str, float], StepBatch]:
+        """`epochs x num_minibatches` optimizer steps on the step's rows, each rank on its own
+        rows of every mini-batch. An unscored batch (the on-policy shortcut: one update, no
+        replay) takes its old logprobs and routing record from the update's own forward."""
+        cfg = self.cfg
+        loss_fn = PolicyLossFn(cfg, on_policy=batch.old_logp_BT is None)
+        plan = self.learner.routing_plan(cfg.rl.replay if batch.old_logp_BT is not None else "none", batch,
+                                         capture=self.records_routing)
         updates = []
         for epoch in range(cfg.rl.epochs):
-            for rows in minibatch_rows(batch.batch_size, cfg.rl.num_minibatches, self.layout.dp,
+            for rows in minibatch_rows(batch.step_rows, cfg.rl.num_minibatches, self.layout.dp,
                                        seed=cfg.run.seed * 7919 + step * 31 + epoch):
-                out, own = self.learner.train_step_scored(
-                    batch.select(rows), loss_fn, {k: v[rows] for k, v in extras.items()}, cfg.sampler.temperature,
-                    plan, row_ids=rows, scored=score is None)
-                score = score or own
-                updates.append({k if "/" in k else f"learner/{k}": v for k, v in out.items()})
+                result = self.learner.update(batch.take(rows), loss_fn, plan, cfg.sampler.temperature)
+                if batch.old_logp_BT is None:
+                    batch = batch.scored(result.logp_BT, result.record)
+                updates.append({k if "/" in k else f"learner/{k}": v for k, v in result.metrics.items()})
         metrics = combine(updates)
         metrics["policy/updates"] = float(len(updates))
-        return metrics, score
+        return metrics, batch
 
-    def _sync_weights(self) -> dict[str, float]:
-        """Colocated: every rank assembles the learner's full tensors (receiving only the
-        pieces it lacks) and streams them into its own engine, in layer-aligned buckets.
-        Separate: rank 0 assembles them and broadcasts the buckets to the engine ranks."""
-        from moe_rl.learner.export import hf_named_tensors
-        from moe_rl.learner.gather import SyncTraffic
+    def _save_rollout(self, step: int, rollout: Rollout) -> None:
+        """Every data-parallel rank's rows to rank 0, when a dump is due (a debugging aid:
+        the only time rows travel to one rank)."""
+        every = self.cfg.logging.rollouts_every
+        if not every or step % every:
+            return
+        rows = [r for part in self.learner.dp_gather_object(rollout.dump_rows()) for r in part]
+        if self.rank == 0:
+            self.run_dir.save_rollout(step, sorted(rows, key=lambda r: r["row"]))
 
-        traffic = SyncTraffic()
-        colocated = self.cfg.sampler.placement == "colocated"
-        stream = hf_named_tensors(self.learner, dst=None if colocated else 0, traffic=traffic)
-        report = self.collector.sync_weights(stream)
-        mine = {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
-                "sync/bytes_sent": float(traffic.bytes_sent)}
-        everyone = self.learner.all_gather_object(mine)
-        per_rank = {f"{k}_rank{r}": v for r, m in enumerate(everyone) if len(everyone) > 1 for k, v in m.items()
-                    if k in ("sync/seconds", "sync/bytes_received")}
-        return {**mine, **per_rank, "sync/seconds_max": max(m["sync/seconds"] for m in everyone)}
+    def _sync_weights(self, step: int) -> dict[str, float]:
+        """Push the updated weights to the engines (`moe_rl.rollout.weight_sync`: the placement
+        decides how), tagged with their version: the number of steps trained."""
+        return self.collector.weight_sync.push(self.learner, version=step)
 
     def _serve_rollouts(self) -> dict[str, Any]:
         """An engine-only rank (separate placement): sample its share of every step and take
-        the weights after each update; the learner ranks do the rest."""
+        the weights after each update; the learner ranks do the rest. Under
+        `rl.max_staleness` it samples step n+1 before it takes step n's weights, so the
+        sampling overlaps the learners' update (`moe_rl.rollout.ahead`)."""
         with self._stack:
             self._stack.callback(self.collector.close)
             self.collector.start_sampler(self.run_dir.path, None)
             start = self.collector.placement.from_rank0(None)
-            for step in range(start + 1, self.cfg.run.steps + 1):
-                self.collector.collect(step, StepTimer())
-                self.collector.receive_weights()
-                if self._eval_due(step):
-                    self.collector.evaluate(step)
+            self.collector.weight_sync.held_version = start
+            self.collector.assign_rows(None)  # (trains on no rows)
+            ahead = self._first_batch(start + 1) if self.cfg.rl.max_staleness else None
+            with StopOnSignal() as stop:
+                for step in range(start + 1, self.cfg.run.steps + 1):
+                    timer = StepTimer()
+                    self.collector.deliver(step, ahead or self.collector.sample(step, timer), timer)
+                    if self.cfg.rl.max_staleness and step < self.cfg.run.steps:
+                        ahead = self.collector.sample(step + 1, timer)
+                        self._keep_ahead(ahead)
+                    t0 = time.perf_counter()
+                    self.collector.weight_sync.receive()
+                    self.collector.engine_wait = time.perf_counter() - t0
+                    if self._eval_due(step):
+                        self.collector.evaluate(step)
+                    signum = self._agreed_stop(stop, step)  # (the learner ranks ask after their step)
+                    if signum:
+                        raise StoppedBySignal(signum)
         return {}
+
+    def _first_batch(self, step: int) -> Sampled | None:
+        """Asynchronous rollout's first batch: the one sampled ahead before a stop, when this
+        run is resumed and it was saved; else sampled now."""
+        from moe_rl.rollout.ahead import load_ahead
+
+        engine = self.collector.placement.engine
+        saved = load_ahead(self.run_dir.path, step, engine) if step > 1 else None
+        if step > 1 and saved is None and self.collector.placement.leader:
+            log.warning("resuming step %d without the batch sampled ahead before the stop: sampling it now with "
+                        "the checkpoint's weights (the uninterrupted run used the step before's)", step)
+        return saved or self.collector.sample(step, StepTimer())
+
+    def _keep_ahead(self, sampled: Sampled | None) -> None:
+        if sampled is not None and self.collector.placement.leader:
+            from moe_rl.rollout.ahead import save_ahead
+
+            save_ahead(self.run_dir.path, self.collector.placement.engine, sampled)
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.run.eval_every
@@ -236,20 +256,47 @@ class Trainer:
             self.setup()
             t0 = time.perf_counter()
             bar = self._progress_bar()
-            for step in range(self.start_step + 1, self.cfg.run.steps + 1):
-                metrics = self.step(step)
-                if self.rank == 0:
-                    self.run_dir.log(step, metrics)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(_postfix(metrics), refresh=False)
-                if (self.cfg.run.save_every and step % self.cfg.run.save_every == 0) or step == self.cfg.run.steps:
-                    self._save(step)
+            with StopOnSignal() as stop:
+                for step in range(self.start_step + 1, self.cfg.run.steps + 1):
+                    metrics = self.step(step)
+                    if self.rank == 0:
+                        self.run_dir.log(step, metrics)
+                        if bar is not None:  # postfix first: the line drawn at k/N shows step k's values
+                            bar.set_postfix(_postfix(metrics), refresh=False)
+                            bar.update(1)
+                    signum = self._agreed_stop(stop, step)
+                    if signum or self._save_due(step):
+                        self._save(step)
+                    if signum:
+                        self._stop(step, signum, bar)
+            if bar is not None:
+                bar.close()  # its last line before the summary's (the stack's close is then a no-op)
             if self.rank != 0:
                 return {}
             if self.cfg.run.export_hf:
                 self._export_final()
             return self.run_dir.write_summary(time.perf_counter() - t0, self.world, self.layout.name)
+
+    def _agreed_stop(self, stop: StopOnSignal, step: int) -> int | None:
+        """Collective over every rank, once per step: the signal all ranks stop for after
+        `step` (None: go on; a signal during the last step lets the run finish)."""
+        signum = stop.agreed()
+        return signum if signum and step < self.cfg.run.steps else None
+
+    def _save_due(self, step: int) -> bool:
+        every = self.cfg.run.save_every
+        return (bool(every) and step % every == 0) or step == self.cfg.run.steps
+
+    def _stop(self, step: int, signum: int, bar: Any) -> NoReturn:
+        """After `step`'s checkpoint: say what happened and how to go on, and leave with the
+        signal's exit status (130 for SIGINT, 143 for SIGTERM)."""
+        if bar is not None:
+            bar.close()
+        if self.rank == 0:
+            log.warning("stopped by %s after step %d of %d, saved in %s; to continue, run the same command with "
+                        "run.resume=true", signal.Signals(signum).name, step, self.cfg.run.steps,
+                        self.run_dir.checkpoints / f"step_{step:06d}")
+        raise StoppedBySignal(signum)
 
     def _progress_bar(self) -> Any:
         if self.rank != 0 or not self.cfg.logging.progress:

@@ -1,9 +1,9 @@
-"""The policy update of one RL step: how the rollout batch splits into mini-batches, and
-the loss callback the learner calls on every micro-batch.
+"""The policy update of one RL step: how the step's rows split into mini-batches, and the
+loss callback the learner calls on every micro-batch.
 
     loss_fn = PolicyLossFn(cfg)           # hyperparameters built and checked once per step
-    for rows in minibatch_rows(B, cfg.rl.num_minibatches, dp, seed):
-        learner.train_step(batch.select(rows), loss_fn, extras, ...)
+    for rows in minibatch_rows(batch.step_rows, cfg.rl.num_minibatches, dp, seed):
+        learner.update(batch.take(rows), loss_fn, plan)     # each rank: its rows of `rows`
 
 The learner hands each micro-batch the counts of the whole mini-batch (`MicroBatch.totals`);
 they are the objective's global normalisers, so micro-batch losses sum to the mini-batch loss.
@@ -12,11 +12,15 @@ they are the objective's global normalisers, so micro-batch losses sum to the mi
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, PolicyBatch, make_common_hparams, policy_loss_from_hparams
+
+if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)
+    from moe_rl.learner import MicroBatch, MicroBatchLoss
 
 
 def minibatch_rows(B: int, num_minibatches: int, dp: int, seed: int) -> list[torch.Tensor]:
@@ -35,8 +39,9 @@ def minibatch_rows(B: int, num_minibatches: int, dp: int, seed: int) -> list[tor
 class PolicyLossFn:
     """The objective's loss on one micro-batch, as the learner's `LossFn`.
 
-    Reads from the micro-batch's extras: `old_logp_BT`, `adv_B`, `rollout_logp_BT` and
-    (with a KL penalty) `ref_logp_BT`; from its aux the router-shift weights (rspo).
+    Reads the micro-batch's `StepBatch`: `adv_B`, `old_logp_BT`, `sampler_logp_BT` (with a
+    rollout correction) and `ref_logp_BT` (with a KL penalty); from its aux the router-shift
+    weights (rspo).
     `on_policy`: the update runs at the weights that sampled (one update per rollout), so
     the old logprobs are this forward's own, detached, and the router has not moved (gamma
     is 1); no old-logprob pass is needed."""
@@ -55,19 +60,21 @@ class PolicyLossFn:
             rollout_correction=rl.rollout_correction, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
             max_response_length=cfg.sampler.max_new_tokens, **dataclasses.asdict(rl.rollout_correction_args))
 
-    def __call__(self, logp_BT: torch.Tensor, mb):  # (MicroBatch) -> MicroBatchLoss
-        e, totals = mb.extras, mb.totals
-        old_BT = logp_BT.detach() if self.on_policy else e["old_logp_BT"]
+    def __call__(self, logp_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
+        rows, totals = mb.step, mb.totals
+        old_BT = logp_BT.detach() if self.on_policy else rows.old_logp_BT
+        if old_BT is None:
+            raise ValueError("an off-policy update needs the batch's old logprobs (score it first)")
         shift_BT = None
         if self.spec.needs_router_shift:
             shift_BT = torch.ones_like(old_BT) if self.on_policy else mb.aux.get("router_shift_BT")
         pb = PolicyBatch(
             logprobs=logp_BT,
             old_logprobs=old_BT,
-            advantages=e["adv_B"],
-            response_mask=mb.batch.response_mask(),
-            rollout_logprobs=e["rollout_logp_BT"] if self.uses_rollout_logp else None,
-            ref_logprobs=e.get("ref_logp_BT"),
+            advantages=rows.adv_B,
+            response_mask=rows.response_mask(),
+            rollout_logprobs=rows.sampler_logp_BT if self.uses_rollout_logp else None,
+            ref_logprobs=rows.ref_logp_BT,
             router_shift=shift_BT,
         )
         common = dataclasses.replace(self.common, token_normalizer=totals.response_tokens,

@@ -3,7 +3,7 @@ run-directory ownership and retention, the restricted metadata reader, and the c
 (a real training process SIGKILLed at many points, resumed each time, bit-exact).
 
 The chaos test drives the test hook `MOE_RL_TEST_KILL_AT=<point>[#<n>]`
-(`moe_rl.checkpoint_files.kill_point`): the process SIGKILLs itself the n-th time it
+(`moe_rl.checkpoints.chaos.kill_point`): the process SIGKILLs itself the n-th time it
 reaches a named point of a save.
 """
 
@@ -23,17 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.checkpoint_files import (
-    MANIFEST_FILE,
-    CheckpointError,
-    digest_files,
-    ensure_verified,
-    latest_checkpoint,
-    list_files,
-    remove_temps,
-    verify_share,
-    write_manifest,
-)
+from moe_rl.checkpoints import MANIFEST_FILE
+from moe_rl.checkpoints.directories import latest_checkpoint
+from moe_rl.checkpoints.errors import CheckpointError
+from moe_rl.checkpoints.manifest import digest_files, list_files, verify_share, write_manifest
+from moe_rl.checkpoints.temps import remove_temps
+from moe_rl.checkpoints.trust import ensure_verified
 from moe_rl.config import ConfigError, load_config
 from moe_rl.rundir import RunDirectory
 
@@ -102,11 +97,22 @@ def test_no_manifest_needs_trust_and_a_bad_manifest_is_never_trusted(tmp_path):
     ck = fake_checkpoint(tmp_path / "c", manifest=False)
     with pytest.raises(CheckpointError, match=r"has no manifest.json.*--trust"):
         ensure_verified(ck)
-    assert ensure_verified(ck, trust_it=True) is False  # accepted, read the trusting way
+    assert ensure_verified(ck, trust=True) is False  # accepted, read the trusting way
     bad = fake_checkpoint(tmp_path / "b")
     (bad / "common.pt").write_bytes(b"changed")
     with pytest.raises(CheckpointError, match=r"common\.pt is truncated"):
-        ensure_verified(bad, trust_it=True)
+        ensure_verified(bad, trust=True)
+
+
+def test_kill_hook_fires_at_the_nth_hit_of_its_point_only():
+    """The chaos hook counts hits of the named point alone (other points pass through)."""
+    code = ("from moe_rl.checkpoints.chaos import kill_point as k\n"
+            "for p in ('save.file', 'save.meta', 'save.file', 'save.file'):\n"
+            "    k(p); print(p, flush=True)")
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(MOE_RL_TEST_KILL_AT="save.file#3"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout.split() == ["save.file", "save.meta", "save.file"]
 
 
 def test_crafted_metadata_pickle_is_never_executed(tmp_path):
@@ -209,6 +215,66 @@ def test_resume_from_a_checkpoint_without_manifest_needs_trust(tmp_path):
     rd.close()
 
 
+def _write_rows(run: Path, steps: range, tail: str = "") -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in steps)
+                                       + tail)
+
+
+def test_resume_moves_the_rows_logged_after_its_checkpoint_aside(tmp_path, caplog):
+    run = tmp_path / "r"
+    from moe_rl.config import save_config
+
+    save_config(make_cfg(tmp_path), fake_checkpoint(run / "checkpoints" / "step_000002", 2, run_id="mine")
+                / "config.yaml")
+    (run / "run.json").write_text('{"run_id": "mine"}')
+    _write_rows(run, range(1, 6), tail='{"step": 6, "rew')  # a kill cut the last line short
+    rd = RunDirectory(make_cfg(tmp_path))
+    assert rd.prepare(resume=True).name == "step_000002"
+    rd.start_logging(2)
+    rd.close()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [row["step"] for row in rd.history] == [1, 2]
+    aside = list(run.glob("metrics.jsonl.after-step-2-*"))
+    assert len(aside) == 1
+    assert aside[0].read_text().splitlines() == [json.dumps({"step": s, "reward/mean": s / 10}) for s in (3, 4, 5)] \
+        + ['{"step": 6, "rew']
+    assert "4 rows of metrics.jsonl logged after step 2" in caplog.text
+
+
+def test_logged_steps_without_a_checkpoint_are_never_dropped(tmp_path):
+    run = tmp_path / "r"
+    _write_rows(run, range(1, 4))
+    before = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=r"run.resume=true but .*/r has no checkpoint to continue from, only 3 "
+                                          r"logged steps \(up to step 3 in metrics.jsonl.*run.resume=false "
+                                          r"run.overwrite=true"):
+        RunDirectory(make_cfg(tmp_path)).prepare(resume=True)
+    with pytest.raises(ConfigError, match=r"/r holds an earlier run \(3 steps in metrics.jsonl, no checkpoint\); "
+                                          r"start over with run.overwrite=true"):
+        RunDirectory(make_cfg(tmp_path)).prepare(resume=False)
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_bytes() == before
+    rd = RunDirectory(make_cfg(tmp_path, "run.overwrite=true"))
+    assert rd.prepare(resume=False) is None
+    rd.close()
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("r.overwritten-")]
+    assert len(moved) == 1 and (moved[0] / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_in_an_empty_directory_starts_fresh_and_says_so(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    rd = RunDirectory(make_cfg(tmp_path))
+    assert rd.prepare(resume=True) is None
+    rd.close()
+    assert f"run.resume=true: nothing to resume in {tmp_path / 'r'} yet; starting a fresh run from {BASE}" \
+        in caplog.text
+    with pytest.raises(ConfigError, match=r"no checkpoint yet, and run.init_checkpoint is empty"):
+        RunDirectory(make_cfg(tmp_path / "other", "run.init_checkpoint=")).prepare(resume=True)
+
+
 def test_a_second_process_in_the_same_run_directory_is_refused(tmp_path):
     first = RunDirectory(make_cfg(tmp_path))
     first.prepare(resume=False)
@@ -286,6 +352,20 @@ def _train_cmd(out: Path, name: str, *extra: str) -> list[str]:
             f"run.name={name}", *extra]
 
 
+@pytest.mark.slow
+def test_training_starts_from_a_trusted_checkpoint_without_manifest(tmp_path):
+    """Trust is passed to each reader of the checkpoint (the learner's load, the sampler's
+    conversion); no reader relies on another having been told."""
+    bare = fake_checkpoint(tmp_path / "bare", manifest=False)
+    cmd = _train_cmd(tmp_path, "t", "run.steps=1", f"run.init_checkpoint={bare}")
+    refused = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+    assert refused.returncode == 2 and f"checkpoint {bare} has no manifest.json" in refused.stderr, refused.stderr
+    ok = subprocess.run([*cmd, "run.trust_checkpoint=true", "run.overwrite=true"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=600, env=child_env())
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert (tmp_path / "t" / "sampler_hf" / "config.json").is_file()  # converted from the trusted checkpoint
+
+
 def _tagged(tag: str) -> list[int]:
     """Live processes started by one launch (they inherit its environment tag)."""
     import psutil
@@ -318,7 +398,10 @@ def _launch(out: Path, kill: str, first: bool, steps: int) -> int:
     kind, _, arg = kill.partition(":")
     if kind not in ("timer", "after_step", "none"):
         env["MOE_RL_TEST_KILL_AT"] = kill
-    cmd = _train_cmd(out, "chaos", f"run.steps={steps}", f"run.resume={str(not first).lower()}")
+    start = ["run.resume=false"] if first else ["run.resume=true"]
+    if not first and latest_checkpoint(out / "chaos") is None and RunDirectory(make_cfg(out, "run.name=chaos")).logged_steps():
+        start = ["run.resume=false", "run.overwrite=true"]  # steps logged, none saved: a resume refuses
+    cmd = _train_cmd(out, "chaos", f"run.steps={steps}", *start)
     started = time.time()
     errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the child
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)

@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_rl.checkpoint_files import MANIFEST_FILE, digest_files, list_files, write_manifest
+from moe_rl.checkpoints import MANIFEST_FILE
+from moe_rl.checkpoints.manifest import digest_files, list_files, write_manifest
 from moe_rl.config import Config, ConfigError, load_config, save_config
 
 ROOT = Path(__file__).resolve().parents[1]

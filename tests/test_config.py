@@ -50,20 +50,25 @@ def test_objective_hparams_are_typed_at_load_and_survive_a_switch(tmp_path):
     [
         # a key of another objective in rspo's block: named with rspo's valid keys
         ("rl.objective_args.rspo.clip_low=0.1",
-         r"unknown key rl\.objective_args\.rspo\.clip_low for objective rspo; valid keys: log_clip_low, "
+         r"unknown key rl\.objective_args\.rspo\.clip_low for objective rspo; did you mean "
+         r"rl\.objective_args\.rspo\.log_clip_low\?$"),
+        ("rl.objective_args.rspo.temperature=0.1",
+         r"unknown key rl\.objective_args\.rspo\.temperature for objective rspo; valid keys: log_clip_low, "
          r"log_clip_high, gamma_min, gamma_placement"),
         ("rl.objective_args.gspo.gamma_min=0.1", r"unknown key rl\.objective_args\.gspo\.gamma_min for objective gspo"),
         # the old flat form points at the right place
         ("rl.objective_args={gamma_min: 0.1}",
          r"rl\.objective_args\.gamma_min: not an objective; hyperparameters go under their objective's name, "
          r"e\.g\. rl\.objective_args\.rspo\.gamma_min"),
-        ("rl.objective_args.nope={}", r"rl\.objective_args\.nope: not an objective; objectives: grpo, dr_grpo"),
+        ("rl.objective_args.nope={}", r"rl\.objective_args\.nope: not an objective; valid: grpo, dr_grpo"),
         # values are typed and range-checked by the objective's own dataclass
         ("rl.objective_args.rspo.gamma_min=high", r"rl\.objective_args\.rspo\.gamma_min: expected a number"),
         ("rl.objective_args.rspo.gamma_min=0", r"rl\.objective_args\.rspo: gamma_min must be in \(0, 1\]"),
         ("rl.objective_args.rspo.gamma_placement=middle", r"rl\.objective_args\.rspo\.gamma_placement: 'middle'"),
-        ("rl.rollout_correction_args.tis_c=3", r"unknown key rl\.rollout_correction_args\.tis_c in "
-                                               r"rl\.rollout_correction_args; valid keys: tis_cap, mis_low, mis_high"),
+        ("rl.rollout_correction_args.tis_c=3", r"unknown key rl\.rollout_correction_args\.tis_c; did you mean "
+                                               r"rl\.rollout_correction_args\.tis_cap\?$"),
+        ("rl.rollout_correction_args.weight=3", r"unknown key rl\.rollout_correction_args\.weight in "
+                                             r"rl\.rollout_correction_args; valid keys: tis_cap, mis_low, mis_high"),
         ("rl.rollout_correction_args.mis_low=3", r"rl\.rollout_correction_args: need 0 <= mis_low < mis_high"),
         ("rl.objective=ppo", r"rl\.objective='ppo' is unknown; valid: grpo, dr_grpo"),
         ("rl.capture_routing=false", r"rl\.objective=rspo needs rl\.capture_routing=true"),
@@ -86,11 +91,24 @@ def test_help_config_lists_every_objectives_keys_with_docstrings():
     assert "rl.rollout_correction_args.tis_cap = 2.0  (float)  TIS truncation" in text
 
 
-def test_unknown_key_names_the_key_and_the_valid_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown key rl\.objetive in rl; valid keys: objective, objective_args"):
-        load_config(write(tmp_path, "rl:\n  objetive: gspo\n"))
-    with pytest.raises(ConfigError, match="unknown key modle in top level; valid keys: model, parallel"):
-        load_config(None, ["modle.num_layers=2"])
+@pytest.mark.parametrize(("yaml_text", "override", "message"), [
+    ("run:\n  save_evry: 3\n", "run.save_evry=3", "unknown key run.save_evry; did you mean run.save_every?"),
+    ("rl:\n  objetive: gspo\n", "rl.objetive=gspo", "unknown key rl.objetive; did you mean rl.objective?"),
+    ("modle:\n  num_layers: 2\n", "modle.num_layers=2", "unknown key modle; did you mean model?"),
+    ("rl:\n  objective_args:\n    rspo: {gama_min: 0.2}\n", "rl.objective_args.rspo.gama_min=0.2",
+     "unknown key rl.objective_args.rspo.gama_min for objective rspo; did you mean rl.objective_args.rspo.gamma_min?"),
+    ("rl:\n  objective_args:\n    rpso: {}\n", "rl.objective_args.rpso={}",
+     "rl.objective_args.rpso: not an objective; did you mean rspo? valid: grpo, dr_grpo, dapo,"),
+    ("rl:\n  objective: gpso\n", "rl.objective=gpso", "rl.objective='gpso' is unknown; did you mean gspo? valid: grpo,"),
+    # nothing near: the valid keys instead
+    ("run:\n  colour: red\n", "run.colour=red", "unknown key run.colour in run; valid keys: name, output_dir, seed,"),
+])
+def test_unknown_keys_suggest_the_nearest_valid_one(tmp_path, yaml_text, override, message):
+    """The same one-line suggestion for a typo in a YAML recipe and in an override."""
+    for path, overrides in ((write(tmp_path, yaml_text), []), (None, [override])):
+        with pytest.raises(ConfigError) as e:
+            load_config(path, overrides)
+        assert str(e.value).startswith(message), str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -90,8 +90,9 @@ def test_fp8_recipe_trains_and_the_on_policy_ratio(make_learner, recipe):
     learner = make_learner("model.layer_spec=te", "model.params_dtype=bf16", "model.fp8=hybrid",
                            f"model.fp8_recipe={recipe}")
     batch, adv_B = fixed_batch()
-    scored = learner.score(batch)
-    out, own = learner.train_step_scored(batch, reinforce_loss(batch), {"adv_B": adv_B}, scored=True)
+    scored = learner.score_whole(batch)
+    own = learner.update(learner.own_rows(batch, {"adv_B": adv_B}), reinforce_loss(batch))
+    out = own.metrics
     mask = batch.response_mask()
     ratio_drift = (own.logp_BT.float() - scored.logp_BT.float()).abs()[mask]
     assert torch.isfinite(torch.tensor(out["grad_norm"])) and out["grad_norm"] > 0
@@ -132,3 +133,42 @@ def test_r3_replays_vllms_routed_experts(tmp_path):
     plain = _train(tmp_path, "plain", "model.params_dtype=bf16", "rl.replay=none", "rl.objective=grpo")
     print("sampler-learner routing disagreement without replay:", [r.get("routing/sampler_disagree_any")
                                                                    for r in plain])
+
+
+@needs_te
+@pytest.mark.parametrize("precision", [["model.params_dtype=bf16"], ["model.params_dtype=fp32"]])
+def test_te_thd_packed_attention_equals_padded(make_learner, precision):
+    """Transformer Engine's attention on the packed (THD) layout, with alignment padding
+    between sequences, against the padded layout on the same weights: the log-probs agree
+    (exactly in fp32 up to kernel rounding, to bf16 rounding in bf16), and so do the
+    chunked and full-logits heads."""
+    learner = make_learner("model.layer_spec=te", *precision)
+    batch, _ = fixed_batch()
+    learner.packing = True
+    packed = learner.logprobs(batch)
+    learner.packing = False
+    padded = learner.logprobs(batch)
+    learner.head.chunk_tokens = 0
+    full = learner.logprobs(batch)
+    mask = batch.response_mask()
+    tol = 2e-2 if "bf16" in precision[0] else 1e-5
+    assert float((packed - padded).abs()[mask].max()) < tol
+    assert float((padded - full).abs()[mask].max()) < tol
+
+
+def test_offload_during_rollout_round_trip_is_bit_exact_on_the_gpu(make_learner):
+    """Grad buffers and Adam states to pinned host memory and back: the GPU memory is
+    released (allocator counts) and every byte returns."""
+    from moe_rl.learner.offload import HostOffload, offloadable_tensors
+
+    learner = make_learner()
+    batch, adv_B = fixed_batch()
+    learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
+    before = [t.clone() for t in offloadable_tensors(learner)]
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated()
+    off = HostOffload(learner)
+    released = off.offload()
+    assert torch.cuda.memory_allocated() <= used - released + (1 << 20)
+    off.reload()
+    assert all(torch.equal(a, b) for a, b in zip(offloadable_tensors(learner), before))

@@ -4,15 +4,13 @@ tensors). The GPU runs themselves are `tests/test_gpu_*.py` (marked `gpu`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from moe_rl.config import Config, ConfigError, load_config
-from moe_rl.rollout import sampler_start
-from moe_rl.sampler import vllm_backend
+from moe_rl.sampler import VLLMEngineConfig, engine_config, vllm_backend
 from moe_rl.sampler.precision import compute_dtype, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,19 +43,18 @@ def test_model_runner_for_routed_experts_follows_the_vllm_release(version, runne
 
 def test_engine_settings_on_gpu(tmp_path):
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
-    common = dict(seed=0, in_process=True, devices=None, kv_cache_gib=1, gpu_memory_utilization=0.4)
-    kwargs, env = vllm_backend._engine_settings(str(tmp_path), precision="bf16", on_gpu=True, enforce_eager=False,
-                                                routed_experts=False, **common)
+    common = dict(seed=0, kv_cache_gib=1, gpu_memory_utilization=0.4, enforce_eager=False)
+    kwargs, env = vllm_backend._engine_settings(str(tmp_path), VLLMEngineConfig(precision="bf16", **common), True)
     assert kwargs["dtype"] == "bfloat16" and kwargs["gpu_memory_utilization"] == 0.4
     assert not kwargs["enforce_eager"] and "VLLM_USE_V2_MODEL_RUNNER" not in env
     assert "enable_return_routed_experts" not in kwargs and "quantization" not in kwargs
-    kwargs, env = vllm_backend._engine_settings(str(tmp_path), precision="fp8", on_gpu=True, enforce_eager=False,
-                                                routed_experts=True, **common)
+    fp8 = VLLMEngineConfig(precision="fp8", return_routed_experts=True, **common)
+    kwargs, env = vllm_backend._engine_settings(str(tmp_path), fp8, True)
     assert kwargs["quantization"] == "fp8" and kwargs["dtype"] == "bfloat16"
     assert kwargs["enable_return_routed_experts"] and "VLLM_USE_V2_MODEL_RUNNER" in env
-    kwargs, _ = vllm_backend._engine_settings(str(tmp_path), precision="fp32", on_gpu=False, enforce_eager=True,
-                                              routed_experts=False, **common)
+    kwargs, _ = vllm_backend._engine_settings(str(tmp_path), VLLMEngineConfig(precision="fp32", **common), False)
     assert "gpu_memory_utilization" not in kwargs and kwargs["enable_chunked_prefill"] is False
+    assert kwargs["max_num_batched_tokens"] == 8192 and kwargs["enforce_eager"] is False
 
 
 def test_gpu_memory_utilization_is_checked_against_free_memory(monkeypatch):
@@ -70,24 +67,18 @@ def test_gpu_memory_utilization_is_checked_against_free_memory(monkeypatch):
 
 
 @pytest.mark.parametrize("replay", ["none", "R2", "R3"])
-def test_trainer_asks_for_routed_experts_only_under_r3(replay, monkeypatch, tmp_path):
-    seen = {}
-    monkeypatch.setattr(sampler_start, "make_sampler", lambda backend, d, **kw: seen.update(backend=backend, **kw))
+def test_trainer_asks_for_routed_experts_only_under_r3(replay):
     cfg = load_config(ROOT / "examples" / "tiny_rspo.yaml", [f"rl.replay={replay}"])
-    sampler_start.build_sampler(cfg, tmp_path, [3], _OnePlacement())
-    assert seen["backend"] == "vllm" and seen["return_routed_experts"] is (replay == "R3")
-    assert seen["precision"] == "fp32" and seen["eos_token_id"] == [3]  # auto on CPU; every EOS id
+    engine = engine_config(cfg, [3, 7])
+    assert isinstance(engine, VLLMEngineConfig) and engine.return_routed_experts is (replay == "R3")
+    assert engine.precision == "fp32" and engine.eos_token_ids == (3, 7)  # auto on CPU; every EOS id
+    assert engine.weight_sync_bucket_mib == cfg.sampler.weight_sync_bucket_mib and engine.group_env is None
 
 
-def test_sampler_fp8_on_cpu_is_a_config_error(tmp_path):
+def test_sampler_fp8_on_cpu_is_a_config_error():
     cfg = load_config(ROOT / "examples" / "tiny_rspo.yaml", ["sampler.precision=fp8"])
     with pytest.raises(ConfigError, match="need a GPU"):
-        sampler_start.build_sampler(cfg, tmp_path, [3], _OnePlacement())
-
-
-@dataclasses.dataclass
-class _OnePlacement:
-    ranks_per_engine: int = 1
+        engine_config(cfg, [3])
 
 
 @pytest.mark.parametrize(("seq_len", "tp", "fp8", "want"), [

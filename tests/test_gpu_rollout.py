@@ -30,9 +30,9 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_sleep_frees_gpu_memory_and_wakes_with_the_same_weights(tiny_dir):
-    from moe_rl.sampler import make_sampler
+    from moe_rl.sampler import VLLMEngineConfig, make_sampler
 
-    s = make_sampler("vllm", tiny_dir, precision="bf16", gpu_memory_utilization=0.3, enable_sleep_mode=True)
+    s = make_sampler(tiny_dir, VLLMEngineConfig(precision="bf16", gpu_memory_utilization=0.3, sleep_mode=True))
     prompts = [[5, 6, 7, 8]] * 4
     before = s.generate(prompts, n=2, max_new_tokens=8, seed=3)
     free_awake = torch.cuda.mem_get_info()[0]

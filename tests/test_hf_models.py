@@ -339,11 +339,11 @@ def test_vllm_scores_as_transformers(hf_dirs, tmp_path):
 def _vllm_worker(out: str, dirs: dict[str, Path]) -> None:
     """Subprocess side of test_vllm_scores_as_transformers."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from moe_rl.sampler import make_sampler
+    from moe_rl.sampler import VLLMEngineConfig, make_sampler
 
     scores = {}
     for name, path in dirs.items():
-        sampler = make_sampler("vllm", str(path), precision="fp32", seed=0, max_model_len=64)
+        sampler = make_sampler(path, VLLMEngineConfig(precision="fp32", seed=0, max_model_len=64))
         scores[name] = sampler.score(VLLM_PROMPTS, VLLM_RESPONSES)
         sampler.close()
     Path(out).write_text(json.dumps(scores))

@@ -15,7 +15,7 @@ import pytest
 
 from moe_rl.mismatch import run as run_module
 from moe_rl.mismatch.run import MeasureConfig, measure, run
-from moe_rl.mismatch.settings import LearnerLayout, MeasureError, Setting
+from moe_rl.mismatch.settings import MeasureError, ScoringLayout, Setting
 from moe_rl.mismatch.sources import read_prompt_file
 
 
@@ -43,11 +43,11 @@ def _write(path: Path, text: str) -> Path:
 
 def test_setting_grammar():
     s = Setting.parse("vllm:bf16/learner:fp32@ep2")
-    assert (s.backend, s.sampler_precision, s.learner_precision, s.layout) == ("vllm", "bf16", "fp32", LearnerLayout(ep=2))
+    assert (s.backend, s.sampler_precision, s.learner_precision, s.layout) == ("vllm", "bf16", "fp32", ScoringLayout(ep=2))
     assert s.name == "vllm:bf16/learner:fp32@ep2"
     assert Setting.parse("transformers:fp8_emulated").name == "transformers:fp8_emulated/learner:fp32"
-    assert Setting.parse("vllm:fp32", LearnerLayout(tp=2, ep=2)).name == "vllm:fp32/learner:fp32@tp2-ep2"
-    assert LearnerLayout.parse("tp2-ep2").nproc == 2 and LearnerLayout.parse("pp2-ep2").nproc == 4
+    assert Setting.parse("vllm:fp32", ScoringLayout(tp=2, ep=2)).name == "vllm:fp32/learner:fp32@tp2-ep2"
+    assert ScoringLayout.parse("tp2-ep2").nproc == 2 and ScoringLayout.parse("pp2-ep2").nproc == 4
     for bad in ("vllm", "vllm:fp16", "sglang:fp32", "vllm:fp32/learner:fp8_emulated", "vllm:fp32/ref:fp32",
                 "vllm:fp32@ep", "vllm:fp32@ep2-ep2", "vllm:fp32@dp2"):
         with pytest.raises(MeasureError):

@@ -62,7 +62,7 @@ CARD = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_235b_a22b": "Qwen3-235B-A22B", 
 REAL_LAYOUT = ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=8",
                "parallel.pipeline_model_parallel_size=2", "parallel.micro_batch_size=1", "sampler.max_new_tokens=1024"]
 TINY = str(ROOT / "examples/tiny_rspo.yaml")
-RECIPES = {"qwen3_30b_a3b": ("examples/gpu/qwen3_30b_a3b.yaml", 16), "deepseek_style": ("examples/gpu/deepseek_style.yaml", 8),
+RECIPES = {"qwen3_30b_a3b": ("examples/gpu/qwen3_30b_a3b.yaml", 16), "deepseek_v3": ("examples/gpu/deepseek_v3.yaml", 256),
            "glm45_air": ("examples/gpu/glm45_air.yaml", 64)}
 
 
@@ -282,12 +282,13 @@ def test_bad_layout_is_the_trainers_one_line_error(case):
 
 
 def test_unsupported_architecture_lists_the_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"],
-                                                      "model_type": "deepseek_v3"}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"],
+                                                      "model_type": "mixtral"}))
     proc = cli("--config", TINY, f"run.init_checkpoint={tmp_path}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert "deepseek_v3" in line and "Qwen3MoeForCausalLM" in line and "Glm4MoeForCausalLM" in line
+    assert "mixtral" in line and "Qwen3MoeForCausalLM" in line and "Glm4MoeForCausalLM" in line
+    assert "DeepseekV3ForCausalLM" in line
 
 
 def test_json_output_parses_with_the_keys():
@@ -316,3 +317,21 @@ def test_gpu_recipes_restate_the_real_config_json(tmp_path, recipe, card):
     cfg, given = load_recipe(ROOT / RECIPES[recipe][0])
     resolved = model_from_checkpoint(cfg, directory, given)
     assert resolved.model == cfg.model
+
+
+def test_token_budget_and_chunk_size_set_the_update_memory():
+    """A token budget decides how many longest sequences share a micro-batch; the chunked
+    head holds two [chunk, V/TP] fp32 blocks instead of the micro-batch's logits."""
+    from moe_rl.plan.activations import logits_bytes
+    from moe_rl.plan.workload import PlannedLayout, workload
+
+    m = ModelConfig(vocab_size=151936, hidden_size=2048)
+    full = logits_bytes(m, micro_batch=1, seq_len=9216, response_tokens=8192, tp=2)
+    chunked = logits_bytes(m, micro_batch=1, seq_len=9216, response_tokens=8192, tp=2, chunk_tokens=2048)
+    assert chunked == 2 * 2048 * (151936 // 2) * 4 + 2 * 8192 * 2048 * 2  # bf16 hidden states on GPU
+    assert chunked < full / 5
+    cfg = load_config(None, ["rl.prompts_per_step=64", "rl.group_size=8", "sampler.max_new_tokens=96",
+                             "parallel.max_tokens_per_microbatch=512"])
+    layout = PlannedLayout(world=1, learners=1, tp=1, pp=1, ep=1, etp=1, dp=1, expert_dp=1)
+    work = workload(cfg, layout, prompt_tokens=32)
+    assert work.seq_len == 128 and work.micro_batch == 4 and work.micro_batches == 128

@@ -66,7 +66,7 @@ def test_capture_stores_tokens_x_layers_x_k_not_experts(layout):
 
     learner = make_learner(layout)
     batch, _ = fixed_batch()
-    rec = learner.score(batch, routing=RoutingPlan(capture=True)).record
+    rec = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
     B, S = batch.batch_size, batch.seq_len
     assert rec.ids_RSLK.shape == (B, S, L_MOE, K) and rec.ids_RSLK.dtype == torch.uint8
     assert rec.logp_RSLK.shape == (B, S, L_MOE, K) and rec.logp_RSLK.dtype == torch.float32
@@ -75,13 +75,19 @@ def test_capture_stores_tokens_x_layers_x_k_not_experts(layout):
     # ids are distinct sorted sets; log-probs are log of probabilities
     assert (rec.ids_RSLK[..., 1] > rec.ids_RSLK[..., 0]).all()
     assert (rec.logp_RSLK <= 0).all() and (rec.logp_RSLK > -30).all()
-    # and they are the router's top-k under log softmax over all experts
+    # and at every real token they are the router's top-k under log softmax over all
+    # experts; positions past a sequence hold the placeholder ids 0..K-1 (padding is never
+    # recorded: it routes to `spread_topk` ids)
     logr = router_log_probs(learner, batch)
+    real_BS = torch.arange(S)[None, :] < batch.total_lens_B[:, None]
+    real = to_router_order(real_BS)
+    assert (rec.ids_RSLK[~real_BS] == torch.arange(K, dtype=torch.uint8)).all()
     for layer in range(L_MOE):
         top = torch.topk(logr[layer], K, dim=-1)
         ids = to_router_order(rec.ids_RSLK[:, :, layer]).long()
-        assert torch.equal(ids, top.indices.sort(-1).values)
-        assert torch.allclose(to_router_order(rec.logp_RSLK[:, :, layer]), logr[layer].gather(1, ids), atol=1e-6)
+        assert torch.equal(ids[real], top.indices.sort(-1).values[real])
+        assert torch.allclose(to_router_order(rec.logp_RSLK[:, :, layer])[real],
+                              logr[layer].gather(1, ids)[real], atol=1e-6)
 
 
 def test_gamma_is_one_when_the_router_did_not_move(layout):
@@ -89,8 +95,8 @@ def test_gamma_is_one_when_the_router_did_not_move(layout):
 
     learner = make_learner(layout)
     batch, _ = fixed_batch()
-    old = learner.score(batch, routing=RoutingPlan(capture=True)).record
-    gamma = learner.score(batch, routing=RoutingPlan(old=old)).router_shift_BT
+    old = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
+    gamma = learner.score_whole(batch, routing=RoutingPlan(old=old)).router_shift_BT
     mask = batch.response_mask()
     assert (gamma[mask] - 1).abs().max() <= 1e-7
 
@@ -100,9 +106,9 @@ def test_gamma_matches_a_hand_computation_after_a_perturbation(layout):
 
     learner = make_learner(layout)
     batch, _ = fixed_batch()
-    old = learner.score(batch, routing=RoutingPlan(capture=True)).record
+    old = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
     perturb_routers(learner)
-    gamma = learner.score(batch, routing=RoutingPlan(old=old)).router_shift_BT
+    gamma = learner.score_whole(batch, routing=RoutingPlan(old=old)).router_shift_BT
     logr_new = router_log_probs(learner, batch)
     # gamma_n = exp(-(1/L) sum_l (1/K) sum_k |log r_new(e_lk) - log r_old(e_lk)|)
     drift = torch.zeros(batch.seq_len * batch.batch_size)
@@ -126,10 +132,10 @@ def test_replay_routes_exactly_the_recorded_ids_and_fresh_routing_differs(layout
 
     learner = make_learner(layout)
     batch, _ = fixed_batch()
-    old = learner.score(batch, routing=RoutingPlan(capture=True)).record
+    old = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
     perturb_routers(learner)
-    fresh = learner.score(batch, routing=RoutingPlan(capture=True)).record
-    replayed = learner.score(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(old))).record
+    fresh = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
+    replayed = learner.score_whole(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(old))).record
     assert not torch.equal(fresh.ids_RSLK, old.ids_RSLK)
     assert torch.equal(replayed.ids_RSLK, old.ids_RSLK)
     # under replay the router's own choice is kept too; in the first MoE layer (same input
@@ -139,7 +145,9 @@ def test_replay_routes_exactly_the_recorded_ids_and_fresh_routing_differs(layout
     # router's input does not depend on replay: the first MoE layer)
     logr = router_log_probs(learner, batch)
     ids = to_router_order(old.ids_RSLK[:, :, 0]).long()
-    assert torch.allclose(to_router_order(replayed.logp_RSLK[:, :, 0]), logr[0].gather(1, ids), atol=1e-6)
+    real = to_router_order(torch.arange(batch.seq_len)[None, :] < batch.total_lens_B[:, None])
+    assert torch.allclose(to_router_order(replayed.logp_RSLK[:, :, 0])[real], logr[0].gather(1, ids)[real],
+                          atol=1e-6)
     assert not torch.allclose(replayed.logp_RSLK, old.logp_RSLK)
 
 
@@ -161,7 +169,7 @@ def test_router_still_learns_under_replay(layout):
 
     learner = make_learner(layout, "parallel.micro_batch_size=12")
     batch, adv_B = fixed_batch()
-    old = learner.score(batch, routing=RoutingPlan(capture=True)).record
+    old = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
     perturb_routers(learner)
     learner.forward_backward(batch, reinforce_loss(batch), extras={"adv_B": adv_B},
                              routing=RoutingPlan(replay=ReplayIds.from_record(old)))
@@ -208,8 +216,8 @@ def test_r3_alignment_replays_sampler_ids_onto_the_intended_tokens(layout):
         routed.append(np.stack([rng.choice(E, size=(L_MOE, K), replace=False) for _ in range(n)]))
     ids, valid = align_sampler_routing(routed, batch, num_experts=E)
     assert valid.sum(1).tolist() == [4, 4, 4] and not valid[0, 4:].any() and not valid[2, 4]
-    fresh = learner.score(batch, routing=RoutingPlan(capture=True)).record
-    got = learner.score(batch, routing=RoutingPlan(
+    fresh = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
+    got = learner.score_whole(batch, routing=RoutingPlan(
         capture=True, replay=ReplayIds(torch.arange(3), ids, valid))).record
     for b, arr in enumerate(routed):
         n = arr.shape[0]
@@ -236,10 +244,10 @@ def test_a_reference_model_in_the_same_process_does_not_break_replay(layout):
     policy = make_learner(layout)
     ref = make_learner(layout, trainable=False)
     batch, _ = fixed_batch()
-    old = policy.score(batch, routing=RoutingPlan(capture=True)).record
+    old = policy.score_whole(batch, routing=RoutingPlan(capture=True)).record
     ref_before = ref.logprobs(batch)
     perturb_routers(policy)
-    replayed = policy.score(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(old))).record
+    replayed = policy.score_whole(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(old))).record
     assert torch.equal(replayed.ids_RSLK, old.ids_RSLK)
     assert torch.equal(ref.logprobs(batch), ref_before)
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -280,17 +288,17 @@ def test_r3_alignment_picks_the_moe_layers_out_of_vllms_decoder_layer_axis():
 def test_on_policy_shortcut_scores_equal_the_old_logprob_pass(layout):
     """One update per rollout: the update's forward runs at the weights that scored the
     batch, so its logprobs and routing record equal the old-logprob pass's exactly, and the
-    trainer skips that pass (`PolicyLossFn(on_policy=True)`, `Learner.train_step_scored`)."""
+    trainer skips that pass (`PolicyLossFn(on_policy=True)`, `UpdateResult.logp_BT`)."""
     from moe_rl.learner import RoutingPlan
 
     learner = make_learner(layout)
     batch, adv_B = fixed_batch()
-    old = learner.score(batch, routing=RoutingPlan(capture=True))
-    _, own = learner.train_step_scored(batch, reinforce_loss(batch), {"adv_B": adv_B},
-                                       routing=RoutingPlan(capture=True))
+    old = learner.score_whole(batch, routing=RoutingPlan(capture=True))
+    own = learner.update(learner.own_rows(batch, {"adv_B": adv_B}), reinforce_loss(batch),
+                         RoutingPlan(capture=True))
     assert torch.equal(own.logp_BT, old.logp_BT)
     assert torch.equal(own.record.rows, old.record.rows)
     assert torch.equal(own.record.ids_RSLK, old.record.ids_RSLK)
     assert torch.equal(own.record.logp_RSLK, old.record.logp_RSLK)
     # ... and the update did happen: the next score differs
-    assert not torch.equal(learner.score(batch).logp_BT, old.logp_BT)
+    assert not torch.equal(learner.score_whole(batch).logp_BT, old.logp_BT)

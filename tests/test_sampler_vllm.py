@@ -11,7 +11,7 @@ from sampler_utils import build_tiny_moe, eos_of, max_abs_untied, perturbed, pro
 
 pytest.importorskip("vllm")
 
-from moe_rl.sampler import Rollouts, Sampler, make_sampler
+from moe_rl.sampler import Rollouts, Sampler, VLLMEngineConfig, make_sampler
 from moe_rl.sampler.base import base_seeds
 from moe_rl.sampler.hf_backend import HFSampler
 from moe_rl.sampler.weights import iter_checkpoint
@@ -36,7 +36,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sampler(tiny_dir):
-    s = make_sampler("vllm", tiny_dir, seed=0, kv_cache_gib=0.0625)
+    s = make_sampler(tiny_dir, VLLMEngineConfig(seed=0, kv_cache_gib=0.0625))
     yield s
     s.close()
 
@@ -60,7 +60,7 @@ def test_is_a_sampler_without_routed_experts_on_cpu(sampler, tiny_dir):
     r = sampler.generate(prompts(2), n=2, max_new_tokens=4, seed=0)
     assert r.routed_experts is None
     with pytest.raises(ValueError, match="transformers backend"):
-        make_sampler("vllm", tiny_dir, return_routed_experts=True)
+        make_sampler(tiny_dir, VLLMEngineConfig(return_routed_experts=True))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -161,3 +161,33 @@ def test_long_prompts_at_the_default_batch(sampler):
     assert len(a) == 128 and all(1 <= len(r) <= 16 for r in a.response_token_ids)
     b = sampler.generate(long[8:], n=8, max_new_tokens=16, prompt_seeds=base_seeds(5, 16, 8)[8:])
     assert b.response_token_ids == a.response_token_ids[64:]  # a prompt's samples depend on its seed only
+
+
+@pytest.fixture(scope="module")
+def cached_sampler(tiny_dir):
+    s = make_sampler(tiny_dir, VLLMEngineConfig(seed=0, kv_cache_gib=0.0625, prefix_caching=True, block_size=32))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_weight_update_resets_the_prefix_cache(cached_sampler, tiny_dir, tmp_path, reset):
+    """With prefix caching on, prompts seen before the update hit KV blocks the old weights
+    computed: only the reset after every update makes the engine's logprobs the new
+    weights' again (fp32, 1e-4); without it they are not (issue #24; NeMo-RL #3152)."""
+    s = cached_sampler
+    s.update_weights(iter_checkpoint(tiny_dir))  # the original weights, the cache emptied
+    s.generate(prompts(6, length=40), n=4, max_new_tokens=16, temperature=0.8, seed=5)  # fills the cache
+    s.reset_prefix_cache_after_reload = reset
+    try:
+        s.update_weights(perturbed(tiny_dir))
+    finally:
+        s.reset_prefix_cache_after_reload = True
+    new_ref = HFSampler(save_stream(perturbed(tiny_dir), tiny_dir, tmp_path / "new"))
+    r = s.generate(prompts(6, length=40), n=4, max_new_tokens=16, temperature=0.8, seed=5)  # whole blocks hit
+    P, R = _prompts_of(r), r.response_token_ids
+    gap = max_abs_untied(r.logprobs, new_ref.score(P, R, 0.8), P, R, new_ref.model)
+    if reset:
+        assert gap < TOL
+    else:
+        assert gap > 10 * TOL  # the stale prompt KV shows in every response's logprobs

@@ -16,7 +16,7 @@ from sampler_utils import build_tiny_moe, perturbed, prompts, save_stream
 
 pytest.importorskip("vllm")
 
-from moe_rl.sampler import make_sampler
+from moe_rl.sampler import HFEngineConfig, VLLMEngineConfig, make_sampler
 from moe_rl.sampler.hf_backend import HFSampler
 
 pytestmark = pytest.mark.vllm
@@ -35,13 +35,13 @@ def _gaps(sampler, model_dir) -> tuple[float, float]:
     """(vLLM vs transformers at the sampler's precision, transformers at it vs fp32)."""
     r = sampler.generate(prompts(8), n=4, max_new_tokens=16, seed=1)
     P = [r.prompt_token_ids[i] for i in r.prompt_index]
-    same = HFSampler(model_dir, precision=sampler.precision).score(P, r.response_token_ids)
+    same = HFSampler(model_dir, HFEngineConfig(precision=sampler.precision)).score(P, r.response_token_ids)
     fp32 = HFSampler(model_dir).score(P, r.response_token_ids)
     return _mean_abs(r.logprobs, same), _mean_abs(same, fp32)
 
 
 def test_bf16(tiny_dir):
-    s = make_sampler("vllm", tiny_dir, precision="bf16", kv_cache_gib=0.0625)
+    s = make_sampler(tiny_dir, VLLMEngineConfig(precision="bf16", kv_cache_gib=0.0625))
     try:
         assert s.llm.llm_engine.model_config.dtype == torch.bfloat16
         vs_hf, hf_vs_fp32 = _gaps(s, tiny_dir)
@@ -51,7 +51,7 @@ def test_bf16(tiny_dir):
 
 
 def test_fp8_emulated_including_weight_sync(tiny_dir, tmp_path):
-    s = make_sampler("vllm", tiny_dir, precision="fp8_emulated", kv_cache_gib=0.0625)
+    s = make_sampler(tiny_dir, VLLMEngineConfig(precision="fp8_emulated", kv_cache_gib=0.0625))
     try:
         assert s.llm.llm_engine.model_config.dtype == torch.bfloat16
         vs_hf, fp8_effect = _gaps(s, tiny_dir)

@@ -12,7 +12,7 @@ from sampler_utils import build_tiny_moe, max_abs_untied, perturbed, prompts, sa
 
 pytest.importorskip("vllm")
 
-from moe_rl.sampler import make_sampler
+from moe_rl.sampler import VLLMEngineConfig, make_sampler
 from moe_rl.sampler.hf_backend import HFSampler
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_separate_engine_process_generates_and_syncs(tmp_path):
     model_dir = build_tiny_moe(tmp_path / "hf")
-    s = make_sampler("vllm", model_dir, kv_cache_gib=0.0625, in_process=False, bucket_bytes=256 << 10)
+    s = make_sampler(model_dir, VLLMEngineConfig(kv_cache_gib=0.0625, in_process=False, weight_sync_bucket_mib=1))
     try:
         assert s.weight_sync == "disk"
         s.update_weights(perturbed(model_dir))

@@ -6,6 +6,8 @@ imports, so this runs in `make test-fast` in well under a second).
   diagnostics/report.py) import neither the learner nor the sampler, not even through
   another moe_rl module;
 - nothing under moe_rl/ imports the trainer but the two programs that run it;
+- no import cycle among moe_rl modules, lazy (function-level) imports included;
+- the config package is a leaf: it imports nothing of moe_rl but LEAF_UTILITIES;
 - no function in moe_rl/ is longer than MAX_FUNCTION_LINES.
 """
 
@@ -22,6 +24,7 @@ MAX_FUNCTION_LINES = 80
 ENGINE_FREE = ["moe_rl.objectives", "moe_rl.advantages", "moe_rl.routing", "moe_rl.diagnostics.metrics",
                "moe_rl.diagnostics.report"]
 TRAINER_RUNNERS = {"moe_rl.train", "moe_rl.demo"}  # the CLIs whose job is to run it
+LEAF_UTILITIES = {"moe_rl.atomic", "moe_rl.registry"}  # import nothing of moe_rl themselves
 
 
 def module_name(path: Path) -> str:
@@ -94,6 +97,124 @@ def test_engine_free_libraries_reach_neither_learner_nor_sampler(library):
 def test_nothing_imports_the_trainer():
     importers = {m for m in MODULES if "moe_rl.trainer" in imports(m) and m != "moe_rl.trainer"}
     assert importers <= TRAINER_RUNNERS, importers - TRAINER_RUNNERS
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The module a `from ... import` names, relative imports made absolute."""
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".") if MODULES[module].name == "__init__.py" else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@cache
+def import_edges(module: str) -> dict[str, int]:
+    """{moe_rl module `module` imports: line of the first such import}, at any depth of its
+    code. `from pkg import name` is an edge to pkg.name when that is a module, else to pkg.
+    A package's __init__ running before its submodules is not an edge: only what the code
+    names is, so a package that imports its own submodules is not a cycle by itself."""
+    edges: dict[str, int] = {}
+    for node in ast.walk(ast.parse(MODULES[module].read_text(), str(MODULES[module]))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target in MODULES and target != module:
+                edges.setdefault(target, node.lineno)
+    return edges
+
+
+def import_cycles() -> list[list[str]]:
+    """Each strongly connected group of modules (Tarjan), as one cycle through it: a list of
+    modules whose last imports the first."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in import_edges(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:  # v is the root of a group: pop it off the stack
+            group = {stack.pop()}
+            while v not in group:
+                group.add(stack.pop())
+            if len(group) > 1:
+                groups.append(group)
+
+    for m in sorted(MODULES):
+        if m not in index:
+            visit(m)
+    return [_cycle_in(g) for g in groups]
+
+
+def _cycle_in(group: set[str]) -> list[str]:
+    """A shortest cycle through the group's first module (breadth-first inside the group)."""
+    start = min(group)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        m = todo.pop(0)
+        for w in import_edges(m):
+            if w == start:
+                return paths[m]
+            if w in group and w not in paths:
+                paths[w] = [*paths[m], w]
+                todo.append(w)
+    raise AssertionError(f"no cycle through {start}")
+
+
+def describe_cycle(cycle: list[str]) -> str:
+    """`a (line 3) -> b (line 10) -> a`: each module and the line of its import of the next."""
+    hops = [f"{m}:{import_edges(m)[nxt]}" for m, nxt in zip(cycle, [*cycle[1:], cycle[0]], strict=True)]
+    return " -> ".join(hops) + f" -> {cycle[0]}"
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle(monkeypatch):
+    fake = {"moe_rl.a": "from moe_rl.b import x\n", "moe_rl.b": "def f():\n    import moe_rl.a\n"}
+    monkeypatch.setattr(f"{__name__}.MODULES", {**MODULES, **{m: _Source(t) for m, t in fake.items()}})
+    import_edges.cache_clear()
+    try:
+        cycles = [c for c in import_cycles() if set(c) & set(fake)]
+        assert [describe_cycle(c) for c in cycles] == ["moe_rl.a:1 -> moe_rl.b:2 -> moe_rl.a"]
+    finally:
+        import_edges.cache_clear()
+
+
+class _Source:
+    """A stand-in for a module's Path in MODULES (read_text and name are all that is used)."""
+
+    name = "fake.py"
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def read_text(self) -> str:
+        return self.text
+
+
+def test_no_import_cycles():
+    cycles = [describe_cycle(c) for c in import_cycles()]
+    assert not cycles, "import cycles (module:line of the import of the next):\n" + "\n".join(cycles)
+
+
+def test_the_config_package_is_a_leaf():
+    outside = {m: sorted(d for d in import_edges(m) if not under(d, "moe_rl.config") and d not in LEAF_UTILITIES)
+               for m in MODULES if under(m, "moe_rl.config")}
+    assert not {m: v for m, v in outside.items() if v}
+    for leaf in LEAF_UTILITIES:
+        assert not import_edges(leaf), f"{leaf} is meant to import nothing of moe_rl"
 
 
 def test_no_function_is_longer_than_the_limit():

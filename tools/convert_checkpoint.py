@@ -67,9 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from moe_rl.checkpoint_files import remove_temps
+    from moe_rl.checkpoints.temps import remove_temps
+    from moe_rl.config import ConfigError
 
     dst = Path(args.dst)
+    if dst.exists() and not args.force:  # checked here so the line names this tool's flag
+        raise ConfigError(f"--dst {dst} already exists; pass --force to replace it, or choose another --dst")
     remove_temps(dst.parent, glob.escape(dst.name))  # what a killed conversion to this --dst left
     if args.to == "hf":
         from moe_rl.convert import megatron_to_hf

@@ -36,8 +36,8 @@ from moe_rl.mismatch.settings import (
     LEARNER_PRECISIONS,
     SAMPLER_BACKENDS,
     SAMPLER_PRECISIONS,
-    LearnerLayout,
     MeasureError,
+    ScoringLayout,
     Setting,
     sweep_settings,
 )
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace, recipe) -> tuple[Setting, ...]:
     """The report's rows from --settings, --sweep or the single-setting flags."""
-    layouts = [LearnerLayout.parse(t) for t in args.layout.split(",")]
+    layouts = [ScoringLayout.parse(t) for t in args.layout.split(",")]
     backend = args.backend or recipe.sampler.backend
     learner = args.learner_precision or recipe.model.params_dtype
     if args.settings:

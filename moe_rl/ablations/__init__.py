@@ -1,12 +1,13 @@
 """Reproducible ablations that can tell methods apart: off-policy GRPO, GRPO+R2, GRPO+R3,
 GSPO, GMPO and RSPO (both gamma placements), each with and without TIS, plus on-policy GRPO
-as the reference, several seeds each, on a model whose routing churns (8 layers, 32
-experts top-4), with 95% intervals over seeds and the differences that exceed them.
+as the reference, several seeds each, on a model whose routing churns (the model section
+of `examples/ablations.yaml`; `--help` prints it), with 95% intervals over seeds and the
+differences that exceed them.
 
     python -m moe_rl.ablations run --all [--seeds 1,2,3]   # make ablations (resumable)
     python -m moe_rl.ablations run rspo-post-off --seeds 4,5   # make ablate-rspo-post-off SEEDS=4,5
     python -m moe_rl.ablations report                       # runs/ablations/REPORT.md, results.json, plots
-    python -m moe_rl.ablations sweep --lrs 1e-4,3e-4,1e-3   # the lr sweep the report shows
+    python -m moe_rl.ablations sweep --lrs 1e-4,2e-4,4e-4   # the lr sweep the report shows
     python -m moe_rl.ablations list
 
 Modules: `settings` (what each setting overrides), `runner` (warm start, processes,

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import moe_rl.ablations as pkg
-from moe_rl.ablations.runner import OUT, Run, run_all
+from moe_rl.ablations.runner import OUT, RECIPE, ROOT, Run, run_all
 from moe_rl.ablations.settings import DEFAULT_SEEDS, parse_seeds, settings
 
 
@@ -29,8 +29,18 @@ def _lrs(text: str) -> list[float]:
     return lrs
 
 
+def recipe_model() -> str:
+    """The ablation model as the recipe builds it, so that --help cannot drift from it."""
+    from moe_rl.config import load_config
+
+    m = load_config(RECIPE).model
+    return (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts top-{m.moe_router_topk} "
+            f"(expert FFN {m.moe_ffn_hidden_size})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moe_rl.ablations", description=pkg.__doc__,
+                                 epilog=f"Model ({RECIPE.relative_to(ROOT)}): {recipe_model()}.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -42,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("names", nargs="*", help="settings to run (see `list`)")
     r.add_argument("--all", action="store_true", help="every setting")
     s = sub.add_parser("sweep", parents=[common], help="plain off-policy GRPO at several learning rates")
-    s.add_argument("--lrs", default="1e-4,3e-4,1e-3")
+    s.add_argument("--lrs", default="1e-4,2e-4,4e-4",
+                   help="comma-separated learning rates (default 1e-4,2e-4,4e-4: docs/ablations/lr_sweep.md)")
     rep = sub.add_parser("report", help="write REPORT.md, results.json and plots")
     rep.add_argument("--out", type=Path, default=OUT)
     sub.add_parser("list", help="list the settings")

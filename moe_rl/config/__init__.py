@@ -2,30 +2,40 @@
 
 A recipe is a YAML file whose top-level sections match `Config`'s fields. Every key is
 checked: an unknown key or a value of the wrong type is a `ConfigError` that names the key
-and lists the valid ones, raised before any process group or model exists.
+and suggests the nearest valid one, raised before any process group or model exists.
 
     cfg = load_config("examples/tiny_rspo.yaml", ["rl.objective=gspo", "run.steps=20"])
     save_config(cfg, "runs/x/config.yaml")     # atomic; what `resume` reads back
 
-Modules: `model` (the architecture section), `rl` (the objective section, with each
-objective's hyperparameters typed), `sections` (the other sections and `Config`), `loading`
-(YAML, coercion, overrides, saving), `validate` (per-section checks and the layout check),
-`docs` (attribute docstrings and `--help-config`).
+The package is a leaf: it imports nothing of moe_rl but the leaf utilities `atomic` and
+`registry`. The objectives register their hyperparameter types into it
+(`register_objective_hparams`, called when `moe_rl.objectives` is imported, which
+`import moe_rl` does).
+
+Modules: `errors`, `coerce` (plain data -> typed values, the ConfigValue protocol,
+did-you-mean), `yaml_text` (YAML with file:line:col errors), `objective_hparams` (the
+registry), `model` / `rl` / `sections` (the sections and `Config`), `shipped` (paths to
+assets inside the installed package), `validate` (per-section checks and the layout check),
+`loading` (recipes in and out), `docs` (attribute docstrings and `--help-config`).
 """
 
 from moe_rl.config.docs import describe, field_docs
+from moe_rl.config.dpo import DPOConfig
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.loading import (
     apply_overrides,
+    build_config,
     config_from_dict,
     load_config,
     load_recipe,
     parse_overrides,
+    read_recipe_file,
     save_config,
     to_dict,
 )
 from moe_rl.config.model import ModelConfig
-from moe_rl.config.rl import ObjectiveArgs, RLConfig
+from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS, register_objective_hparams
+from moe_rl.config.rl import CorrectionHParams, ObjectiveArgs, RLConfig
 from moe_rl.config.sections import (
     Config,
     LoggingConfig,
@@ -39,8 +49,11 @@ from moe_rl.config.sections import (
 from moe_rl.config.validate import learner_world_size, validate, validate_layout
 
 __all__ = [
+    "OBJECTIVE_HPARAMS",
     "Config",
     "ConfigError",
+    "CorrectionHParams",
+    "DPOConfig",
     "LoggingConfig",
     "ModelConfig",
     "ObjectiveArgs",
@@ -52,6 +65,7 @@ __all__ = [
     "SamplerConfig",
     "TaskConfig",
     "apply_overrides",
+    "build_config",
     "config_from_dict",
     "describe",
     "field_docs",
@@ -59,6 +73,8 @@ __all__ = [
     "load_config",
     "load_recipe",
     "parse_overrides",
+    "read_recipe_file",
+    "register_objective_hparams",
     "save_config",
     "to_dict",
     "validate",

@@ -14,8 +14,7 @@ import textwrap
 import typing
 from functools import cache
 
-from moe_rl.config.loading import type_name
-from moe_rl.config.rl import ObjectiveArgs
+from moe_rl.config.coerce import is_config_value, type_name
 from moe_rl.config.sections import Config
 
 
@@ -46,13 +45,12 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _describe_objective_args(key: str, doc: str) -> list[str]:
-    from moe_rl.objectives import OBJECTIVES
-
+def _describe_parts(hint: type, key: str, doc: str) -> list[str]:
+    """A ConfigValue's heading and each of its sub-sections (rl.objective_args.<name>)."""
     lines = [f"[{key}]  {doc}"]
-    for name, spec in OBJECTIVES.items():
-        lines.append(f"[{key}.{name}]  {spec.fixes}")
-        lines.append(describe(spec.hparams, prefix=f"{key}.{name}."))
+    for name, heading, section in hint.config_sections():  # type: ignore[attr-defined]
+        lines.append(f"[{key}.{name}]  {heading}")
+        lines.append(describe(section, prefix=f"{key}.{name}."))
     return lines
 
 
@@ -62,8 +60,8 @@ def describe(cls: type = Config, prefix: str = "") -> str:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key, hint, doc = f"{prefix}{f.name}", hints[f.name], field_docs(cls).get(f.name, "")
-        if hint is ObjectiveArgs:
-            lines += _describe_objective_args(key, doc)
+        if is_config_value(hint):
+            lines += _describe_parts(hint, key, doc)
             continue
         if dataclasses.is_dataclass(hint):
             lines.append(f"[{key}]  {doc}")

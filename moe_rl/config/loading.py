@@ -1,135 +1,34 @@
-"""Recipes in and out: strict YAML loading, typed coercion, dotted overrides, saving.
+"""Recipes in and out: reading YAML files, dotted overrides, building a Config, saving.
 
-Every key is checked: an unknown key or a value of the wrong type is a `ConfigError` that
-names the key and lists the valid ones, raised before any process group or model exists.
+Loading and validating are two steps, because a recipe's model may come from elsewhere:
+
+    cfg, given = load_recipe(path, overrides)   # typed and strict, not yet validated
+    cfg = resolve_recipe(cfg, given)            # moe_rl.recipe_source: config.json, then validate
+
+`load_config` does both steps for a config that is already complete (a run's config.yaml,
+a recipe with the project's own model). Every key is checked: an unknown key or a value of
+the wrong type is a `ConfigError` naming the key, raised before any process group exists.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
-import re
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from moe_rl.atomic import atomic_write_text
+from moe_rl.config.coerce import build_section, to_plain
 from moe_rl.config.errors import ConfigError
-from moe_rl.config.rl import ObjectiveArgs
 from moe_rl.config.sections import Config
+from moe_rl.config.shipped import resolve_shipped_paths
+from moe_rl.config.validate import validate
+from moe_rl.config.yaml_text import yaml_load, yaml_value
 
-
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-5` as a float. YAML 1.1 (PyYAML) wants a dot in the
-    mantissa (`1.0e-5`) and would otherwise hand a learning rate over as a string."""
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-    list("-+0123456789."),
-)
-
-
-def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_YamlLoader)
-
-
-def type_name(hint: Any) -> str:
-    """A readable name of a field annotation (for errors and --help-config)."""
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(hint))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(type_name(a) for a in typing.get_args(hint))
-    if origin is dict or hint is ObjectiveArgs:
-        return "mapping"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _coerce_union(value: Any, hint: Any, key: str) -> Any:
-    args = typing.get_args(hint)
-    if value is None and type(None) in args:
-        return None
-    for arg in args:
-        if arg is type(None):
-            continue
-        try:
-            return coerce(value, arg, key)
-        except ConfigError:
-            continue
-    raise ConfigError(f"{key}: {value!r} does not fit {type_name(hint)}")
-
-
-def _coerce_scalar(value: Any, hint: type, key: str) -> Any:
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
-        return value
-    raise TypeError(f"unsupported config annotation {hint!r} at {key}")
-
-
-def coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check `value` against the annotation `hint`; ints are accepted for floats."""
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        return _coerce_union(value, hint, key)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
-        return dict(value)
-    if hint is ObjectiveArgs:
-        return ObjectiveArgs(value, key)
-    return _coerce_scalar(value, hint, key)
-
-
-def build_section(cls: type, data: Any, prefix: str, what: str | None = None) -> Any:
-    """`cls(**data)` for a config dataclass, strictly: unknown keys, wrong types and the
-    dataclass's own checks (`__post_init__` ValueErrors) become ConfigErrors naming the key.
-    `prefix` is the dotted path with a trailing dot; `what` names the owner in messages."""
-    where = prefix.rstrip(".") or "top level"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        owner = f"for {what}" if what else f"in {where}"
-        raise ConfigError(f"unknown key {prefix}{unknown[0]!s} {owner}; valid keys: {', '.join(names) or '(none)'}")
-    kwargs = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = build_section(hint, value if value is not None else {}, f"{prefix}{name}.")
-        else:
-            kwargs[name] = coerce(value, hint, f"{prefix}{name}")
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except ValueError as e:  # a hyperparameter dataclass's own range checks
-        raise ConfigError(f"{where}: {e}") from None
+__all__ = ["apply_overrides", "build_config", "config_from_dict", "load_config", "load_recipe", "parse_overrides",
+           "read_recipe_file", "save_config", "to_dict", "yaml_load"]
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
@@ -143,7 +42,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
         path = [p for p in key.strip().split(".")]
         if not key.strip() or any(not p for p in path):
             raise ConfigError(f"override {item!r} has an empty key")
-        parsed.append((path, yaml_load(raw) if raw != "" else ""))
+        parsed.append((path, yaml_value(raw, f"override {item!r}") if raw != "" else ""))
     return parsed
 
 
@@ -165,35 +64,58 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def _recipes_in(directory: Path) -> str:
+    found = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    return f"recipes in it: {', '.join(str(p) for p in found)}" if found else "it holds no .yaml recipe"
+
+
+def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The plain data of a YAML recipe; every way the file can be wrong is one ConfigError
+    naming it (and for a syntax error, the line and column)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"recipe {p} is a directory, not a YAML file; {_recipes_in(p)}")
+    if not p.is_file():
+        raise ConfigError(f"recipe {p} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"recipe {p} is not UTF-8 text (is it a YAML recipe?)") from None
+    except OSError as e:
+        raise ConfigError(f"recipe {p} cannot be read: {e.strerror or e}") from None
+    data = yaml_load(text, str(p)) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {p}: top level must be a mapping of sections (model:, rl:, run:, ...)")
+    return data
+
+
+def build_config(data: dict[str, Any]) -> Config:
+    """A typed Config from plain data (unknown keys and wrong types refused), with shipped
+    asset paths resolved; not validated (see the module doc)."""
+    return resolve_shipped_paths(build_section(Config, data or {}, ""))
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a Config from plain data (what YAML gives)."""
-    from moe_rl.config.validate import validate
-
-    cfg = build_section(Config, data or {}, "")
+    cfg = build_config(data)
     validate(cfg)
     return cfg
 
 
 def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None) -> tuple[Config, frozenset[str]]:
-    """`load_config`, plus the dotted keys the recipe and the overrides set (what a user
-    asked for, as opposed to defaults: a checkpoint's config.json must agree with them)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"recipe {p} does not exist")
-        with open(p) as f:
-            data = yaml_load(f.read()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"recipe {p}: top level must be a mapping of sections")
+    """The recipe (defaults when `path` is None) with `a.b=c` overrides, typed but NOT
+    validated, and the dotted keys the recipe and the overrides set (what a user asked for,
+    as opposed to defaults: a checkpoint's config.json must agree with them). Validate with
+    `moe_rl.recipe_source.resolve_recipe`, which first takes the model from config.json."""
+    data = read_recipe_file(path) if path is not None else {}
     data = apply_overrides(data, overrides or [])
-    return config_from_dict(data), frozenset(_dotted_keys(data))
+    return build_config(data), frozenset(_dotted_keys(data))
 
 
 def _dotted_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
     keys = []
     for k, v in data.items():
-        if isinstance(v, dict) and k != "objective_args":
+        if isinstance(v, dict):
             keys += _dotted_keys(v, f"{prefix}{k}.")
         else:
             keys.append(f"{prefix}{k}")
@@ -201,17 +123,16 @@ def _dotted_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML recipe (or defaults when `path` is None) and apply `a.b=c` overrides."""
-    return load_recipe(path, overrides)[0]
+    """Load and validate a complete config: a run's config.yaml, or a recipe whose model
+    section is its own (an entry point resolves `run.init_checkpoint` first, module doc)."""
+    cfg = load_recipe(path, overrides)[0]
+    validate(cfg)
+    return cfg
 
 
 def to_dict(cfg: Any) -> Any:
     """Plain data (what YAML holds) of a config or any of its sections."""
-    if isinstance(cfg, ObjectiveArgs):
-        return cfg.to_dict()
-    if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    return copy.deepcopy(cfg)
+    return to_plain(cfg)
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:

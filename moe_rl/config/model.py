@@ -8,7 +8,8 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Qwen3-MoE-shaped decoder (GQA, QK-RMSNorm, RoPE, SwiGLU experts)."""
+    """A Qwen3-MoE-shaped decoder (GQA, QK-RMSNorm, RoPE, SwiGLU experts), or with
+    multi_latent_attention a DeepSeek-V3-shaped one (MLA, YaRN, group-limited routing)."""
 
     num_layers: int = 4
     """Transformer layers. Layers after the first `num_dense_layers` are MoE layers."""
@@ -38,8 +39,15 @@ class ModelConfig:
     moe_router_enable_expert_bias: bool = False
     """DeepSeek-V3 aux-loss-free balancing: a per-expert bias added for top-k selection only
     (requires the sigmoid score function)."""
-    moe_router_bias_update_rate: float = 1e-3
-    """Step size of the expert-bias update when moe_router_enable_expert_bias is on."""
+    moe_router_bias_update_rate: float = 0.0
+    """Step size of the expert-bias update when moe_router_enable_expert_bias is on. 0 (the
+    default, slime's choice for RL): the bias stays as pre-training left it, since a bias that
+    moves between rollout and update is itself a router shift. Pre-training uses ~1e-3."""
+    moe_router_num_groups: int = 1
+    """Expert groups for group-limited routing (config.json n_group; DeepSeek-V3: 8). 1: off."""
+    moe_router_group_topk: int = 1
+    """Groups a token may route into, chosen by the sum of each group's top
+    (moe_router_topk / moe_router_group_topk) biased scores (config.json topk_group)."""
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
     """Load-balancing loss flavour (megatron-core names)."""
     moe_aux_loss_coeff: float = 0.0
@@ -75,6 +83,42 @@ class ModelConfig:
     """softmax router only. False: softmax over the k selected logits (top-k weights sum to 1,
     Qwen3's norm_topk_prob=true). True: softmax over all experts, then top-k, not renormalised
     (norm_topk_prob=false). megatron requires True at moe_router_topk=1."""
+    multi_latent_attention: bool = False
+    """DeepSeek-V2/V3 multi-latent attention (MLA) instead of GQA: queries (optionally through
+    a q_lora_rank latent) and a shared kv_lora_rank latent expanded per head; kv_channels,
+    num_query_groups, qk_layernorm and add_qkv_bias do not apply."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query latent (DeepSeek-V3: 1536); 0 projects queries directly
+    (DeepSeek-V2-Lite's q_lora_rank null)."""
+    kv_lora_rank: int = 0
+    """MLA: rank of the shared key/value latent (DeepSeek-V3: 512)."""
+    qk_head_dim: int = 0
+    """MLA: per-head query/key dimensions without RoPE (config.json qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 0
+    """MLA: per-head query/key dimensions with RoPE, the key's shared by all heads
+    (config.json qk_rope_head_dim)."""
+    v_head_dim: int = 0
+    """MLA: per-head value dimensions."""
+    rope_type: Literal["rope", "yarn"] = "rope"
+    """MLA's RoPE: plain, or YaRN-scaled (config.json rope_scaling type yarn) with the five
+    fields below."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN: context extension factor (config.json rope_scaling.factor; DeepSeek-V3: 40)."""
+    original_max_position_embeddings: int = 4096
+    """YaRN: the pre-extension context length whose frequencies are kept."""
+    beta_fast: float = 32.0
+    """YaRN: rotations above which a frequency is kept as is."""
+    beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is fully interpolated."""
+    mscale: float = 1.0
+    """YaRN: numerator coefficient of the cos/sin concentration factor."""
+    mscale_all_dim: float = 0.0
+    """YaRN: denominator coefficient of that factor; the softmax scale is multiplied by
+    (0.1 * mscale_all_dim * ln(factor) + 1)^2."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers the Hugging Face source holds (num_nextn_predict_layers).
+    The learner does not build them: they stay frozen, out of the RL loss, and every export
+    copies them unchanged from the source directory."""
     recompute: Literal["none", "full"] = "none"
     """Activation recomputation: full recomputes each layer in the backward (megatron's
     recompute_granularity=full, uniform, 1 layer). Planned by `python -m moe_rl.plan`; the

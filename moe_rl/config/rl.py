@@ -10,6 +10,7 @@ hyperparameters typed at load time.
 `ObjectiveArgs` holds one hyperparameter dataclass per registered objective (defaults plus
 what the recipe sets), built when the config is loaded, so a typo fails there, naming the
 objective and its valid keys, and `rl.objective=gspo` on a recipe written for rspo just works.
+The objectives register their dataclasses (`objective_hparams`); this module imports none.
 """
 
 from __future__ import annotations
@@ -19,27 +20,38 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from moe_rl.config.coerce import build_section, choices_hint
 from moe_rl.config.errors import ConfigError
-from moe_rl.objectives import OBJECTIVES, CorrectionHParams
+from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS
 
 
 class ObjectiveArgs(Mapping[str, Any]):
-    """{objective name: its hyperparameter dataclass} for every registered objective."""
+    """{objective name: its hyperparameter dataclass} for every registered objective
+    (a `ConfigValue`: the coercer builds it with `from_config`)."""
 
     def __init__(self, data: Mapping[str, Any] | None = None, key: str = "rl.objective_args") -> None:
-        from moe_rl.config.loading import build_section  # (loading imports this module)
-
         data = {} if data is None else data
         if not isinstance(data, Mapping):
             raise ConfigError(f"{key}: expected a mapping of objective name -> hyperparameters, got {data!r}")
         for name in data:
-            if name not in OBJECTIVES:
-                raise ConfigError(_not_an_objective(key, name))
+            if name not in OBJECTIVE_HPARAMS:
+                raise ConfigError(_not_an_objective(key, str(name)))
         self._by_name: dict[str, Any] = {}
-        for name, spec in OBJECTIVES.items():
+        for name, entry in OBJECTIVE_HPARAMS.items():
             block = data.get(name)
-            self._by_name[name] = build_section(spec.hparams, {} if block is None else block,
+            self._by_name[name] = build_section(entry.hparams, {} if block is None else block,
                                                 f"{key}.{name}.", what=f"objective {name}")
+
+    @classmethod
+    def from_config(cls, value: Any, key: str) -> ObjectiveArgs:
+        return cls(value, key)
+
+    def to_config(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(hp) for name, hp in self._by_name.items()}
+
+    @classmethod
+    def config_sections(cls) -> list[tuple[str, str, type]]:
+        return [(name, entry.summary, entry.hparams) for name, entry in OBJECTIVE_HPARAMS.items()]
 
     def __getitem__(self, name: str) -> Any:
         return self._by_name[name]
@@ -59,15 +71,32 @@ class ObjectiveArgs(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"ObjectiveArgs({self._by_name!r})"
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(hp) for name, hp in self._by_name.items()}
-
 
 def _not_an_objective(key: str, name: str) -> str:
-    owners = [n for n, spec in OBJECTIVES.items() if name in {f.name for f in dataclasses.fields(spec.hparams)}]
-    hint = (f"; hyperparameters go under their objective's name, e.g. {key}.{owners[0]}.{name}=..."
-            if owners else "")
-    return f"{key}.{name}: not an objective{hint}; objectives: {', '.join(OBJECTIVES)}"
+    owners = [n for n, e in OBJECTIVE_HPARAMS.items() if name in {f.name for f in dataclasses.fields(e.hparams)}]
+    if owners:
+        return (f"{key}.{name}: not an objective; hyperparameters go under their objective's name, "
+                f"e.g. {key}.{owners[0]}.{name}=...; valid: {', '.join(OBJECTIVE_HPARAMS)}")
+    return f"{key}.{name}: not an objective{choices_hint(name, OBJECTIVE_HPARAMS)}"
+
+
+@dataclass(frozen=True)
+class CorrectionHParams:
+    """The knobs of the sampler-learner correction (what `rl.rollout_correction_args` sets;
+    the objectives' CommonHParams extends it)."""
+
+    tis_cap: float = 2.0
+    """TIS truncation C: the correction weight is min(exp(d), C) (tis, and mis on kept tokens)."""
+    mis_low: float = 0.5
+    """mis / icepop: tokens whose exp(d) is below this are dropped from the loss."""
+    mis_high: float = 2.0
+    """mis / icepop: tokens whose exp(d) is above this are dropped from the loss."""
+
+    def __post_init__(self) -> None:
+        if not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if not 0 <= self.mis_low < self.mis_high:
+            raise ValueError(f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low}, mis_high={self.mis_high}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +104,7 @@ class RLConfig:
     """The policy-gradient step: objective, advantages, replay, corrections."""
 
     objective: str = "rspo"
-    """Policy loss name from moe_rl.objectives.OBJECTIVES."""
+    """Policy loss name: one of the objectives moe_rl.objectives registers (grpo, gspo, rspo, ...)."""
     objective_args: ObjectiveArgs = field(default_factory=ObjectiveArgs)
     """Each objective's own hyperparameters, under its name: {rspo: {gamma_min: 0.2},
     gspo: {clip_low: 3e-4}}. Every objective keeps its own block, so switching
@@ -96,6 +125,12 @@ class RLConfig:
     """Sampler-learner correction from old_logprobs - rollout_logprobs."""
     rollout_correction_args: CorrectionHParams = field(default_factory=CorrectionHParams)
     """Correction hyperparameters (tis_cap, mis_low, mis_high), used by tis / mis / icepop."""
+    max_staleness: int = 0
+    """Asynchronous rollout: the engines sample the next step's batch while the learner
+    trains (batch n+1 with step n-1's weights while step n trains: a fixed schedule, so a run
+    is reproducible whatever the timing), and rows sampled more than this many weight pushes
+    before the learner's policy are dropped. The engines run one batch ahead for any k >= 1.
+    Needs sampler.placement=separate and a rollout_correction. 0: the synchronous loop."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; >0 keeps a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -124,7 +159,8 @@ class RLConfig:
     def records_routing(self) -> bool:
         """The learner records routing in the scoring pass: asked for, needed by a replay
         mode, or needed by the objective's router shift."""
-        return self.capture_routing or self.replay != "none" or OBJECTIVES[self.objective].needs_router_shift
+        return (self.capture_routing or self.replay != "none"
+                or OBJECTIVE_HPARAMS[self.objective].needs_router_shift)
 
     @property
     def scores_in_update(self) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from moe_rl.config.dpo import DPOConfig
 from moe_rl.config.model import ModelConfig
 from moe_rl.config.rl import RLConfig
 
@@ -26,7 +27,21 @@ class ParallelConfig:
     """Megatron requires sequence parallel for MoE with TP>1. None: switched on (with a log
     line) when TP>1; false with TP>1 is refused."""
     micro_batch_size: int = 8
-    """Sequences per micro-batch in the learner's forward/backward."""
+    """Sequences per micro-batch in the learner's forward/backward (when
+    max_tokens_per_microbatch is 0)."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one (megatron's THD layout: no padding between
+    them, rotary positions and attention restarting at every sequence; each sequence padded
+    only to the multiple tensor parallel needs). false: pad every sequence to the longest
+    (the reference path, for comparison)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a micro-batch: sequences are binned by length (longest first) into
+    micro-batches of at most this many tokens (a longer sequence gets one of its own), the
+    same number on every data-parallel rank. 0: micro_batch_size sequences each."""
+    logprob_chunk_tokens: int = 1024
+    """Log-probs and entropy are computed from the output layer's input this many tokens at
+    a time, recomputing each chunk in the backward, so at most one [chunk, vocab/TP] fp32
+    logits block exists (vocabulary-parallel under TP). 0: the full-logits path."""
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: NCCL with CUDA, gloo without."""
 
@@ -59,6 +74,10 @@ class OptimizerConfig:
     offload_fraction: float = 0.0
     """Fraction of the distributed optimizer's states kept in host memory (megatron's
     optimizer_cpu_offload); needs optimizer.distributed."""
+    offload_during_rollout: bool = False
+    """Colocated, synchronous runs: move the learner's gradient buffers and optimizer states
+    to (pinned) host memory while the engines sample and back before the update, so the
+    engines' KV cache can use that device memory (`moe_rl/learner/offload.py`)."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +133,12 @@ class TaskConfig:
     """Task name from moe_rl.tasks.TASKS: the synthetic reverse/sort/add, `dataset` (a JSONL
     or Parquet file of prompts, `data_path`; `math_jsonl` is its older name)."""
     data_path: str = ""
-    """The training prompts of file-backed tasks (.jsonl or .parquet)."""
+    """The training prompts of file-backed tasks (.jsonl or .parquet), relative to the working
+    directory. A path starting with moe_rl/ that does not exist there names a file shipped
+    inside the installed package (`moe_rl.config.shipped`)."""
     eval_data_path: str = ""
-    """Held-out prompts in the same format, scored every `run.eval_every` steps."""
+    """Held-out prompts in the same format, scored every `run.eval_every` steps (paths as in
+    data_path)."""
     prompt_key: str = "prompt"
     """Dataset: the column holding the prompt text (a row has it or `messages_key`)."""
     messages_key: str = "messages"
@@ -138,10 +160,10 @@ class TaskConfig:
     """auto: the tokenizer of run.init_checkpoint (a Hugging Face directory's own files; a
     moe_rl checkpoint's recorded one; the shipped SentencePiece model for the project's own
     models). shipped: the project's 128-piece model. Or a path: a Hugging Face tokenizer
-    directory / tokenizer.json, or a SentencePiece .model file."""
+    directory / tokenizer.json, or a SentencePiece .model file (paths as in data_path)."""
     chat_template: str = "auto"
     """auto: the tokenizer's chat template when it has one, else the prompt as plain text.
-    none: plain text. Or a .jinja file. Prompts become ids as
+    none: plain text. Or a .jinja file (paths as in data_path). Prompts become ids as
     apply_chat_template(messages, add_generation_prompt=True) makes them."""
     system_prompt: str = ""
     """A system message put before every prompt when a chat template is applied."""
@@ -201,7 +223,10 @@ class RunConfig:
     resume: bool = False
     """Continue from the newest complete checkpoint in the run directory."""
     init_checkpoint: str = ""
-    """Starting weights: a megatron checkpoint directory or a Hugging Face directory."""
+    """Starting weights: a megatron checkpoint directory or a Hugging Face directory, relative
+    to the working directory. A path starting with moe_rl/ that does not exist there names a
+    file shipped inside the installed package: moe_rl/assets/tiny_base works from any
+    directory (`moe_rl.config.shipped`)."""
     overwrite: bool = False
     """A fresh start (resume=false) in a run directory that holds checkpoints is refused;
     true moves the old run aside to <name>.overwritten-<time> first (nothing is deleted)."""
@@ -239,6 +264,8 @@ class Config:
     """Prompts and rewards."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm start."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Preference tuning (`python -m moe_rl.dpo`)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Per-step outputs."""
     run: RunConfig = field(default_factory=RunConfig)

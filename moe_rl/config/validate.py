@@ -7,7 +7,10 @@ import dataclasses
 import math
 from typing import Any
 
+from moe_rl.config.coerce import choices_hint
+from moe_rl.config.dpo import validate_dpo
 from moe_rl.config.errors import ConfigError
+from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS
 from moe_rl.config.sections import Config
 
 
@@ -66,22 +69,39 @@ def validate_parallel(cfg: Config) -> None:
     if tp > 1 and p.sequence_parallel is False:
         raise ConfigError("parallel.sequence_parallel=false with tensor_model_parallel_size>1: megatron-core "
                           "requires sequence parallel for MoE layers under TP; set it true or leave it unset")
+    if p.max_tokens_per_microbatch < 0:
+        raise ConfigError(f"parallel.max_tokens_per_microbatch must be >= 0 (0: micro_batch_size sequences), "
+                          f"got {p.max_tokens_per_microbatch}")
+    if p.max_tokens_per_microbatch and not p.packing:
+        raise ConfigError("parallel.max_tokens_per_microbatch needs parallel.packing=true (a token budget bins "
+                          "sequences of any length together, which only the packed layout can run)")
 
 
 def validate_rl(cfg: Config) -> None:
-    from moe_rl.objectives import OBJECTIVES
-
     rl = cfg.rl
     _require_positive({"rl.group_size": rl.group_size, "rl.prompts_per_step": rl.prompts_per_step,
                        "rl.num_minibatches": rl.num_minibatches, "rl.epochs": rl.epochs})
-    if rl.objective not in OBJECTIVES:
-        raise ConfigError(f"rl.objective={rl.objective!r} is unknown; valid: {', '.join(OBJECTIVES)}")
-    if OBJECTIVES[rl.objective].needs_router_shift and not rl.capture_routing:
+    if rl.objective not in OBJECTIVE_HPARAMS:
+        raise ConfigError(f"rl.objective={rl.objective!r} is unknown{choices_hint(rl.objective, OBJECTIVE_HPARAMS)}")
+    if OBJECTIVE_HPARAMS[rl.objective].needs_router_shift and not rl.capture_routing:
         raise ConfigError(f"rl.objective={rl.objective} needs rl.capture_routing=true (router shift)")
     if rl.dynamic_sampling and rl.max_draws < 1:
         raise ConfigError("rl.max_draws must be >= 1 with rl.dynamic_sampling")
     if rl.overlong_max_len and not 0 <= rl.overlong_cache < rl.overlong_max_len:
         raise ConfigError("rl.overlong_cache must be in [0, rl.overlong_max_len)")
+    if rl.max_staleness < 0:
+        raise ConfigError(f"rl.max_staleness must be >= 0 (0: synchronous), got {rl.max_staleness}")
+    if rl.max_staleness and cfg.sampler.placement != "separate":
+        raise ConfigError(f"rl.max_staleness={rl.max_staleness} needs sampler.placement=separate: colocated engines "
+                          "share the learner's devices, so sampling and training cannot overlap; set "
+                          "sampler.placement=separate with sampler.engine_ranks, or rl.max_staleness=0")
+    if cfg.optimizer.offload_during_rollout and (cfg.sampler.placement != "colocated" or rl.max_staleness):
+        raise ConfigError("optimizer.offload_during_rollout is for colocated, synchronous runs (the learner's state "
+                          "leaves the device its engine shares only while it waits for the rollout); with "
+                          "separate engines or rl.max_staleness > 0 leave it false")
+    if rl.max_staleness and rl.rollout_correction == "none":
+        raise ConfigError(f"rl.max_staleness={rl.max_staleness} trains on batches sampled by an older policy: set "
+                          "rl.rollout_correction (tis, mis or icepop) to correct for the sampler-learner gap")
 
 
 def validate_sampler(cfg: Config) -> None:
@@ -199,6 +219,8 @@ def validate_ranges(cfg: Config) -> None:
         "run.eval_every": (cfg.run.eval_every >= 0, f">= 0 (0 disables it), got {cfg.run.eval_every}"),
         "run.eval_k": (cfg.run.eval_k >= 1, f">= 1, got {cfg.run.eval_k}"),
         "run.eval_max_problems": (cfg.run.eval_max_problems >= 0, f">= 0 (0: all), got {cfg.run.eval_max_problems}"),
+        "parallel.logprob_chunk_tokens": (cfg.parallel.logprob_chunk_tokens >= 0,
+                                          f">= 0 (0: full logits), got {cfg.parallel.logprob_chunk_tokens}"),
     })
     validate_task(t, cfg.run)
 
@@ -216,7 +238,8 @@ def validate_task(t: Any, run: Any) -> None:
             raise ConfigError(f"task.{key} must not be empty")
 
 
-SECTION_CHECKS = (validate_finite, validate_ranges, validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run)
+SECTION_CHECKS = (validate_finite, validate_ranges, validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run,
+                  validate_dpo)
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

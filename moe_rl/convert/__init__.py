@@ -2,8 +2,8 @@
 
     megatron_to_hf(ckpt_dir, hf_dir)          # streamed, any TP/EP/PP layout, atomic output
     HFCheckpoint(hf_dir), megatron_tensors()  # an HF directory as global megatron tensors
-    layout_for(model_cfg)                     # Qwen3-MoE, or Glm4-MoE for a sigmoid router /
-                                              # shared expert (layouts.py)
+    layout_for(model_cfg)                     # Qwen3-MoE, Glm4-MoE for a sigmoid router /
+                                              # shared expert, DeepseekV3 for MLA (layouts.py)
 
 The live learner's stream is `moe_rl.learner.export.hf_named_tensors`, and HF -> megatron
 checkpoint is `moe_rl.learner.hf_import.hf_to_megatron` (both need megatron, so they live
@@ -14,7 +14,7 @@ from moe_rl.atomic import atomic_output_dir
 from moe_rl.convert.dcp import DcpCheckpoint
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors, megatron_tensors
 from moe_rl.convert.hf_export import DEFAULT_SHARD_BYTES, megatron_to_hf
-from moe_rl.convert.hf_layout import HFLayout
+from moe_rl.convert.hf_layout import HFArchitecture
 from moe_rl.convert.layouts import (
     check_supported,
     from_hf,
@@ -32,8 +32,8 @@ __all__ = [
     "DEFAULT_SHARD_BYTES",
     "ConvertError",
     "DcpCheckpoint",
+    "HFArchitecture",
     "HFCheckpoint",
-    "HFLayout",
     "ShardedSafetensorsWriter",
     "atomic_output_dir",
     "check_supported",

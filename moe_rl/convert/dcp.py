@@ -11,7 +11,7 @@ key into a tensor of its global shape reassembles it whatever the layout it was 
 Keys that are not model weights (optimizer state `chained_0.optimizer.state...`, RNG,
 `_extra_state`) are listed but never read here.
 
-Safety. A checkpoint is verified against its manifest (`moe_rl.checkpoint_files`) before
+Safety. A checkpoint is verified against its manifest (`moe_rl.checkpoints`) before
 anything is read, and `.metadata` is read with an unpickler that builds only DCP's own
 metadata classes, torch sizes and dtypes (`load_metadata`): a crafted `.metadata` cannot run
 code even when its manifest matches. `safe_dcp_reading()` puts the same rules under torch's
@@ -59,15 +59,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from moe_rl.checkpoint_files import (
-    CONFIG_FILE,
-    META_FILE,
-    TRUST_HINT,
-    CheckpointError,
-    describe,
-    ensure_verified,
-)
+from moe_rl.checkpoints import CONFIG_FILE, META_FILE
+from moe_rl.checkpoints.errors import TRUST_HINT, CheckpointError
+from moe_rl.checkpoints.trust import ensure_verified
 from moe_rl.convert.megatron_keys import ConvertError
+from moe_rl.failures import describe
 
 METADATA_FILE = ".metadata"
 # What a DCP `.metadata` of this package's checkpoints is made of (torch 2.13): the classes
@@ -181,7 +177,7 @@ def check_checkpoint_dir(path: str | os.PathLike, *, trust: bool = False) -> tup
         raise ConvertError(
             f"{p} is not a megatron checkpoint written by the learner: it lacks {', '.join(missing)}{hint}"
         )
-    restricted = ensure_verified(p, trust_it=trust)
+    restricted = ensure_verified(p, trust=trust)
     try:
         backend = json.loads((p / "metadata.json").read_text()).get("sharded_backend")
     except (json.JSONDecodeError, AttributeError) as e:

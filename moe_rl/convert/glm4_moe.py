@@ -52,7 +52,7 @@ import torch
 
 from moe_rl.config import ModelConfig
 from moe_rl.convert.hf_layout import (
-    HFLayout,
+    HFArchitecture,
     Part,
     TensorSpec,
     as_is,
@@ -78,7 +78,7 @@ def n_shared_experts(m: ModelConfig) -> int:
     return max(m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size, 1)
 
 
-class Glm4MoeLayout(HFLayout):
+class Glm4MoeLayout(HFArchitecture):
     name = "Glm4-MoE"
     architecture = "Glm4MoeForCausalLM"
     model_type = "glm4_moe"

@@ -1,4 +1,4 @@
-"""Read a Hugging Face directory (Qwen3-MoE or Glm4-MoE) as global megatron tensors, one key
+"""Read a Hugging Face directory (Qwen3-MoE, Glm4-MoE or DeepseekV3) as global megatron tensors, one key
 at a time.
 
 `HFCheckpoint(dir)` opens config.json and the safetensors files (through the index when
@@ -23,7 +23,7 @@ from safetensors import safe_open
 from moe_rl.config import ModelConfig
 from moe_rl.convert.layouts import layout_for, model_config_from_hf
 from moe_rl.convert.megatron_keys import ConvertError, megatron_specs
-from moe_rl.convert.safetensors_writer import INDEX_FILE
+from moe_rl.convert.safetensors_writer import DTYPE_NAMES, INDEX_FILE
 
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -65,6 +65,14 @@ class HFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of tensor `name`, from the file header (no data read)."""
+        stored = self._handle(name).get_slice(name).get_dtype()
+        by_name = {v: k for k, v in DTYPE_NAMES.items()}
+        if stored not in by_name:
+            raise ConvertError(f"{self.path}: tensor {name!r} has dtype {stored}, which this converter cannot copy")
+        return by_name[stored]
 
     def _handle(self, name: str) -> Any:
         file = self._file_of.get(name)

@@ -34,9 +34,10 @@ from moe_rl.atomic import atomic_output_dir, check_distinct
 from moe_rl.config import Config, ConfigError, ModelConfig, load_config
 from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
 from moe_rl.convert.hf_files import find_hf_source, source_dtype, write_from_source, write_own
-from moe_rl.convert.hf_layout import HFLayout
+from moe_rl.convert.hf_layout import HFArchitecture
 from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, is_model_key, megatron_specs
+from moe_rl.convert.mtp_carry import planned_mtp_tensors, write_mtp_tensors
 from moe_rl.convert.safetensors_writer import PlannedTensor, ShardedSafetensorsWriter
 
 DEFAULT_SHARD_BYTES = 2 << 30  # 2 GiB
@@ -134,9 +135,11 @@ def megatron_to_hf(
         plan = [PlannedTensor(spec.name, spec.shape, spec.dtype or dtypes[key])
                 for key in megatron_specs(m) for spec in layout.hf_specs(key, m)]
     config_dtype = out_dtype or dtypes["embedding.word_embeddings.weight"]
+    mtp = planned_mtp_tensors(source, m)  # DeepseekV3: the source's MTP layers, unchanged
+    plan += mtp
     with atomic_output_dir(dst, force=force) as tmp:
         if source is not None:
-            write_from_source(tmp, source, m, config_dtype)
+            write_from_source(tmp, source, m, config_dtype, keep_mtp=bool(mtp))
         else:
             write_own(tmp, m, config_dtype, str(tokenizer) if tokenizer else cfg.task.tokenizer)
         with ShardedSafetensorsWriter(tmp, plan, max_shard_bytes) as writer:
@@ -146,6 +149,8 @@ def megatron_to_hf(
 
                 bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="convert")
             _write_tensors(writer, ckpt, stored, layout, m, dtypes, bar)
+            if mtp:
+                write_mtp_tensors(writer, source, mtp)
             if bar is not None:
                 bar.close()
     return Path(dst)
@@ -160,7 +165,7 @@ def _hf_source(cfg: Config, tokenizer: str | os.PathLike | None) -> Path | None:
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored: dict[str, str],
-                   layout: HFLayout, m: ModelConfig, dtypes: dict[str, torch.dtype], bar: Any) -> None:
+                   layout: HFArchitecture, m: ModelConfig, dtypes: dict[str, torch.dtype], bar: Any) -> None:
     """Every megatron tensor, in plan order: as file-to-file copies when its HF tensors are
     saved chunks as they are, else read into one reused buffer, re-laid out and written.
     (Fresh memory per tensor would cost a page fault per 4 KiB, more than the read itself.)"""
@@ -186,7 +191,7 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored
 
 
 def _stored_as_is(key: str, ckpt: DcpCheckpoint, stored_key: str, m: ModelConfig,
-                  layout: HFLayout | None = None) -> list[RawChunk] | None:
+                  layout: HFArchitecture | None = None) -> list[RawChunk] | None:
     """For each HF tensor of `key`, the saved chunk whose bytes are exactly that tensor's
     (same elements, same row-major order); None unless every HF tensor has one. True of
     renamed tensors saved whole, of each expert's gate / up / down (the expert axis and the

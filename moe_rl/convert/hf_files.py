@@ -77,8 +77,11 @@ def _check_describes(source_cfg: dict[str, Any], m: ModelConfig, source: Path) -
                            "pass the right source directory")
 
 
-def write_from_source(out_dir: Path, source: Path, m: ModelConfig, dtype: torch.dtype) -> None:
-    """config.json (the source's, dtype set to the exported one), the side files copied."""
+def write_from_source(out_dir: Path, source: Path, m: ModelConfig, dtype: torch.dtype, *,
+                      keep_mtp: bool = False) -> None:
+    """config.json (the source's, dtype set to the exported one), the side files copied.
+    `keep_mtp`: the export carries the source's MTP layers (`mtp_carry`), so config.json keeps
+    num_nextn_predict_layers; otherwise it becomes 0 (the layers are not written)."""
     try:
         source_cfg = json.loads((source / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -88,7 +91,7 @@ def write_from_source(out_dir: Path, source: Path, m: ModelConfig, dtype: torch.
     for key in ("dtype", "torch_dtype"):
         if key in out or key == "dtype":
             out[key] = TORCH_DTYPE_NAMES[dtype]
-    if out.get("num_nextn_predict_layers"):  # not trained, not exported (see glm4_moe)
+    if out.get("num_nextn_predict_layers") and not keep_mtp:  # not exported (see glm4_moe)
         out["num_nextn_predict_layers"] = 0
     (out_dir / "config.json").write_text(json.dumps(out, indent=2) + "\n")
     for name in SIDE_FILES:

@@ -2,7 +2,7 @@
 tensors to HF tensors (names, shapes, views of the megatron tensor) and the config.json
 fields common to the architectures (pure torch; no megatron, no transformers).
 
-A layout (`HFLayout` subclass: `qwen3_moe.Qwen3MoeLayout`, `glm4_moe.Glm4MoeLayout`) turns
+A layout (`HFArchitecture` subclass: `qwen3_moe.Qwen3MoeLayout`, `glm4_moe.Glm4MoeLayout`) turns
 each megatron key into an ordered list of parts, an HF `TensorSpec` plus the view of the
 megatron tensor that holds its elements. Shared by all layouts (checked numerically by
 tests/test_convert.py and tests/test_convert_glm4.py against transformers and vLLM):
@@ -140,8 +140,9 @@ _GLOBAL_RENAMES = {
 }
 
 
-class HFLayout:
-    """A Hugging Face MoE architecture as a map from the learner's megatron tensors.
+class HFArchitecture:
+    """A Hugging Face MoE architecture's tensor names and shapes, as a map from the
+    learner's megatron tensors.
 
     Subclasses name the architecture, refuse what it cannot express (`check_supported`),
     add their own tensors (`layer_parts` / `global_parts`) and write / read config.json."""
@@ -149,6 +150,7 @@ class HFLayout:
     name = ""  # e.g. "Qwen3-MoE", in messages
     architecture = ""  # config.json "architectures"
     model_type = ""  # config.json "model_type"
+    model_type_aliases: tuple[str, ...] = ()  # other model_types of the same architecture
 
     def check_supported(self, m: ModelConfig) -> None:
         raise NotImplementedError

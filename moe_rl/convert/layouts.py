@@ -4,8 +4,9 @@ on it (the names `moe_rl.convert` exports).
     layout_for(model_cfg)        # megatron -> HF: from the ModelConfig
     layout_for_hf(config_json)   # HF -> megatron: from config.json's model_type / architectures
 
-A sigmoid router or a shared expert means the DeepSeek-style family, written as Glm4-MoE;
-anything else is written as Qwen3-MoE (the layout the learner's default model matches).
+Multi-latent attention means DeepseekV3 (DeepSeek-V3, Kimi-K2); otherwise a sigmoid router
+or a shared expert means the DeepSeek-style family, written as Glm4-MoE; anything else is
+written as Qwen3-MoE (the layout the learner's default model matches).
 Each layout refuses, naming the fields, what it cannot express.
 """
 
@@ -17,26 +18,30 @@ from typing import Any
 import torch
 
 from moe_rl.config import ModelConfig
+from moe_rl.convert.deepseek_v3 import DEEPSEEK_V3
 from moe_rl.convert.glm4_moe import GLM4_MOE
-from moe_rl.convert.hf_layout import HFLayout, TensorSpec
+from moe_rl.convert.hf_layout import HFArchitecture, TensorSpec
 from moe_rl.convert.megatron_keys import ConvertError
 from moe_rl.convert.qwen3_moe import QWEN3_MOE
 
-LAYOUTS: tuple[HFLayout, ...] = (QWEN3_MOE, GLM4_MOE)
+LAYOUTS: tuple[HFArchitecture, ...] = (QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3)
 
 
-def layout_for(m: ModelConfig) -> HFLayout:
+def layout_for(m: ModelConfig) -> HFArchitecture:
     """The HF layout the model is written in (megatron -> HF)."""
+    if m.multi_latent_attention:
+        return DEEPSEEK_V3
     if m.moe_router_score_function == "sigmoid" or m.moe_shared_expert_intermediate_size:
         return GLM4_MOE
     return QWEN3_MOE
 
 
-def layout_for_hf(cfg: dict[str, Any]) -> HFLayout:
+def layout_for_hf(cfg: dict[str, Any]) -> HFArchitecture:
     """The layout of an HF directory from its config.json dict (HF -> megatron)."""
     model_type, archs = cfg.get("model_type"), cfg.get("architectures") or []
     for layout in LAYOUTS:
-        if model_type == layout.model_type or (model_type is None and layout.architecture in archs):
+        known = model_type in (layout.model_type, *layout.model_type_aliases)
+        if known or (model_type is None and layout.architecture in archs):
             return layout
     known = ", ".join(f"{lay.model_type!r} ({lay.architecture})" for lay in LAYOUTS)
     raise ConvertError(

@@ -22,6 +22,19 @@ is later written in. Per layer i (global numbering; layers < num_dense_layers ar
   mlp.shared_experts.linear_fc2.weight         [H, S]
 plus embedding.word_embeddings.weight [V, H], decoder.final_layernorm.weight [H] and
 output_layer.weight [V, H] (absent when the embeddings are tied).
+
+Multi-latent attention (model.multi_latent_attention) replaces the attention keys with
+(N heads, qk = qk_head_dim + qk_pos_emb_head_dim per head, rq / rkv the latent ranks):
+
+  self_attention.linear_qkv.layer_norm_weight  [H]                the input norm (canonical name)
+  self_attention.linear_q_proj.weight          [N*qk, H]          (q_lora_rank 0)
+  self_attention.linear_q_down_proj.weight     [rq, H]            (q_lora_rank rq > 0)
+  self_attention.q_layernorm.weight            [rq]               (q_lora_rank rq > 0)
+  self_attention.linear_q_up_proj.weight       [N*qk, rq]         (q_lora_rank rq > 0)
+  self_attention.linear_kv_down_proj.weight    [rkv + rope, H]    [latent; shared RoPE key]
+  self_attention.kv_layernorm.weight           [rkv]
+  self_attention.linear_kv_up_proj.weight      [N*(nope + v), rkv] per head [k without RoPE; v]
+  self_attention.linear_proj.weight            [H, N*v_head_dim]
 """
 
 from __future__ import annotations
@@ -42,6 +55,9 @@ class ConvertError(ValueError):
 _ALIASES = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    # MLA under the Transformer Engine spec: the latent norms fused into the up projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
@@ -83,13 +99,16 @@ def _megatron_specs(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(m.num_layers):
         p = f"decoder.layers.{i}."
         out[p + "self_attention.linear_qkv.layer_norm_weight"] = (H,)
-        out[p + "self_attention.linear_qkv.weight"] = ((Q + 2 * G) * D, H)
-        if m.add_qkv_bias:
-            out[p + "self_attention.linear_qkv.bias"] = ((Q + 2 * G) * D,)
-        if m.qk_layernorm:
-            out[p + "self_attention.q_layernorm.weight"] = (D,)
-            out[p + "self_attention.k_layernorm.weight"] = (D,)
-        out[p + "self_attention.linear_proj.weight"] = (H, Q * D)
+        if m.multi_latent_attention:
+            out.update(_mla_specs(p + "self_attention.", m))
+        else:
+            out[p + "self_attention.linear_qkv.weight"] = ((Q + 2 * G) * D, H)
+            if m.add_qkv_bias:
+                out[p + "self_attention.linear_qkv.bias"] = ((Q + 2 * G) * D,)
+            if m.qk_layernorm:
+                out[p + "self_attention.q_layernorm.weight"] = (D,)
+                out[p + "self_attention.k_layernorm.weight"] = (D,)
+            out[p + "self_attention.linear_proj.weight"] = (H, Q * D)
         out[p + "mlp.linear_fc1.layer_norm_weight"] = (H,)
         if is_moe_layer(m, i):
             E, F = m.num_experts, m.moe_ffn_hidden_size
@@ -109,6 +128,24 @@ def _megatron_specs(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     out["decoder.final_layernorm.weight"] = (H,)
     if m.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = (m.vocab_size, H)
+    return out
+
+
+def _mla_specs(p: str, m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Multi-latent attention's keys under prefix `p` (module docstring)."""
+    H, N = m.hidden_size, m.num_attention_heads
+    qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    out: dict[str, tuple[int, ...]] = {}
+    if m.q_lora_rank:
+        out[p + "linear_q_down_proj.weight"] = (m.q_lora_rank, H)
+        out[p + "q_layernorm.weight"] = (m.q_lora_rank,)
+        out[p + "linear_q_up_proj.weight"] = (N * qk, m.q_lora_rank)
+    else:
+        out[p + "linear_q_proj.weight"] = (N * qk, H)
+    out[p + "linear_kv_down_proj.weight"] = (m.kv_lora_rank + m.qk_pos_emb_head_dim, H)
+    out[p + "kv_layernorm.weight"] = (m.kv_lora_rank,)
+    out[p + "linear_kv_up_proj.weight"] = (N * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank)
+    out[p + "linear_proj.weight"] = (H, N * m.v_head_dim)
     return out
 
 

@@ -28,7 +28,7 @@ import torch
 
 from moe_rl.config import ModelConfig
 from moe_rl.convert.hf_layout import (
-    HFLayout,
+    HFArchitecture,
     TensorSpec,
     common_hf_config,
     common_model_fields,
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-class Qwen3MoeLayout(HFLayout):
+class Qwen3MoeLayout(HFArchitecture):
     name = "Qwen3-MoE"
     architecture = "Qwen3MoeForCausalLM"
     model_type = "qwen3_moe"

@@ -6,6 +6,7 @@ samplers; the application that starts them and measures a checkpoint is `moe_rl.
 """
 
 from moe_rl.diagnostics.buckets import BucketTable, default_position_edges
+from moe_rl.diagnostics.combine import combine_mismatch_summaries
 from moe_rl.diagnostics.metrics import MismatchResult, TokenArrays, compute_mismatch
 from moe_rl.diagnostics.report import write_report
 
@@ -13,6 +14,7 @@ __all__ = [
     "BucketTable",
     "MismatchResult",
     "TokenArrays",
+    "combine_mismatch_summaries",
     "compute_mismatch",
     "default_position_edges",
     "write_report",

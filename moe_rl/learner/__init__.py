@@ -11,7 +11,14 @@ from moe_rl.learner.checkpoint import (
     save_checkpoint,
 )
 from moe_rl.learner.engine import Learner
-from moe_rl.learner.microbatch import BatchTotals, LossFn, MicroBatch, MicroBatchLoss, ScoreResult
+from moe_rl.learner.microbatch import (
+    BatchTotals,
+    LossFn,
+    MicroBatch,
+    MicroBatchLoss,
+    ScoreResult,
+    UpdateResult,
+)
 from moe_rl.learner.parallel import Layout, init_distributed, parallel_layout
 from moe_rl.learner.routing import RoutingPlan
 
@@ -25,6 +32,7 @@ __all__ = [
     "MicroBatchLoss",
     "RoutingPlan",
     "ScoreResult",
+    "UpdateResult",
     "init_distributed",
     "latest_checkpoint",
     "load_checkpoint",

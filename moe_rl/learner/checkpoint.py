@@ -45,29 +45,23 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_rl.atomic import atomic_write_text
-from moe_rl.checkpoint_files import (
-    MANIFEST_FILE,
-    META_FILE,
-    CheckpointError,
-    describe,
+from moe_rl.checkpoints import MANIFEST_FILE, META_FILE
+from moe_rl.checkpoints.chaos import kill_point
+from moe_rl.checkpoints.directories import is_checkpoint, latest_checkpoint, read_meta
+from moe_rl.checkpoints.errors import CheckpointError
+from moe_rl.checkpoints.manifest import (
     digest_files,
-    disk_full,
-    is_checkpoint,
-    is_trusted,
-    is_verified,
-    kill_point,
-    latest_checkpoint,
     list_files,
-    mark_verified,
-    read_meta,
-    remove_temps,
     share,
-    trust,
     verify_share,
     write_manifest,
 )
+from moe_rl.checkpoints.temps import remove_temps, rename_into_place
+from moe_rl.checkpoints.trust import VERIFIED
+from moe_rl.collectives import all_gather_object, broadcast_object
 from moe_rl.config import save_config
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
+from moe_rl.failures import describe, disk_full
 
 log = logging.getLogger(__name__)
 
@@ -96,21 +90,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast_str(s: str) -> str:
-    box = [s]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _on_rank0(fn: Callable[[], None]) -> None:
     """Run `fn` on rank 0 and raise its failure on every rank (as a CheckpointError), so no
     rank waits at a barrier for a rank that gave up."""
@@ -124,7 +103,7 @@ def _on_rank0(fn: Callable[[], None]) -> None:
             problem = f"cannot write the checkpoint: {describe(e)}"
         except Exception as e:
             problem = f"could not save the checkpoint: {describe(e)}"
-    problem = _broadcast_str(problem)
+    problem = broadcast_object(problem, src=0)
     if problem:
         raise CheckpointError(problem)
 
@@ -235,19 +214,8 @@ def _finish(learner: Any, tmp: Path, path: Path, meta: dict[str, Any], digests: 
     digests.update(digest_files(tmp, [META_FILE]))
     write_manifest(tmp, digests)
     kill_point("save.manifest")
-    if path.exists():
-        old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a power cut
-    finally:
-        os.close(fd)
-    mark_verified(path)
+    rename_into_place(tmp, path)
+    VERIFIED.add(path)  # what this process wrote needs no re-hash by its next reader (the export)
     kill_point("save.renamed")
 
 
@@ -260,7 +228,7 @@ def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_m
     _barrier()
     names = [n for n in list_files(tmp) if n != META_FILE]
     digests: dict = {}
-    for part in _gather(digest_files(tmp, share(names, _rank(), _world()))):
+    for part in all_gather_object(digest_files(tmp, share(names, _rank(), _world()))):
         digests.update(part)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -287,7 +255,7 @@ def save_checkpoint(
     that is not a checkpoint is refused unless `replace_foreign` (the converter's --force).
     A full disk, an unwritable directory or a file in the way is a one-line CheckpointError."""
     path = Path(path)
-    tmp = Path(_broadcast_str(f"{path}.tmp-{uuid.uuid4().hex[:8]}"))
+    tmp = Path(broadcast_object(f"{path}.tmp-{uuid.uuid4().hex[:8]}", src=0))
     _on_rank0(lambda: _prepare_target(path, tmp, replace_foreign))
     _barrier()
     kill_point("save.begin")
@@ -312,23 +280,21 @@ def save_checkpoint(
 # --------------------------------------------------------------------------- load
 
 
-def _verify(path: Path, trust_it: bool) -> bool:
+def _verify(path: Path, trust: bool) -> bool:
     """Collective. Check the manifest (each rank hashes its share of the files) before any
     file is read; returns whether to read restricted (True unless trusted). A checkpoint
     without a manifest passes only on trust. Every rank takes part in the gather, also one
     that verified (or wrote) this checkpoint before, so none waits for another."""
-    if trust_it:
-        trust(path)
-    if not (path / MANIFEST_FILE).is_file() and is_trusted(path):
+    if trust and not (path / MANIFEST_FILE).is_file():
         log.warning("checkpoint %s has no %s; loading it because it is trusted (run.trust_checkpoint / --trust)",
                     path, MANIFEST_FILE)
         return False
-    mine = None if is_verified(path) else verify_share(path, _rank(), _world())
-    problem = next((p for p in _gather(mine) if p), None)
+    mine = None if path in VERIFIED else verify_share(path, _rank(), _world())
+    problem = next((p for p in all_gather_object(mine) if p), None)
     if problem:
         raise CheckpointError(problem)
-    mark_verified(path)
-    return not is_trusted(path)
+    VERIFIED.add(path)
+    return not trust
 
 
 def _load_files(learner: Any, path: Path, sd: dict, restricted: bool) -> dict:

@@ -355,6 +355,3 @@ def apply() -> bool:
     log.debug("megatron-core CPU shims applied (%d modules redirected)", n)
     return True
 
-
-def active() -> bool:
-    return _APPLIED

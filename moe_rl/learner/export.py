@@ -1,5 +1,6 @@
-"""The live learner's weights as a Hugging Face stream (Qwen3-MoE, or Glm4-MoE for a sigmoid
-router / shared expert: `moe_rl.convert.layout_for`), for weight sync.
+"""The live learner's weights as a Hugging Face stream (Qwen3-MoE; Glm4-MoE for a sigmoid
+router / shared expert; DeepseekV3 for multi-latent attention, its MTP layers left out:
+`moe_rl.convert.layout_for`), for weight sync.
 
     for name, tensor in hf_named_tensors(learner):   # collective: every rank iterates
         ...                                            # rank 0 gets the pairs

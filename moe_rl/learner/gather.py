@@ -10,11 +10,12 @@ share one canonical "global megatron" layout.
 Both iterators are collective: every rank of the world must iterate them to the end, in
 the trainer's process-group context, whatever it does with the tensors.
 - `iter_full_tensors(model, dst)`: rank `dst` gets `(key, full_tensor)` pairs, the others
-  nothing (the checkpoint converter, one sampler engine on one rank);
+  nothing (the checkpoint converter; separate placement, where rank 0 broadcasts them to
+  the engine ranks);
 - `iter_full_tensors_everywhere(model)`: every rank gets every full tensor (an engine per
-  rank). A piece a rank already holds (a data-parallel replica, its own shard) is copied
-  locally; a piece it lacks is received point-to-point from one rank that holds it, so a
-  rank receives exactly the bytes it lacks (0 at pure data parallelism). Tensors are
+  rank, colocated placement). A piece a rank already holds (a data-parallel replica, its
+  own shard) is copied locally; a piece it lacks is received point-to-point from one rank
+  that holds it, so a rank receives exactly the bytes it lacks (0 at pure data parallelism). Tensors are
   assembled on the collective device (the GPU under NCCL: no pageable-host round trip).
 """
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+from moe_rl.collectives import all_gather_object
 from moe_rl.learner.parallel import comm_device
 
 
@@ -103,8 +105,7 @@ def iter_full_tensors(model: torch.nn.Module, dst: int = 0) -> Iterator[tuple[st
             yield key, full
         return
     dev = comm_device()  # NCCL moves device tensors only
-    metas: list[list[_Piece]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(metas, [p for p, _ in local])
+    metas: list[list[_Piece]] = all_gather_object([p for p, _ in local])
     owners: dict[str, list[tuple[int, int, _Piece]]] = {}
     for r, pieces in enumerate(metas):
         for i, p in enumerate(pieces):
@@ -148,10 +149,7 @@ def iter_full_tensors_everywhere(
     shards = local_shards(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    metas: list[list[tuple[_Piece, bool]]] = [[(p, main) for p, _, main in shards]]
-    if world > 1:
-        metas = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(metas, [(p, main) for p, _, main in shards])
+    metas: list[list[tuple[_Piece, bool]]] = all_gather_object([(p, main) for p, _, main in shards])
     mine = {(p.key, p.global_offset): d for p, d, _ in shards}
     holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     pieces: dict[str, dict[tuple[int, ...], _Piece]] = {}

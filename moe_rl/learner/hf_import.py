@@ -1,4 +1,4 @@
-"""Start the learner from a Hugging Face directory (Qwen3-MoE or Glm4-MoE), and write it as a
+"""Start the learner from a Hugging Face directory (Qwen3-MoE, Glm4-MoE or DeepseekV3), and write it as a
 megatron checkpoint.
 
     load_hf_weights(learner, "hf-dir")              # any layout; no communication

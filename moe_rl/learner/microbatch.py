@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +11,9 @@ from typing import Any
 import torch
 
 from moe_rl.batch import TokenBatch
+from moe_rl.learner.model_input import ModelInput
 from moe_rl.routing.record import RoutingRecord
+from moe_rl.step_batch import StepBatch
 
 FP8_TOKEN_MULTIPLE = 16
 """Transformer Engine's fp8 GEMMs want the token dimension divisible by 16 (8 for some
@@ -27,9 +31,9 @@ def padded_seq_len(seq_len: int, tp: int, fp8: bool) -> int:
 
 @dataclass(frozen=True)
 class BatchTotals:
-    """Counts of the whole batch a learner pass runs on (the same on every rank and in every
-    micro-batch): the global normalisers that make micro-batch loss contributions sum to
-    the whole-batch loss."""
+    """Counts of the whole batch a learner pass runs on, over every data-parallel rank (the
+    same on every rank and in every micro-batch): the global normalisers that make
+    micro-batch loss contributions sum to the whole-batch loss."""
 
     response_tokens: float
     """Valid response tokens in the batch."""
@@ -40,6 +44,7 @@ class BatchTotals:
 
     @staticmethod
     def of(batch: TokenBatch) -> BatchTotals:
+        """The counts of `batch` alone (one rank's share of a pass)."""
         lens = batch.response_lens_B
         return BatchTotals(float(lens.sum()), float((lens > 0).sum()), float(batch.batch_size))
 
@@ -49,20 +54,114 @@ class MicroBatch:
     """What a loss callback sees for one micro-batch on the last pipeline stage."""
 
     index: int
-    """Micro-batch index within this rank's step."""
-    batch: TokenBatch
-    """The micro-batch's sequences."""
-    rows_B: torch.Tensor
-    """[mbs] global row id of each sequence (the rollout-batch row); -1 marks padding."""
-    extras: dict[str, torch.Tensor]
-    """Per-sequence tensors of the global batch (leading dim B), sliced to these rows
-    (padding rows are zero)."""
-    batch_pos_B: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    """[mbs] position of each sequence in the batch passed to the learner; -1 for padding."""
+    """Micro-batch index within this rank's pass."""
+    step: StepBatch
+    """The micro-batch's rows (padding rows: row id -1, no response tokens, zero fields)."""
+    batch_pos_B: torch.Tensor
+    """[mbs] position of each row in the StepBatch the pass runs on; -1 for padding."""
+    totals: BatchTotals
+    """Counts of the whole pass over every data-parallel rank (global loss normalisers)."""
     aux: dict[str, Any] = field(default_factory=dict)
     """Side data produced during the forward (e.g. router-shift weights)."""
-    totals: BatchTotals | None = None
-    """Counts of the whole batch this pass runs on (global loss normalisers)."""
+    inp: ModelInput | None = None
+    """How the rows enter the model (packed or padded), set by the learner."""
+
+    @property
+    def batch(self) -> TokenBatch:
+        """The micro-batch's tokens."""
+        return self.step.tokens
+
+    @property
+    def rows_B(self) -> torch.Tensor:
+        """[mbs] global row id of each sequence; -1 marks padding."""
+        return self.step.row_ids_B
+
+    @property
+    def extras(self) -> dict[str, torch.Tensor]:
+        """The custom per-row tensors of `StepBatch.extras`, cut to these rows."""
+        return self.step.extras
+
+
+def split_micro_batches(batch: StepBatch, micro_batch_size: int, most_rows: int, seq_len: int,
+                        totals: BatchTotals) -> list[MicroBatch]:
+    """This rank's rows cut into micro-batches of `min(micro_batch_size, most_rows)` rows,
+    as many on every data-parallel rank (`most_rows`: the most rows any rank holds; the
+    expert-parallel all-to-alls need every rank in every micro-batch): the last ones are
+    filled with padding rows, which have no response tokens and contribute nothing to any
+    loss. Tokens are widened to `seq_len` (the TP / fp8 multiple)."""
+    most = max(most_rows, 1)
+    mbs = min(micro_batch_size, most)
+    n_micro = math.ceil(most / mbs)
+    padded = pad_rows(batch, n_micro * mbs, seq_len)
+    pos = torch.full((n_micro * mbs,), -1, dtype=torch.long)
+    pos[: batch.batch_size] = torch.arange(batch.batch_size)
+    out = []
+    for i in range(n_micro):
+        index = torch.arange(i * mbs, (i + 1) * mbs)
+        out.append(MicroBatch(index=i, step=padded.select(index), batch_pos_B=pos[index], totals=totals))
+    return out
+
+
+def budget_micro_batches(batch: StepBatch, bins: list[list[int]], seq_len: int,
+                         totals: BatchTotals) -> list[MicroBatch]:
+    """One micro-batch per bin of row positions (`token_budget_bins`); an empty bin (a rank
+    with fewer rows than bins elsewhere) holds one padding row. Tokens widened to `seq_len`."""
+    padded = pad_rows(batch, batch.batch_size + 1, seq_len)  # the last row is the padding row
+    out = []
+    for i, rows in enumerate(bins):
+        index = torch.tensor(rows or [batch.batch_size], dtype=torch.long)
+        pos = index.clone() if rows else torch.tensor([-1])
+        out.append(MicroBatch(index=i, step=padded.select(index), batch_pos_B=pos, totals=totals))
+    return out
+
+
+def bins_needed(cost_B: list[int], budget: int) -> int:
+    """Micro-batches a first-fit-decreasing packing of these sequence costs into bins of
+    `budget` tokens needs (a sequence longer than the budget takes a bin alone)."""
+    free: list[int] = []
+    for c in sorted(cost_B, reverse=True):
+        for i, room in enumerate(free):
+            if c <= room:
+                free[i] -= c
+                break
+        else:
+            free.append(max(budget - c, 0))
+    return len(free)
+
+
+def token_budget_bins(cost_B: list[int], budget: int, n_bins: int) -> list[list[int]] | None:
+    """Row positions in `n_bins` bins, longest first into the least-loaded bin that still
+    has room (balanced token counts); None when some sequence fits in no bin (ask for more
+    bins). A sequence longer than the budget goes alone into an empty bin."""
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    load = [0] * n_bins
+    for b in sorted(range(len(cost_B)), key=lambda b: (-cost_B[b], b)):
+        fits = [i for i in range(n_bins) if load[i] + cost_B[b] <= budget or not bins[i]]
+        if not fits:
+            return None
+        i = min(fits, key=lambda i: (load[i], i))
+        bins[i].append(b)
+        load[i] += cost_B[b]
+    return [sorted(rows) for rows in bins]
+
+
+def pad_rows(batch: StepBatch, rows: int, seq_len: int) -> StepBatch:
+    """`batch` followed by padding rows up to `rows`, its tokens widened to `seq_len`."""
+    b, extra = batch.batch_size, rows - batch.batch_size
+    t = batch.tokens
+    tokens_BS = t.tokens_BS.new_zeros((rows, seq_len))
+    tokens_BS[:b, : t.seq_len] = t.tokens_BS
+    tokens = TokenBatch(tokens_BS, torch.cat([t.prompt_lens_B, t.prompt_lens_B.new_ones(extra)]),
+                        torch.cat([t.response_lens_B, t.response_lens_B.new_zeros(extra)]), t.response_width)
+
+    def grow(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
+
+    return dataclasses.replace(
+        batch, tokens=tokens, row_ids_B=torch.cat([batch.row_ids_B, batch.row_ids_B.new_full((extra,), -1)]),
+        adv_B=grow(batch.adv_B), sampler_logp_BT=grow(batch.sampler_logp_BT), old_logp_BT=grow(batch.old_logp_BT),
+        ref_logp_BT=grow(batch.ref_logp_BT), version_B=grow(batch.version_B),
+        extras={k: grow(v) for k, v in batch.extras.items()})
 
 
 @dataclass
@@ -82,7 +181,7 @@ LossFn = Callable[[torch.Tensor, MicroBatch], MicroBatchLoss]
 
 @dataclass
 class ScoreResult:
-    """A scoring pass's output."""
+    """A scoring pass's output, for the rows of the batch it ran on."""
 
     logp_BT: torch.Tensor
     """[B, T] fp32 log-probabilities of the response tokens (0 where there is none)."""
@@ -90,6 +189,21 @@ class ScoreResult:
     """This rank's routing record when capture was asked for."""
     router_shift_BT: torch.Tensor | None = None
     """[B, T] router-shift weights against `RoutingPlan.old`, when one was given."""
+    entropy_BT: torch.Tensor | None = None
+    """[B, T] entropy of the policy at each response token (chunked head only; 0 elsewhere)."""
+
+
+@dataclass
+class UpdateResult:
+    """One optimizer update: its metrics, and what its forward computed before the update
+    (at one update per rollout, these are the old logprobs: the on-policy shortcut)."""
+
+    metrics: dict[str, float]
+    """Loss, objective and routing metrics, grad_norm, lr (the same on every rank)."""
+    logp_BT: torch.Tensor
+    """[b, T] fp32 logprobs of the batch's rows under the weights before the update."""
+    record: RoutingRecord | None = None
+    """This rank's routing record of the update's forward, when the plan captured it."""
 
 
 class ForwardHooks:

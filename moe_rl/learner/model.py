@@ -8,6 +8,8 @@ logits, identical to Qwen3's `norm_topk_prob=True`); optional shared expert and
 DeepSeek-V3-style sigmoid router with expert bias; untied output layer by default. GLM-4.5's
 extras (Hugging Face `Glm4MoeForCausalLM`): q/k/v biases (`add_qkv_bias`), RoPE on part of
 each head (`rotary_percent`) and scaled routed weights (`moe_router_topk_scaling_factor`).
+DeepSeek-V3 / Kimi-K2 (`DeepseekV3ForCausalLM`): megatron's multi-latent attention
+(`MLATransformerConfig`, YaRN RoPE; `mla_settings`) and group-limited routing.
 
 Layer spec: the Transformer Engine spec on CUDA when TE imports (needed for fp8), the
 local megatron-core spec otherwise; `model.layer_spec` overrides.
@@ -23,9 +25,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from moe_rl.config import ConfigError, ModelConfig, ParallelConfig
+from moe_rl.learner.mla_attention import MLADotProductAttention, allow_mla_without_te
+from moe_rl.learner.packed_attention import PackedDotProductAttention
 from moe_rl.learner.parallel import sequence_parallel_for
 
 log = logging.getLogger(__name__)
@@ -87,13 +91,42 @@ def fp8_settings(model: ModelConfig) -> dict:
     return out
 
 
+def mla_settings(model: ModelConfig) -> dict:
+    """MLATransformerConfig's multi-latent-attention and RoPE fields ({} without MLA). Plain
+    RoPE keeps scaling factor 1 and mscale_all_dim 0, so megatron's softmax scale stays
+    1/sqrt(q head dim); YaRN passes config.json's values (`moe_rl.convert.deepseek_v3`)."""
+    if not model.multi_latent_attention:
+        return {}
+    if min(model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim) < 1:
+        raise ConfigError("model.multi_latent_attention needs model.kv_lora_rank, qk_head_dim, "
+                          "qk_pos_emb_head_dim and v_head_dim >= 1")
+    yarn = model.rope_type == "yarn"
+    return dict(
+        q_lora_rank=model.q_lora_rank or None,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_head_dim,
+        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
+        v_head_dim=model.v_head_dim,
+        rope_type=model.rope_type,
+        rotary_base=model.rotary_base,
+        rotary_scaling_factor=model.rotary_scaling_factor if yarn else 1.0,
+        original_max_position_embeddings=model.original_max_position_embeddings,
+        beta_fast=model.beta_fast,
+        beta_slow=model.beta_slow,
+        mscale=model.mscale if yarn else 1.0,
+        mscale_all_dim=model.mscale_all_dim if yarn else 0.0,
+    )
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """megatron-core's TransformerConfig for our architecture and layout."""
     on_cpu = not torch.cuda.is_available()
     dtype = DTYPES[model.dtype_on(torch.cuda.is_available())]
     spec = resolve_layer_spec(model)
     moe_layer_freq = [0] * model.num_dense_layers + [1] * (model.num_layers - model.num_dense_layers)
-    return TransformerConfig(
+    config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
+    return config_class(
+        **mla_settings(model),
         # architecture
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -123,6 +156,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+        # DeepSeek-V3's group-limited routing (None: off)
+        moe_router_num_groups=model.moe_router_num_groups if model.moe_router_num_groups > 1 else None,
+        moe_router_group_topk=model.moe_router_group_topk if model.moe_router_num_groups > 1 else None,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=model.moe_z_loss_coeff or None,
@@ -150,6 +186,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         apply_rope_fusion=False,
         masked_softmax_fusion=not on_cpu,
         gradient_accumulation_fusion=False,
+        # packed micro-batches differ in length: pipeline stages exchange shapes first
+        variable_seq_lengths=parallel.packing,
     )
 
 
@@ -157,6 +195,11 @@ def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
     """The local pipeline stage of the model (megatron's parallel state must be set up)."""
     use_te = resolve_layer_spec(model) == "te"
     block_spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
+    if not use_te:  # TE's attention takes packed (THD) input itself; the local one needs ours
+        core = MLADotProductAttention if model.multi_latent_attention else PackedDotProductAttention
+        allow_mla_without_te()
+        for layer in block_spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = core
     gpt = GPTModel(
         config=tcfg,
         transformer_layer_spec=block_spec,
@@ -203,7 +246,3 @@ def wrap_ddp(gpt: GPTModel, tcfg: TransformerConfig, *, distributed_optimizer: b
         check_for_nan_in_grad=True,
     )
     return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=gpt)
-
-
-def count_parameters(gpt: torch.nn.Module) -> int:
-    return sum(p.numel() for p in gpt.parameters())

@@ -120,10 +120,6 @@ class Layout:
     sequence_parallel: bool
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 

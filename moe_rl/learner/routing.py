@@ -35,13 +35,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.moe_utils import group_limited_topk
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from moe_rl.learner.logprobs import response_positions
+from moe_rl.collectives import all_gather_object
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
 from moe_rl.learner.parallel import all_reduce_, comm_device
-from moe_rl.routing.record import ReplayIds, RoutingRecord, ids_dtype, row_positions
+from moe_rl.learner.routing_tokens import rows_to_slots, slot_shard, slots_to_rows, spread_topk
+from moe_rl.routing.record import ReplayIds, RoutingRecord, ids_dtype
 from moe_rl.routing.shift import router_shift_from_partial
 from moe_rl.routing.stats import gamma_stats, topk_set_changed
 
@@ -64,7 +66,9 @@ class RoutingPlan:
 class _MicroBatchState:
     mb: MicroBatch
     shard: slice
-    mask_SB: torch.Tensor  # [S_local, mbs] positions that score a response token
+    mask_N: torch.Tensor  # [n_local] slots that score a response token
+    real_N: torch.Tensor  # [n_local] slots that hold a real token
+    spread_NK: torch.Tensor | None = None  # [n_local, K] ids forced on slots without a real token
     replay_NLK: torch.Tensor | None = None
     replay_valid_N: torch.Tensor | None = None
     old_ids_NLK: torch.Tensor | None = None
@@ -132,73 +136,76 @@ class RouterTaps(ForwardHooks):
             self.plan = None
             self._state = None
 
-    @property
-    def idle(self) -> bool:
-        return self.plan is None
-
     # ------------------------------------------------------------------ ForwardHooks
 
     def before_forward(self, mb: MicroBatch) -> None:
+        inp = mb.inp
+        shard = slot_shard(inp, self.layout.tp, self.layout.tp_rank, self.layout.sequence_parallel)
+        real_N = inp.real_N[shard]
+        spread = None
+        if not bool(real_N.all()):  # padding never loads an expert more than another
+            spread = spread_topk(torch.arange(shard.start, shard.stop)[~real_N], self.num_experts, self.topk)
         if self.plan is None:
+            self._state = _MicroBatchState(mb=mb, shard=shard, mask_N=real_N, real_N=real_N, spread_NK=spread)
             return
-        S = mb.batch.seq_len
-        tp, tp_rank = self.layout.tp, self.layout.tp_rank
-        s_local = S // tp if self.layout.sequence_parallel else S
-        shard = slice(tp_rank * s_local, (tp_rank + 1) * s_local) if self.layout.sequence_parallel else slice(0, S)
-        mask_BS = mb.batch.scored_positions()
-        st = _MicroBatchState(mb=mb, shard=shard, mask_SB=mask_BS[:, shard].t().contiguous())
+        scored_BS = mb.batch.scored_positions()
+        rows_N, pos_N = inp.rows_N[shard], inp.pos_N[shard]
+        mask_N = real_N & scored_BS[rows_N.clamp(min=0), pos_N.clamp(max=scored_BS.shape[1] - 1)]
+        st = _MicroBatchState(mb=mb, shard=shard, mask_N=mask_N, real_N=real_N, spread_NK=spread)
         if self.plan.replay is not None:
             r = self.plan.replay
-            st.replay_NLK = _rows_to_tokens(r.rows, r.ids_RSLK, mb.rows_B, shard, fill_k=self.topk)
-            if r.valid_RS is not None:
-                st.replay_valid_N = _rows_to_tokens(r.rows, r.valid_RS[..., None, None], mb.rows_B, shard).reshape(-1)
+            st.replay_NLK = rows_to_slots(r.rows, r.ids_RSLK, mb.rows_B, inp, shard, fill_k=self.topk, missing_ok=True)
+            valid = r.valid_RS[..., None, None] if r.valid_RS is not None else torch.ones(
+                *r.ids_RSLK.shape[:2], 1, 1, dtype=torch.bool)
+            st.replay_valid_N = rows_to_slots(r.rows, valid, mb.rows_B, inp, shard, missing_ok=True).reshape(-1) & real_N
+            _check_replay_covers(mb, inp, r, st.replay_valid_N, shard)
         if self.plan.old is not None:
             o = self.plan.old
-            st.old_ids_NLK = _rows_to_tokens(o.rows, o.ids_RSLK, mb.rows_B, shard, fill_k=self.topk)
-            st.old_logp_NLK = _rows_to_tokens(o.rows, o.logp_RSLK, mb.rows_B, shard)
+            st.old_ids_NLK = rows_to_slots(o.rows, o.ids_RSLK, mb.rows_B, inp, shard, fill_k=self.topk)
+            st.old_logp_NLK = rows_to_slots(o.rows, o.logp_RSLK, mb.rows_B, inp, shard)
         self._state = st
 
     def after_forward(self, mb: MicroBatch) -> None:
         st = self._state
-        if st is None:
+        if st is None or self.plan is None:
             return
-        mbs = mb.batch.batch_size
         if st.stat_sums is not None:
             self._stat_sums += st.stat_sums.cpu()
+        rows, S = mb.batch.batch_size, mb.batch.seq_len
         if self.plan.capture and st.captured_ids:  # (a stage may hold no MoE layer)
-            ids = torch.stack(st.captured_ids, dim=1)  # [N_local, L, K]
-            logp = torch.stack(st.captured_logp, dim=1)
-            fresh = torch.stack(st.captured_fresh, dim=1) if st.captured_fresh else None
-            parts = [self._gather_sp(t.reshape(-1, mbs, *t.shape[1:])).cpu() for t in (ids, logp)]
-            fresh_full = self._gather_sp(fresh.reshape(-1, mbs, *fresh.shape[1:])).cpu() if fresh is not None else None
-            # [S, mbs, L, K] -> [mbs, S, L, K]
-            self._captures.append((mb.rows_B, parts[0].transpose(0, 1), parts[1].transpose(0, 1),
-                                   fresh_full.transpose(0, 1) if fresh_full is not None else None))
+            grids = []
+            for parts, fill_k in ((st.captured_ids, self.topk), (st.captured_logp, None),
+                                  (st.captured_fresh, self.topk)):
+                if not parts:
+                    grids.append(None)
+                    continue
+                full_N = self._gather_sp(torch.stack(parts, dim=1)).cpu()  # [N, L, K]
+                grids.append(slots_to_rows(full_N, mb.inp, rows, S, fill_k=fill_k))
+            self._captures.append((mb.rows_B, *grids))
         if self.plan.old is not None:
             sums_N = st.shift_sum_N if st.shift_sum_N is not None else torch.zeros(
-                st.mask_SB.numel(), device=comm_device())  # sent over NCCL on GPU: never a host tensor
-            sums_SB = self._gather_sp(sums_N.reshape(-1, mbs))
+                st.mask_N.numel(), device=comm_device())  # sent over NCCL on GPU: never a host tensor
+            sums_N = self._gather_sp(sums_N)
             if not self.layout.is_last_stage:
                 self._pending_sends.append(
-                    dist.isend(sums_SB.contiguous(), dst=self._last_stage_rank(), group=self._side_group)
+                    dist.isend(sums_N.contiguous(), dst=self._last_stage_rank(), group=self._side_group)
                 )
             else:
-                st.shift_sum_N = sums_SB  # now [S, mbs] over this stage's layers
+                st.shift_sum_N = sums_N  # now every slot's, over this stage's layers
 
     def loss_aux(self, mb: MicroBatch) -> dict[str, Any]:
         st = self._state
-        if st is None or self.plan.old is None:
+        if st is None or self.plan is None or self.plan.old is None:
             return {}
-        total_SB = st.shift_sum_N.clone()
+        total_N = st.shift_sum_N.clone()
         for src in self._earlier_stage_ranks():
-            buf = torch.empty_like(total_SB)
+            buf = torch.empty_like(total_N)
             dist.recv(buf, src=src, group=self._side_group)
-            total_SB += buf
-        gamma_BS = router_shift_from_partial(
-            total_SB.t().reshape(-1), self.num_moe_layers, self.topk, gamma_min=0.0
-        ).reshape(mb.batch.batch_size, -1)
-        gamma_BT = gamma_BS.gather(1, response_positions(mb.batch).to(gamma_BS.device))
-        mask_BT = mb.batch.response_mask().to(gamma_BS.device)
+            total_N += buf
+        gamma_N = router_shift_from_partial(total_N, self.num_moe_layers, self.topk, gamma_min=0.0)
+        gamma_BS = slots_to_rows(gamma_N.cpu(), mb.inp, mb.batch.batch_size, mb.batch.seq_len, fill=1.0)
+        gamma_BT = gamma_BS.gather(1, mb.batch.scoring_positions()).to(gamma_N.device)
+        mask_BT = mb.batch.response_mask().to(gamma_N.device)
         self._gammas.append(gamma_BT[mask_BT].cpu())
         return {"router_shift_BT": torch.where(mask_BT, gamma_BT, 1.0)}
 
@@ -210,46 +217,62 @@ class RouterTaps(ForwardHooks):
 
         def routing(logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
             st = self._state
-            if self.plan is None or st is None:
+            if st is None or (self.plan is None and st.spread_NK is None):
                 return original(logits, padding_mask)
             dev = logits.device
             logits_NE = logits.reshape(-1, self.num_experts)
             with torch.no_grad():
                 logr_NE = self._log_routing_probs(router, logits_NE)
                 fresh_NK = self._fresh_topk(router, logits_NE).sort(dim=-1).values
+            target_NK = self._target_ids(st, i, dev, fresh_NK)
             replay = router.router_replay
-            if st.replay_NLK is not None:
-                target_NK = st.on(dev, "replay_NLK")[:, i].long()
-                if st.replay_valid_N is not None:
-                    target_NK = torch.where(st.on(dev, "replay_valid_N")[:, None], target_NK, fresh_NK)
+            if target_NK is not None:
                 replay.target_topk_idx = target_NK
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-                used_NK = target_NK.sort(dim=-1).values
-            else:
-                replay.clear_router_replay_action()
-                used_NK = fresh_NK
+            used_NK = target_NK.sort(dim=-1).values if target_NK is not None else fresh_NK
             out = original(logits, padding_mask)
             replay.clear_router_replay_action()
             replay.target_topk_idx = None
-            with torch.no_grad():
-                if self.plan.capture:
-                    st.captured_ids.append(used_NK.to(ids_dtype(self.num_experts)))
-                    st.captured_logp.append(logr_NE.gather(1, used_NK))
-                    if st.replay_NLK is not None:
-                        st.captured_fresh.append(fresh_NK.to(ids_dtype(self.num_experts)))
-                if self.plan.old is not None:
-                    old_ids = st.on(dev, "old_ids_NLK")[:, i].long()
-                    dlogr_NK = (logr_NE.gather(1, old_ids) - st.on(dev, "old_logp_NLK")[:, i]).abs()
-                    part = dlogr_NK.sum(-1)
-                    st.shift_sum_N = part if st.shift_sum_N is None else st.shift_sum_N + part
-                    w = st.on(dev, "mask_SB").reshape(-1).to(dlogr_NK.dtype)
-                    flips = topk_set_changed(fresh_NK[:, None], old_ids[:, None])[:, 0].to(w.dtype)
-                    if st.stat_sums is None:
-                        st.stat_sums = torch.zeros(3, len(self.routers), dtype=torch.float64, device=dev)
-                    st.stat_sums[:, i] += torch.stack([(flips * w).sum(), (dlogr_NK.mean(-1) * w).sum(), w.sum()])
+            if self.plan is not None:
+                with torch.no_grad():
+                    if st.replay_valid_N is not None:
+                        _check_replay_took(out[1], used_NK, st.on(dev, "replay_valid_N"), self.layers[i])
+                    self._record(st, i, dev, logr_NE, fresh_NK, used_NK)
             return out
 
         return routing
+
+    def _target_ids(self, st: _MicroBatchState, i: int, dev: torch.device,
+                    fresh_NK: torch.Tensor) -> torch.Tensor | None:
+        """The ids to force through router i: replayed ids where the plan replays, the
+        router's own elsewhere, `spread_topk` on slots without a real token; None: route freely."""
+        target = None
+        if st.replay_NLK is not None:
+            target = torch.where(st.on(dev, "replay_valid_N")[:, None], st.on(dev, "replay_NLK")[:, i].long(),
+                                 fresh_NK)
+        if st.spread_NK is not None:
+            target = fresh_NK.clone() if target is None else target
+            target[~st.on(dev, "real_N")] = st.on(dev, "spread_NK")
+        return target
+
+    def _record(self, st: _MicroBatchState, i: int, dev: torch.device, logr_NE: torch.Tensor,
+                fresh_NK: torch.Tensor, used_NK: torch.Tensor) -> None:
+        """Capture and router-shift statistics of router i on this micro-batch shard."""
+        if self.plan.capture:
+            st.captured_ids.append(used_NK.to(ids_dtype(self.num_experts)))
+            st.captured_logp.append(logr_NE.gather(1, used_NK))
+            if st.replay_NLK is not None:
+                st.captured_fresh.append(fresh_NK.to(ids_dtype(self.num_experts)))
+        if self.plan.old is not None:
+            old_ids = st.on(dev, "old_ids_NLK")[:, i].long()
+            dlogr_NK = (logr_NE.gather(1, old_ids) - st.on(dev, "old_logp_NLK")[:, i]).abs()
+            part = dlogr_NK.sum(-1)
+            st.shift_sum_N = part if st.shift_sum_N is None else st.shift_sum_N + part
+            w = st.on(dev, "mask_N").to(dlogr_NK.dtype)
+            flips = topk_set_changed(fresh_NK[:, None], old_ids[:, None])[:, 0].to(w.dtype)
+            if st.stat_sums is None:
+                st.stat_sums = torch.zeros(3, len(self.routers), dtype=torch.float64, device=dev)
+            st.stat_sums[:, i] += torch.stack([(flips * w).sum(), (dlogr_NK.mean(-1) * w).sum(), w.sum()])
 
     def _log_routing_probs(self, router: TopKRouter, logits_NE: torch.Tensor) -> torch.Tensor:
         """log r over all experts: softmax routers -> log softmax; sigmoid routers -> log of
@@ -261,13 +284,17 @@ class RouterTaps(ForwardHooks):
         return torch.log_softmax(x, dim=-1)
 
     def _fresh_topk(self, router: TopKRouter, logits_NE: torch.Tensor) -> torch.Tensor:
-        """The ids megatron's router would pick without replay (same rule, same tie-breaking)."""
+        """The ids megatron's router would pick without replay (same rule, same tie-breaking):
+        the final top-k after group selection (DeepSeek-V3's group-limited routing) and bias."""
+        scores = logits_NE
         if self.tcfg.moe_router_score_function == "sigmoid":
             scores = torch.sigmoid(logits_NE.float()).type_as(logits_NE)
             if router.expert_bias is not None:
                 scores = scores + router.expert_bias
-            return torch.topk(scores, self.topk, dim=1).indices
-        return torch.topk(logits_NE, self.topk, dim=1).indices
+        groups, group_topk = self.tcfg.moe_router_num_groups, self.tcfg.moe_router_group_topk
+        if groups and group_topk:
+            return group_limited_topk(scores, self.topk, scores.shape[0], self.num_experts, groups, group_topk)[1]
+        return torch.topk(scores, self.topk, dim=1).indices
 
     # ------------------------------------------------------------------ results
 
@@ -348,35 +375,13 @@ class RouterTaps(ForwardHooks):
         return list(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[:-1])
 
 
-def _rows_to_tokens(
-    rows: torch.Tensor, data_RS: torch.Tensor, mb_rows: torch.Tensor, shard: slice, fill_k: int | None = None
-) -> torch.Tensor:
-    """Gather per-row data [R, S, ...] for a micro-batch's rows and this rank's S shard,
-    flattened s-major like the router's tokens: [S_local * mbs, ...]. Padding rows get
-    distinct placeholder ids 0..K-1 (ids) or zeros."""
-    idx = row_positions(rows, mb_rows)
-    S_needed = shard.stop
-    if data_RS.shape[1] < S_needed:
-        raise ValueError(f"routing data covers {data_RS.shape[1]} positions, micro-batch needs {S_needed}")
-    out = data_RS[idx.clamp(min=0)][:, shard]  # [mbs, S_local, ...]
-    pad = idx < 0
-    if bool(pad.any()):
-        out = out.clone()
-        if fill_k is not None:
-            out[pad] = torch.arange(fill_k, dtype=out.dtype)
-        else:
-            out[pad] = 0
-    return out.transpose(0, 1).reshape(-1, *out.shape[2:])
-
-
 def _pipeline_side_group(layout: Any) -> Any:
     """A process group per pipeline (same members as megatron's), used only for the
     router-shift sums so they never interleave with megatron's activation messages."""
     if layout.pp == 1:
         return None
     mine = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-    everyone: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine)
+    everyone: list[list[int]] = all_gather_object(mine)
     my_group = None
     for ranks in sorted({tuple(r) for r in everyone}):
         g = dist.new_group(list(ranks))
@@ -385,50 +390,31 @@ def _pipeline_side_group(layout: Any) -> Any:
     return my_group
 
 
-def sampler_disagreement(
-    record: RoutingRecord, sampler: ReplayIds, scored_RS: torch.Tensor, layout: Any
-) -> dict[str, float]:
-    """Per-layer fraction of scored positions where the sampler's top-k set differs from
-    the learner's own routing (the router's choice, even under replay), the fraction
-    differing in at least one layer, and that fraction for the routing the pass used
-    (`sampler_used_disagree_any`: exactly 0 under R3). `scored_RS` marks the positions to count, per row of
-    the record. Collective: sums over data-parallel ranks, layers gathered over stages."""
-    pos = row_positions(sampler.rows, record.rows)
-    S = record.ids_RSLK.shape[1]
-    theirs = sampler.ids_RSLK[pos][:, :S]
-    valid = scored_RS[:, :S] & (sampler.valid_RS[pos][:, :S] if sampler.valid_RS is not None else True)
-    diff_RSL = topk_set_changed(
-        record.own_ids_RSLK.reshape(-1, *record.ids_RSLK.shape[2:]), theirs.reshape(-1, *theirs.shape[2:])
-    ).reshape(*record.ids_RSLK.shape[:3])
-    any_RS = _any_stage(diff_RSL.any(-1), layout)
-    # The routing the pass *used* against the sampler's: 0 under R3 replay (the check that
-    # replay took effect), the same as the router's own choice without replay.
-    used_RSL = topk_set_changed(
-        record.ids_RSLK.reshape(-1, *record.ids_RSLK.shape[2:]), theirs.reshape(-1, *theirs.shape[2:])
-    ).reshape(*record.ids_RSLK.shape[:3])
-    used_any_RS = _any_stage(used_RSL.any(-1), layout)
-    w = valid.double()
-    sums = torch.cat([(diff_RSL.double() * w[..., None]).sum((0, 1)), (used_any_RS.double() * w).sum()[None],
-                      (any_RS.double() * w).sum()[None], w.sum()[None]])
-    if layout.dp > 1:
-        all_reduce_(sums, group=ps.get_data_parallel_group())
-    n = float(sums[-1].clamp(min=1))
-    per_layer = {f"routing/sampler_disagree_layer{layer}": float(sums[i]) / n for i, layer in enumerate(record.layers)}
-    if layout.pp > 1:
-        parts: list[Any] = [None] * layout.pp
-        dist.all_gather_object(parts, per_layer, group=ps.get_pipeline_model_parallel_group())
-        per_layer = {k: v for p in parts for k, v in p.items()}
-    per_layer["routing/sampler_disagree_any"] = float(sums[-2]) / n
-    per_layer["routing/sampler_used_disagree_any"] = float(sums[-3]) / n
-    return per_layer
+class ReplayError(RuntimeError):
+    """Routing replay did not do what the plan asked: never a silent fallback."""
 
 
-def _any_stage(any_RS: torch.Tensor, layout: Any) -> torch.Tensor:
-    """A token differs "in at least one layer" if any pipeline stage's layers differ for it;
-    the stages of one pipeline hold the same rows, so OR their [R, S] maps."""
-    if layout.pp == 1:
-        return any_RS
-    mine = any_RS.to(torch.uint8).to(comm_device()).contiguous()  # gloo has no bool collectives
-    maps = [torch.zeros_like(mine) for _ in range(layout.pp)]
-    dist.all_gather(maps, mine, group=ps.get_pipeline_model_parallel_group())
-    return torch.stack(maps).bool().any(0).cpu()
+def _check_replay_took(routing_map_NE: torch.Tensor, used_NK: torch.Tensor, replayed_N: torch.Tensor,
+                       layer: int) -> None:
+    """The experts megatron's router actually selected equal the replayed ids on every
+    replayed slot (the loud check behind R2 and R3)."""
+    chosen_NK = routing_map_NE.gather(1, used_NK.to(routing_map_NE.device))
+    wrong = replayed_N & ~(chosen_NK.all(dim=1) & (routing_map_NE.sum(dim=1) == used_NK.shape[1]))
+    if bool(wrong.any()):
+        raise ReplayError(f"routing replay: MoE layer {layer} used other experts than the replayed ones on "
+                          f"{int(wrong.sum())} of {int(replayed_N.sum())} replayed tokens")
+
+
+def _check_replay_covers(mb: MicroBatch, inp: Any, replay: ReplayIds, replayed_N: torch.Tensor,
+                         shard: slice) -> None:
+    """Every real token a replay source routed is replayed: R2 records every real token, the
+    sampler (R3) every real token but each sequence's last. Counted on this rank's shard."""
+    rows_N, pos_N = inp.rows_N[shard], inp.pos_N[shard]
+    lens_N = mb.batch.total_lens_B[rows_N.clamp(min=0)]
+    last_routed = lens_N - (1 if replay.valid_RS is not None else 0)
+    expected = int((inp.real_N[shard] & (pos_N < last_routed)).sum())
+    got = int(replayed_N.sum())
+    if got != expected:
+        raise ReplayError(f"routing replay: {got} replayed tokens on this rank's micro-batch {mb.index}, "
+                          f"expected {expected} (every real token the source routed): the replay ids do "
+                          "not cover the batch's rows")

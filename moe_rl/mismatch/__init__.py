@@ -6,7 +6,7 @@ and the megatron learner (`moe_rl.learner`), and hands their log-probs to the pu
 and report of `moe_rl.diagnostics`. The arrows run one way: nothing in the libraries
 imports this package.
 
-    settings.py         what one row compares: Setting, LearnerLayout, MeasureError
+    settings.py         what one row compares: Setting, ScoringLayout, MeasureError
     sources.py          where weights and prompts come from, checked before any engine starts
     learner_scoring.py  the learner's scores, in this process or in torchrun workers
     run.py              prepare -> sample -> score -> compute_mismatch -> write_report

@@ -1,7 +1,7 @@
 """Score sampled responses with the megatron learner at a given precision and layout.
 
-    results = score_in_process(ckpt, LearnerLayout(), jobs, temperature=1.0)
-    results = score_with_torchrun(ckpt, LearnerLayout(ep=2), jobs, 1.0, work_dir)
+    results = score_in_process(ckpt, ScoringLayout(), jobs, temperature=1.0)
+    results = score_with_torchrun(ckpt, ScoringLayout(ep=2), jobs, 1.0, work_dir)
 
 A one-process layout runs in the calling process. A larger one runs under torchrun
 (`python -m torch.distributed.run ... -m moe_rl.mismatch.learner_scoring JOB_DIR`):
@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from moe_rl.batch import TokenBatch
+from moe_rl.collectives import all_gather_object
 from moe_rl.config import config_from_dict, to_dict
-from moe_rl.mismatch.settings import LearnerLayout, MeasureError
+from moe_rl.mismatch.settings import MeasureError, ScoringLayout
 from moe_rl.mismatch.sources import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,7 @@ def _gather_routing(record, B: int, S: int, num_moe_layers: int) -> torch.Tensor
     import torch.distributed as dist
 
     mine = (record.rows.cpu(), list(record.layers), record.own_ids_RSLK[:, :S].cpu())  # records may sit on the GPU
-    parts = [mine]
-    if dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)  # B*S*L*K uint8s: small for a diagnostic batch
+    parts = all_gather_object(mine)  # B*S*L*K uint8s: small for a diagnostic batch
     if dist.get_rank() != 0:
         return None
     K = record.own_ids_RSLK.shape[-1]
@@ -86,7 +84,7 @@ def _gather_routing(record, B: int, S: int, num_moe_layers: int) -> torch.Tensor
     return ids
 
 
-def score_jobs(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[ScoreJob], temperature: float,
+def score_jobs(ckpt: Checkpoint, layout: ScoringLayout, jobs: list[ScoreJob], temperature: float,
                progress=None) -> dict[tuple[str, str], Scored]:
     """Collective over the current world: build a learner per precision, score every job.
     Returns {(sampler, learner_precision): Scored} on rank 0, {} on the other ranks."""
@@ -107,7 +105,7 @@ def score_jobs(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[ScoreJob], te
             learner = Learner(run_cfg, lay, trainable=False)
             _load_weights(learner, ckpt)
             for job in (j for j in jobs if j.learner_precision == precision):
-                res = learner.score(job.batch, temperature, RoutingPlan(capture=job.capture_routing))
+                res = learner.score_whole(job.batch, temperature, RoutingPlan(capture=job.capture_routing))
                 ids = None
                 if job.capture_routing and res.record is not None:
                     ids = _gather_routing(res.record, job.batch.batch_size, job.batch.seq_len,
@@ -121,7 +119,7 @@ def score_jobs(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[ScoreJob], te
     return out
 
 
-def score_in_process(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[ScoreJob], temperature: float,
+def score_in_process(ckpt: Checkpoint, layout: ScoringLayout, jobs: list[ScoreJob], temperature: float,
                      progress=None) -> dict[tuple[str, str], Scored]:
     """A one-process layout, in this process (a one-process gloo world is made if needed)."""
     if layout.nproc != 1:
@@ -132,7 +130,7 @@ def score_in_process(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[ScoreJo
 # --------------------------------------------------------------------------- torchrun
 
 
-def _job_dict(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[ScoreJob], temperature: float) -> dict:
+def _job_dict(ckpt: Checkpoint, layout: ScoringLayout, jobs: list[ScoreJob], temperature: float) -> dict:
     return {
         "checkpoint": {"path": str(ckpt.path), "kind": ckpt.kind, "cfg": to_dict(ckpt.cfg)},
         "layout": dataclasses.asdict(layout),
@@ -152,7 +150,7 @@ def _job_dict(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[ScoreJob], tem
     }
 
 
-def _jobs_from_dict(d: dict) -> tuple[Checkpoint, LearnerLayout, list[ScoreJob], float]:
+def _jobs_from_dict(d: dict) -> tuple[Checkpoint, ScoringLayout, list[ScoreJob], float]:
     c = d["checkpoint"]
     ckpt = Checkpoint(Path(c["path"]), c["kind"], config_from_dict(c["cfg"]))
     jobs = [
@@ -164,10 +162,10 @@ def _jobs_from_dict(d: dict) -> tuple[Checkpoint, LearnerLayout, list[ScoreJob],
         )
         for j in d["jobs"]
     ]
-    return ckpt, LearnerLayout(**d["layout"]), jobs, d["temperature"]
+    return ckpt, ScoringLayout(**d["layout"]), jobs, d["temperature"]
 
 
-def score_with_torchrun(ckpt: Checkpoint, layout: LearnerLayout, jobs: list[ScoreJob], temperature: float,
+def score_with_torchrun(ckpt: Checkpoint, layout: ScoringLayout, jobs: list[ScoreJob], temperature: float,
                         work_dir: Path) -> dict[tuple[str, str], Scored]:
     """Run `score_jobs` in `layout.nproc` torchrun workers (gloo on CPU); their output goes
     to `work_dir/worker.log`, whose tail is in the error if they fail."""

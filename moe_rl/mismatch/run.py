@@ -38,9 +38,15 @@ from typing import Any
 
 import torch
 
-from moe_rl.batch import TokenBatch
+from moe_rl.batch import TokenBatch, ragged_rows
 from moe_rl.diagnostics import MismatchResult, compute_mismatch, write_report
-from moe_rl.mismatch.settings import LearnerLayout, MeasureError, Setting, check_unique
+from moe_rl.mismatch.settings import (
+    MeasureError,
+    ScoringLayout,
+    Setting,
+    check_unique,
+    sampler_engine,
+)
 from moe_rl.mismatch.sources import (
     SHIPPED_CHECKPOINT,
     Checkpoint,
@@ -187,8 +193,7 @@ def prepare(mc: MeasureConfig, out_dir: str | os.PathLike | None = None) -> Prep
 def _response_aligned(ids_BSLK: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
     """[B, S, L, K] per position -> [B, T, L, K] per response token: token j is scored by
     the routing (and logits) at position prompt_len + j - 1."""
-    T = batch.response_width
-    pos_BT = (batch.prompt_lens_B[:, None] - 1 + torch.arange(T)[None, :]).clamp(max=ids_BSLK.shape[1] - 1)
+    pos_BT = batch.scoring_positions().clamp(max=ids_BSLK.shape[1] - 1)
     return ids_BSLK[torch.arange(batch.batch_size)[:, None], pos_BT]
 
 
@@ -199,9 +204,7 @@ def pack_rollouts(ro: Any, pad_id: int, T: int, num_experts: int, num_dense_laye
 
     prompts = [ro.prompt_token_ids[i] for i in ro.prompt_index]
     batch = TokenBatch.from_lists(prompts, ro.response_token_ids, pad_id=pad_id, response_width=T)
-    logp_BT = torch.zeros(batch.batch_size, T, dtype=torch.float32)
-    for b, lp in enumerate(ro.logprobs):
-        logp_BT[b, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    logp_BT = ragged_rows(ro.logprobs, T)
     ids = None
     if ro.routed_experts is not None:
         ids_BSLK, _ = align_sampler_routing(ro.routed_experts, batch, num_experts)
@@ -220,15 +223,7 @@ def sample_all(prep: Prepared, hf_dir: Path, samples_per_prompt: int, seed: int,
     out: dict[tuple[str, str], Packed] = {}
     for backend, precision in dict.fromkeys(s.sampler for s in prep.settings):
         on_stage(f"sampling {backend}:{precision}")
-        opts: dict[str, Any] = {}
-        if backend == "vllm":
-            opts = {"kv_cache_gib": cfg.sampler.vllm_kv_cache_gib,
-                    "gpu_memory_utilization": cfg.sampler.gpu_memory_utilization,
-                    "return_routed_experts": torch.cuda.is_available(),  # the routing comparison
-                    "use_tqdm_on_load": False}  # one progress bar: ours
-        elif torch.cuda.is_available():
-            opts = {"device": "cuda"}
-        sampler = make_sampler(backend, hf_dir, precision=precision, seed=seed, eos_token_id=prep.tok.eos_ids, **opts)
+        sampler = make_sampler(hf_dir, sampler_engine(cfg, backend, precision, seed, prep.tok.eos_ids))
         try:
             ro = sampler.generate(prep.prompt_ids, n=samples_per_prompt, max_new_tokens=prep.max_new_tokens,
                                   temperature=prep.temperature, top_p=1.0, seed=seed)
@@ -243,7 +238,7 @@ def sample_all(prep: Prepared, hf_dir: Path, samples_per_prompt: int, seed: int,
 
 
 def score_all(prep: Prepared, packed: dict[tuple[str, str], Packed], work_dir: Path,
-              on_stage: Callable[[str], None]) -> dict[LearnerLayout, dict[tuple[str, str], Any]]:
+              on_stage: Callable[[str], None]) -> dict[ScoringLayout, dict[tuple[str, str], Any]]:
     """Each distinct learner layout scores the rollouts of its settings."""
     from moe_rl.mismatch.learner_scoring import ScoreJob, score_in_process, score_with_torchrun
 
@@ -264,7 +259,7 @@ def score_all(prep: Prepared, packed: dict[tuple[str, str], Packed], work_dir: P
 
 
 def layout_agreement(prep: Prepared, packed: dict[tuple[str, str], Packed],
-                     scored: dict[LearnerLayout, dict[tuple[str, str], Any]]) -> dict[str, float]:
+                     scored: dict[ScoringLayout, dict[tuple[str, str], Any]]) -> dict[str, float]:
     """max |logp_learner@layout - logp_learner@first layout| over the same tokens, for each
     setting whose rollouts were scored at more than one layout (learner-vs-learner: how much
     of the mismatch the layout itself contributes)."""

@@ -1,5 +1,6 @@
 """What one mismatch measurement compares: a sampler (backend, precision) against the
-learner (precision, parallel layout). Pure parsing, no engines.
+learner (precision, parallel layout). Pure parsing, no engines (`sampler_engine` builds the
+engine's typed config, the same one the trainer builds).
 
     Setting.parse("vllm:bf16/learner:fp32@ep2")
     # sampler: vLLM in bf16; learner: megatron in fp32 at expert parallel 2 (2 processes)
@@ -23,10 +24,13 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from moe_rl.config import ParallelConfig
+import torch
 
-SAMPLER_BACKENDS = ("vllm", "transformers")
-SAMPLER_PRECISIONS = ("fp32", "bf16", "fp8_emulated", "fp8")
+from moe_rl.config import Config, ParallelConfig
+from moe_rl.sampler import BACKENDS as SAMPLER_BACKENDS
+from moe_rl.sampler import PRECISIONS as SAMPLER_PRECISIONS
+from moe_rl.sampler import EngineConfig, VLLMEngineConfig, engine_config
+
 LEARNER_PRECISIONS = ("fp32", "bf16")
 SWEEP_PRECISIONS = ("fp32", "bf16", "fp8_emulated")  # what --sweep puts against the learner (any machine)
 
@@ -38,8 +42,9 @@ class MeasureError(ValueError):
 
 
 @dataclass(frozen=True)
-class LearnerLayout:
-    """Megatron model-parallel sizes; data parallel takes the remaining processes."""
+class ScoringLayout:
+    """The megatron model-parallel sizes a setting's learner scores at; data parallel takes
+    the remaining processes."""
 
     tp: int = 1
     pp: int = 1
@@ -69,10 +74,10 @@ class LearnerLayout:
         )
 
     @staticmethod
-    def parse(text: str) -> LearnerLayout:
+    def parse(text: str) -> ScoringLayout:
         t = text.strip().lower()
         if t in ("1", ""):
-            return LearnerLayout()
+            return ScoringLayout()
         sizes: dict[str, int] = {}
         for tok in t.split("-"):
             m = _LAYOUT_TOKEN.match(tok)
@@ -82,7 +87,7 @@ class LearnerLayout:
                     "(each at most once), e.g. 'ep2' or 'tp2-ep2'"
                 )
             sizes[m.group(1)] = int(m.group(2))
-        return LearnerLayout(**sizes)
+        return ScoringLayout(**sizes)
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ class Setting:
     backend: str
     sampler_precision: str
     learner_precision: str = "fp32"
-    layout: LearnerLayout = field(default_factory=LearnerLayout)
+    layout: ScoringLayout = field(default_factory=ScoringLayout)
 
     def __post_init__(self) -> None:
         for what, value, allowed in (
@@ -121,7 +126,7 @@ class Setting:
         return f"{self.sampler_name}/learner:{self.learner_precision}{at}"
 
     @staticmethod
-    def parse(text: str, default_layout: LearnerLayout | None = None, default_learner: str = "fp32") -> Setting:
+    def parse(text: str, default_layout: ScoringLayout | None = None, default_learner: str = "fp32") -> Setting:
         """`BACKEND:PRECISION[/learner:PRECISION][@LAYOUT]` (module docstring); the parts left
         out take `default_learner` and `default_layout`."""
         body, _, layout = text.strip().partition("@")
@@ -136,11 +141,11 @@ class Setting:
             backend=backend.strip(),
             sampler_precision=precision.strip(),
             learner_precision=learner.removeprefix("learner:").strip() or default_learner,
-            layout=LearnerLayout.parse(layout) if layout else (default_layout or LearnerLayout()),
+            layout=ScoringLayout.parse(layout) if layout else (default_layout or ScoringLayout()),
         )
 
 
-def sweep_settings(backend: str, learner_precision: str, layouts: list[LearnerLayout]) -> list[Setting]:
+def sweep_settings(backend: str, learner_precision: str, layouts: list[ScoringLayout]) -> list[Setting]:
     """--sweep: every sampler precision against one learner precision, at each layout."""
     return [Setting(backend, p, learner_precision, lay) for lay in layouts for p in SWEEP_PRECISIONS]
 
@@ -152,3 +157,18 @@ def check_unique(settings: list[Setting]) -> None:
         raise MeasureError(f"setting(s) given twice: {', '.join(dup)}")
     if not settings:
         raise MeasureError("no settings to measure")
+
+
+def sampler_engine(cfg: Config, backend: str, precision: str, seed: int, eos_token_ids: list[int]) -> EngineConfig:
+    """The engine of one measured sampler: the checkpoint's sampler section with this backend
+    and precision, through `moe_rl.sampler.engine_config` (what the trainer runs), as one
+    in-process engine; vLLM captures routed experts where it can (a GPU: the routing
+    comparison) and shows no load progress bar of its own (one bar: the tool's)."""
+    sampler = dataclasses.replace(cfg.sampler, backend=backend, precision=precision, in_process=True,
+                                  tensor_parallel_size=1, expert_parallel=False, sleep_between_steps=False)
+    run = dataclasses.replace(cfg.run, seed=seed)
+    engine = engine_config(dataclasses.replace(cfg, sampler=sampler, run=run), eos_token_ids,
+                           routed_experts=torch.cuda.is_available())
+    if isinstance(engine, VLLMEngineConfig):
+        engine = dataclasses.replace(engine, show_load_progress=False)
+    return engine

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from moe_rl.config import Config, ConfigError, RunConfig, load_config, validate
-from moe_rl.mismatch.settings import LearnerLayout, MeasureError
+from moe_rl.mismatch.settings import MeasureError, ScoringLayout
 
 SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "tiny_base"
 # A learner checkpoint (moe_rl.learner.checkpoint / moe_rl.convert.dcp) holds these.
@@ -68,7 +68,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(p.resolve(), "megatron", cfg)
 
 
-def check_layout(cfg: Config, layout: LearnerLayout) -> None:
+def check_layout(cfg: Config, layout: ScoringLayout) -> None:
     """The learner layout against the model (expert / head counts) before anything runs."""
     run_cfg = dataclasses.replace(cfg, parallel=layout.parallel_config(cfg.parallel))
     try:

@@ -7,9 +7,11 @@ else (aggregation, normalizers, sampler correction, KL, metrics) is done once, b
 `policy_loss`, from the `ObjectiveSpec` the function was registered with.
 
 Hyperparameters are frozen dataclasses with an attribute docstring under each field (the
-style of moe_rl/config.py): `CommonHParams` for what every objective shares, and one class
-per objective family for its own. `make_hparams` builds them strictly: an unknown key is a
-ValueError naming it and the valid ones.
+style of moe_rl/config): `CommonHParams` for what every objective shares (it extends the
+config's `CorrectionHParams`, the rl.rollout_correction_args section), and one class per
+objective family for its own. Registering an objective also registers its hyperparameter
+class with the config package, so recipes accept rl.objective_args.<name>. `make_hparams`
+builds them strictly: an unknown key is a ValueError naming it and the valid ones.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from moe_rl.config import CorrectionHParams, register_objective_hparams
 from moe_rl.objectives.batch import PolicyBatch
 from moe_rl.objectives.common import (
     AGGREGATIONS,
@@ -45,25 +48,6 @@ def require(ok: bool, message: str) -> None:
 
 def _is_count(x: object) -> bool:
     return isinstance(x, Tensor) or (isinstance(x, int | float) and not isinstance(x, bool) and x >= 0)
-
-
-@dataclass(frozen=True)
-class CorrectionHParams:
-    """The knobs of the sampler-learner correction (what `rl.rollout_correction_args` sets)."""
-
-    tis_cap: float = 2.0
-    """TIS truncation C: the correction weight is min(exp(d), C) (tis, and mis on kept tokens)."""
-    mis_low: float = 0.5
-    """mis / icepop: tokens whose exp(d) is below this are dropped from the loss."""
-    mis_high: float = 2.0
-    """mis / icepop: tokens whose exp(d) is above this are dropped from the loss."""
-
-    def __post_init__(self) -> None:
-        require(self.tis_cap > 0, f"tis_cap must be > 0, got {self.tis_cap}")
-        require(
-            0 <= self.mis_low < self.mis_high,
-            f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low}, mis_high={self.mis_high}",
-        )
 
 
 @dataclass(frozen=True)
@@ -217,6 +201,8 @@ def register_objective(
         OBJECTIVES.register(
             name, ObjectiveSpec(name, fn, hparams, aggregation, paper, fixes, needs_router_shift)
         )
+        # recipes then accept rl.objective=<name> and rl.objective_args.<name>.*
+        register_objective_hparams(name, hparams, summary=fixes, needs_router_shift=needs_router_shift)
         return fn
 
     return deco

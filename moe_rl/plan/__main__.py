@@ -17,7 +17,7 @@ import math
 import sys
 
 from moe_rl.cli import cpu_environment
-from moe_rl.config import Config, ConfigError, load_config
+from moe_rl.config import Config, ConfigError, load_recipe
 from moe_rl.plan.hardware import Hardware
 
 PROG = "python -m moe_rl.plan"
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> str:
     from moe_rl.plan.model_source import resolve_model
     from moe_rl.plan.workload import check_world, prompt_tokens_for
 
-    source = resolve_model(load_config(args.config, args.overrides))
+    source = resolve_model(load_recipe(args.config, args.overrides)[0])  # validates after config.json
     cfg = source.cfg
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     cpu_environment()
     logging.getLogger("megatron").setLevel(logging.ERROR)  # one "initialized" line per rank built
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)  # overrides may sit between the flags
     try:
         out = run(args)
     except ConfigError as e:

@@ -75,9 +75,16 @@ def stage_activation_bytes(m: ModelConfig, *, tokens: int, tp: int, pp: int, sta
     return inputs + max(per_moe if moe_layers else 0, per_dense if dense else 0)
 
 
-def logits_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, response_tokens: int, tp: int) -> int:
-    """Peak of the logits and the log-prob computation on the last stage (one micro-batch)."""
+def logits_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, response_tokens: int, tp: int,
+                 chunk_tokens: int = 0) -> int:
+    """Peak of the logits and the log-prob computation on the last stage (one micro-batch).
+    Chunked (`parallel.logprob_chunk_tokens` > 0): two [chunk, V/tp] fp32 blocks at most
+    (forward, or the backward's recomputation and its gradient), whatever the token count,
+    plus the selected hidden states. Full: the micro-batch's logits and their copies."""
     e = DTYPE_BYTES[m.dtype_on(True)]
+    scored = micro_batch * response_tokens
+    if chunk_tokens:
+        return 2 * min(chunk_tokens, scored) * (m.vocab_size // tp) * 4 + 2 * scored * m.hidden_size * e
     per_position = micro_batch * m.vocab_size // tp
     gathered = e + (4 if e != 4 else 0) + 4 + 4  # gather, fp32 copy, transpose, saved softmax
     return per_position * (e * seq_len + gathered * response_tokens)

@@ -31,7 +31,7 @@ from moe_rl.config import Config
 from moe_rl.plan.activations import DTYPE_BYTES
 from moe_rl.plan.hardware import Hardware
 from moe_rl.plan.memory import Switches
-from moe_rl.plan.workload import Layout, Workload
+from moe_rl.plan.workload import PlannedLayout, Workload
 
 if TYPE_CHECKING:  # the meta-device build imports megatron; these modules need only its type
     from moe_rl.learner.meta import MetaRank
@@ -76,14 +76,14 @@ class _Passes:
     backwards: int
 
 
-def _passes(cfg: Config, layout: Layout, work: Workload, sw: Switches) -> _Passes:
+def _passes(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches) -> _Passes:
     score_micro = -(-work.sequences // (layout.dp * work.micro_batch))
     update_micro = work.updates * work.micro_batches
     recompute = update_micro if sw.recompute else 0
     return _Passes(work.scoring_passes * score_micro + update_micro + recompute, update_micro)
 
 
-def _tp_bytes(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, p: _Passes) -> float:
+def _tp_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, p: _Passes) -> float:
     m, t = cfg.model, layout.tp
     e = DTYPE_BYTES[m.dtype_on(True)]
     x = work.micro_batch_tokens * m.hidden_size * e
@@ -96,7 +96,7 @@ def _tp_bytes(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, p: _P
     return tp + etp_bytes
 
 
-def _ep_bytes(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, p: _Passes) -> float:
+def _ep_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, p: _Passes) -> float:
     m, ep = cfg.model, layout.ep
     e = DTYPE_BYTES[m.dtype_on(True)]
     tokens = work.micro_batch_tokens / layout.tp
@@ -107,7 +107,7 @@ def _ep_bytes(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, p: _P
     return rank.num_moe_layers * per * (p.forwards + p.backwards)
 
 
-def _dp_bytes(rank: MetaRank, layout: Layout, work: Workload, sw: Switches) -> tuple[float, float]:
+def _dp_bytes(rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches) -> tuple[float, float]:
     """(dense, expert) bytes per step."""
     out = []
     for expert, d in ((False, layout.dp), (True, layout.expert_dp)):
@@ -122,7 +122,7 @@ def _dp_bytes(rank: MetaRank, layout: Layout, work: Workload, sw: Switches) -> t
     return out[0], out[1]
 
 
-def traffic(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, sw: Switches,
+def traffic(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
             sampler_weights_bytes: int, hw: Hardware) -> list[Traffic]:
     """Per-step traffic of `rank` by family, with link and seconds."""
     p = _passes(cfg, layout, work, sw)

@@ -31,7 +31,7 @@ from moe_rl.config import Config
 from moe_rl.plan.activations import logits_bytes, stage_activation_bytes
 from moe_rl.plan.hardware import GIB, Hardware
 from moe_rl.plan.sampler import SamplerMemory
-from moe_rl.plan.workload import Layout, Workload
+from moe_rl.plan.workload import PlannedLayout, Workload
 
 if TYPE_CHECKING:  # the meta-device build imports megatron; these modules need only its type
     from moe_rl.learner.meta import MetaRank
@@ -86,7 +86,7 @@ def model_state(rank: MetaRank, distributed: bool) -> ModelState:
     )
 
 
-def routing_record_bytes(cfg: Config, rank: MetaRank, layout: Layout, work: Workload) -> int:
+def routing_record_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload) -> int:
     """Host bytes of the routing record the scoring pass keeps for this rank's rows and its
     stage's MoE layers (`moe_rl.routing.record`: uint8 / int16 expert ids and fp32 log
     routing probabilities per token, layer and k; the router's own ids too under replay)."""
@@ -130,7 +130,7 @@ def _variants(rank: MetaRank, acts: dict[bool, int]) -> dict[str, int]:
     }
 
 
-def rank_memory(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, sampler: SamplerMemory,
+def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sampler: SamplerMemory,
                 hw: Hardware, sw: Switches) -> RankMemory:
     m = cfg.model
     state = model_state(rank, sw.distributed_optimizer)
@@ -150,15 +150,18 @@ def rank_memory(cfg: Config, rank: MetaRank, layout: Layout, work: Workload, sam
         "fp8_extra": 2 * gemm if m.fp8 != "none" else 0,
         "activations": acts[sw.recompute],
         "logits": logits_bytes(m, micro_batch=work.micro_batch, seq_len=work.seq_len,
-                               response_tokens=work.response_tokens, tp=layout.tp) if last else 0,
+                               response_tokens=work.response_tokens, tp=layout.tp,
+                               chunk_tokens=cfg.parallel.logprob_chunk_tokens) if last else 0,
         **_sampler_kinds(sampler, colocated),
         "reserve": int(hw.reserve_gib * GIB),
     }
     static = kinds["params"] + kinds["grads"] + kinds["optimizer_states"] + kinds["reference_model"] + kinds["reserve"]
-    rollout = static + kinds["sampler_budget"]
+    # optimizer.offload_during_rollout: grads and optimizer states wait on the host while the engine samples
+    idle = kinds["grads"] + kinds["optimizer_states"] if cfg.optimizer.offload_during_rollout else 0
+    rollout = static - idle + kinds["sampler_budget"]
     update = (static + kinds["fp8_extra"] + kinds["activations"] + kinds["logits"]
               + (0 if sw.sleep else kinds["sampler_budget"]))
-    host = {"optimizer_offload": offloaded,
+    host = {"optimizer_offload": offloaded, "offloaded_during_rollout": idle,
             "sleeping_sampler_weights": sampler.weights_bytes * colocated if sw.sleep else 0,
             "routing_record": routing_record_bytes(cfg, rank, layout, work)}
     return RankMemory(
@@ -178,7 +181,7 @@ def _sampler_kinds(sampler: SamplerMemory, on_this_gpu: int) -> dict[str, int]:
     }
 
 
-def engine_memory(layout: Layout, sampler: SamplerMemory, hw: Hardware, sw: Switches) -> RankMemory | None:
+def engine_memory(layout: PlannedLayout, sampler: SamplerMemory, hw: Hardware, sw: Switches) -> RankMemory | None:
     """An engine-only rank under `sampler.placement=separate` (None when colocated): vLLM's
     budget, in the update too unless the engine sleeps."""
     if layout.learners == layout.world:
@@ -189,7 +192,7 @@ def engine_memory(layout: Layout, sampler: SamplerMemory, hw: Hardware, sw: Swit
     kinds = {**zeros, **_sampler_kinds(sampler, 1), "reserve": reserve}
     return RankMemory(
         rank=layout.learners, stage_ranks=tuple(range(layout.learners, layout.world)), pp_rank=-1, params_count=0,
-        kinds=kinds, host={"optimizer_offload": 0, "sleeping_sampler_weights": sampler.weights_bytes if sw.sleep else 0,
+        kinds=kinds, host={"optimizer_offload": 0, "offloaded_during_rollout": 0, "sleeping_sampler_weights": sampler.weights_bytes if sw.sleep else 0,
                            "routing_record": 0},
         variants={}, rollout=reserve + sampler.budget_bytes,
         update=reserve + (0 if sw.sleep else sampler.budget_bytes),

@@ -31,15 +31,19 @@ class ModelSource:
 
 
 def resolve_model(cfg: Config) -> ModelSource:
-    """The recipe with `model` taken from `run.init_checkpoint`'s config.json when there is
-    one. A checkpoint path that does not exist here (a cluster path) leaves the recipe's
-    model, with a note; a megatron checkpoint is planned from the recipe's model section."""
+    """The recipe (as `load_recipe` gives it) with `model` taken from `run.init_checkpoint`'s
+    config.json when there is one, then validated: the model and layout checks see the
+    checkpoint's model, not the recipe's default. A checkpoint path that does not exist here
+    (a cluster path) leaves the recipe's model, with a note; a megatron checkpoint is
+    planned from the recipe's model section."""
     init = cfg.run.init_checkpoint
     if not init:
+        validate(cfg)
         return ModelSource(cfg, "recipe", ())
     path = Path(init) / "config.json"
     if not path.is_file():
         why = "does not exist here" if not Path(init).exists() else "has no config.json"
+        validate(cfg)
         return ModelSource(cfg, "recipe", (f"run.init_checkpoint={init} {why}: the recipe's model section is planned",))
     notes: list[str] = []
     try:

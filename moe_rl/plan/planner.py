@@ -1,7 +1,7 @@
 """One plan: the recipe's model built per distinct rank on the meta device, its memory per
 phase, its traffic and its time, at a world size on a given machine.
 
-    src = resolve_model(load_config("examples/gpu/qwen3_30b_a3b.yaml"))
+    src = resolve_model(load_recipe("examples/gpu/qwen3_30b_a3b.yaml")[0])
     p = make_plan(src, Hardware(gpus=16), prompt_tokens=1024)
     p.fits, p.params_total, p.ranks[0].kinds
 
@@ -24,7 +24,7 @@ from moe_rl.plan.memory import RankMemory, Switches, engine_memory, model_state,
 from moe_rl.plan.model_source import ModelSource
 from moe_rl.plan.sampler import SamplerMemory, sampler_memory
 from moe_rl.plan.timing import learner_seconds, optimizer_seconds, rollout_seconds
-from moe_rl.plan.workload import Layout, Workload, check_world, workload
+from moe_rl.plan.workload import PlannedLayout, Workload, check_world, workload
 
 _BUILDS: dict[tuple[ModelConfig, ParallelConfig, int], list[MetaRank]] = {}
 _COUNTS: dict[tuple[ModelConfig, int], dict[str, int]] = {}
@@ -66,7 +66,7 @@ class Plan:
     cfg: Config
     source: ModelSource
     hw: Hardware
-    layout: Layout
+    layout: PlannedLayout
     work: Workload
     switches: Switches
     params_by_kind: dict[str, int]
@@ -121,7 +121,7 @@ def _gemm_params(cfg: Config, by_kind: dict[str, int]) -> int:
     return active_params(cfg, by_kind) - (0 if tied else by_kind["embedding"])
 
 
-def _times(cfg: Config, layout: Layout, work: Workload, sw: Switches, by_kind: dict[str, int],
+def _times(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches, by_kind: dict[str, int],
            sampler: SamplerMemory, metas: list[MetaRank], traffic_: list[list[Traffic]], hw: Hardware) -> dict[str, float]:
     gemm = _gemm_params(cfg, by_kind)
     times = {**rollout_seconds(cfg, work, gemm, sampler, hw),
@@ -148,7 +148,7 @@ def make_plan(source: ModelSource, hw: Hardware, prompt_tokens: int, switches: S
     if sw.offload_fraction and not sw.distributed_optimizer:
         raise ConfigError("optimizer.offload_fraction > 0 needs optimizer.distributed=true "
                           "(megatron offloads the distributed optimizer's shards)")
-    layout = Layout.of(cfg, hw.gpus)
+    layout = PlannedLayout.of(cfg, hw.gpus)
     work = workload(cfg, layout, prompt_tokens)
     metas = meta_ranks(cfg, layout.learners)
     by_kind = param_counts(cfg)

@@ -36,8 +36,32 @@ GLM_45_AIR: dict[str, Any] = {
     "tie_word_embeddings": False, "attention_bias": True, "torch_dtype": "bfloat16",
     "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
 }
+FP8_BLOCKS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
+    "tie_word_embeddings": False, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": "bfloat16", "quantization_config": FP8_BLOCKS,
+}
+KIMI_K2: dict[str, Any] = {
+    **DEEPSEEK_V3, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0, "max_position_embeddings": 131072,
+    "rope_theta": 50000.0, "bos_token_id": 163584, "eos_token_id": 163585,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
 CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen3-30B-A3B": QWEN3_30B_A3B, "Qwen3-235B-A22B": QWEN3_235B_A22B, "GLM-4.5-Air": GLM_45_AIR,
+    "DeepSeek-V3": DEEPSEEK_V3, "Kimi-K2": KIMI_K2,
 }
 # Model cards, billions: (total, active, counted without embeddings?, unit of the last digit
 # written; the cards round loosely, so a count within one unit agrees).
@@ -45,6 +69,8 @@ SIZES: dict[str, tuple[float, float, bool, float]] = {
     "Qwen3-30B-A3B": (30.5, 3.3, False, 0.1),
     "Qwen3-235B-A22B": (235, 22, False, 1),
     "GLM-4.5-Air": (106, 12, True, 1),
+    "DeepSeek-V3": (671, 37, False, 1),  # the main model; the card's 685B adds the 14B MTP module
+    "Kimi-K2": (1000, 32, False, 1),  # "1T total, 32B activated": 1.026 T / 32.9 B counted, not within a unit
 }
 
 

@@ -58,8 +58,20 @@ class SamplerMemory:
         return max(0.0, min(1.0, self.kv_capacity_bytes / self.kv_need_bytes))
 
 
-def sampler_memory(cfg: Config, params_by_kind: dict[str, int], work: Workload, hw: Hardware) -> SamplerMemory:
+def kv_bytes_per_token(cfg: Config, rtp: int) -> int:
+    """KV cache per token position on one rank of a rollout-TP `rtp` engine, all layers. GQA:
+    K and V of the rank's KV heads (replicated past the KV-head count). Multi-latent
+    attention: the compressed latent and the shared RoPE key (kv_lora_rank +
+    qk_pos_emb_head_dim values), which vLLM caches whole on every TP rank."""
     m, s = cfg.model, cfg.sampler
+    if m.multi_latent_attention:
+        return m.num_layers * (m.kv_lora_rank + m.qk_pos_emb_head_dim) * KV_BYTES[s.precision]
+    kv_heads = max(m.num_query_groups // rtp, 1)
+    return 2 * m.num_layers * kv_heads * m.kv_channels * KV_BYTES[s.precision]
+
+
+def sampler_memory(cfg: Config, params_by_kind: dict[str, int], work: Workload, hw: Hardware) -> SamplerMemory:
+    s = cfg.sampler
     rtp = work.rollout_tp
     routed = params_by_kind["routed_experts"]
     dense = sum(params_by_kind.values()) - routed
@@ -67,8 +79,7 @@ def sampler_memory(cfg: Config, params_by_kind: dict[str, int], work: Workload, 
         weights = (dense + routed // rtp) * WEIGHT_BYTES[s.precision]
     else:
         weights = (dense + routed) * WEIGHT_BYTES[s.precision] // rtp
-    kv_heads = max(m.num_query_groups // rtp, 1)
-    per_token = 2 * m.num_layers * kv_heads * m.kv_channels * KV_BYTES[s.precision]
+    per_token, whole_token = kv_bytes_per_token(cfg, rtp), kv_bytes_per_token(cfg, 1)
     per_engine = math.ceil(work.sequences / work.engines)
     length = work.prompt_tokens + work.response_tokens
     budget = int(s.gpu_memory_utilization * hw.gpu_memory_bytes)
@@ -76,8 +87,7 @@ def sampler_memory(cfg: Config, params_by_kind: dict[str, int], work: Workload, 
         weights_bytes=weights,
         kv_bytes_per_token=per_token,
         kv_need_bytes=per_engine * length * per_token,
-        kv_batch_bytes=work.sequences * length * 2 * m.num_layers * m.num_query_groups * m.kv_channels
-        * KV_BYTES[s.precision],
+        kv_batch_bytes=work.sequences * length * whole_token,
         budget_bytes=budget,
         kv_capacity_bytes=budget - weights - int(hw.vllm_workspace_gib * GIB),
         sequences_per_engine=per_engine,

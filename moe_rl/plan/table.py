@@ -8,6 +8,9 @@ vLLM's budget sized to what the learner leaves), and the fastest one that fits i
 
 The step is the recipe's (prompts, G, response length, precision); `--models-dir` receives
 the published config.json files (`moe_rl.plan.published`), which is all a plan needs.
+DeepSeek-V3 and Kimi-K2 are left out: they need hundreds of GPUs (PP=1, since their 61
+layers do not split into equal stages), so every cell of these GPU counts would read "does
+not fit"; examples/gpu/deepseek_v3.yaml states their plans.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ import argparse
 import dataclasses
 import logging
 import math
+import sys
 from collections.abc import Iterator
 
-from moe_rl.cli import cpu_environment
-from moe_rl.config import Config, ConfigError, load_config
+from moe_rl.cli import cpu_environment, run_guarded
+from moe_rl.config import Config, ConfigError, load_recipe
 from moe_rl.plan.hardware import GIB, Hardware
 from moe_rl.plan.memory import Switches
 from moe_rl.plan.published import CONFIGS, write_config_dir
+
+TABLE_MODELS = tuple(name for name in CONFIGS if name not in ("DeepSeek-V3", "Kimi-K2"))
+"""The published models the table plans (why not DeepSeek-V3 and Kimi-K2: module docstring)."""
 
 
 def layouts(cfg: Config, gpus: int, per_node: int) -> Iterator[tuple[int, int, int]]:
@@ -107,17 +114,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models-dir", required=True, help="where to write the published config.json files")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     args = ap.parse_args(argv)
+    sys.exit(run_guarded("python -m moe_rl.plan.table", lambda: _table(args)))
+
+
+def _table(args: argparse.Namespace) -> int:
+    """Print the table, a row as soon as it is planned (a bad recipe: ConfigError)."""
     from moe_rl.plan.model_source import resolve_model
 
     rows = ["| model | " + " | ".join(f"{g} x H100" for g in args.gpus) + " |",
             "|---|" + "---|" * len(args.gpus)]
-    for name in CONFIGS:
+    for name in TABLE_MODELS:
         directory = write_config_dir(name, f"{args.models_dir}/{name}")
-        source = resolve_model(load_config(args.config, [f"run.init_checkpoint={directory}"]))
+        source = resolve_model(load_recipe(args.config, [f"run.init_checkpoint={directory}"])[0])
         cells = [cell(best_plan(source, Hardware(gpus=g), args.prompt_tokens)) for g in args.gpus]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
     print("\n".join(rows))
+    return 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import math
 from moe_rl.config import Config
 from moe_rl.plan.hardware import Hardware
 from moe_rl.plan.sampler import SamplerMemory
-from moe_rl.plan.workload import Layout, Workload
+from moe_rl.plan.workload import PlannedLayout, Workload
 
 TERA = 1e12
 
@@ -36,7 +36,7 @@ def _peak(cfg: Config, hw: Hardware) -> float:
     return (hw.fp8_tflops if cfg.model.fp8 != "none" else hw.bf16_tflops) * TERA * hw.mfu
 
 
-def learner_seconds(cfg: Config, layout: Layout, work: Workload, gemm_params: int, recompute: bool,
+def learner_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_params: int, recompute: bool,
                     hw: Hardware) -> dict[str, float]:
     """Seconds per step of the scoring passes and the update passes (fwd + bwd), per rank."""
     s = work.seq_len

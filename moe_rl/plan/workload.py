@@ -24,8 +24,9 @@ def separate_engine_ranks(cfg: Config) -> int:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The recipe's process layout at a world size."""
+class PlannedLayout:
+    """The process layout the recipe would run at on a hypothetical world size (the
+    planner's; nothing runs: `moe_rl.learner.parallel.Layout` is a running rank's place)."""
 
     world: int
     learners: int
@@ -40,7 +41,7 @@ class Layout:
     """Expert data-parallel size: world / (etp * ep * pp)."""
 
     @classmethod
-    def of(cls, cfg: Config, world: int) -> Layout:
+    def of(cls, cfg: Config, world: int) -> PlannedLayout:
         p = cfg.parallel
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
@@ -63,7 +64,8 @@ class Workload:
     seq_len: int
     """Learner sequence length: prompt + response, padded to a multiple of TP (sequence parallel)."""
     micro_batch: int
-    """Sequences per micro-batch (parallel.micro_batch_size, or fewer when a rank has fewer)."""
+    """Sequences per micro-batch (parallel.micro_batch_size, or as many longest sequences as
+    parallel.max_tokens_per_microbatch holds; fewer when a rank has fewer)."""
     micro_batches: int
     """Micro-batches per data-parallel rank per optimizer update."""
     updates: int
@@ -76,28 +78,29 @@ class Workload:
     ones under separate placement)."""
 
     @property
-    def tokens_per_step(self) -> int:
-        return self.sequences * (self.prompt_tokens + self.response_tokens)
-
-    @property
     def micro_batch_tokens(self) -> int:
         return self.micro_batch * self.seq_len
 
 
-def workload(cfg: Config, layout: Layout, prompt_tokens: int) -> Workload:
+def workload(cfg: Config, layout: PlannedLayout, prompt_tokens: int) -> Workload:
     """The step's shapes for `cfg` at `layout` with prompts of `prompt_tokens` tokens."""
     rl = cfg.rl
     sequences = rl.prompts_per_step * rl.group_size
     per_update = math.ceil(sequences / rl.num_minibatches)
     per_rank = math.ceil(per_update / layout.dp)
-    micro_batch = min(cfg.parallel.micro_batch_size, per_rank)
     response = cfg.sampler.max_new_tokens
+    seq_len = math.ceil((prompt_tokens + response) / layout.tp) * layout.tp
+    budget = cfg.parallel.max_tokens_per_microbatch
+    # the plan's worst case: every sequence at its longest, so a token budget holds
+    # budget // seq_len of them (at least one: a longer sequence takes a micro-batch alone)
+    per_micro = max(1, budget // seq_len) if budget and cfg.parallel.packing else cfg.parallel.micro_batch_size
+    micro_batch = min(per_micro, per_rank)
     rollout_tp = cfg.sampler.tensor_parallel_size
     return Workload(
         sequences=sequences,
         prompt_tokens=prompt_tokens,
         response_tokens=response,
-        seq_len=math.ceil((prompt_tokens + response) / layout.tp) * layout.tp,
+        seq_len=seq_len,
         micro_batch=micro_batch,
         micro_batches=math.ceil(per_rank / micro_batch),
         updates=rl.num_minibatches * rl.epochs,

@@ -1,15 +1,17 @@
-"""One step's rollout: prompts -> sampler engines -> rewards -> advantages -> batch.
+"""One step's rollout: prompts -> sampler engines -> rewards -> advantages -> each rank's rows.
 
     from moe_rl.rollout import RolloutCollector, Rollout
 
-Modules: `types` (ScoredGroup, Rollout), `collector` (RolloutCollector: problems, sampling,
-rewards, dynamic sampling), `packing` (reward shaping, group advantages, token packing,
-statistics), `sampler_start` (the sampler's starting weights and engine). The trainer only
-sequences a collector with the learner; nothing here imports megatron.
+Modules: `types` (ScoredGroup, GroupSummary, RowSample, Rollout), `collector`
+(RolloutCollector: problems, sampling, rewards, dynamic sampling, rows to their ranks),
+`packing` (reward shaping, group advantages, statistics, a rank's rows as a `StepBatch`),
+`placement` (where the engines sit, the collectives between ranks), `weight_sync` (the
+learner's weights to the engines), `sampler_start` (the sampler's starting weights and
+engine), `learning_signal` (the no-signal warning). The trainer only sequences a collector
+with the learner; nothing here imports megatron.
 """
 
 from moe_rl.rollout.collector import RolloutCollector
-from moe_rl.rollout.packing import pack_rollout
-from moe_rl.rollout.types import Rollout, ScoredGroup
+from moe_rl.rollout.types import GroupSummary, Rollout, RowSample, Sampled, ScoredGroup
 
-__all__ = ["Rollout", "RolloutCollector", "ScoredGroup", "pack_rollout"]
+__all__ = ["GroupSummary", "Rollout", "RolloutCollector", "RowSample", "Sampled", "ScoredGroup"]

@@ -2,12 +2,15 @@
 
     collector = RolloutCollector(cfg)                  # task, tokenizer, engine placement
     collector.start_sampler(run_dir, weights_source)   # one engine per rollout group
-    rollout = collector.collect(step, timer)           # collective: every rank, same batch
-    collector.sync_weights(named_tensors)              # after the learner's update
+    collector.assign_rows(dp_rank)                     # where each step's rows are trained on
+    rollout = collector.collect(step, timer, version)  # collective: each rank gets its rows
+    collector.weight_sync.push(learner, version)       # after the learner's update (weight_sync.py)
 
 Every rank of the torchrun world belongs to a rollout group with one engine
-(`placement.EnginePlacement`); each engine samples its block of the step's prompts and the
-scored groups are gathered to every rank. Determinism: problems and per-prompt sampler
+(`placement.EnginePlacement`); each engine samples its block of the step's prompts. Every
+rank learns every group's summary (rewards, lengths: what dynamic sampling, advantages and
+statistics need), and each training row travels once, from the engine that sampled it to
+the ranks of the data-parallel rank that trains on it (row % dp). Determinism: problems and per-prompt sampler
 seeds derive from (run.seed, step, draw, prompt index) alone, so the rollouts are the same
 whatever the number of engines, and a resumed run replays what an uninterrupted run samples.
 """
@@ -17,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +28,18 @@ import torch
 
 from moe_rl.config import Config, ConfigError
 from moe_rl.rollout.evaluate import EvalReport, evaluate_problems
-from moe_rl.rollout.packing import pack_rollout
+from moe_rl.rollout.learning_signal import LearningSignalWatch
+from moe_rl.rollout.packing import pack_rows, plan_step, staleness_stats
 from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
-from moe_rl.rollout.types import Rollout, ScoredGroup
-from moe_rl.rollout.weight_sync import (
-    SyncReport,
-    broadcast_buckets,
-    receive_buckets,
-    stream_in_buckets,
-)
+from moe_rl.rollout.types import GroupSummary, Rollout, RowSample, Sampled, ScoredGroup
+from moe_rl.rollout.weight_sync import make_weight_synchronizer
 from moe_rl.sampler import Sampler
 from moe_rl.sampler.base import base_seeds
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem
 from moe_rl.timing import StepTimer
-from moe_rl.tokenization import PromptEncoder, check_fits_model, load_tokenizer
+from moe_rl.tokenization import PromptEncoder, load_tokenizer
 
 log = logging.getLogger("moe_rl.rollout")
 
@@ -54,17 +52,23 @@ class RolloutCollector:
         separate = cfg.sampler.placement == "separate"
         self.placement = placement or EnginePlacement.current(cfg.sampler.tensor_parallel_size,
                                                               cfg.sampler.engine_ranks if separate else 0)
-        self._weights_group = self.placement.weights_group() if separate and self.placement.world > 1 else None
+        self.weight_sync = make_weight_synchronizer(cfg, self.placement)  # collective: every rank, here
+        self._engines_group = self.placement.engines_group()  # collective too
         self.task = make_task(cfg.task)
-        self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)
-        check_fits_model(self.tok, cfg.model.vocab_size)
+        self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)  # (checked by the preflight)
         self.prompts = PromptEncoder.from_config(cfg.task, self.tok)
         self.sampler: Sampler | None = None
         self.returns_routed_experts = False
         """Every engine returns its routed experts (known after `start_sampler`)."""
-        self.engine_seconds: list[float] = []
+        self.learner_wait = 0.0
+        """Seconds the last `deliver` waited for the engines (a learner-only rank)."""
+        self.engine_wait = 0.0
+        """Seconds this engine last waited for the learner's weights (set by the trainer)."""
         self._eval: tuple[Any, list[Problem]] | None = None
         self.last_eval_examples: list[dict[str, Any]] = []
+        self._row_owners: list[int | None] = [0] * self.placement.world  # (until assign_rows: all rows everywhere)
+        self._dp = 1
+        self._signal = LearningSignalWatch(cfg.rl.dynamic_sampling)
 
     @property
     def pad_id(self) -> int:
@@ -84,7 +88,8 @@ class RolloutCollector:
             hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
         group_env = pl.group_env() if pl.ranks_per_engine > 1 else None
         if pl.hosts_engine:
-            self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_ids, pl, group_env)
+            self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_ids, group_env)
+        self.weight_sync.attach(self.sampler)
         routed = pl.gather(bool(getattr(self.sampler, "returns_routed_experts", False)))
         self.returns_routed_experts = all(routed)
 
@@ -97,60 +102,118 @@ class RolloutCollector:
             return self.task.batch(step - 1, n, self.cfg.run.seed)
         return self.task.sample(n, np.random.default_rng([self.cfg.run.seed, step, draw]))
 
+    def assign_rows(self, dp_rank: int | None) -> None:
+        """Tell the collector which data-parallel rank this rank trains as (None: an
+        engine-only rank), so that each step's rows go only where they are trained on.
+        Collective over every rank; call once, after the learner's layout exists."""
+        self._row_owners = self.placement.all_gather(dp_rank)
+        self._dp = 1 + max(r for r in self._row_owners if r is not None)
+
     def collect(self, step: int, timer: StepTimer) -> Rollout:
-        """Generate and score groups (dynamic sampling: keep drawing until
-        `prompts_per_step` groups with a reward spread are found, or `max_draws`), then pack
-        the training batch. Collective: every rank returns the same rollout."""
+        """`sample` then `deliver`: the synchronous step. Collective over every rank."""
+        return self.deliver(step, self.sample(step, timer), timer)
+
+    def sample(self, step: int, timer: StepTimer) -> Sampled | None:
+        """Generate and score step `step`'s groups (dynamic sampling: keep drawing until
+        `prompts_per_step` groups with a reward spread are found, or `max_draws`) with the
+        weights the engines hold now. Collective over the engine ranks only (none on a
+        learner-only rank, which returns None): the engines can sample a coming step while
+        the learner ranks train (`rl.max_staleness`)."""
+        if not self.placement.hosts_engine:
+            return None
         rl = self.cfg.rl
-        kept: list[ScoredGroup] = []
-        drawn: list[ScoredGroup] = []
-        draws = 0
-        self.engine_seconds = []
-        while draws < (rl.max_draws if rl.dynamic_sampling else 1):
-            groups = self._draw(step, draws, timer)
-            draws += 1
-            drawn += groups
-            kept += [g for g in groups if not rl.dynamic_sampling or g.has_signal]
-            if len(kept) >= rl.prompts_per_step:
+        out = Sampled(step, self.weight_sync.held_version or 0)
+        while len(out.drawn) < (rl.max_draws if rl.dynamic_sampling else 1):
+            summaries, mine, seconds = self._draw(step, len(out.drawn), out.version, timer)
+            out.held.update({(len(out.drawn), i): g for i, g in mine.items()})
+            out.kept += [(len(out.drawn), i) for i, g in enumerate(summaries)
+                         if not rl.dynamic_sampling or g.has_signal]
+            out.drawn.append(summaries)
+            out.engine_seconds.append(seconds)
+            if len(out.kept) >= rl.prompts_per_step:
                 break
-        if not kept:  # no group with signal in any draw: the last draw trains with zero advantages
-            log.warning("step %d: every group had equal rewards in %d draws", step, draws)
-            kept = groups
-        with timer.phase("reward"):
-            rollout = pack_rollout(kept[: rl.prompts_per_step], drawn, draws, self.cfg, self.pad_id)
-        rollout.stats.update(self._engine_stats())
+        if not out.kept:  # no group with signal in any draw: the last draw trains with zero advantages
+            log.warning("step %d: every group had equal rewards in %d draws", step, len(out.drawn))
+            out.kept = [(len(out.drawn) - 1, i) for i in range(len(out.drawn[-1]))]
+        out.kept = out.kept[: rl.prompts_per_step]
         if self.cfg.sampler.sleep_between_steps and self.sampler is not None:  # the learner's turn
             self.sampler.sleep()
+        return out
+
+    def deliver(self, step: int, sampled: Sampled | None, timer: StepTimer) -> Rollout:
+        """Hand each data-parallel rank its rows of step `step`'s sampled groups, dropping
+        groups sampled more than `rl.max_staleness` weight pushes ago. Collective over every
+        rank: every rank learns every group's summary and returns the same statistics, but
+        holds only its own rows' tokens."""
+        t0 = time.perf_counter()
+        with timer.phase("gather"):
+            public = self.placement.from_engines(sampled.public(self.engine_wait) if sampled is not None else None)
+        self.learner_wait = time.perf_counter() - t0 if not self.placement.hosts_engine else 0.0
+        drawn, current = public.drawn, step - 1  # the learner's policy: the weights of `step - 1` pushes
+        kept = [(d, i) for d, i in public.kept if current - drawn[d][i].version <= self.cfg.rl.max_staleness]
+        with timer.phase("reward"):
+            plan = plan_step([drawn[d][i] for d, i in kept], [g for d in drawn for g in d], len(drawn), self.cfg)
+        plan.stats.update(staleness_stats([drawn[d][i] for d, i in kept], current, len(public.kept) - len(kept),
+                                          self.cfg.rl.group_size))
+        with timer.phase("gather"):
+            rows = self._deliver(kept, sampled.held if sampled is not None else {}, self.cfg.rl.group_size)
+        self._signal.observe(step, plan.stats["reward/zero_variance_frac"])
+        if self._row_owners[self.placement.rank] is None:  # an engine-only rank trains on nothing
+            rollout = Rollout(None, torch.zeros(0), [], plan.stats)
+        else:
+            rollout = Rollout(*pack_rows(rows, plan, self.cfg, self.pad_id), stats=plan.stats)
+        rollout.stats.update(self._engine_stats(public.engine_seconds))
+        rollout.stats.update({"time/learner_wait": self.learner_wait, "time/engine_wait": public.engine_wait})
         return rollout
 
-    def _draw(self, step: int, draw: int, timer: StepTimer) -> list[ScoredGroup]:
+    def _deliver(self, kept: list[tuple[int, int]], held: dict[tuple[int, int], ScoredGroup],
+                 G: int) -> list[RowSample]:
+        """Send each kept group's responses, as training rows k*G + j, from the engine that
+        sampled them to every rank of the data-parallel rank that holds the row (row % dp);
+        return this rank's rows in row order. One all-to-all: nobody receives others' rows."""
+        outgoing: list[list[RowSample]] = [[] for _ in self._row_owners]
+        for k, key in enumerate(kept):
+            group = held.get(key)
+            if group is None:
+                continue
+            for j in range(G):
+                row = k * G + j
+                for rank, owner in enumerate(self._row_owners):
+                    if owner == row % self._dp:
+                        outgoing[rank].append(group.row(j, row))
+        incoming = self.placement.exchange(outgoing)
+        return sorted((r for part in incoming for r in part), key=lambda r: r.row_id)
+
+    def _draw(self, step: int, draw: int, version: int,
+              timer: StepTimer) -> tuple[list[GroupSummary], dict[int, ScoredGroup], list[float]]:
         """One draw of `prompts_per_step` problems, G responses each, scored: this engine's
-        block sampled here, every engine's blocks gathered."""
+        block sampled here and kept (by prompt index) on its leader; every group's summary
+        gathered to every engine rank, with each engine's sampling seconds."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         problems = self.problems(step, draw)
         seeds = base_seeds(cfg.run.seed * 1_000_003 + step * 101 + draw, len(problems), G)
         share = self.placement.share(len(problems))
         prompt_ids = [self.prompts.encode(problems[i]) for i in share]
         t0 = time.perf_counter()
-        mine: list[ScoredGroup] = []
-        if self.sampler is not None:  # (a learner-only rank under separate placement has none)
-            with timer.phase("sample"):
-                ro = self.sampler.generate(prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
-                                           temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
-                                           prompt_seeds=[seeds[i] for i in share])
-            with timer.phase("reward"):
-                texts = [self.tok.decode(r) for r in ro.response_token_ids]
-                rewards = self.task.rewards([problems[share[i]] for i in ro.prompt_index], texts)
-            for i, ids in enumerate(prompt_ids):
-                sl = slice(i * G, (i + 1) * G)
-                mine.append(ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
-                                        ro.finish_reasons[sl],
-                                        ro.routed_experts[sl] if ro.routed_experts is not None else None))
+        with timer.phase("sample"):
+            ro = self.sampler.generate(prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
+                                       temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
+                                       prompt_seeds=[seeds[i] for i in share])
+        with timer.phase("reward"):
+            texts = [self.tok.decode(r) for r in ro.response_token_ids]
+            rewards = self.task.rewards([problems[share[i]] for i in ro.prompt_index], texts)
+        mine: dict[int, ScoredGroup] = {}
+        for i, ids in enumerate(prompt_ids):
+            sl = slice(i * G, (i + 1) * G)
+            mine[share[i]] = ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
+                                         ro.finish_reasons[sl],
+                                         ro.routed_experts[sl] if ro.routed_experts is not None else None, version)
         sample_seconds = time.perf_counter() - t0
         with timer.phase("gather"):
-            parts = self.placement.gather((mine, sample_seconds))
-        self.engine_seconds.append([seconds for _, seconds in parts])
-        return concat([groups for groups, _ in parts])
+            parts = self.placement.gather_engines(([g.summary() for g in mine.values()], sample_seconds),
+                                                  self._engines_group)
+        summaries = concat([part for part, _ in parts])
+        return summaries, (mine if self.placement.leader else {}), [seconds for _, seconds in parts]
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy accuracy and pass@k on `task.eval_data_path` (`evaluate.py`), every engine
@@ -177,26 +240,11 @@ class RolloutCollector:
         self.last_eval_examples = total.examples
         return total.metrics()
 
-    def _engine_stats(self) -> dict[str, float]:
-        per_engine = np.sum(np.array(self.engine_seconds), axis=0)  # over draws
+    def _engine_stats(self, engine_seconds: list[list[float]]) -> dict[str, float]:
+        per_engine = np.sum(np.array(engine_seconds), axis=0)  # over draws
         return {"sampler/engines": float(self.placement.engines),
                 "sampler/sample_seconds_max": float(per_engine.max()),
                 "sampler/sample_seconds_min": float(per_engine.min())}
-
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        """A learner rank's side of the weight sync. Colocated: stream the learner's weights
-        (Hugging Face names, full tensors) into this rank's engine in layer-aligned buckets.
-        Separate: rank 0 broadcasts the buckets to the engine ranks. Every learner rank
-        drains the stream to the end (its collectives are the learner's)."""
-        bucket_bytes = self.cfg.sampler.weight_sync_bucket_mib << 20
-        if self._weights_group is not None:
-            return broadcast_buckets(named_tensors, bucket_bytes, self._weights_group, send=self.placement.rank == 0)
-        return stream_in_buckets(named_tensors, bucket_bytes, self.sampler.update_weights)
-
-    def receive_weights(self) -> SyncReport:
-        """An engine-only rank's side of the weight sync (separate placement)."""
-        self._wake()
-        return receive_buckets(self._weights_group, self.sampler.update_weights)
 
     def _wake(self) -> None:
         wake = getattr(self.sampler, "wake_up", None)
@@ -207,3 +255,4 @@ class RolloutCollector:
         if self.sampler is not None:
             self.sampler.close()
             self.sampler = None
+            self.weight_sync.attach(None)

@@ -1,50 +1,83 @@
-"""Scored groups -> the training batch: reward shaping, group advantages, token packing,
-the sampler's logprobs and routing on the batch grid, and the step's rollout statistics."""
+"""The step's groups -> the training batch: reward shaping and group advantages (from every
+group's summary, the same on every rank), the step's rollout statistics, and this rank's
+rows packed into a `StepBatch` with the sampler's logprobs and routing on its grid."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from moe_rl.advantages import compute_advantages, filter_groups, overlong_penalty
-from moe_rl.batch import TokenBatch
+from moe_rl.batch import TokenBatch, ragged_rows
 from moe_rl.config import Config
-from moe_rl.rollout.types import Rollout, ScoredGroup
+from moe_rl.rollout.types import GroupSummary, RowSample
 from moe_rl.routing.record import ReplayIds, align_sampler_routing
+from moe_rl.step_batch import StepBatch
 
 
-def pack_rollout(kept: list[ScoredGroup], drawn: list[ScoredGroup], draws: int, cfg: Config,
-                 pad_id: int) -> Rollout:
-    """The training batch from the groups that `kept` their place (dynamic sampling may have
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank knows of the step's batch before any row arrives."""
+
+    rewards_NG: torch.Tensor
+    """[N, G] verifier rewards of the kept groups."""
+    adv_NG: torch.Tensor
+    """[N, G] advantages (from the shaped rewards)."""
+    seq_len: int
+    """S: the longest prompt + response of the batch, rounded up to the TP size."""
+    stats: dict[str, float]
+    """The step's rollout statistics."""
+
+    @property
+    def rows(self) -> int:
+        return self.rewards_NG.numel()
+
+
+def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, cfg: Config) -> StepPlan:
+    """Advantages, batch width and statistics of the `kept` groups (dynamic sampling may have
     drawn more: `drawn` is every group of the step, for the statistics)."""
-    G, T = cfg.rl.group_size, cfg.sampler.max_new_tokens
     rewards_NG = torch.tensor([g.rewards for g in kept], dtype=torch.float32)
-    lengths_NG = torch.tensor([[len(r) for r in g.responses] for g in kept], dtype=torch.float32)
+    lengths_NG = torch.tensor([g.response_lens for g in kept], dtype=torch.float32)
     shaped_NG = rewards_NG
     if cfg.rl.overlong_max_len:
         shaped_NG = rewards_NG + overlong_penalty(lengths_NG, cfg.rl.overlong_max_len, cfg.rl.overlong_cache)
     adv_NG = compute_advantages(cfg.rl.advantage, shaped_NG)
-    batch = TokenBatch.from_lists([g.prompt for g in kept for _ in range(G)],
-                                  [r for g in kept for r in g.responses], pad_id=pad_id,
-                                  response_width=T, seq_multiple=cfg.parallel.tensor_model_parallel_size)
-    logp_BT = torch.zeros(batch.batch_size, T)
-    for b, lp in enumerate(lp for g in kept for lp in g.logprobs):
-        logp_BT[b, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    longest = max(g.prompt_len + max(g.response_lens, default=0) for g in kept)
+    tp = cfg.parallel.tensor_model_parallel_size
     stats = rollout_stats(kept, drawn, draws, rewards_NG, lengths_NG, adv_NG)
-    return Rollout(batch, rewards_NG.flatten(), adv_NG.flatten(), logp_BT,
-                   [t for g in kept for t in g.texts], sampler_routing(kept, batch, cfg), stats)
+    return StepPlan(rewards_NG, adv_NG, -(-longest // tp) * tp, stats)
 
 
-def sampler_routing(kept: list[ScoredGroup], batch: TokenBatch, cfg: Config) -> ReplayIds | None:
-    """The sampler's routed experts on the batch grid, or None when it returned none."""
-    if kept[0].routed is None:
+def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -> tuple[StepBatch, torch.Tensor,
+                                                                                      list[str]]:
+    """This rank's rows (ascending row id) as a StepBatch on the step's [b, S] grid, with
+    their rewards and texts."""
+    T = cfg.sampler.max_new_tokens
+    tokens = TokenBatch.from_lists([r.prompt for r in rows], [r.response for r in rows], pad_id=pad_id,
+                                   response_width=T, min_seq_len=plan.seq_len)
+    row_ids = torch.tensor([r.row_id for r in rows], dtype=torch.long)
+    batch = StepBatch(
+        tokens, row_ids, plan.rows,
+        adv_B=plan.adv_NG.flatten()[row_ids],
+        sampler_logp_BT=ragged_rows([r.logprobs for r in rows], T),
+        sampler_routing=sampler_routing(rows, tokens, row_ids, cfg),
+        version_B=torch.tensor([r.version for r in rows], dtype=torch.long),
+    )
+    return batch, plan.rewards_NG.flatten()[row_ids], [r.text for r in rows]
+
+
+def sampler_routing(rows: list[RowSample], tokens: TokenBatch, row_ids: torch.Tensor,
+                    cfg: Config) -> ReplayIds | None:
+    """The sampler's routed experts on the rows' grid, or None when it returned none."""
+    if not rows or rows[0].routed is None:
         return None
-    routed = [a for g in kept for a in g.routed]
     moe_layers = list(range(cfg.model.num_dense_layers, cfg.model.num_layers))
-    ids_BSLK, valid_BS = align_sampler_routing(routed, batch, cfg.model.num_experts, moe_layers)
-    return ReplayIds(torch.arange(batch.batch_size), ids_BSLK, valid_BS)
+    ids_BSLK, valid_BS = align_sampler_routing([r.routed for r in rows], tokens, cfg.model.num_experts, moe_layers)
+    return ReplayIds(row_ids, ids_BSLK, valid_BS)
 
 
-def rollout_stats(kept: list[ScoredGroup], drawn: list[ScoredGroup], draws: int, rewards_NG: torch.Tensor,
+def rollout_stats(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, rewards_NG: torch.Tensor,
                   lengths_NG: torch.Tensor, adv_NG: torch.Tensor) -> dict[str, float]:
     all_rewards = torch.tensor([g.rewards for g in drawn], dtype=torch.float32)
     finish = [f for g in kept for f in g.finish]
@@ -53,6 +86,7 @@ def rollout_stats(kept: list[ScoredGroup], drawn: list[ScoredGroup], draws: int,
         "reward/std": float(rewards_NG.std()) if rewards_NG.numel() > 1 else 0.0,
         "reward/solved_frac": float((rewards_NG == 1).float().mean()),
         "reward/mean_all_draws": float(all_rewards.mean()),
+        "reward/zero_variance_frac": sum(not g.has_signal for g in kept) / max(len(kept), 1),
         "response/length_mean": float(lengths_NG.mean()),
         "response/length_max": float(lengths_NG.max()),
         "response/truncated_frac": sum(f == "length" for f in finish) / max(len(finish), 1),
@@ -61,3 +95,12 @@ def rollout_stats(kept: list[ScoredGroup], drawn: list[ScoredGroup], draws: int,
         "sampling/groups_with_signal_frac": float(filter_groups(all_rewards).float().mean()),
         "advantage/abs_mean": float(adv_NG.abs().mean()),
     }
+
+
+def staleness_stats(kept: list[GroupSummary], current: int, dropped_groups: int, G: int) -> dict[str, float]:
+    """How many weight pushes older than the learner's policy (`current`) the step's rows
+    are, and how many rows were dropped for exceeding `rl.max_staleness`."""
+    stale = [current - g.version for g in kept]
+    return {"rollout/staleness_mean": sum(stale) / max(len(stale), 1),
+            "rollout/staleness_max": float(max(stale, default=0)),
+            "rollout/dropped_stale": float(dropped_groups * G)}

@@ -8,9 +8,9 @@ world / rollout TP. Separate: the last `sampler.engine_ranks` ranks are cut into
 that way and host engines only; the ranks before them train and host none.
 
 Engine e samples a contiguous block of the step's prompts (whole groups of G responses stay
-on one engine); the blocks are gathered so that every rank holds every scored group, in
-prompt order, and the training ranks build the same batch. At world 1 this is one engine
-sampling everything. Everything here runs in the world of all ranks (`moe_rl.worlds.bridge`).
+on one engine); the groups' summaries are gathered to every rank, and each training row is
+sent (`exchange`, an all-to-all) only to the ranks that train on it. At world 1 this is
+one engine sampling everything. Everything here runs in the world of all ranks (`moe_rl.worlds.bridge`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from moe_rl.collectives import all_gather_object, broadcast_object, exchange_objects
 from moe_rl.worlds import bridge
 
 
@@ -87,21 +88,54 @@ class EnginePlacement:
 
     def gather(self, mine: Any) -> list[Any]:
         """Every engine leader's `mine`, in engine order, on every rank (collective)."""
+        everyone = self.all_gather(mine if self.leader else None)
+        return [everyone[self.first_engine_rank + e * self.ranks_per_engine] for e in range(self.engines)]
+
+    def gather_engines(self, mine: Any, group: Any) -> list[Any]:
+        """Every engine leader's `mine`, in engine order, on every engine rank. Collective
+        over the engine ranks only (`group`, from `engines_group`; None when every rank hosts
+        an engine): under separate placement the learner ranks are not involved."""
+        if group is None:
+            return self.gather(mine)
+        with bridge():
+            everyone = all_gather_object(mine if self.leader else None, group=group)
+        return [everyone[e * self.ranks_per_engine] for e in range(self.engines)]
+
+    def from_engines(self, obj: Any) -> Any:
+        """The first engine rank's `obj` on every rank (collective)."""
+        if self.world == 1:
+            return obj
+        with bridge():
+            return broadcast_object(obj, src=self.first_engine_rank)
+
+    def engines_group(self) -> Any:
+        """The process group of the engine-only ranks (separate placement; None otherwise).
+        Collective over every rank, at the same point on each."""
+        if not self.engine_ranks or self.world == 1:
+            return None
+        with bridge():
+            return dist.new_group(list(range(self.first_engine_rank, self.world)))
+
+    def all_gather(self, mine: Any) -> list[Any]:
+        """Every rank's `mine`, in rank order, on every rank (collective)."""
         if self.world == 1:
             return [mine]
-        everyone: list[Any] = [None] * self.world
         with bridge():
-            dist.all_gather_object(everyone, mine if self.leader else None)
-        return [everyone[self.first_engine_rank + e * self.ranks_per_engine] for e in range(self.engines)]
+            return all_gather_object(mine)
+
+    def exchange(self, outgoing: list[Any]) -> list[Any]:
+        """All-to-all: `outgoing[r]` goes to rank r; returns what each rank sent here (collective)."""
+        if self.world == 1:
+            return list(outgoing)
+        with bridge():
+            return exchange_objects(outgoing)
 
     def from_rank0(self, obj: Any) -> Any:
         """Global rank 0's `obj` on every rank (collective)."""
         if self.world == 1:
             return obj
-        box = [obj]
         with bridge():
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
+            return broadcast_object(obj, src=0)
 
     def group_env(self) -> dict[str, str]:
         """The environment of this rank's engine world (vLLM's external_launcher reads it):

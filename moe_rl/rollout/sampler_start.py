@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from moe_rl.config import Config, ConfigError
-from moe_rl.rollout.placement import EnginePlacement
-from moe_rl.sampler import Sampler, make_sampler
-from moe_rl.sampler.precision import resolve_precision
+from moe_rl.sampler import Sampler, engine_config, make_sampler
 
 
 def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None, convert: bool = True) -> Path:
@@ -25,34 +20,11 @@ def sampler_weights_dir(cfg: Config, run_dir: Path, source: Path | None, convert
         return source
     hf_dir = run_dir / "sampler_hf"
     if convert:
-        megatron_to_hf(source, hf_dir, force=True)
+        megatron_to_hf(source, hf_dir, force=True, trust=cfg.run.trust_checkpoint)  # as the learner read it
     return hf_dir
 
 
-def build_sampler(cfg: Config, hf_dir: Path, eos_token_ids: list[int], placement: EnginePlacement,
-                  group_env: dict[str, str] | None = None) -> Sampler:
-    """The configured backend on `hf_dir`, as this rank's share of its rollout group."""
-    s = cfg.sampler
-    opts: dict[str, Any] = {}
-    if s.backend == "vllm":
-        opts = {"in_process": s.in_process, "kv_cache_gib": s.vllm_kv_cache_gib,
-                "gpu_memory_utilization": s.gpu_memory_utilization,
-                "return_routed_experts": cfg.rl.replay == "R3"}
-        if s.sleep_between_steps:
-            if not torch.cuda.is_available():
-                raise ConfigError("sampler.sleep_between_steps needs a GPU (vLLM's sleep mode frees GPU memory; "
-                                  "there is none to free on CPU)")
-            opts["enable_sleep_mode"] = True
-        if placement.ranks_per_engine > 1:
-            opts.update(tensor_parallel_size=placement.ranks_per_engine,
-                        distributed_executor_backend="external_launcher", group_env=group_env)
-        if s.expert_parallel:
-            opts["enable_expert_parallel"] = True
-    elif torch.cuda.is_available():  # the transformers sampler on this rank's GPU
-        opts["device"] = f"cuda:{torch.cuda.current_device()}"
-    try:
-        precision = resolve_precision(s.precision, torch.cuda.is_available())
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return make_sampler(s.backend, hf_dir, precision=precision, seed=cfg.run.seed,
-                        eos_token_id=eos_token_ids, **opts)
+def build_sampler(cfg: Config, hf_dir: Path, eos_token_ids: list[int], group_env: dict[str, str] | None = None) -> Sampler:
+    """The configured engine (`moe_rl.sampler.engine_config`) on `hf_dir`, as this rank's
+    share of its rollout group (`group_env`: that group's world, rollout TP > 1)."""
+    return make_sampler(hf_dir, engine_config(cfg, eos_token_ids, group_env=group_env))

@@ -1,33 +1,53 @@
-"""Weight sync from the learner to the engines, in layer-aligned buckets.
+"""Weight sync from the learner to the engines: one `WeightSynchronizer`, chosen once.
+
+    sync = make_weight_synchronizer(cfg, placement)   # collective: every rank, once
+    sync.attach(engine)                               # this rank's engine (None: it has none)
+    metrics = sync.push(learner, version)             # every learner rank, after an update
+    sync.receive()                                    # every engine-only rank, at the same point
+
+The caller never branches on the placement; the factory does, once:
+- `ColocatedSync` (every rank trains and hosts an engine, or a TP shard of one): every
+  rank assembles the learner's full tensors, receiving only the pieces it lacks
+  (`moe_rl.learner.gather.iter_full_tensors_everywhere`), and streams them into its own
+  engine;
+- `BroadcastSync` (separate placement, world > 1): global rank 0 assembles them and
+  broadcasts each bucket (its names, shapes and dtypes first, then the tensors) over a group
+  of itself and the engine ranks, which load it into their engines; an announcement without
+  tensors ends the sync and names the version.
 
 The learner's stream (`moe_rl.learner.export.hf_named_tensors`) runs collectives while it
-is iterated, so the trainer's side iterates it, on every rank and to the end, and hands
-each engine one bucket at a time. What an engine does with a bucket (vLLM enters its own
-process-group world for the reload) can then never change which collectives run.
+is iterated, so every learner rank iterates it to the end and hands its engine one bucket
+at a time: what an engine does with a bucket (vLLM enters its own process-group world for
+the reload) can never change which collectives run. A bucket never splits a decoder layer:
+vLLM finishes a layer's reload (the CPU MoE repack included) at the end of each call. The
+bucket size is `sampler.weight_sync_bucket_mib`, the run's only one.
 
-A bucket never splits a decoder layer: vLLM finishes a layer's reload (the CPU MoE repack
-included) at the end of each call, so a layer must arrive whole in one call.
-
-Separate placement: rank 0 holds the full tensors and broadcasts each bucket (its names,
-shapes and dtypes first, then the tensors) over a group of itself and the engine ranks,
-which load it into their engines; an empty announcement ends the sync.
+Versions: a push carries the learner's update count; every engine remembers the version it
+holds (`held_version`), and the metrics name it (`sync/version`), so that rollouts can
+later be tagged with the weights that sampled them.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from moe_rl.config import Config
+from moe_rl.rollout.placement import EnginePlacement
+from moe_rl.sampler import Sampler
 from moe_rl.worlds import bridge
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 Bucket = list[tuple[str, torch.Tensor]]
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
 def layer_of(name: str) -> int | None:
@@ -36,7 +56,7 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def layer_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+def layer_buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[Bucket]:
     """Group a layer-ordered stream into buckets of at least `bucket_bytes` (the last may be
     smaller), cut only where the decoder layer changes."""
     bucket: Bucket = []
@@ -53,30 +73,36 @@ def layer_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_byte
         yield bucket
 
 
+def _nbytes(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
 @dataclass
 class SyncReport:
     """One weight sync, as seen by one rank."""
 
+    version: int = 0
+    """The learner's update count the weights come from."""
     seconds: float = 0.0
     """Wall time from the first gathered tensor to the last bucket loaded."""
     bytes_streamed: int = 0
-    """Bytes of full tensors handed to this rank's engine."""
+    """Bytes of full tensors this rank drained from the learner or received by broadcast."""
     buckets: int = 0
-    """Engine calls."""
+    """Layer-aligned buckets (engine calls, where this rank has an engine)."""
 
     def metrics(self) -> dict[str, float]:
-        return {"sync/seconds": self.seconds, "sync/bytes_streamed": float(self.bytes_streamed),
-                "sync/buckets": float(self.buckets)}
+        return {"sync/version": float(self.version), "sync/seconds": self.seconds,
+                "sync/bytes_streamed": float(self.bytes_streamed), "sync/buckets": float(self.buckets)}
 
 
-def stream_in_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+def stream_in_buckets(named_tensors: NamedTensors, bucket_bytes: int,
                       load: Callable[[Bucket], None] | None) -> SyncReport:
     """Drain `named_tensors` in buckets, passing each to `load` (None: drain only, for a
     rank without an engine)."""
     report, t0 = SyncReport(), time.perf_counter()
     for bucket in layer_buckets(named_tensors, bucket_bytes):
         report.buckets += 1
-        report.bytes_streamed += sum(t.numel() * t.element_size() for _, t in bucket)
+        report.bytes_streamed += _nbytes(bucket)
         if load is not None:
             load(bucket)
     report.seconds = time.perf_counter() - t0
@@ -90,23 +116,24 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def broadcast_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, group: object,
-                      send: bool) -> SyncReport:
+def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: object, send: bool,
+                      version: int) -> SyncReport:
     """Drain `named_tensors`; with `send` (global rank 0), broadcast every bucket over
     `group` to the engine ranks (`receive_buckets`). Collective over `group` for the sender."""
-    report, t0 = SyncReport(), time.perf_counter()
+    report, t0 = SyncReport(version), time.perf_counter()
     for bucket in layer_buckets(named_tensors, bucket_bytes):
         report.buckets += 1
-        report.bytes_streamed += sum(t.numel() * t.element_size() for _, t in bucket)
+        report.bytes_streamed += _nbytes(bucket)
         if send:
             with bridge():
                 dev = _device()
-                dist.broadcast_object_list([[(n, tuple(t.shape), t.dtype) for n, t in bucket]], src=0, group=group)
+                metas = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
+                dist.broadcast_object_list([(version, metas)], src=0, group=group)
                 for _, t in bucket:
                     dist.broadcast(t.to(dev).contiguous(), src=0, group=group)
     if send:
         with bridge():
-            dist.broadcast_object_list([None], src=0, group=group)
+            dist.broadcast_object_list([(version, None)], src=0, group=group)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -116,18 +143,108 @@ def receive_buckets(group: object, load: Callable[[Bucket], None]) -> SyncReport
     report, t0 = SyncReport(), time.perf_counter()
     while True:
         with bridge():
-            box: list = [None]
+            box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=group)
-            if box[0] is None:
+            report.version, metas = box[0]
+            if metas is None:
                 break
             dev = _device()
             bucket = []
-            for name, shape, dtype in box[0]:
+            for name, shape, dtype in metas:
                 t = torch.empty(shape, dtype=dtype, device=dev)
                 dist.broadcast(t, src=0, group=group)
                 bucket.append((name, t))
         report.buckets += 1
-        report.bytes_streamed += sum(t.numel() * t.element_size() for _, t in bucket)
+        report.bytes_streamed += _nbytes(bucket)
         load(bucket)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+# --------------------------------------------------------------------------- synchronizers
+
+
+class WeightSynchronizer(ABC):
+    """Moves the learner's weights into this rank's engine; one per rank, for the whole run."""
+
+    gather_dst: int | None
+    """Where the learner assembles full tensors: every rank (None) or that global rank."""
+
+    def __init__(self, placement: EnginePlacement, bucket_bytes: int) -> None:
+        self.placement = placement
+        self.bucket_bytes = bucket_bytes
+        self.engine: Sampler | None = None
+        self.held_version: int | None = None
+        """The version this rank's engine holds; None: the weights it started from."""
+
+    def attach(self, engine: Sampler | None) -> None:
+        """This rank's engine (None on a learner-only rank), once it has started."""
+        self.engine = engine
+
+    def push(self, learner: Any, version: int) -> dict[str, float]:
+        """A learner rank's side: drain the learner's weights (collective over the learner
+        ranks, and with the engine ranks under `BroadcastSync`) into the engines, and return
+        the sync's metrics, every learner rank's gathered (`sync/seconds_max`, per-rank ones)."""
+        from moe_rl.learner.export import hf_named_tensors
+        from moe_rl.learner.gather import SyncTraffic
+
+        traffic = SyncTraffic()
+        report = self._deliver(hf_named_tensors(learner, dst=self.gather_dst, traffic=traffic), version)
+        if self.engine is not None:
+            self.held_version = version
+        mine = {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
+                "sync/bytes_sent": float(traffic.bytes_sent)}
+        everyone = learner.all_gather_object(mine)
+        per_rank = {f"{k}_rank{r}": v for r, m in enumerate(everyone) if len(everyone) > 1 for k, v in m.items()
+                    if k in ("sync/seconds", "sync/bytes_received")}
+        return {**mine, **per_rank, "sync/seconds_max": max(m["sync/seconds"] for m in everyone)}
+
+    def receive(self) -> SyncReport:
+        """An engine-only rank's side (separate placement): load the weights rank 0 pushes."""
+        raise RuntimeError(f"{type(self).__name__} has no engine-only ranks: every rank pushes")
+
+    @abstractmethod
+    def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
+        """Drain the learner's stream to the end, handing the engines what they load."""
+
+    def _load(self, bucket: Bucket) -> None:
+        self.engine.update_weights(bucket)
+
+
+class ColocatedSync(WeightSynchronizer):
+    """Every rank assembles the full tensors and streams them into its own engine (shard)."""
+
+    gather_dst = None
+
+    def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
+        report = stream_in_buckets(named_tensors, self.bucket_bytes, self._load if self.engine is not None else None)
+        report.version = version
+        return report
+
+
+class BroadcastSync(WeightSynchronizer):
+    """Rank 0 assembles the full tensors and broadcasts them to the engine-only ranks."""
+
+    gather_dst = 0
+
+    def __init__(self, placement: EnginePlacement, bucket_bytes: int) -> None:
+        super().__init__(placement, bucket_bytes)
+        self.group = placement.weights_group()  # collective: every rank creates it here
+
+    def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
+        send = self.placement.rank == 0
+        return broadcast_buckets(named_tensors, self.bucket_bytes, self.group, send, version)
+
+    def receive(self) -> SyncReport:
+        report = receive_buckets(self.group, self._load)
+        self.held_version = report.version
+        return report
+
+
+def make_weight_synchronizer(cfg: Config, placement: EnginePlacement) -> WeightSynchronizer:
+    """The synchronizer of this run's placement. Collective (every rank, once, at the same
+    point): the broadcast variant creates its process group here."""
+    bucket_bytes = cfg.sampler.weight_sync_bucket_mib << 20
+    if placement.engine_ranks and placement.world > 1:
+        return BroadcastSync(placement, bucket_bytes)
+    return ColocatedSync(placement, bucket_bytes)

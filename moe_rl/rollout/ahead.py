@@ -1,0 +1,59 @@
+"""A batch sampled ahead (asynchronous rollout), kept on disk so a resumed run continues the
+same schedule.
+
+Under `rl.max_staleness=1` the engines sample step n+1 with step n-1's weights while step n
+trains. When the run stops after step n, batch n+1 already exists and its weights (step
+n-1's) are in no checkpoint, so it is saved rather than re-generated: each engine leader
+writes its groups and the step's decisions to `<run>/sampled_ahead/step_<n+1>.engine<e>.json`
+(plain JSON: nothing in it executes on load) before it takes step n's weights, hence before
+the learners' checkpoint of step n exists. A resume from step n loads it; without it the
+engines re-sample with the checkpoint's weights, and the log says the schedule differs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moe_rl.atomic import atomic_write_text
+from moe_rl.rollout.types import GroupSummary, Sampled, ScoredGroup
+
+KEEP = 3
+"""Files per engine kept (the newest); older ones are deleted as new ones are written."""
+
+
+def _path(run_dir: Path, step: int, engine: int) -> Path:
+    return run_dir / "sampled_ahead" / f"step_{step:06d}.engine{engine}.json"
+
+
+def save_ahead(run_dir: Path, engine: int, sampled: Sampled) -> None:
+    """Write this engine leader's share of a batch sampled ahead (atomic), and prune."""
+    groups = [{"key": list(k), "prompt": g.prompt, "responses": g.responses, "logprobs": g.logprobs,
+               "texts": g.texts, "rewards": g.rewards, "finish": g.finish, "version": g.version,
+               "routed": [np.asarray(r).tolist() for r in g.routed] if g.routed is not None else None}
+              for k, g in sampled.held.items()]
+    doc = {"step": sampled.step, "version": sampled.version, "kept": sampled.kept,
+           "drawn": [[vars(s) for s in d] for d in sampled.drawn], "engine_seconds": sampled.engine_seconds,
+           "groups": groups}
+    path = _path(run_dir, sampled.step, engine)
+    atomic_write_text(path, json.dumps(doc))
+    for old in sorted(path.parent.glob(f"step_*.engine{engine}.json"))[:-KEEP]:
+        old.unlink(missing_ok=True)
+
+
+def load_ahead(run_dir: Path, step: int, engine: int) -> Sampled | None:
+    """The batch of `step` this engine sampled ahead before a stop, or None."""
+    path = _path(run_dir, step, engine)
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    out = Sampled(doc["step"], doc["version"], [tuple(k) for k in doc["kept"]],
+                  [[GroupSummary(s["prompt_len"], tuple(s["response_lens"]), tuple(s["rewards"]), tuple(s["finish"]),
+                                 s["version"]) for s in d] for d in doc["drawn"]], doc["engine_seconds"])
+    for g in doc["groups"]:
+        routed = [np.asarray(r) for r in g["routed"]] if g["routed"] is not None else None
+        out.held[tuple(g["key"])] = ScoredGroup(g["prompt"], g["responses"], g["logprobs"], g["texts"], g["rewards"],
+                                                g["finish"], routed, g["version"])
+    return out

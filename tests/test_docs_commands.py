@@ -1,0 +1,246 @@
+"""Every command in a shell block of README.md and docs/**/*.md runs, in a fast form, from
+the repository root with the venv's bin/ first on PATH (a shell after `source
+.venv/bin/activate`), so the documentation cannot drift from the code (issue 30). One case
+per command, id `file:line`. The fast forms still parse the documented arguments, so a
+misspelt flag or key, or a recipe that does not exist, fails its case (FAST_FORMS):
+
+| documented | run as |
+|---|---|
+| `python -m moe_rl.{train,sft,eval,dpo} ARGS` | `... ARGS --check` (recipe, inputs, layout; nothing built) |
+| `torchrun ... --nproc-per-node N -m moe_rl.train ARGS` | `python -m moe_rl.train ARGS --check --nproc N` |
+| `python -m moe_rl.plan ARGS`, `python tools/convert_checkpoint.py ARGS` | as written (seconds) |
+| `make TARGET VAR=...` | `make -n` (the target exists; `ablate-NAME` names a setting) |
+| `tensorboard ...`; `source FILE` | the executable is in the venv; FILE exists |
+| the programs in NOT_RUN_AS_WRITTEN | what it says instead, with the reason |
+
+Outputs (`--dst`, `--out`, `sft.output=`) go to a temp dir; the paths in STAND_INS stand
+for the reader's own files or an earlier command's output and are replaced by tiny real
+ones. Install and test commands (`make install/test/test-fast`, `pytest`, `pip`) are not run.
+A command of a program with no fast form fails: give it one in FAST_FORMS.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from doc_commands import DocCommand, doc_commands, redirect_outputs, replace_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+EXCEPTED_MAKE_TARGETS = {"install", "test", "test-fast"}
+Env = tuple[tuple[str, str], ...]
+# Documented placeholder -> its stand-in ({hf}, {prompts}, {plan_models}: made by `stand_ins`).
+STAND_INS = {
+    "DIR": "{hf}",                            # README: your Hugging Face MoE directory
+    "/models/Qwen3-30B-A3B": "{hf}",          # docs/models.md: the same
+    "runs/hf_rspo/hf": "{hf}",                # what a hf_rspo run exports
+    "/tmp/tiny_hf": "{hf}",                   # README: what the convert command above it writes
+    "runs/tiny_base": "moe_rl/assets/tiny_base",  # README: what the sft command above it writes
+    "train.jsonl": "{prompts}", "/data/math/train.jsonl": "{prompts}", "test.jsonl": "{prompts}",
+    "/tmp/plan_models": "{plan_models}",      # docs/plan.md: what the table command writes
+    "/models/GLM-4.5-Air": "{plan_models}/GLM-4.5-Air",
+    "RECIPE": "examples/gpu/glm45_air.yaml",
+}
+# Programs whose documented commands cannot run as written here: why, and what is checked.
+NOT_RUN_AS_WRITTEN = {
+    "moe_rl.plan.table": "plans every layout of 3 models at 3 GPU counts (~4 min on 2 cores): its flags "
+                         "parse and its recipe loads, in-process, without the planning",
+    "tools/measure_mismatch.py": "samples and scores 128 prompts x 8 (minutes): its flags and settings parse, "
+                                 "in-process, without the measurement",
+    "tools/gpu/stage_wheels.sh": "downloads wheels from a package registry: the script's --help runs",
+    "vllm": "serves a model on CUDA GPUs: the vllm executable is in the venv",
+}
+SLOW = ("Qwen3-235B-A22B", "GLM-4.5-Air")  # plans of the large models: 10-20 s each on 2 cores
+
+
+def _excepted(argv: tuple[str, ...]) -> bool:
+    words = [w for w in argv if not w.startswith("-")]
+    return (argv[0] == "make" and len(words) > 1 and words[1] in EXCEPTED_MAKE_TARGETS) or "pytest" in words \
+        or argv[0] == "pip" or argv[1:3] == ("-m", "pip")
+
+
+def _cases() -> list:
+    cases = []
+    for path in DOC_FILES:
+        for cmd in doc_commands(path, ROOT):
+            if not _excepted(cmd.argv):
+                slow = any(s in cmd.text for s in SLOW)
+                cases.append(pytest.param(cmd, id=cmd.where, marks=[pytest.mark.slow] if slow else []))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory) -> dict[str, str]:
+    """STAND_INS made real: a random-init Qwen3-MoE directory with its own tokenizer, a
+    JSONL of math prompts, the published config.json files the planner reads."""
+    from hf_fixtures import make_hf_model_dir, write_math_jsonl
+
+    from moe_rl.plan.published import CONFIGS, write_config_dir
+
+    tmp = tmp_path_factory.mktemp("stand_ins")
+    for name in CONFIGS:
+        write_config_dir(name, tmp / "plan_models" / name)
+    made = {"hf": make_hf_model_dir(tmp / "hf"), "prompts": write_math_jsonl(tmp / "prompts.jsonl"),
+            "plan_models": tmp / "plan_models"}
+    return {doc: real.format(**made) for doc, real in STAND_INS.items()}
+
+
+def _run(argv: list[str], env: Env = (), timeout: int = 300) -> str:
+    """Run from the repository root with the venv first on PATH; fail with the output unless
+    the exit status is 0. Returns stdout."""
+    environ = {**os.environ, **dict(env), "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(argv, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(argv)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _run_as_written(argv: tuple[str, ...], env: Env) -> None:
+    _run(list(argv), env)
+
+
+def _check_moe_rl(argv: tuple[str, ...], env: Env, nproc: int | None = None) -> None:
+    """`python -m moe_rl.X ARGS` -> the same with --check (and --nproc for a torchrun launch)."""
+    extra = ["--check", *(["--nproc", str(nproc)] if nproc else [])]
+    out = _run(["python", *argv[1:], *extra], env)
+    assert " OK: " in out, out
+
+
+def _torchrun(argv: tuple[str, ...], env: Env) -> None:
+    """`torchrun [opts] -m MODULE ARGS` -> MODULE's --check for the world torchrun would start."""
+    m = argv.index("-m")
+    opts = dict(itertools.pairwise(argv[1:m]))  # each word -> the word after it
+    nproc = opts.get("--nproc-per-node") or opts.get("--nproc_per_node")
+    assert nproc and nproc.isdigit(), f"torchrun without a numeric --nproc-per-node: {argv}"
+    assert argv[m + 1] in ("moe_rl.train", "moe_rl.sft", "moe_rl.dpo"), f"no --check for torchrun -m {argv[m + 1]}"
+    _check_moe_rl(("python", *argv[m:]), env, nproc=int(nproc))
+
+
+def _make(argv: tuple[str, ...], env: Env) -> None:
+    """`make TARGET VAR=...` -> a dry run (an unknown target fails); `ablate-NAME` names a setting."""
+    _run(["make", "-n", *argv[1:]], env)
+    from moe_rl.ablations.settings import parse_seeds, settings
+
+    for word in argv[1:]:
+        if word.startswith("ablate-"):
+            assert word.removeprefix("ablate-") in settings(), f"{word}: no such setting; {list(settings())}"
+        if word.startswith("SEEDS="):
+            parse_seeds(word.removeprefix("SEEDS="))
+
+
+def _load(path_or_module: str):
+    if not path_or_module.endswith(".py"):
+        return importlib.import_module(path_or_module)
+    spec = importlib.util.spec_from_file_location(Path(path_or_module).stem, ROOT / path_or_module)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _main_without_work(module, body: str, argv: tuple[str, ...], stand_in) -> None:
+    """The program's own main(argv), in this process, with `body` (the function that does
+    the work once the flags are parsed) replaced by `stand_in(args) -> exit status`."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, body, stand_in)
+        try:
+            status = module.main(list(argv))
+        except SystemExit as e:  # argparse's errors, and mains that sys.exit
+            status = e.code
+    assert not status, f"{module.__name__} {' '.join(argv)}: exit {status}"
+
+
+def _plan_table(argv: tuple[str, ...], env: Env) -> None:
+    from moe_rl.config import load_recipe
+
+    _main_without_work(_load("moe_rl.plan.table"), "_table", argv[3:],
+                       lambda args: (load_recipe(args.config, []), 0)[1])
+
+
+def _measure_mismatch(argv: tuple[str, ...], env: Env) -> None:
+    """The rows (--settings / --sweep / --layout) parse against the shipped model's recipe,
+    standing in for the documented checkpoint's (which an earlier command would have made)."""
+    from moe_rl.mismatch.sources import SHIPPED_CHECKPOINT, resolve_checkpoint
+
+    tool, recipe = _load(argv[1]), resolve_checkpoint(SHIPPED_CHECKPOINT).cfg
+    _main_without_work(tool, "measure", argv[2:], lambda args: (tool.settings_from_args(args, recipe), 0)[1])
+
+
+def _executable(argv: tuple[str, ...], env: Env) -> None:
+    exe = VENV_BIN / argv[0]
+    assert exe.is_file() and os.access(exe, os.X_OK), f"{argv[0]} is not installed in {VENV_BIN}"
+
+
+def _help_runs(argv: tuple[str, ...], env: Env) -> None:
+    _run([argv[0], "--help"])
+
+
+def _sourced_file_exists(argv: tuple[str, ...], env: Env) -> None:
+    assert (ROOT / argv[1]).is_file(), f"{argv[1]} does not exist: run make install"
+
+
+def program(argv: tuple[str, ...]) -> str:
+    """What a documented command runs: `moe_rl.plan`, `tools/convert_checkpoint.py`, `make`, ..."""
+    if argv[0] == "python":
+        return argv[2] if argv[1] == "-m" else argv[1]
+    return argv[0]
+
+
+FAST_FORMS = {
+    "moe_rl.train": _check_moe_rl, "moe_rl.sft": _check_moe_rl, "moe_rl.eval": _check_moe_rl,
+    "moe_rl.dpo": _check_moe_rl, "tools/make_preference_data.py": _run_as_written,
+    "torchrun": _torchrun,
+    "moe_rl.plan": _run_as_written, "tools/convert_checkpoint.py": _run_as_written,
+    "make": _make,
+    "tensorboard": _executable, "source": _sourced_file_exists,
+    # NOT_RUN_AS_WRITTEN
+    "moe_rl.plan.table": _plan_table, "tools/measure_mismatch.py": _measure_mismatch,
+    "tools/gpu/stage_wheels.sh": _help_runs, "vllm": _executable,
+}
+
+
+@pytest.mark.parametrize("cmd", CASES)
+def test_documented_command_runs(cmd: DocCommand, stand_ins: dict[str, str], tmp_path: Path) -> None:
+    fast_form = FAST_FORMS.get(program(cmd.argv))
+    if fast_form is None:
+        pytest.fail(f"{cmd.where}: no fast form for `{cmd.text}`: add one to FAST_FORMS in {Path(__file__).name}")
+    fast_form(replace_paths(redirect_outputs(cmd.argv, tmp_path), stand_ins), cmd.env)
+
+
+def test_every_doc_with_shell_blocks_yields_commands() -> None:
+    """The extraction finds the commands (so an empty parametrization cannot pass silently)."""
+    where = {c.values[0].where.split(":")[0] for c in CASES}
+    assert {"README.md", "docs/plan.md", "docs/models.md", "docs/ablations/README.md"} <= where
+    torchrun = [c.values[0] for c in CASES if c.values[0].argv[0] == "torchrun"]
+    assert torchrun and torchrun[0].argv[-1] == "parallel.expert_model_parallel_size=2"  # continuation joined
+
+
+def test_extraction_joins_continuations_and_reads_optional_flags(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("""text
+```python
+python -m not_shell
+```
+```bash
+A=1 python -m moe_rl.eval --checkpoint runs/x/hf \\
+    --data test.jsonl [--k 8]   # a comment
+                                # a comment line alone
+make demo
+```
+""")
+    first, second = doc_commands(doc, tmp_path)
+    assert (first.where, first.env) == ("doc.md:6", (("A", "1"),))
+    assert first.argv == ("python", "-m", "moe_rl.eval", "--checkpoint", "runs/x/hf", "--data", "test.jsonl",
+                          "--k", "8")
+    assert (second.where, second.argv) == ("doc.md:9", ("make", "demo"))
+    moved = replace_paths(redirect_outputs(("x", "--dst", "/tmp/out", "sft.output=runs/b", "run.init_checkpoint=DIR/c"),
+                                           tmp_path), {"DIR": "/real"})
+    assert moved == ("x", "--dst", f"{tmp_path}/out", f"sft.output={tmp_path}/b", "run.init_checkpoint=/real/c")

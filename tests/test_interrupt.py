@@ -1,0 +1,273 @@
+"""Ctrl-C / SIGTERM during training (issue 30): the step in progress finishes, a checkpoint
+is written, the process exits 130 / 143, and `run.resume=true` continues the same run
+without losing a metrics row; a second signal stops at once; the progress bar shows the
+step it counts.
+
+The first tests drive the real loop (`Trainer.fit`) around scripted steps, in-process; the
+last ones send the signal to a `python -m moe_rl.train` subprocess after it has logged a
+step, as a user pressing Ctrl-C would."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from moe_rl import interrupt
+from moe_rl.config import load_config
+from moe_rl.interrupt import StoppedBySignal
+from moe_rl.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
+BASE = ROOT / "moe_rl" / "assets" / "tiny_base"
+SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "sampler.backend=transformers",
+         "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false", f"run.init_checkpoint={BASE}"]
+
+
+class ScriptedTrainer(Trainer):
+    """`Trainer.fit`'s loop around scripted steps (step k's reward is k/100); `signals`
+    maps a step to the signals this process sends itself during that step."""
+
+    def __init__(self, *overrides: str, signals: dict[int, list[int]] | None = None) -> None:
+        self.cfg = load_config(RECIPE, [*SMALL, "run.save_every=4", "run.steps=10", *overrides])
+        self.rank, self.world, self.start_step = 0, 1, 0
+        self._stack = contextlib.ExitStack()
+        self.collector = SimpleNamespace(placement=SimpleNamespace(trains=True))
+        self.run_dir = SimpleNamespace(log=lambda step, metrics: None, checkpoints=Path("ckpt"),
+                                       write_summary=lambda *args: {"finished": True})
+        self.layout = SimpleNamespace(name="scripted")
+        self.signals = signals or {}
+        self.saved: list[int] = []
+
+    def setup(self) -> None:
+        pass
+
+    def step(self, step: int) -> dict[str, float]:
+        for sig in self.signals.get(step, []):
+            os.kill(os.getpid(), sig)
+        return {"step": step, "reward/mean": step / 100}
+
+    def _save(self, step: int) -> None:
+        self.saved.append(step)
+
+
+def test_without_a_signal_the_loop_saves_on_its_cadence():
+    trainer = ScriptedTrainer()
+    assert trainer.fit() == {"finished": True}
+    assert trainer.saved == [4, 8, 10]
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_finishes_the_step_saves_and_exits_with_its_status(sig, status, caplog):
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    trainer = ScriptedTrainer(signals={6: [sig]})
+    with pytest.raises(StoppedBySignal) as stopped:
+        trainer.fit()
+    assert stopped.value.code == status
+    assert trainer.saved == [4, 6]  # the periodic one, then the step the signal came in
+    assert f"stopped by {sig.name} after step 6 of 10" in caplog.text and "run.resume=true" in caplog.text
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # restored
+
+
+def test_the_same_signal_again_at_once_is_the_same_request_another_is_not():
+    trainer = ScriptedTrainer(signals={3: [signal.SIGTERM, signal.SIGTERM]})  # a launcher forwarding it
+    with pytest.raises(StoppedBySignal):
+        trainer.fit()
+    assert trainer.saved == [3]
+    trainer = ScriptedTrainer(signals={3: [signal.SIGINT, signal.SIGTERM]})
+    with pytest.raises(SystemExit) as stopped:
+        trainer.fit()
+    assert stopped.value.code == 143 and not isinstance(stopped.value, StoppedBySignal) and trainer.saved == []
+
+
+def test_a_second_signal_stops_at_once_without_saving(monkeypatch):
+    monkeypatch.setattr(interrupt, "REPEAT_WINDOW_S", 0.0)
+    trainer = ScriptedTrainer(signals={3: [signal.SIGINT, signal.SIGINT]})
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert trainer.saved == []
+    trainer = ScriptedTrainer(signals={3: [signal.SIGTERM, signal.SIGTERM]})
+    with pytest.raises(SystemExit) as stopped:
+        trainer.fit()
+    assert stopped.value.code == 143 and not isinstance(stopped.value, StoppedBySignal) and trainer.saved == []
+
+
+def test_a_signal_during_the_last_step_lets_the_run_finish():
+    trainer = ScriptedTrainer(signals={10: [signal.SIGINT]})
+    assert trainer.fit() == {"finished": True}
+    assert trainer.saved == [4, 8, 10]
+
+
+def test_the_progress_bar_shows_the_step_it_counts(monkeypatch):
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", functools.partial(tqdm.auto.tqdm, mininterval=0, miniters=1))  # draw all
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    ScriptedTrainer("logging.progress=true").fit()
+    drawn = re.findall(r"(\d+)/10 \[[^\]]*reward=([0-9.]+)", sys.stderr.getvalue())
+    assert [int(k) for k, _ in drawn if k != "0"][:10] == list(range(1, 11))
+    assert all(float(reward) == int(k) / 100 for k, reward in drawn if k != "0"), drawn
+    assert sys.stderr.getvalue().count("\n") == 1  # closed once: one final line
+
+
+# --------------------------------------------------------------------------- a real process
+
+
+def _env() -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOE_RL_TEST_KILL_AT")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *SMALL, f"run.output_dir={out}", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _interrupt(out: Path, name: str, after_rows: int, signals: list[tuple[float, int]], *extra: str) -> tuple[int, str]:
+    """Start training run `name`, wait until its metrics.jsonl holds `after_rows` rows, then
+    send each (delay, signal) in turn. Returns its exit status and stderr."""
+    cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *SMALL, f"run.output_dir={out}",
+           f"run.name={name}", *extra]
+    err = (out / f"{name}.stderr").open("w+")  # a file, not a pipe: a full pipe would stall the child
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
+    metrics, t0 = out / name / "metrics.jsonl", time.time()
+    while proc.poll() is None and time.time() - t0 < 240:
+        if metrics.exists() and metrics.read_text().count("\n") >= after_rows:
+            break
+        time.sleep(0.05)
+    for delay, sig in signals:
+        time.sleep(delay)
+        proc.send_signal(sig)
+    proc.wait(timeout=240)
+    err.seek(0)
+    return proc.returncode, err.read()
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_resume_keeps_every_row_and_continues_the_same_run(tmp_path):
+    steps = ["run.steps=6", "run.save_every=4"]
+    ref = _train(tmp_path, "run.name=ref", "run.resume=true", *steps)  # resume in an empty directory
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert "run.resume=true: nothing to resume in" in ref.stderr and "starting a fresh run" in ref.stderr
+    status, err = _interrupt(tmp_path, "cut", 2, [(0.0, signal.SIGINT)], *steps)
+    assert status == 130, err[-3000:]
+    stopped = int(re.search(r"stopped by SIGINT after step (\d+) of 6", err).group(1))
+    assert 2 <= stopped < 6 and "run.resume=true" in err
+    run = tmp_path / "cut"
+    assert (run / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
+    assert [r["step"] for r in _rows(run)] == list(range(1, stopped + 1))
+    resumed = _train(tmp_path, "run.name=cut", "run.resume=true", *steps)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows, ref_rows = _rows(run), _rows(tmp_path / "ref")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref_rows]
+    assert [r["learner/loss"] for r in rows] == pytest.approx([r["learner/loss"] for r in ref_rows], abs=1e-6)
+    assert [r["learner/grad_norm"] for r in rows] == pytest.approx([r["learner/grad_norm"] for r in ref_rows],
+                                                                   rel=1e-5)
+
+
+def test_resume_with_logged_steps_and_no_checkpoint_refuses_and_changes_nothing(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.25}) + "\n" for s in (1, 2, 3)))
+    (run / "run.json").write_text('{"run_id": "abc"}\n')
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    proc = _train(tmp_path, "run.name=r", "run.resume=true", "run.steps=4")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "has no checkpoint to continue from, only 3 logged steps (up to step 3" in lines[0]
+    assert "run.resume=false run.overwrite=true" in lines[0]
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once_and_leaves_nothing_half_written(tmp_path):
+    from moe_rl.checkpoints.directories import is_complete, step_dirs
+
+    # long steps (1-3 s here), so that the second signal, 0.2 s after the first, lands mid-step or
+    # mid-save; the first comes just after step 2 was logged (step 1 is saved by then), and a
+    # SIGTERM is no repeat of it, however soon
+    status, err = _interrupt(tmp_path, "r", 2, [(0.0, signal.SIGINT), (0.2, signal.SIGTERM)], "run.steps=50", "run.save_every=1", "rl.prompts_per_step=16", "rl.group_size=8",
+                             "sampler.max_new_tokens=40")
+    assert status == 143, err[-3000:]
+    assert "second SIGTERM: stopping now" in err and "stopped by SIGINT" not in err
+    run = tmp_path / "r"
+    rows = _rows(run)  # every line is whole
+    saved = [s for s, p in step_dirs(run / "checkpoints") if is_complete(p)]
+    assert saved and saved[-1] in (rows[-1]["step"], rows[-1]["step"] - 1)  # the cut step has none
+    assert all(is_complete(p) for _, p in step_dirs(run / "checkpoints"))  # (temp dirs are not step_<n>)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_sft_after_the_step_and_saves_the_model_so_far(tmp_path):
+    cmd = [sys.executable, "-m", "moe_rl.sft", "--config", str(ROOT / "examples" / "tiny_sft.yaml"),
+           f"run.output_dir={tmp_path}", "run.name=s", "sft.steps=200", "sft.batch_size=8", "sft.eval_every=1",
+           "sft.eval_problems=8", "sft.target_reward=0"]
+    err = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
+    t0 = time.time()
+    while proc.poll() is None and time.time() - t0 < 240 and "sft step 1:" not in (tmp_path / "stderr").read_text():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=240)
+    err.seek(0)
+    text = err.read()
+    found = re.search(r"sft stopped by SIGINT after step (\d+) of 200; the model so far is saved in (\S+) ", text)
+    assert proc.returncode == 130 and found, text[-3000:]
+    out = Path(found.group(2))
+    assert out == tmp_path / "s" / "base" and (out / "manifest.json").is_file()
+    meta = json.loads((out / "moe_rl.json").read_text())
+    summary = json.loads((tmp_path / "s" / "sft_summary.json").read_text())
+    assert meta["sft"]["step"] == summary["steps"] == int(found.group(1)) and summary["stopped_by"] == "SIGINT"
+
+
+@pytest.mark.multiproc
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_under_torchrun_a_signal_to_the_engine_rank_alone_stops_every_rank_after_the_same_step(tmp_path):
+    """Separate placement: rank 1 only hosts the engine. SIGTERM reaches it alone; rank 0,
+    the learner, stops after the same step and saves it; the resume continues from there."""
+    import psutil
+
+    placement = ["sampler.placement=separate", "sampler.engine_ranks=1", "run.save_every=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moe_rl.train",
+           "--config", str(RECIPE), *SMALL, "sampler.backend=vllm", f"run.output_dir={tmp_path}", "run.name=r",
+           *placement]
+    env = dict(_env(), OMP_NUM_THREADS="1")
+    err = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen([*cmd, "run.steps=30"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    metrics, t0 = tmp_path / "r" / "metrics.jsonl", time.time()
+    while proc.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
+        time.sleep(0.05)
+    engine_rank = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "moe_rl.train" in p.cmdline() and p.environ().get("RANK") == "1"]
+    assert len(engine_rank) == 1
+    engine_rank[0].send_signal(signal.SIGTERM)
+    proc.wait(timeout=300)
+    err.seek(0)
+    text = err.read()
+    found = re.search(r"stopped by SIGTERM after step (\d+) of 30", text)
+    assert found and proc.returncode != 0, text[-5000:]  # (torchrun reports its workers' 143)
+    stopped = int(found.group(1))
+    assert (tmp_path / "r" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
+    resumed = subprocess.run([*cmd, f"run.steps={stopped + 2}", "run.resume=true"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'r' / 'checkpoints'}/step_{stopped:06d}" in resumed.stderr
+    assert [r["step"] for r in _rows(tmp_path / "r")] == list(range(1, stopped + 3))

@@ -1,0 +1,127 @@
+"""Packed micro-batches (megatron's THD layout) against the padded reference: the model
+input maps, padding spread over the experts, and learner parity (log-probs, gradients,
+R2 / R3 replay) at every layout, for a Qwen3-MoE and a GLM-4.5-shaped model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import torchrun
+from learner_utils import fixed_batch
+
+from moe_rl.batch import TokenBatch
+from moe_rl.learner.model_input import packed_input, padded_input
+from moe_rl.learner.routing_tokens import spread_topk
+
+
+def _batch() -> TokenBatch:
+    return TokenBatch.from_lists([[5, 6, 7], [8], [9, 10]], [[11, 12], [13, 14, 15], []], response_width=3)
+
+
+def test_packed_input_restarts_positions_and_aligns_segments():
+    batch = _batch()  # real lengths 5, 4, 2
+    inp = packed_input(batch, multiple=2, row_valid_B=torch.tensor([True, True, True]))
+    assert inp.cu_seqlens.tolist() == [0, 6, 10, 12] and inp.max_seqlen == 6
+    assert inp.tokens.tolist() == [[5, 6, 7, 11, 12, 0, 8, 13, 14, 15, 9, 10]]
+    assert inp.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1]]
+    assert inp.real_N.tolist() == [True] * 5 + [False] + [True] * 6
+    assert inp.real_tokens == 11 and inp.slots == 12
+    # the slot scoring response token j is the one just before it in the same segment
+    targets = batch.response_tokens()
+    mask = batch.response_mask()
+    flat = inp.tokens.reshape(-1)
+    assert torch.equal(flat[inp.logit_index_BT[mask] + 1], targets[mask])
+
+
+def test_a_padding_row_takes_one_aligned_segment_and_no_real_slot():
+    batch = _batch()
+    inp = packed_input(batch, multiple=4, row_valid_B=torch.tensor([True, False, True]))
+    assert inp.cu_seqlens.tolist() == [0, 8, 12, 16]
+    assert not inp.real_N[8:12].any() and int(inp.real_N.sum()) == 7
+
+
+def test_padded_input_slots_are_s_major_like_the_router():
+    batch = _batch()
+    inp = padded_input(batch, seq_len=6, row_valid_B=torch.tensor([True, True, False]))
+    assert inp.tokens.shape == (3, 6) and inp.cu_seqlens is None
+    assert inp.rows_N[:6].tolist() == [0, 1, 2, 0, 1, 2] and inp.pos_N[:6].tolist() == [0, 0, 0, 1, 1, 1]
+    assert int(inp.real_N.sum()) == 5 + 4  # the padding row holds no real slot
+    flat = inp.tokens.reshape(-1)  # logits come back b-major
+    mask = batch.response_mask()
+    assert torch.equal(flat[inp.logit_index_BT[mask] + 1], batch.response_tokens()[mask])
+
+
+@pytest.mark.parametrize("experts, topk", [(8, 2), (64, 8), (6, 4)])
+def test_padding_spreads_evenly_over_every_expert(experts, topk):
+    ids = spread_topk(torch.arange(3, 3 + experts * 5), experts, topk)
+    assert (ids[:, 1:] > ids[:, :-1]).all()  # distinct, sorted
+    load = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert int(load.max() - load.min()) == 0  # a whole number of rounds: exactly even
+
+
+def test_packing_is_the_default_and_the_padded_path_is_kept():
+    from moe_rl.config import load_config
+
+    assert load_config(None, []).parallel.packing is True
+    assert load_config(None, ["parallel.packing=false"]).parallel.packing is False
+
+
+def test_replay_that_does_not_cover_the_rows_is_an_error(megatron_world):
+    from moe_rl.config import load_config
+    from moe_rl.learner import Learner, RoutingPlan, parallel_layout
+    from moe_rl.learner.routing import ReplayError
+    from moe_rl.routing.record import ReplayIds
+
+    cfg = load_config(None, ["parallel.micro_batch_size=4"])
+    with parallel_layout(cfg.parallel, seed=3) as layout:
+        learner = Learner(cfg, layout, trainable=False)
+        batch, _ = fixed_batch()
+        record = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
+        keep = record.rows != 4  # the replay source lost a row
+        partial = ReplayIds(record.rows[keep], record.ids_RSLK[keep])
+        with pytest.raises(ReplayError, match="replayed tokens on this rank's micro-batch"):
+            learner.score_whole(batch, routing=RoutingPlan(replay=partial))
+
+
+LAYOUTS = {"one": 1, "tp2": 2, "pp2": 2, "ep2": 2, "tp2ep2": 4}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("packing")
+    cache = {}
+
+    def run(layout: str, model: str) -> dict:
+        if (layout, model) not in cache:
+            torchrun("packing_worker.py", LAYOUTS[layout], layout, model, str(out), timeout=900)
+            cache[layout, model] = torch.load(out / f"{layout}-{model}.pt")
+        return cache[layout, model]
+
+    return run
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen3", "glm4"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_equals_padded(results, layout, model):
+    r = results(layout, model)
+    assert r["logp"] < 1e-6, r
+    assert r["grad"] < 1e-6, r  # relative to the largest gradient entry
+    for mode in ("R2", "R3"):
+        assert r[f"{mode}_logp"] < 1e-6, r
+        assert r[f"{mode}_used_differs"] == 0, r  # the used routing is the replayed one
+    # a token budget: the same gradient, as many micro-batches on every rank (several here)
+    assert r["budget_grad"] < 1e-6, r
+    assert r["budget_microbatches"] == r["budget_microbatches_min"] > 1, r
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["one", "tp2"])
+def test_chunked_head_equals_full_logits(results, layout):
+    """Log-probs and gradients of the chunked vocabulary-parallel head (5-token chunks) equal
+    megatron's full-logits cross entropy; no log-prob is positive, no entropy negative."""
+    r = results(layout, "qwen3")
+    assert r["chunk_logp"] < 1e-6 and r["chunk_grad"] < 1e-6, r
+    assert r["chunk_logp_max"] <= 0 and r["chunk_entropy_min"] >= 0, r

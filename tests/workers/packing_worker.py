@@ -1,0 +1,135 @@
+"""Worker for tests/test_packing.py (torchrun): at one layout, the same learner scores and
+takes gradients of a fixed batch packed and padded, plain and under R2 / R3 replay, and
+with the chunked log-prob head against the full-logits one.
+
+Writes <out>/<layout>-<model>.pt on rank 0 with the largest differences seen on any rank:
+logprobs (absolute), gradients (relative to the largest gradient), and for replay the
+number of real tokens whose used routing differs from the replayed one.
+"""
+
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+from learner_utils import fixed_batch, reinforce_loss
+
+from moe_rl.config import load_config
+from moe_rl.learner.parallel import init_distributed, parallel_layout
+
+LAYOUTS = {
+    "one": [],
+    "tp2": ["parallel.tensor_model_parallel_size=2"],
+    "pp2": ["parallel.pipeline_model_parallel_size=2"],
+    "ep2": ["parallel.expert_model_parallel_size=2"],
+    "tp2ep2": ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+}
+MODELS = {
+    "qwen3": [],
+    # GLM-4.5's shape: a dense first layer, RoPE on half of each head, q/k/v bias, a shared
+    # expert, sigmoid routing with expert bias and scaled routed weights
+    "glm4": ["model.num_dense_layers=1", "model.rotary_percent=0.5", "model.add_qkv_bias=true",
+             "model.moe_shared_expert_intermediate_size=32", "model.moe_router_score_function=sigmoid",
+             "model.moe_router_enable_expert_bias=true", "model.moe_router_topk_scaling_factor=2.5",
+             "model.qk_layernorm=false"],
+}
+BASE = ["parallel.micro_batch_size=3", "parallel.packing=true"]
+
+
+def grads(learner, batch, adv_B, routing=None):
+    learner.forward_backward(batch, reinforce_loss(batch), extras={"adv_B": adv_B}, routing=routing)
+    return [p.main_grad.detach().clone() for p in learner.model.parameters() if p.requires_grad]
+
+
+def sampler_routing(batch, layers, topk, experts):
+    """Random distinct expert ids on every position the sampler routes (all but the last token)."""
+    from moe_rl.routing.record import ReplayIds
+
+    g = torch.Generator().manual_seed(5)
+    B, S = batch.batch_size, batch.seq_len
+    ids = torch.rand(B, S, layers, experts, generator=g).argsort(-1)[..., :topk].sort(-1).values.to(torch.uint8)
+    valid = torch.arange(S)[None, :] < (batch.total_lens_B - 1)[:, None]
+    return ReplayIds(torch.arange(B), ids, valid)
+
+
+def used_differs(record, replay):
+    """Real tokens whose used ids differ from the replayed ones (`replay` holds the record's
+    layers on its L axis)."""
+    from moe_rl.routing.record import row_positions
+
+    pos = row_positions(replay.rows, record.rows)
+    S = record.ids_RSLK.shape[1]
+    valid = replay.valid_RS[pos][:, :S] if replay.valid_RS is not None else torch.ones(len(pos), S, dtype=bool)
+    differ = (record.ids_RSLK.long() != replay.ids_RSLK[pos][:, :S].long()).any(-1).any(-1)
+    return int((differ & valid).sum())
+
+
+def compare(learner, batch, adv_B):
+    from moe_rl.learner import RoutingPlan
+    from moe_rl.routing.record import ReplayIds
+
+    out = {}
+    cfg = learner.cfg.model
+    learner.packing = True
+    packed = learner.score_whole(batch, routing=RoutingPlan(capture=True))
+    g_packed = grads(learner, batch, adv_B)
+    learner.packing = False
+    padded = learner.score_whole(batch, routing=RoutingPlan(capture=True))
+    g_padded = grads(learner, batch, adv_B)
+    out["logp"] = float((packed.logp_BT - padded.logp_BT).abs().max())
+    scale = max(float(g.abs().max()) for g in g_padded)
+    out["grad"] = max(float((a - b).abs().max()) for a, b in zip(g_packed, g_padded)) / scale
+    out["grad_scale"] = scale
+    for mode in ("R2", "R3"):
+        if mode == "R2":  # the learner's own record: this rank's rows, this stage's layers
+            replay = ReplayIds.from_record(packed.record)
+        else:  # the sampler's: every row, every MoE layer; a stage replays its own layers
+            replay = sampler_routing(batch, cfg.num_layers - cfg.num_dense_layers, cfg.moe_router_topk,
+                                     cfg.num_experts).select_layers(learner.taps.layers)
+        plan = RoutingPlan(capture=True, replay=replay)
+        learner.packing = True
+        rp = learner.score_whole(batch, routing=plan)
+        learner.packing = False
+        rd = learner.score_whole(batch, routing=plan)
+        out[f"{mode}_logp"] = float((rp.logp_BT - rd.logp_BT).abs().max())
+        out[f"{mode}_used_differs"] = used_differs(rp.record, replay) + used_differs(rd.record, replay)
+    learner.packing = True
+    chunked = {}
+    for chunk in (0, 5):  # the full-logits path against small chunks (several per micro-batch)
+        learner.head.chunk_tokens = chunk
+        chunked[chunk] = (learner.score_whole(batch), grads(learner, batch, adv_B))
+    (full, g_full), (part, g_part) = chunked[0], chunked[5]
+    out["chunk_logp"] = float((full.logp_BT - part.logp_BT).abs().max())
+    out["chunk_grad"] = max(float((a - b).abs().max()) for a, b in zip(g_full, g_part)) / scale
+    out["chunk_entropy_min"] = float(part.entropy_BT[batch.response_mask()].min())
+    out["chunk_logp_max"] = float(part.logp_BT[batch.response_mask()].max())
+    cfg_budget = dataclasses.replace(learner.cfg, parallel=dataclasses.replace(learner.cfg.parallel,
+                                                                               max_tokens_per_microbatch=24))
+    full_cfg, learner.cfg = learner.cfg, cfg_budget
+    g_budget = grads(learner, batch, adv_B)  # the rows of each rank binned by a 24-token budget
+    learner.cfg = full_cfg
+    out["budget_grad"] = max(float((a - b).abs().max()) for a, b in zip(g_budget, g_part)) / scale
+    out["budget_microbatches"] = out["budget_microbatches_min"] = float(learner._num_microbatches)
+    return out
+
+
+def main() -> None:
+    layout_name, model_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    init_distributed()
+    torch.manual_seed(11)
+    batch, adv_B = fixed_batch()
+    from moe_rl.learner.engine import Learner
+
+    cfg = load_config(None, BASE + MODELS[model_name] + LAYOUTS[layout_name])
+    with parallel_layout(cfg.parallel, seed=3) as layout:
+        learner = Learner(cfg, layout)
+        mine = compare(learner, batch, adv_B)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        worst = {k: (min if k.endswith("_min") else max)(m[k] for m in everyone) for k in mine}
+        torch.save(worst, f"{out}/{layout_name}-{model_name}.pt")
+
+
+if __name__ == "__main__":
+    main()
