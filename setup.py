@@ -23,6 +23,7 @@ setup(
         # `.metadata` is what makes it loadable
         "moe_rl.assets.tiny_base": ["*", ".*"],
         "moe_rl.tasks.assets": ["*.model"],  # the tiny task's SentencePiece tokenizer
+        "moe_rl.assets.preferences": ["*.jsonl"],  # the DPO demo's preference pairs
     },
     install_requires=[
         # torch is installed first by the Makefile (2.13.0 CPU build here); GPU machines

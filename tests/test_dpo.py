@@ -157,7 +157,7 @@ def test_pairs_encode_chosen_rows_then_rejected_rows_after_the_prompt_ids():
 
     tok = load_tokenizer()
     encoder = PromptEncoder.from_config(load_config(None).task, tok)
-    pairs = load_pairs(ROOT / "examples" / "data" / "reverse_prefs_eval.jsonl")[:3]
+    pairs = load_pairs(ROOT / "moe_rl" / "assets" / "preferences" / "reverse_prefs_eval.jsonl")[:3]
     batch = encode_pairs(pairs, encoder)
     for i, p in enumerate(pairs):
         prompt = encoder.encode(p.problem)
@@ -182,7 +182,7 @@ def test_shipped_preference_files_are_what_the_script_writes(tmp_path):
     assert tool.main(["--out", str(tmp_path)]) == 0
     for split in ("train", "eval"):
         name = f"reverse_prefs_{split}.jsonl"
-        assert (tmp_path / name).read_bytes() == (ROOT / "examples" / "data" / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == (ROOT / "moe_rl" / "assets" / "preferences" / name).read_bytes()
     rows = [json.loads(line) for line in (tmp_path / "reverse_prefs_train.jsonl").open()]
     assert all(r["chosen"] == " " + r["prompt"].split()[1][::-1] != r["rejected"] for r in rows)
 

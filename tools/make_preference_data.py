@@ -1,7 +1,7 @@
 """Preference pairs for the shipped digit tasks: chosen = the correct answer, rejected = a
 plausible wrong one, written as `moe_rl.dpo` reads them.
 
-    python tools/make_preference_data.py --out examples/data [--task reverse] [--train 2048] [--eval 256]
+    python tools/make_preference_data.py --out moe_rl/assets/preferences [--task reverse] [--train 2048] [--eval 256]
 
 Writes <out>/<task>_prefs_train.jsonl and <out>/<task>_prefs_eval.jsonl, one
 `{"prompt", "chosen", "rejected"}` object per line, in the task's own prompt/completion
@@ -9,7 +9,7 @@ format (`moe_rl.tasks.synthetic`: "rev 48213 =" -> " 31284"). The wrong answer i
 odds, the correct one with one digit replaced, with two neighbouring (different) digits
 swapped, or the operand left as it is (for reverse/sort; for add, the sum off by a power of
 ten's digit). Training and held-out problems come from different seeds; the files are a
-pure function of the arguments (the shipped examples/data files are reproduced exactly).
+pure function of the arguments (the shipped moe_rl/assets/preferences files are reproduced exactly).
 """
 
 from __future__ import annotations
