@@ -29,6 +29,7 @@ from types import FrameType, TracebackType
 
 import torch.distributed as dist
 
+from moe_rl.collectives import all_gather_object
 from moe_rl.worlds import bridge
 
 log = logging.getLogger("moe_rl.interrupt")
@@ -90,8 +91,7 @@ class StopOnSignal:
         """Collective over every rank: the signal to stop for, when any rank received one
         (the lowest rank's), else None. Every rank gets the same answer."""
         with bridge():
-            if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            if not dist.is_available() or not dist.is_initialized():
                 return self.signum
-            everyone: list[int | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, self.signum)
+            everyone = all_gather_object(self.signum)
         return next((s for s in everyone if s), None)

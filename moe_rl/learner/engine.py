@@ -40,6 +40,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moe_rl.batch import TokenBatch
+from moe_rl.collectives import all_gather_object
 from moe_rl.config import Config
 from moe_rl.learner.microbatch import (
     BatchTotals,
@@ -364,11 +365,7 @@ class Learner:
 
     def all_gather_object(self, obj: Any, group: Any = None) -> list[Any]:
         """Every rank's picklable `obj` in `group` (default: every learner rank), in rank order."""
-        if dist.get_world_size(group) == 1:
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
+        return all_gather_object(obj, group)
 
     def dp_gather_object(self, obj: Any) -> list[Any]:
         """Every data-parallel rank's `obj` (one per model replica), in data-parallel rank order."""
