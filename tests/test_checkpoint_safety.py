@@ -423,7 +423,7 @@ def _launch(out: Path, kill: str, first: bool, steps: int) -> int:
     return proc.returncode
 
 
-NOISY = ("time/", "sampler/sample_seconds", "sync/seconds")
+NOISY = ("time/", "sampler/sample_seconds", "sync/seconds", "learner/tokens_per_s")
 
 # Across start-up (1.5 s: imports), mid-step, mid-save (between the data files, after megatron's files, after
 # moe_rl.json, after config.yaml, after the manifest but before the rename) and just after

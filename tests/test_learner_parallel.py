@@ -54,4 +54,6 @@ def test_checkpoint_saved_at_ep2_loads_at_one_process(runs):
 
 def test_resume_gives_the_same_next_step(runs):
     _, lay, _ = runs
-    assert lay["ep2"]["next_resumed"] == lay["ep2"]["next"]
+    timing = "tokens_per_s"  # (a rate: the only number allowed to differ)
+    assert {k: v for k, v in lay["ep2"]["next_resumed"].items() if k != timing} == \
+        {k: v for k, v in lay["ep2"]["next"].items() if k != timing}

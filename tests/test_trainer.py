@@ -127,7 +127,7 @@ def test_on_policy_shortcut_changes_nothing_but_the_time(megatron_world, tmp_pat
     for fast, slow in zip(runs[True], runs[False]):
         assert fast["time/old_logprob"] < slow["time/old_logprob"]
         same = {k for k in slow if not k.startswith(("time/", "sync/seconds", "sampler/sample_seconds"))
-                and not k.startswith("routing/")}
+                and not k.startswith("routing/") and k != "learner/tokens_per_s"}
         assert {k: fast[k] for k in same} == {k: slow[k] for k in same}
         # off the shortcut, rspo measures the router shift of an unmoved router: exactly 1
         if objective == "rspo":
@@ -147,7 +147,7 @@ def test_r3_uses_the_samplers_routing_where_the_learners_router_differs(megatron
 def test_packing_changes_nothing_but_the_time(megatron_world, tmp_path):
     """Packed micro-batches against the padded reference over 3 steps of off-policy RSPO with
     R2 (4 mini-batch updates a step): the same rewards (the engines receive the same weights
-    to float precision) and the same loss and grad norm to 1e-5; only the padding differs."""
+    to float precision), grad norm to 1e-5 relative and loss to 1e-6; only the padding differs."""
     runs = {}
     for packing in (True, False):
         _, _, rows = run_trainer(tmp_path, f"run.name=p{packing}", "run.steps=3", "rl.objective=rspo",
@@ -156,8 +156,11 @@ def test_packing_changes_nothing_but_the_time(megatron_world, tmp_path):
         runs[packing] = rows
     for packed, padded in zip(runs[True], runs[False]):
         assert packed["reward/mean"] == padded["reward/mean"]
-        for key in ("learner/loss", "learner/grad_norm", "routing/gamma_mean"):
-            assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-9), key
+        for key in ("learner/grad_norm", "routing/gamma_mean"):
+            assert packed[key] == pytest.approx(padded[key], rel=1e-5), key
+        # the loss sums signed per-token terms of size ~1: compared at the terms' scale, as the
+        # placement tests do (its relative error grows with the cancellation)
+        assert packed["learner/loss"] == pytest.approx(padded["learner/loss"], abs=1e-6)
         assert packed["learner/pad_frac"] < padded["learner/pad_frac"]
         assert packed["learner/microbatches"] == padded["learner/microbatches"]
         assert packed["learner/tokens_per_s"] > 0

@@ -130,19 +130,32 @@ def bins_needed(cost_B: list[int], budget: int) -> int:
 
 
 def token_budget_bins(cost_B: list[int], budget: int, n_bins: int) -> list[list[int]] | None:
-    """Row positions in `n_bins` bins, longest first into the least-loaded bin that still
-    has room (balanced token counts); None when some sequence fits in no bin (ask for more
-    bins). A sequence longer than the budget goes alone into an empty bin."""
-    bins: list[list[int]] = [[] for _ in range(n_bins)]
-    load = [0] * n_bins
-    for b in sorted(range(len(cost_B)), key=lambda b: (-cost_B[b], b)):
-        fits = [i for i in range(n_bins) if load[i] + cost_B[b] <= budget or not bins[i]]
-        if not fits:
-            return None
-        i = min(fits, key=lambda i: (load[i], i))
-        bins[i].append(b)
-        load[i] += cost_B[b]
-    return [sorted(rows) for rows in bins]
+    """Row positions in `n_bins` bins of at most `budget` tokens (a sequence longer than the
+    budget alone in a bin): longest first into the least-loaded bin that has room, for
+    balanced token counts; when that strands a sequence, first-fit decreasing, which always
+    succeeds with `bins_needed` bins or more. None: fewer bins than that."""
+    order = sorted(range(len(cost_B)), key=lambda b: (-cost_B[b], b))
+    for pick in (_least_loaded, _first):
+        bins: list[list[int]] = [[] for _ in range(n_bins)]
+        load = [0] * n_bins
+        for b in order:
+            fits = [i for i in range(n_bins) if load[i] + cost_B[b] <= budget or not bins[i]]
+            if not fits:
+                break
+            i = pick(fits, load)
+            bins[i].append(b)
+            load[i] += cost_B[b]
+        else:
+            return [sorted(rows) for rows in bins]
+    return None
+
+
+def _least_loaded(fits: list[int], load: list[int]) -> int:
+    return min(fits, key=lambda i: (load[i], i))
+
+
+def _first(fits: list[int], load: list[int]) -> int:
+    return fits[0]
 
 
 def pad_rows(batch: StepBatch, rows: int, seq_len: int) -> StepBatch:

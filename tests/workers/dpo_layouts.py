@@ -33,7 +33,7 @@ def pairs_batch(tp: int):
     from moe_rl.tokenization import PromptEncoder
 
     encoder = PromptEncoder.from_config(load_config(None).task, load_tokenizer())
-    return encode_pairs(load_pairs(ROOT / "examples" / "data" / "reverse_prefs_eval.jsonl")[:6], encoder, tp)
+    return encode_pairs(load_pairs(ROOT / "moe_rl" / "assets" / "preferences" / "reverse_prefs_eval.jsonl")[:6], encoder, tp)
 
 
 def dpo_step(learner, tokens) -> dict:
