@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -110,12 +111,8 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, StepTimer()
         t_step = time.perf_counter()
-        with timer.phase("offload"):
-            offloaded = self._offload.offload() if self._offload is not None else 0
-        rollout = self.collector.collect(step, timer)
-        with timer.phase("offload"):
-            if self._offload is not None:
-                self._offload.reload()
+        with self._learner_on_host(timer) as offloaded:
+            rollout = self.collector.collect(step, timer)
         self._save_rollout(step, rollout)
         batch = rollout.batch
         with timer.phase("old_logprob"):
@@ -128,7 +125,7 @@ class Trainer:
         with timer.phase("update"):
             metrics, batch = self._update(step, batch)
         metrics.update(rollout.stats)
-        if self._offload is not None:
+        if offloaded is not None:
             metrics["learner/offloaded_gib"] = offloaded / 2**30
         metrics.update(self._mismatch_metrics(batch, step))
         with timer.phase("sync"):
@@ -142,6 +139,21 @@ class Trainer:
         metrics.update({f"time/{k}": v for k, v in timings.items()})
         metrics["step"] = step
         return metrics
+
+    @contextlib.contextmanager
+    def _learner_on_host(self, timer: StepTimer) -> Iterator[int | None]:
+        """`optimizer.offload_during_rollout`: the learner's grads and optimizer states wait on
+        the host while the engines sample (yields the bytes moved; None when off)."""
+        if self._offload is None:
+            yield None
+            return
+        with timer.phase("offload"):
+            moved = self._offload.offload()
+        try:
+            yield moved
+        finally:
+            with timer.phase("offload"):
+                self._offload.reload()
 
     def _mismatch_metrics(self, batch: StepBatch, step: int) -> dict[str, float]:
         """Sampler-learner mismatch over every data-parallel rank's rows (each rank measures
