@@ -92,20 +92,27 @@ def check_sampler(cfg: Config) -> None:
 
 def _build(cfg: Config) -> tuple[Any, Any, Any]:
     from moe_rl.tasks import make_task
-    from moe_rl.tokenization import PromptEncoder, check_fits_model, load_tokenizer
 
     t = cfg.task
     try:
         task = make_task(t)
     except (ValueError, OSError, KeyError) as e:
         raise ConfigError(f"task.name={t.name} (task.data_path={t.data_path!r}): {' '.join(str(e).split())}") from e
+    return (task, *load_prompt_encoder(cfg))
+
+
+def load_prompt_encoder(cfg: Config) -> tuple[Any, Any]:
+    """The run's tokenizer (checked against `model.vocab_size`) and its prompt encoder; a
+    one-line ConfigError naming `task.tokenizer` when either cannot be had."""
+    from moe_rl.tokenization import PromptEncoder, check_fits_model, load_tokenizer
+
+    t = cfg.task
     try:
         tok = load_tokenizer(t.tokenizer, cfg.run.init_checkpoint or None)
         check_fits_model(tok, cfg.model.vocab_size)
-        prompts = PromptEncoder.from_config(t, tok)
+        return tok, PromptEncoder.from_config(t, tok)
     except (ValueError, OSError, RuntimeError) as e:
         raise ConfigError(f"task.tokenizer={t.tokenizer!r}: {' '.join(str(e).split())}") from e
-    return task, tok, prompts
 
 
 def _where(problem: Any) -> str:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import torch
-from hf_fixtures import write_bpe_tokenizer
+from hf_fixtures import hf_logprobs, write_bpe_tokenizer  # noqa: F401 (re-exported)
 from safetensors.torch import load_file, save_file
 
 SMALL = dict(model_type="deepseek_v3", vocab_size=448, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -96,17 +96,3 @@ def make_deepseek_dir(path: Path, name: str, seed: int) -> Path:
     return path
 
 
-def hf_logprobs(hf_dir: Path, batch) -> torch.Tensor:
-    """transformers' fp32 per-token logprobs of the batch's responses [B, T]."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    tokens = batch.tokens_BS
-    with torch.no_grad():
-        logp_BSV = torch.log_softmax(model(tokens).logits.float(), dim=-1)
-    out = torch.zeros(tokens.shape[0], batch.response_width)
-    for b in range(tokens.shape[0]):
-        p0, n = int(batch.prompt_lens_B[b]), int(batch.response_lens_B[b])
-        pos = torch.arange(p0, p0 + n)
-        out[b, :n] = logp_BSV[b, pos - 1, tokens[b, pos]]
-    return out

@@ -104,3 +104,19 @@ def write_math_jsonl(path: Path, n: int = 24, messages: bool = False) -> Path:
         rows.append({**row, "answer": str(a + b)})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def hf_logprobs(hf_dir: Path, batch) -> torch.Tensor:
+    """transformers' fp32 per-token logprobs of the batch's responses [B, T]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tokens = batch.tokens_BS
+    with torch.no_grad():
+        logp_BSV = torch.log_softmax(model(tokens).logits.float(), dim=-1)
+    out = torch.zeros(tokens.shape[0], batch.response_width)
+    for b in range(tokens.shape[0]):
+        p0, n = int(batch.prompt_lens_B[b]), int(batch.response_lens_B[b])
+        pos = torch.arange(p0, p0 + n)
+        out[b, :n] = logp_BSV[b, pos - 1, tokens[b, pos]]
+    return out

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_fixtures import hf_logprobs
 from learner_utils import fixed_batch
 from safetensors.torch import load_file, save_file
 
@@ -148,22 +149,6 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _hf_logprobs(hf_dir: Path, batch) -> torch.Tensor:
-    """transformers' fp32 per-token logprobs of the batch's responses."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    tokens = batch.tokens_BS
-    with torch.no_grad():
-        logp_BSV = torch.log_softmax(model(tokens).logits.float(), dim=-1)
-    out = torch.zeros(tokens.shape[0], batch.response_width)
-    for b in range(tokens.shape[0]):
-        p0, n = int(batch.prompt_lens_B[b]), int(batch.response_lens_B[b])
-        pos = torch.arange(p0, p0 + n)
-        out[b, :n] = logp_BSV[b, pos - 1, tokens[b, pos]]
-    return out
-
-
 @pytest.fixture(scope="module")
 def layout(megatron_world):
     from moe_rl.learner import parallel_layout
@@ -203,7 +188,7 @@ def test_learner_logprobs_match_transformers(name, hf_dirs, layout, caplog):
         assert (m.moe_router_score_function, m.moe_router_pre_softmax, m.num_experts) == ("softmax", unnormed, 16)
     assert (m.num_attention_heads, m.num_query_groups, m.kv_channels) == (8, 2, 64)
     got = learner.logprobs(batch)
-    want = _hf_logprobs(hf_dirs[name], batch)
+    want = hf_logprobs(hf_dirs[name], batch)
     assert want[batch.response_mask()].std() > 0.1  # far from uniform: the weights matter
     assert (got - want).abs().max() < TOL
 
@@ -255,7 +240,7 @@ def test_each_glm_setting_changes_the_logprobs(change, hf_dirs, layout, tmp_path
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     batch, _ = fixed_batch()
     got = _learner_from_hf(tmp_path, layout).logprobs(batch)
-    assert (got - _hf_logprobs(src, batch)).abs().max() > 1e-3
+    assert (got - hf_logprobs(src, batch)).abs().max() > 1e-3
 
 
 # ----------------------------------------------------------------- TP=2 / EP=2
@@ -277,7 +262,7 @@ def test_two_process_layouts_match_transformers(par, hf_dirs, tmp_path):
     batch, _ = fixed_batch()
     for name in HF_CONFIGS:
         assert results[name]["bad_stream"] == [], name
-        assert (results[name]["logp"] - _hf_logprobs(hf_dirs[name], batch)).abs().max() < TOL, name
+        assert (results[name]["logp"] - hf_logprobs(hf_dirs[name], batch)).abs().max() < TOL, name
 
 
 def _worker(par: str, out: str, dirs: dict[str, Path]) -> None:
@@ -331,7 +316,7 @@ def test_vllm_scores_as_transformers(hf_dirs, tmp_path):
     scores = json.loads(out.read_text())
     batch = TokenBatch.from_lists(VLLM_PROMPTS, VLLM_RESPONSES)
     for name in HF_CONFIGS:
-        ref = _hf_logprobs(hf_dirs[name], batch)
+        ref = hf_logprobs(hf_dirs[name], batch)
         for b, got in enumerate(scores[name]):
             assert (ref[b, :len(got)] - torch.tensor(got)).abs().max() < 1e-4, name
 

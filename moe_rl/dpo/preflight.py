@@ -15,8 +15,8 @@ from moe_rl.config import Config, ConfigError, validate_layout
 def load_inputs(cfg: Config) -> tuple[list[Any], list[Any], Any]:
     """(training pairs, held-out pairs, PromptEncoder), or a one-line ConfigError."""
     from moe_rl.dpo.data import load_pairs
+    from moe_rl.preflight import load_prompt_encoder
     from moe_rl.tasks.dataset import DatasetKeys
-    from moe_rl.tokenization import PromptEncoder, check_fits_model, load_tokenizer
 
     t = cfg.task
     if not t.data_path:
@@ -28,12 +28,7 @@ def load_inputs(cfg: Config) -> tuple[list[Any], list[Any], Any]:
         held_out = load_pairs(t.eval_data_path, keys) if t.eval_data_path else []
     except ValueError as e:
         raise ConfigError(" ".join(str(e).split())) from e
-    try:
-        tok = load_tokenizer(t.tokenizer, cfg.run.init_checkpoint or None)
-        check_fits_model(tok, cfg.model.vocab_size)
-        encoder = PromptEncoder.from_config(t, tok)
-    except (ValueError, OSError, RuntimeError) as e:
-        raise ConfigError(f"task.tokenizer={t.tokenizer!r}: {' '.join(str(e).split())}") from e
+    _, encoder = load_prompt_encoder(cfg)
     return train, held_out, encoder
 
 
