@@ -9,15 +9,12 @@ torchrun child (`python -m bench.bench_learner_packing --worker OUT`)."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.common import markdown_table, write_results
+from bench.common import markdown_table, run_module_worker, write_results
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = {
@@ -81,15 +78,7 @@ def worker(out: str, sequences: int, iters: int) -> None:
 
 def main(quick: bool = False) -> None:
     sequences, iters = (8, 1) if quick else (32, 5)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "r.json"
-        env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1", PYTHONPATH=str(HERE.parent))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-               "-m", "bench.bench_learner_packing", "--worker", str(out), str(sequences), str(iters)]
-        proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=3600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-        results = json.loads(out.read_text())
+    results = run_module_worker("bench.bench_learner_packing", str(sequences), str(iters))
     base = results["padded, 4 sequences / micro-batch"]["update_s"]
     rows = [[name, r["microbatches"], r["pad_frac"], r["update_s"], r["tokens_per_s"], base / r["update_s"]]
             for name, r in results.items()]

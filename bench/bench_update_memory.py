@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.common import markdown_table, write_results
+from bench.common import markdown_table, run_module_worker, write_results
 
 HERE = Path(__file__).resolve().parent
 MIB = 2**20
@@ -66,15 +64,7 @@ def worker(out: str, chunk: int, tokens: int) -> None:
 
 
 def run(chunk: int, tokens: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "r.json"
-        env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1", PYTHONPATH=str(HERE.parent))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
-               "bench.bench_update_memory", "--worker", str(out), str(chunk), str(tokens)]
-        proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=3600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+    return run_module_worker("bench.bench_update_memory", str(chunk), str(tokens))
 
 
 def main(quick: bool = False) -> None:

@@ -73,3 +73,22 @@ def write_results(name: str, data: dict[str, Any], table_md: str, notes: str = "
     header = f"# {name}\n\nMachine: {m['cpus']} CPUs, torch {m['torch']}, {m['cuda'] or 'no GPU'}, {m['date']}\n\n"
     atomic_write_text(RESULTS_DIR / f"{name}.md", header + table_md + ("\n" + notes + "\n" if notes else ""))
     return RESULTS_DIR / f"{name}.md"
+
+
+def run_module_worker(module: str, *args: str, threads: int = 2, timeout: float = 3600) -> Any:
+    """`python -m <module> --worker OUT *args` as a one-process torchrun child (a learner needs
+    its own process group and a fresh process per measurement); returns the JSON it wrote to OUT."""
+    import subprocess
+    import sys
+    import tempfile
+
+    root = RESULTS_DIR.parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TORCHDYNAMO_DISABLE="1", PYTHONPATH=str(root))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", module,
+               "--worker", str(out), *args]
+        proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
