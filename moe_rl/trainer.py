@@ -41,6 +41,9 @@ from moe_rl.update import PolicyLossFn, minibatch_rows
 
 log = logging.getLogger("moe_rl.trainer")
 
+VALUE_HEAD_PREFIX = "value_head."
+"""The critic's parameters that no starting checkpoint holds (`moe_rl.learner.critic`)."""
+
 
 class Trainer:
     """Sequences the rollout collector and the learner(s); owns nothing they own."""
@@ -69,16 +72,21 @@ class Trainer:
         cfg = self.cfg
         resume_from = self.run_dir.prepare(cfg.run.resume, rank=self.rank)
         self.layout = self._stack.enter_context(parallel_layout(cfg.parallel, seed=cfg.run.seed))
-        updates = cfg.run.steps * cfg.rl.epochs * cfg.rl.num_minibatches
-        self.learner = Learner(cfg, self.layout, total_updates=updates)
+        actor_steps = cfg.run.steps - (cfg.critic.warmup_steps if cfg.rl.advantage == "gae" else 0)
+        self.learner = Learner(cfg, self.layout, total_updates=actor_steps * cfg.rl.epochs * cfg.rl.num_minibatches)
         init = cfg.run.init_checkpoint
+        self.ppo = self._critic_stage()
+        critic = self.ppo.critic if self.ppo is not None else None
         if resume_from is not None:
-            meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint)
+            meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint, critic=critic)
             self.start_step = int(meta.get("trainer_step", meta["step"]))
             log.info("resumed from %s at step %d", resume_from, self.start_step)
         elif init:
             self._load_init(self.learner, init)
-        self._offload = HostOffload(self.learner) if cfg.optimizer.offload_during_rollout else None
+            if critic is not None:  # (its value head is not in the actor's weights: it starts at zero)
+                self._load_init(critic, cfg.critic.init_checkpoint or init, optional=(VALUE_HEAD_PREFIX,))
+        trained = [self.learner] + ([critic] if critic is not None else [])
+        self._offload = [HostOffload(m) for m in trained] if cfg.optimizer.offload_during_rollout else None
         self.ref = None
         if cfg.rl.kl_coef > 0:  # (the preflight made sure there is an init checkpoint)
             self.ref = Learner(cfg, self.layout, trainable=False)
@@ -92,16 +100,27 @@ class Trainer:
             self._stack.callback(self.run_dir.close)
             self.run_dir.start_logging(self.start_step)
 
-    def _load_init(self, learner: Any, path: str) -> None:
+    def _critic_stage(self) -> Any:
+        """PPO's critic (`rl.advantage: gae`), or None."""
+        if self.cfg.rl.advantage != "gae":
+            return None
+        from moe_rl.ppo import CriticStage
+
+        cfg = self.cfg
+        return CriticStage(cfg, self.layout, updates=cfg.run.steps * cfg.critic.epochs * cfg.rl.num_minibatches)
+
+    def _load_init(self, learner: Any, path: str, optional: tuple[str, ...] = ()) -> None:
+        """Starting weights from a moe_rl checkpoint or a Hugging Face directory (`optional`:
+        parameter-name prefixes they may lack)."""
         from moe_rl.learner import load_checkpoint
         from moe_rl.learner.checkpoint import is_checkpoint
         from moe_rl.learner.hf_import import load_hf_weights
 
         p = Path(path)
         if is_checkpoint(p):
-            load_checkpoint(learner, p, load_optimizer=False, trust=self.cfg.run.trust_checkpoint)
+            load_checkpoint(learner, p, load_optimizer=False, trust=self.cfg.run.trust_checkpoint, optional=optional)
         elif (p / "config.json").is_file():
-            load_hf_weights(learner, p)
+            load_hf_weights(learner, p, optional=optional)
         else:
             raise ConfigError(f"run.init_checkpoint={path} is neither a moe_rl checkpoint nor a Hugging Face directory")
         learner.step = 0
@@ -116,14 +135,19 @@ class Trainer:
         self._save_rollout(step, rollout)
         batch = rollout.batch
         with timer.phase("old_logprob"):
-            if not cfg.rl.scores_in_update:
+            if not cfg.rl.scores_in_update or self._critic_warmup(step):
                 plan = self.learner.routing_plan(cfg.rl.replay, batch, capture=self.records_routing)
                 score = self.learner.score(batch, plan, cfg.sampler.temperature)
                 batch = batch.scored(score.logp_BT, score.record)
             if self.ref is not None:
                 batch = batch.with_reference(self.ref.score(batch, temperature=cfg.sampler.temperature).logp_BT)
+        ppo_metrics: dict[str, float] = {}
+        if self.ppo is not None:
+            with timer.phase("values"):
+                batch, ppo_metrics = self.ppo.advantages(batch, self.learner.dp_gather_object)
         with timer.phase("update"):
             metrics, batch = self._update(step, batch)
+        metrics.update(ppo_metrics)
         metrics.update(rollout.stats)
         if offloaded is not None:
             metrics["learner/offloaded_gib"] = offloaded / 2**30
@@ -142,18 +166,20 @@ class Trainer:
 
     @contextlib.contextmanager
     def _learner_on_host(self, timer: StepTimer) -> Iterator[int | None]:
-        """`optimizer.offload_during_rollout`: the learner's grads and optimizer states wait on
-        the host while the engines sample (yields the bytes moved; None when off)."""
+        """`optimizer.offload_during_rollout`: the learner's (and PPO's critic's) grads and
+        optimizer states wait on the host while the engines sample (yields the bytes moved;
+        None when off)."""
         if self._offload is None:
             yield None
             return
         with timer.phase("offload"):
-            moved = self._offload.offload()
+            moved = sum(part.offload() for part in self._offload)
         try:
             yield moved
         finally:
             with timer.phase("offload"):
-                self._offload.reload()
+                for part in self._offload:
+                    part.reload()
 
     def _mismatch_metrics(self, batch: StepBatch, step: int) -> dict[str, float]:
         """Sampler-learner mismatch over every data-parallel rank's rows (each rank measures
@@ -175,23 +201,40 @@ class Trainer:
 
     def _update(self, step: int, batch: StepBatch) -> tuple[dict[str, float], StepBatch]:
         """`epochs x num_minibatches` optimizer steps on the step's rows, each rank on its own
-        rows of every mini-batch. An unscored batch (the on-policy shortcut: one update, no
-        replay) takes its old logprobs and routing record from the update's own forward."""
+        rows of every mini-batch (the actor's, then under PPO the critic's on the same
+        mini-batches). An unscored batch (the on-policy shortcut: one update, no replay)
+        takes its old logprobs and routing record from the update's own forward."""
+        metrics: dict[str, float] = {"policy/updates": 0.0}
+        if not self._critic_warmup(step):
+            metrics, batch = self._update_actor(batch, self._minibatches(step, batch, self.cfg.rl.epochs))
+        if self.ppo is not None:  # (its own passes: epochs after the actor's reuse their shuffles)
+            metrics.update(self.ppo.update(batch, self._minibatches(step, batch, self.cfg.critic.epochs)))
+        return metrics, batch
+
+    def _minibatches(self, step: int, batch: StepBatch, epochs: int) -> list[Any]:
+        """`epochs` passes of `rl.num_minibatches` shuffled mini-batches (global row ids)."""
+        return [rows for epoch in range(epochs)
+                for rows in minibatch_rows(batch.step_rows, self.cfg.rl.num_minibatches, self.layout.dp,
+                                           seed=self.cfg.run.seed * 7919 + step * 31 + epoch)]
+
+    def _update_actor(self, batch: StepBatch, minibatches: list[Any]) -> tuple[dict[str, float], StepBatch]:
         cfg = self.cfg
         loss_fn = PolicyLossFn(cfg, on_policy=batch.old_logp_BT is None)
         plan = self.learner.routing_plan(cfg.rl.replay if batch.old_logp_BT is not None else "none", batch,
                                          capture=self.records_routing)
         updates = []
-        for epoch in range(cfg.rl.epochs):
-            for rows in minibatch_rows(batch.step_rows, cfg.rl.num_minibatches, self.layout.dp,
-                                       seed=cfg.run.seed * 7919 + step * 31 + epoch):
-                result = self.learner.update(batch.take(rows), loss_fn, plan, cfg.sampler.temperature)
-                if batch.old_logp_BT is None:
-                    batch = batch.scored(result.logp_BT, result.record)
-                updates.append({k if "/" in k else f"learner/{k}": v for k, v in result.metrics.items()})
+        for rows in minibatches:
+            result = self.learner.update(batch.take(rows), loss_fn, plan, cfg.sampler.temperature)
+            if batch.old_logp_BT is None:
+                batch = batch.scored(result.logp_BT, result.record)
+            updates.append({k if "/" in k else f"learner/{k}": v for k, v in result.metrics.items()})
         metrics = combine(updates)
         metrics["policy/updates"] = float(len(updates))
         return metrics, batch
+
+    def _critic_warmup(self, step: int) -> bool:
+        """PPO's critic warm-up: the first `critic.warmup_steps` steps train the critic only."""
+        return self.ppo is not None and step <= self.cfg.critic.warmup_steps
 
     def _save_rollout(self, step: int, rollout: Rollout) -> None:
         """Every data-parallel rank's rows to rank 0, when a dump is due (a debugging aid:
@@ -324,7 +367,8 @@ class Trainer:
         from moe_rl.learner import save_checkpoint
 
         save_checkpoint(self.learner, self.run_dir.checkpoints / f"step_{step:06d}",
-                        extra_meta={"trainer_step": step, "run_id": self.run_dir.run_id})
+                        extra_meta={"trainer_step": step, "run_id": self.run_dir.run_id},
+                        critic=self.ppo.critic if self.ppo is not None else None)
         if self.rank == 0:
             self.run_dir.rotate_checkpoints()
 

@@ -57,7 +57,9 @@ class PolicyLossFn:
         self.own = rl.hparams
         self.uses_rollout_logp = rl.rollout_correction != "none"
         self.common = make_common_hparams(
-            rollout_correction=rl.rollout_correction, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
+            # (with rl.kl_in_reward the KL is in GAE's reward, not in the loss)
+            rollout_correction=rl.rollout_correction, kl_coef=0.0 if rl.kl_in_reward else rl.kl_coef,
+            kl_estimator=rl.kl_estimator,
             max_response_length=cfg.sampler.max_new_tokens, **dataclasses.asdict(rl.rollout_correction_args))
 
     def __call__(self, logp_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:

@@ -4,7 +4,9 @@
   weights (the memory handoff to the learner);
 - the rank-local weight sync assembles full tensors on the GPU (no pageable-host round trip);
 - a trainer step with the engine asleep during the update gives the same rewards as awake;
-- expert-parallel rollout inside a 2-GPU rollout group (needs 2 GPUs).
+- expert-parallel rollout inside a 2-GPU rollout group (needs 2 GPUs);
+- the asynchronous weight push stages each tensor on the current CUDA stream, so the next
+  update's in-place writes cannot reach what NCCL sends (`rollout.weight_sync._staged`).
 """
 
 from __future__ import annotations
@@ -82,3 +84,19 @@ def test_expert_parallel_rollout_group_of_two(tmp_path):
     rows = _train(tmp_path, "ep_rollout", 2, "sampler.tensor_parallel_size=2", "sampler.expert_parallel=true")
     assert all(r["sampler/engines"] == 1 for r in rows)
     assert all(r["mismatch/dp_max"] < 5e-2 for r in rows)  # bf16 engine vs bf16 learner
+
+
+def test_push_staging_is_ordered_before_the_next_update_on_the_stream():
+    """What `broadcast_buckets` hands to an asynchronous NCCL broadcast is a copy queued on the
+    current stream: an in-place update queued after it (the learner's next step) leaves the
+    staged tensor as it was at the push."""
+    from moe_rl.rollout.weight_sync import _staged
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    weight = torch.randn(4096, 1024, device=dev)
+    before = weight.clone()
+    staged = _staged(weight, dev)
+    weight.mul_(-3.0).add_(1.0)  # queued after the copy on the same stream
+    torch.cuda.synchronize()
+    assert staged.data_ptr() != weight.data_ptr()
+    assert torch.equal(staged, before) and not torch.equal(weight, before)

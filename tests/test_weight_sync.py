@@ -122,3 +122,22 @@ def test_weight_sync_keeps_vllm_and_the_learner_in_agreement(megatron_world, tmp
             assert (v2 - l2)[batch2.response_mask()].abs().max() <= 1e-4
     finally:
         sampler.close()
+
+
+@pytest.mark.multiproc
+def test_push_returns_before_the_engine_receives_and_sends_what_it_staged(tmp_path):
+    """The broadcast push does not wait for a busy engine: it returns before the engine
+    starts receiving (2 s later), the engine gets the tensors as they were at the push
+    (the learner overwrote its own copies right after), layer by layer, with the version."""
+    from dist_helpers import torchrun
+    from workers.push_worker import tensors
+
+    torchrun("push_worker.py", 2, str(tmp_path), timeout=300)
+    sender, engine = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert sender["returned"] < engine["started"]
+    assert sender["drained"] >= engine["started"]  # the sends completed only once the engine took them
+    assert engine["version"] == 7 and engine["buckets"] == 2  # one bucket per decoder layer
+    want = tensors()
+    assert [n for n, _ in engine["received"]] == [n for n, _ in want]
+    for (_, got), (_, ref) in zip(engine["received"], want):
+        assert torch.equal(got, ref)

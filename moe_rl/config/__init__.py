@@ -19,6 +19,7 @@ assets inside the installed package), `validate` (per-section checks and the lay
 `loading` (recipes in and out), `docs` (attribute docstrings and `--help-config`).
 """
 
+from moe_rl.config.critic import CriticConfig
 from moe_rl.config.docs import describe, field_docs
 from moe_rl.config.dpo import DPOConfig
 from moe_rl.config.errors import ConfigError
@@ -53,6 +54,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CorrectionHParams",
+    "CriticConfig",
     "DPOConfig",
     "LoggingConfig",
     "ModelConfig",

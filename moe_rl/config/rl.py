@@ -110,7 +110,19 @@ class RLConfig:
     gspo: {clip_low: 3e-4}}. Every objective keeps its own block, so switching
     rl.objective needs no clearing; keys are checked against each objective's dataclass."""
     advantage: str = "grpo"
-    """Advantage estimator from moe_rl.advantages (grpo, dr_grpo, rloo, batch_std)."""
+    """Advantage estimator: a group estimator from moe_rl.advantages (grpo, dr_grpo, rloo,
+    batch_std), or gae: PPO's per-token advantages from a learned critic (the `critic`
+    section; moe_rl.gae)."""
+    gae_gamma: float = 1.0
+    """GAE's discount gamma over response tokens (rl.advantage=gae)."""
+    gae_lambda: float = 0.95
+    """GAE's lambda: 1 gives Monte-Carlo returns minus values, 0 the one-step TD error."""
+    whiten_advantages: bool = True
+    """rl.advantage=gae: whiten the token advantages over the step's batch (mean 0, std 1
+    over every valid token of every data-parallel rank)."""
+    kl_in_reward: bool = False
+    """rl.advantage=gae: put the KL to the reference in the per-token reward, -kl_coef * k1
+    (k1 = log pi_old - log pi_ref), instead of in the loss."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_step: int = 16
@@ -164,5 +176,7 @@ class RLConfig:
 
     @property
     def scores_in_update(self) -> bool:
-        """The on-policy shortcut applies: one update per rollout, no routing replay."""
-        return self.on_policy_shortcut and self.epochs * self.num_minibatches == 1 and self.replay == "none"
+        """The on-policy shortcut applies: one update per rollout, no routing replay, and no
+        KL in GAE's reward (that needs the old logprobs before the update)."""
+        return (self.on_policy_shortcut and self.epochs * self.num_minibatches == 1 and self.replay == "none"
+                and not (self.advantage == "gae" and self.kl_in_reward))

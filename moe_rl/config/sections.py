@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from moe_rl.config.critic import CriticConfig
 from moe_rl.config.dpo import DPOConfig
 from moe_rl.config.model import ModelConfig
 from moe_rl.config.rl import RLConfig
@@ -264,6 +265,8 @@ class Config:
     """Prompts and rewards."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm start."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's value model (read when rl.advantage=gae)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Preference tuning (`python -m moe_rl.dpo`)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

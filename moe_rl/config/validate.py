@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from moe_rl.config.coerce import choices_hint
+from moe_rl.config.critic import validate_critic
 from moe_rl.config.dpo import validate_dpo
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS
@@ -239,7 +240,7 @@ def validate_task(t: Any, run: Any) -> None:
 
 
 SECTION_CHECKS = (validate_finite, validate_ranges, validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run,
-                  validate_dpo)
+                  validate_critic, validate_dpo)
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

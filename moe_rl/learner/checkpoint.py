@@ -66,6 +66,8 @@ from moe_rl.failures import describe, disk_full
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+CRITIC_PREFIX = "critic."
+"""Checkpoint keys of PPO's critic start so (the actor's are megatron's own)."""
 __all__ = [
     "META_FILE",
     "CheckpointError",
@@ -138,14 +140,25 @@ def _rng_object(learner: Any) -> ShardedObject:
     )
 
 
-def _sharded_state(learner: Any, *, with_optimizer: bool, with_rng: bool, loading: bool) -> dict:
+def _sharded_state(learner: Any, *, with_optimizer: bool, with_rng: bool, loading: bool,
+                   critic: Any = None, critic_optimizer: bool = False) -> dict:
     model_sd = learner.gpt.sharded_state_dict()
     sd: dict[str, Any] = {"model": model_sd}
     if with_optimizer and learner.optimizer is not None:
         sd["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=loading)
     if with_rng:
         sd["rng_state"] = _rng_object(learner)
+    if critic is not None:  # PPO's critic, under keys of its own (`critic.`): the converters skip them
+        critic_sd = critic.gpt.sharded_state_dict(prefix=CRITIC_PREFIX)
+        sd["critic"] = critic_sd
+        if critic_optimizer:
+            sd["critic_optimizer"] = critic.optimizer.sharded_state_dict(critic_sd, is_loading=loading)
     return sd
+
+
+def _critic_meta(critic: Any, with_optimizer: bool) -> dict[str, Any]:
+    return {"step": critic.step, "has_optimizer": with_optimizer,
+            "scheduler": critic.scheduler.state_dict() if with_optimizer else None}
 
 
 # --------------------------------------------------------------------------- save
@@ -219,9 +232,12 @@ def _finish(learner: Any, tmp: Path, path: Path, meta: dict[str, Any], digests: 
     kill_point("save.renamed")
 
 
-def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_meta: dict[str, Any] | None) -> None:
+def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_meta: dict[str, Any] | None,
+           critic: Any = None) -> None:
     with_opt = include_optimizer and _has_optimizer_state(learner)
-    sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False)
+    critic_opt = critic is not None and include_optimizer and _has_optimizer_state(critic)
+    sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False, critic=critic,
+                        critic_optimizer=critic_opt)
     with _in_process_writes():
         dist_checkpointing.save(sd, str(tmp))
     kill_point("save.dcp")
@@ -238,6 +254,8 @@ def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_m
         "scheduler": learner.scheduler.state_dict() if with_opt else None,
         **(extra_meta or {}),
     }
+    if critic is not None:
+        meta["critic"] = _critic_meta(critic, critic_opt)
     _on_rank0(lambda: _finish(learner, tmp, path, meta, digests))
 
 
@@ -248,19 +266,20 @@ def save_checkpoint(
     include_optimizer: bool = True,
     *,
     replace_foreign: bool = False,
+    critic: Any = None,
 ) -> Path:
     """Collective. Write model, optimizer, LR schedule, RNG and config to `path` atomically
     (`include_optimizer=False`: model and RNG only, e.g. a shipped base model). An existing
     checkpoint at `path` is replaced once the new one is complete; an existing directory
     that is not a checkpoint is refused unless `replace_foreign` (the converter's --force).
-    A full disk, an unwritable directory or a file in the way is a one-line CheckpointError."""
+    `critic`: PPO's critic (a `Critic`), saved beside the actor with its optimizer. A full disk, an unwritable directory or a file in the way is a one-line CheckpointError."""
     path = Path(path)
     tmp = Path(broadcast_object(f"{path}.tmp-{uuid.uuid4().hex[:8]}", src=0))
     _on_rank0(lambda: _prepare_target(path, tmp, replace_foreign))
     _barrier()
     kill_point("save.begin")
     try:
-        _write(learner, tmp, path, include_optimizer, extra_meta)
+        _write(learner, tmp, path, include_optimizer, extra_meta, critic)
     except CheckpointError:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -320,35 +339,59 @@ def load_checkpoint(
     load_optimizer: bool = True,
     strict: bool = True,
     trust: bool = False,
+    critic: Any = None,
+    optional: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Collective. Load `path` (saved at any layout) into the learner, after checking its
     manifest (`trust=True` accepts a checkpoint without one). Optimizer state and LR
     schedule are restored when present and asked for; RNG states only when the layout is
-    the one the checkpoint was saved at. Returns the checkpoint's metadata."""
+    the one the checkpoint was saved at. `critic`: also PPO's critic saved beside the actor
+    (its weights, optimizer and schedule). `optional`: parameter-name prefixes the
+    checkpoint may lack (a critic started from the actor's weights has no value head in
+    them). Returns the checkpoint's metadata."""
     path = Path(path)
     if not is_checkpoint(path):
         read_meta(path)  # raises the one-line error naming what is missing
     restricted = _verify(path, trust)
     meta = read_meta(path)
+    if critic is not None and "critic" not in meta:
+        raise CheckpointError(f"checkpoint {path} holds no critic (it was saved by a run without rl.advantage=gae); "
+                              "resume a PPO run from its own checkpoints")
     same_layout = meta.get("layout") == _layout_tag(learner)
     want_opt = load_optimizer and learner.optimizer is not None and meta.get("has_optimizer", False)
-    sd = _sharded_state(learner, with_optimizer=want_opt, with_rng=same_layout, loading=True)
+    critic_opt = critic is not None and load_optimizer and meta["critic"].get("has_optimizer", False)
+    sd = _sharded_state(learner, with_optimizer=want_opt, with_rng=same_layout, loading=True, critic=critic,
+                        critic_optimizer=critic_opt)
+    sd["model"] = {k: v for k, v in sd["model"].items() if not k.startswith(optional)}  # (not asked of the files)
     loaded = _load_files(learner, path, sd, restricted)
-    missing, _unexpected = learner.gpt.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    _load_weights(learner, loaded["model"], path, strict, optional)
+    _load_optimizer(learner, loaded.get("optimizer"), meta.get("scheduler") if want_opt else None, want_opt)
+    if critic is not None:
+        critic_sd = {k.removeprefix(CRITIC_PREFIX): v for k, v in loaded["critic"].items()}  # (keys carry it)
+        _load_weights(critic, critic_sd, path, strict, optional)
+        _load_optimizer(critic, loaded.get("critic_optimizer"), meta["critic"].get("scheduler"), critic_opt)
+        critic.step = int(meta["critic"].get("step", 0))
+    _restore_rng(loaded, same_layout, path, meta, learner)
+    learner.step = int(meta.get("step", 0))
+    return meta
+
+
+def _load_weights(learner: Any, model_sd: dict, path: Path, strict: bool, optional: tuple[str, ...]) -> None:
+    missing, _unexpected = learner.gpt.load_state_dict(model_sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith(optional)]
     if strict and missing:
         raise CheckpointError(f"checkpoint {path} lacks parameters {missing[:5]} (model config differs?)")
-    if want_opt:
-        learner.optimizer.load_state_dict(loaded["optimizer"])
-        if meta.get("scheduler") is not None:
-            learner.scheduler.load_state_dict(meta["scheduler"])
+
+
+def _load_optimizer(learner: Any, state: Any, scheduler: dict | None, wanted: bool) -> None:
+    if wanted:
+        learner.optimizer.load_state_dict(state)
+        if scheduler is not None:
+            learner.scheduler.load_state_dict(scheduler)
     elif learner.optimizer is not None:
         # Weights only: mixed-precision optimizers keep fp32 master copies of the params,
         # which must follow the weights just loaded (a no-op for fp32 training).
         learner.optimizer.reload_model_params()
-    _restore_rng(loaded, same_layout, path, meta, learner)
-    learner.step = int(meta.get("step", 0))
-    return meta
 
 
 def _restore_rng(loaded: dict, same_layout: bool, path: Path, meta: dict, learner: Any) -> None:

@@ -84,6 +84,7 @@ class Learner:
         self.layout = layout
         self.tcfg = transformer_config(cfg.model, cfg.parallel)
         self.gpt = build_gpt(cfg.model, self.tcfg)
+        self._prepare_model(self.gpt)
         self.trainable = trainable
         self.packing = cfg.parallel.packing
         """Pack micro-batches (THD); false: the padded reference path (switchable per pass
@@ -102,9 +103,26 @@ class Learner:
             self.model = self.gpt
             for p in self.gpt.parameters():
                 p.requires_grad_(False)
-        self.head = OutputHead(self.gpt, cfg.parallel.logprob_chunk_tokens, layout.sequence_parallel)
+        self.head = self._make_head()
         self.taps = RouterTaps(self.gpt, self.tcfg, layout)
         self.hooks: ForwardHooks = self.taps
+
+    # ------------------------------------------------------------------ what the model computes per token
+
+    def _prepare_model(self, gpt: torch.nn.Module) -> None:
+        """Change the freshly built model before DDP and the optimizer see it (the critic
+        adds its value head here)."""
+
+    def _make_head(self) -> Any:
+        """What turns the last stage's output into per-token values: here the log-probs
+        head; it has `learner_pass()` and `chunk_tokens`."""
+        return OutputHead(self.gpt, self.cfg.parallel.logprob_chunk_tokens, self.layout.sequence_parallel)
+
+    def _token_outputs(self, output: torch.Tensor, mb: MicroBatch,
+                       temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([b, T] per-token values the loss callback gets, [b, T] entropy or None): the
+        policy's log-probs of the response tokens."""
+        return self.head.logprobs(output, mb.inp.logit_index_BT, mb.batch, temperature)
 
     # ------------------------------------------------------------------ batching
 
@@ -177,7 +195,7 @@ class Learner:
     def _loss_on_last_stage(
         self, loss_fn: LossFn | None, temperature: float, mb: MicroBatch, logits: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        logp_BT, entropy_BT = self.head.logprobs(logits, mb.inp.logit_index_BT, mb.batch, temperature)
+        logp_BT, entropy_BT = self._token_outputs(logits, mb, temperature)
         mb.aux = self.hooks.loss_aux(mb)
         item: dict[str, Any] = {"logp_BT": logp_BT.detach(), "batch_pos_B": mb.batch_pos_B}
         if entropy_BT is not None:

@@ -41,11 +41,13 @@ from moe_rl.learner.gather import flatten_sharded, piece_index
 
 
 @torch.no_grad()
-def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tensor], m: ModelConfig) -> int:
+def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tensor], m: ModelConfig,
+                      optional: tuple[str, ...] = ()) -> int:
     """Copy this rank's slices of every global tensor into `model`'s parameters.
 
     `fetch(key)` returns the full global megatron tensor of a (canonical) key; it is called
-    once per key this rank holds. Returns the number of slices copied."""
+    once per key this rank holds. Keys starting with an `optional` prefix are left as they
+    are (the critic's value head). Returns the number of slices copied."""
     expected = megatron_specs(m)
     sd = model.sharded_state_dict()
     apply_factories(sd)  # SwiGLU fc1: two ShardedTensors (gate, up) viewing one parameter
@@ -53,6 +55,8 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
     storages = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     pieces: dict[str, list[ShardedTensor]] = {}
     for sh in flatten_sharded(sd):
+        if sh.key.startswith(optional):
+            continue
         key = canonical_key(sh.key)
         if key not in expected:
             raise ConvertError(f"learner tensor {sh.key!r} has no counterpart in the model config")
@@ -109,10 +113,11 @@ def hf_read_errors(hf_dir: str | os.PathLike) -> Iterator[None]:
                            "directory") from e
 
 
-def load_hf_weights(learner, hf_dir: str | os.PathLike) -> None:
+def load_hf_weights(learner, hf_dir: str | os.PathLike, optional: tuple[str, ...] = ()) -> None:
     """Load a Hugging Face directory into `learner` (any layout; every rank reads the files
     itself). The directory's config.json must describe the learner's model, and tensors are
-    cast to the dtype of the parameter (or buffer) they load into."""
+    cast to the dtype of the parameter (or buffer) they load into. `optional`: parameter
+    prefixes the directory does not hold (the critic's value head)."""
     with hf_read_errors(hf_dir), HFCheckpoint(hf_dir) as hf:
         m = learner.cfg.model
         got = hf.model_config(base=m)
@@ -128,7 +133,7 @@ def load_hf_weights(learner, hf_dir: str | os.PathLike) -> None:
         layout = layout_for(m)
         # No cast here: each slice is cast as it is copied, so the float32 expert bias of a
         # bf16 model is not rounded through bf16 on the way.
-        load_full_tensors(learner.gpt, lambda key: layout.from_hf(key, hf.get, m), m)
+        load_full_tensors(learner.gpt, lambda key: layout.from_hf(key, hf.get, m), m, optional)
     if learner.optimizer is not None:
         # bf16: the optimizer's fp32 main params were copied from the old weights.
         learner.optimizer.reload_model_params()

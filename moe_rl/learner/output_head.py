@@ -52,9 +52,7 @@ class OutputHead:
             self._in_pass = False
 
     def _hidden(self, hidden_SBH: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
-            hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
-        return hidden_SBH, None
+        return whole_sequence(hidden_SBH, self.sequence_parallel), None
 
     def _weight(self) -> torch.Tensor:
         if self.gpt.share_embeddings_and_output_weights:
@@ -76,10 +74,19 @@ class OutputHead:
         logp_N, entropy_N = chunked_token_logprobs(
             flat[index_N], weight, targets_N, temperature=temperature, chunk_tokens=self.chunk_tokens,
             tp_group=group, vocab_start=vocab_shard_start(weight, group))
-        return _scatter(logp_N, mask_BT), _scatter(entropy_N, mask_BT)
+        return scatter_masked(logp_N, mask_BT), scatter_masked(entropy_N, mask_BT)
 
 
-def _scatter(values_N: Any, mask_BT: torch.Tensor) -> torch.Tensor:
+def whole_sequence(hidden_SBH: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """The final hidden states of every position on every TP rank: all-gathered over
+    sequence parallel, with a backward that only splits the gradient (what follows computes
+    the whole gradient, or sums its TP parts itself)."""
+    if sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+        return gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
+    return hidden_SBH
+
+
+def scatter_masked(values_N: Any, mask_BT: torch.Tensor) -> torch.Tensor:
     """[B, T] with `values_N` at the mask's True entries (row-major), 0 elsewhere; differentiable."""
     out = torch.zeros(mask_BT.shape, dtype=values_N.dtype, device=values_N.device)
     return out.masked_scatter(mask_BT, values_N)

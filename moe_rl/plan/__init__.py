@@ -4,7 +4,9 @@
 
 Modules, one idea each: `model_source` (recipe or config.json), `workload` (the step's
 shapes), `activations` (the activation formula), `sampler` (engine weights and KV cache),
-`memory` (per-rank memory by kind and phase), `comms` (bytes per collective family),
+`model_state` (parameter, gradient and optimizer bytes from megatron's buffers), `critic`
+(PPO's value model under `rl.advantage: gae`, derived from the actor's), `memory` (per-rank
+memory by kind and phase), `comms` (bytes per collective family),
 `timing` (FLOPs and seconds), `planner` (one plan from megatron's meta-device builds,
 `moe_rl.learner.meta`), `verdict` (changes that make it fit, re-planned), `report`.
 """

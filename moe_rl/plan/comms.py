@@ -17,6 +17,10 @@ Counted per rank (what leaves its GPU), every sequence at full length, balanced 
   (d-1)/d of the params. Dense weights over the DP group, experts over the expert-DP group.
 - weight sync: every engine rank receives its shard of the sampler's weights (an upper
   bound: the part a rank already holds need not move).
+- PPO's critic (`rl.advantage: gae`) moves the same per pass: its value forward and its
+  update passes (`critic_passes`), and its gradients per update (taken as the actor's, an
+  upper bound: the frozen output layer's gradient is not reduced); the engines never
+  receive its weights.
 Time = bytes / (link bandwidth x efficiency), the link being NVLink when the group is inside
 one node and InfiniBand when it spans nodes (all-to-alls: the off-node share at IB speed).
 No overlap with compute is assumed: these are the exposed costs if nothing hides them.
@@ -69,21 +73,31 @@ def _alltoall_seconds(nbytes: float, group: tuple[int, ...], rank: int, hw: Hard
 
 
 @dataclass(frozen=True)
-class _Passes:
+class Passes:
     """Micro-batch forwards and backwards a rank runs per step."""
 
     forwards: int
     backwards: int
 
 
-def _passes(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches) -> _Passes:
+def _passes(layout: PlannedLayout, work: Workload, sw: Switches, scoring_passes: int) -> Passes:
     score_micro = -(-work.sequences // (layout.dp * work.micro_batch))
     update_micro = work.updates * work.micro_batches
     recompute = update_micro if sw.recompute else 0
-    return _Passes(work.scoring_passes * score_micro + update_micro + recompute, update_micro)
+    return Passes(scoring_passes * score_micro + update_micro + recompute, update_micro)
 
 
-def _tp_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, p: _Passes) -> float:
+def actor_passes(layout: PlannedLayout, work: Workload, sw: Switches) -> Passes:
+    """The actor's: its scoring passes (old log-probs, reference) and its updates."""
+    return _passes(layout, work, sw, work.scoring_passes)
+
+
+def critic_passes(layout: PlannedLayout, work: Workload, sw: Switches) -> Passes:
+    """PPO's critic: one value pass over the batch and the actor's updates."""
+    return _passes(layout, work, sw, 1)
+
+
+def _tp_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, p: Passes) -> float:
     m, t = cfg.model, layout.tp
     e = DTYPE_BYTES[m.dtype_on(True)]
     x = work.micro_batch_tokens * m.hidden_size * e
@@ -96,7 +110,7 @@ def _tp_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload
     return tp + etp_bytes
 
 
-def _ep_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, p: _Passes) -> float:
+def _ep_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, p: Passes) -> float:
     m, ep = cfg.model, layout.ep
     e = DTYPE_BYTES[m.dtype_on(True)]
     tokens = work.micro_batch_tokens / layout.tp
@@ -123,9 +137,10 @@ def _dp_bytes(rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switche
 
 
 def traffic(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
-            sampler_weights_bytes: int, hw: Hardware) -> list[Traffic]:
-    """Per-step traffic of `rank` by family, with link and seconds."""
-    p = _passes(cfg, layout, work, sw)
+            sampler_weights_bytes: int, hw: Hardware, passes: Passes | None = None) -> list[Traffic]:
+    """Per-step traffic of `rank` by family, with link and seconds, for the actor's passes
+    (or `passes`: the critic's)."""
+    p = passes or actor_passes(layout, work, sw)
     g = rank.groups
     out = []
     tp = _tp_bytes(cfg, rank, layout, work, p)

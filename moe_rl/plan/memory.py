@@ -1,14 +1,13 @@
 """Each distinct rank's GPU memory by kind, and its peak in the two phases of a step.
 
-Model state comes from megatron's own buffers (`moe_rl.learner.meta`): parameters as built,
-the DDP gradient buffers (fp32: the learner reduces gradients in fp32), and the optimizer:
-Adam's two fp32 moments per parameter element plus an fp32 main copy of every non-fp32
-(bf16) parameter (megatron's Float16Optimizer / DistributedOptimizer; an fp32 model is
-its own main copy). Under the distributed optimizer each rank keeps only its data-parallel
-shard of those (dense weights over the DP group, experts over the expert-DP group), and
-parameters and gradients sit in megatron's padded buffers. CPU offload moves a fraction of
-the optimizer's part to host memory (megatron's HybridDeviceOptimizer; it needs the
+Model state comes from megatron's own buffers (`model_state`). CPU offload moves a fraction
+of the optimizer's part to host memory (megatron's HybridDeviceOptimizer; it needs the
 distributed optimizer).
+
+PPO's critic (`rl.advantage: gae`, `critic`): its parameters, gradients and optimizer
+states sit beside the actor's in both phases (offloaded as the actor's are), its fp8 weight
+caches join the update, and since the two updates run one after the other the update phase
+holds the larger of the actor's activations + logits and the critic's activations.
 
 fp8 (Transformer Engine): the weights stay bf16; each GEMM weight gets an fp8 copy and its
 transpose, cached across micro-batches (2 bytes per GEMM weight element; the scaling state
@@ -28,16 +27,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moe_rl.config import Config
-from moe_rl.plan.activations import logits_bytes, stage_activation_bytes
+from moe_rl.plan.activations import DTYPE_BYTES, logits_bytes, stage_activation_bytes
+from moe_rl.plan.critic import (
+    critic_state,
+    has_critic,
+    value_head_activation_bytes,
+    value_head_numel,
+)
 from moe_rl.plan.hardware import GIB, Hardware
+from moe_rl.plan.model_state import model_state
 from moe_rl.plan.sampler import SamplerMemory
 from moe_rl.plan.workload import PlannedLayout, Workload
 
 if TYPE_CHECKING:  # the meta-device build imports megatron; these modules need only its type
     from moe_rl.learner.meta import MetaRank
 
-ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-MAIN_BYTES = 4  # fp32 main copy of a bf16 parameter
 GEMM_KINDS = ("attention", "dense_mlp", "shared_experts", "routed_experts")
 
 
@@ -58,32 +62,6 @@ class Switches:
             recompute=cfg.model.recompute == "full",
             sleep=cfg.sampler.sleep_between_steps,
         )
-
-
-@dataclass(frozen=True)
-class ModelState:
-    params: int
-    grads: int
-    optimizer: int
-    """Optimizer bytes before any offload."""
-
-
-def model_state(rank: MetaRank, distributed: bool) -> ModelState:
-    """Bytes of parameters, gradients and optimizer states on `rank` (exact from megatron's
-    buffers; the meta build lays them out for the distributed optimizer, and without it
-    megatron's buffers are unpadded, so both variants are exact)."""
-    if distributed:
-        return ModelState(
-            params=sum(b.param_buffer_bytes for b in rank.buffers),
-            grads=sum(b.grad_bytes for b in rank.buffers),
-            optimizer=sum(MAIN_BYTES * b.shard_low_precision_numel + ADAM_BYTES * b.shard_numel
-                          for b in rank.buffers),
-        )
-    return ModelState(
-        params=rank.param_bytes,
-        grads=sum(b.params_numel * b.grad_elem_bytes for b in rank.buffers),
-        optimizer=sum(MAIN_BYTES * b.low_precision_numel + ADAM_BYTES * b.params_numel for b in rank.buffers),
-    )
 
 
 def routing_record_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload) -> int:
@@ -130,6 +108,24 @@ def _variants(rank: MetaRank, acts: dict[bool, int]) -> dict[str, int]:
     }
 
 
+def _critic_kinds(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
+                  actor_activations: int, actor_fp8: int) -> tuple[dict[str, int], int]:
+    """The critic's GPU bytes by kind on `rank` (`moe_rl.plan.critic`) and its optimizer
+    bytes offloaded to the host (the actor's offload fraction)."""
+    head = value_head_numel(cfg, rank, layout.pp)
+    state = critic_state(rank, sw.distributed_optimizer, layout.dp, head)
+    offloaded = int(state.optimizer * sw.offload_fraction)
+    e = DTYPE_BYTES[cfg.model.dtype_on(True)]
+    value_head = value_head_activation_bytes(work.micro_batch_tokens, cfg.model.hidden_size, e, layout.tp)
+    return {
+        "critic_params": state.params,
+        "critic_grads": state.grads,
+        "critic_optimizer_states": state.optimizer - offloaded,
+        "critic_fp8_extra": actor_fp8,  # the same GEMM weights (the output layer is none of them)
+        "critic_activations": actor_activations + (value_head if head else 0),
+    }, offloaded
+
+
 def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sampler: SamplerMemory,
                 hw: Hardware, sw: Switches) -> RankMemory:
     m = cfg.model
@@ -142,26 +138,33 @@ def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Worklo
     colocated = int(layout.learners == layout.world)  # else engines have GPUs of their own
     offloaded = int(state.optimizer * sw.offload_fraction)
     gemm = sum(rank.params_by_kind[k] for k in GEMM_KINDS)
+    fp8 = 2 * gemm if m.fp8 != "none" else 0
+    critic, critic_offloaded = (_critic_kinds(cfg, rank, layout, work, sw, acts[sw.recompute], fp8)
+                                if has_critic(cfg) else ({}, 0))
     kinds = {
         "params": state.params,
         "grads": state.grads,
         "optimizer_states": state.optimizer - offloaded,
         "reference_model": rank.param_bytes if cfg.rl.kl_coef > 0 else 0,
-        "fp8_extra": 2 * gemm if m.fp8 != "none" else 0,
+        "fp8_extra": fp8,
         "activations": acts[sw.recompute],
         "logits": logits_bytes(m, micro_batch=work.micro_batch, seq_len=work.seq_len,
                                response_tokens=work.response_tokens, tp=layout.tp,
                                chunk_tokens=cfg.parallel.logprob_chunk_tokens) if last else 0,
+        **critic,
         **_sampler_kinds(sampler, colocated),
         "reserve": int(hw.reserve_gib * GIB),
     }
-    static = kinds["params"] + kinds["grads"] + kinds["optimizer_states"] + kinds["reference_model"] + kinds["reserve"]
+    k = lambda kind: kinds.get(kind, 0)  # noqa: E731  (the critic's kinds exist only with a critic)
+    trained = ("grads", "optimizer_states", "critic_grads", "critic_optimizer_states")
+    static = sum(k(kind) for kind in ("params", "critic_params", "reference_model", "reserve", *trained))
     # optimizer.offload_during_rollout: grads and optimizer states wait on the host while the engine samples
-    idle = kinds["grads"] + kinds["optimizer_states"] if cfg.optimizer.offload_during_rollout else 0
+    idle = sum(k(kind) for kind in trained) if cfg.optimizer.offload_during_rollout else 0
     rollout = static - idle + kinds["sampler_budget"]
-    update = (static + kinds["fp8_extra"] + kinds["activations"] + kinds["logits"]
-              + (0 if sw.sleep else kinds["sampler_budget"]))
-    host = {"optimizer_offload": offloaded, "offloaded_during_rollout": idle,
+    # the actor's and the critic's updates run one after the other: the larger pass is the peak
+    passes = max(k("activations") + k("logits"), k("critic_activations"))
+    update = static + k("fp8_extra") + k("critic_fp8_extra") + passes + (0 if sw.sleep else kinds["sampler_budget"])
+    host = {"optimizer_offload": offloaded + critic_offloaded, "offloaded_during_rollout": idle,
             "sleeping_sampler_weights": sampler.weights_bytes * colocated if sw.sleep else 0,
             "routing_record": routing_record_bytes(cfg, rank, layout, work)}
     return RankMemory(

@@ -18,12 +18,14 @@ from typing import Any
 
 from moe_rl.config import Config, ConfigError, ModelConfig, ParallelConfig
 from moe_rl.learner.meta import MetaRank, build_meta_ranks, model_param_counts
-from moe_rl.plan.comms import Traffic, traffic
+from moe_rl.plan.comms import Traffic, critic_passes, traffic
+from moe_rl.plan.critic import critic_gemm_params, critic_state, has_critic, value_head_numel
 from moe_rl.plan.hardware import Hardware
-from moe_rl.plan.memory import RankMemory, Switches, engine_memory, model_state, rank_memory
+from moe_rl.plan.memory import RankMemory, Switches, engine_memory, rank_memory
 from moe_rl.plan.model_source import ModelSource
+from moe_rl.plan.model_state import ModelState, model_state
 from moe_rl.plan.sampler import SamplerMemory, sampler_memory
-from moe_rl.plan.timing import learner_seconds, optimizer_seconds, rollout_seconds
+from moe_rl.plan.timing import critic_seconds, learner_seconds, optimizer_seconds, rollout_seconds
 from moe_rl.plan.workload import PlannedLayout, Workload, check_world, workload
 
 _BUILDS: dict[tuple[ModelConfig, ParallelConfig, int], list[MetaRank]] = {}
@@ -121,6 +123,32 @@ def _gemm_params(cfg: Config, by_kind: dict[str, int]) -> int:
     return active_params(cfg, by_kind) - (0 if tied else by_kind["embedding"])
 
 
+def _optimizer_seconds(states: list[ModelState], sw: Switches, work: Workload, hw: Hardware) -> float:
+    """The slowest rank's Adam steps per step."""
+    out = []
+    for state in states:
+        off = int(state.optimizer * sw.offload_fraction)
+        out.append(optimizer_seconds(state.optimizer - off, off, state.grads, state.params,
+                                     sw.offload_fraction, work.updates, hw))
+    return max(out)
+
+
+def _critic_times(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches, by_kind: dict[str, int],
+                  metas: list[MetaRank], hw: Hardware) -> dict[str, float]:
+    """PPO's critic (`moe_rl.plan.critic`): its compute, its traffic (the slowest rank's TP,
+    EP, PP and DP for its passes) and its Adam steps."""
+    gemm = critic_gemm_params(active_params(cfg, by_kind), by_kind)
+    times = critic_seconds(cfg, layout, work, gemm, sw.recompute, hw)
+    passes = critic_passes(layout, work, sw)
+    times["critic_comms"] = max(
+        sum(t.seconds for t in traffic(cfg, r, layout, work, sw, 0, hw, passes) if t.family != "weight_sync")
+        for r in metas)
+    states = [critic_state(r, sw.distributed_optimizer, layout.dp, value_head_numel(cfg, r, layout.pp))
+              for r in metas]
+    times["critic_optimizer"] = _optimizer_seconds(states, sw, work, hw)
+    return times
+
+
 def _times(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches, by_kind: dict[str, int],
            sampler: SamplerMemory, metas: list[MetaRank], traffic_: list[list[Traffic]], hw: Hardware) -> dict[str, float]:
     gemm = _gemm_params(cfg, by_kind)
@@ -128,13 +156,9 @@ def _times(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches, by_
              **learner_seconds(cfg, layout, work, gemm, sw.recompute, hw)}
     for family in ("tp", "ep", "pp", "dp"):
         times[family] = max(next(t.seconds for t in ts if t.family == family) for ts in traffic_)
-    opt = []
-    for meta in metas:
-        state = model_state(meta, sw.distributed_optimizer)
-        off = int(state.optimizer * sw.offload_fraction)
-        opt.append(optimizer_seconds(state.optimizer - off, off, state.grads, state.params,
-                                     sw.offload_fraction, work.updates, hw))
-    times["optimizer"] = max(opt)
+    times["optimizer"] = _optimizer_seconds([model_state(m, sw.distributed_optimizer) for m in metas], sw, work, hw)
+    if has_critic(cfg):
+        times.update(_critic_times(cfg, layout, work, sw, by_kind, metas, hw))
     times["weight_sync"] = max(next(t.seconds for t in ts if t.family == "weight_sync") for ts in traffic_)
     times["total"] = sum(times.values())
     return times

@@ -2,7 +2,8 @@
 
 JSON keys that scripts and tests rely on: `params_total`, `params_active` (ints), `fits`
 (bool), `phases` (`rollout` / `update`: peak bytes and fits), and `ranks`, one entry per
-distinct rank with `memory_bytes` by kind; the rest (traffic, times, suggestions) is there
+distinct rank with `memory_bytes` by kind (the `critic_*` kinds only when `critic` is true:
+PPO's value model, `rl.advantage: gae`); the rest (traffic, times, suggestions) is there
 for reading. All memory in bytes, times in seconds.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from moe_rl.plan.critic import has_critic
 from moe_rl.plan.hardware import GIB
 from moe_rl.plan.planner import Plan
 from moe_rl.plan.verdict import Suggestion
@@ -45,6 +47,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict[str, Any]:
         "hardware": vars(plan.hw),
         "workload": vars(plan.work),
         "switches": vars(plan.switches),
+        "critic": has_critic(plan.cfg),
         "sampler": {**vars(plan.sampler), "concurrency": plan.sampler.concurrency, "starts": plan.sampler.starts},
         "ranks": [{
             "rank": r.rank, "stage_ranks": list(r.stage_ranks), "pp_rank": r.pp_rank,
@@ -90,9 +93,12 @@ def _setup_lines(plan: Plan) -> list[str]:
                                   ("sleeping sampler", sw.sleep)) if flag]
     if sw.offload_fraction:
         on.append(f"optimizer offload {sw.offload_fraction:g}")
+    critic = (["critic (rl.advantage=gae): the actor's layers at its layout, output layer frozen (weights kept), "
+               "a value head, its own Adam; its update after the actor's"] if has_critic(plan.cfg) else [])
     return [
         f"layout: {plan.layout.describe()} on {hw.nodes} node(s) of {hw.gpus_per_node} x {hw.gpu_memory_gib:g} GiB"
         + (f"; {', '.join(on)}" if on else ""),
+        *critic,
         f"step: {w.sequences} sequences of {w.prompt_tokens} prompt + {w.response_tokens} response tokens; "
         f"micro-batch {w.micro_batch} x {w.seq_len} tokens, {w.micro_batches} per update, {w.updates} update(s)",
         f"rollout: {w.engines} engine(s) at TP{w.rollout_tp}, {s.sequences_per_engine} sequences each; batch KV cache "
@@ -101,6 +107,7 @@ def _setup_lines(plan: Plan) -> list[str]:
 
 
 _KIND_ROWS = ("params", "grads", "optimizer_states", "reference_model", "fp8_extra", "activations", "logits",
+              "critic_params", "critic_grads", "critic_optimizer_states", "critic_fp8_extra", "critic_activations",
               "sampler_weights", "kv_cache", "sampler_budget", "reserve")
 
 
@@ -110,12 +117,15 @@ def _memory_lines(plan: Plan) -> list[str]:
         f"{('engine ' if r.pp_rank < 0 else 'rank ') + _ranks_text(r.stage_ranks):>14}" for r in ranks)
     lines = [head]
     for kind in _KIND_ROWS:
-        if any(r.kinds[kind] for r in ranks):
-            lines.append(f"  {kind:<32}" + "".join(f"{_gib(r.kinds[kind]):>14}" for r in ranks))
+        if any(r.kinds.get(kind, 0) for r in ranks):  # critic_* only with a critic
+            lines.append(f"  {kind:<32}" + "".join(f"{_gib(r.kinds.get(kind, 0)):>14}" for r in ranks))
     lines.append(f"  {'= rollout phase':<32}" + "".join(f"{_gib(r.rollout):>14}" for r in ranks))
     lines.append(f"  {'= update phase':<32}" + "".join(f"{_gib(r.update):>14}" for r in ranks))
     lines.append("  (sampler_weights and kv_cache are inside sampler_budget; the update phase "
                  + ("frees it: sleeping sampler)" if plan.switches.sleep else "keeps it: no sleep)"))
+    if has_critic(plan.cfg):
+        lines.append("  (the critic's update runs after the actor's: the update phase holds the larger of "
+                     "activations + logits and critic_activations)")
     for kind in ("optimizer_offload", "sleeping_sampler_weights", "routing_record"):
         if any(r.host[kind] for r in ranks):
             lines.append(f"  {'host: ' + kind:<32}" + "".join(f"{_gib(r.host[kind]):>14}" for r in ranks))
@@ -153,12 +163,13 @@ def _time_lines(plan: Plan) -> list[str]:
              f"{plan.hw.mfu:.0%} of peak, links at {plan.hw.bandwidth_efficiency:.0%})"]
     if not math.isfinite(total):
         lines.append("  (no rollout estimate: the engine cannot start)")
+    width = max(18, *(len(part) + 1 for part in t))  # the critic's parts have longer names
     for part, secs in t.items():
         if part != "total" and math.isfinite(secs):
             share = f"  {secs / total:6.1%}" if math.isfinite(total) and total else ""
-            lines.append(f"  {part:<18}{secs:10.2f}{share}")
+            lines.append(f"  {part:<{width}}{secs:10.2f}{share}")
     if math.isfinite(total):
-        lines.append(f"  {'total':<18}{total:10.2f}")
+        lines.append(f"  {'total':<{width}}{total:10.2f}")
     lines.append("traffic per step, rank " + _ranks_text(plan.ranks[0].stage_ranks)
                  + ": " + ", ".join(f"{x.family} {x.bytes_per_rank / GB:.1f} GB ({x.link})" for x in plan.traffic[0]))
     return lines

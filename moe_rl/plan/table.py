@@ -6,8 +6,10 @@ vLLM's budget sized to what the learner leaves), and the fastest one that fits i
     python -m moe_rl.plan.table --config examples/gpu/qwen3_30b_a3b.yaml --gpus 8 16 64 \\
         --models-dir /tmp/plan_models > /tmp/table.md
 
-The step is the recipe's (prompts, G, response length, precision); `--models-dir` receives
-the published config.json files (`moe_rl.plan.published`), which is all a plan needs.
+The step is the recipe's (prompts, G, response length, precision), with any `section.key=value`
+overrides (`rl.advantage=gae`: PPO, the actor and its critic on the same GPUs; `--models`
+restricts the rows); `--models-dir` receives the published config.json files
+(`moe_rl.plan.published`), which is all a plan needs.
 DeepSeek-V3 and Kimi-K2 are left out: they need hundreds of GPUs (PP=1, since their 61
 layers do not split into equal stages), so every cell of these GPU counts would read "does
 not fit"; examples/gpu/deepseek_v3.yaml states their plans.
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 
 from moe_rl.cli import cpu_environment, run_guarded
 from moe_rl.config import Config, ConfigError, load_recipe
+from moe_rl.plan.critic import has_critic
 from moe_rl.plan.hardware import GIB, Hardware
 from moe_rl.plan.memory import Switches
 from moe_rl.plan.published import CONFIGS, write_config_dir
@@ -110,10 +113,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m moe_rl.plan.table", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="the recipe whose RL step is planned")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides of the recipe")
+    ap.add_argument("--models", nargs="+", choices=TABLE_MODELS, default=list(TABLE_MODELS),
+                    help="the published models to plan (default: all)")
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 64])
     ap.add_argument("--models-dir", required=True, help="where to write the published config.json files")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may sit between the flags
     sys.exit(run_guarded("python -m moe_rl.plan.table", lambda: _table(args)))
 
 
@@ -121,11 +127,14 @@ def _table(args: argparse.Namespace) -> int:
     """Print the table, a row as soon as it is planned (a bad recipe: ConfigError)."""
     from moe_rl.plan.model_source import resolve_model
 
-    rows = ["| model | " + " | ".join(f"{g} x H100" for g in args.gpus) + " |",
-            "|---|" + "---|" * len(args.gpus)]
-    for name in TABLE_MODELS:
+    rows = []
+    for name in args.models:
         directory = write_config_dir(name, f"{args.models_dir}/{name}")
-        source = resolve_model(load_recipe(args.config, [f"run.init_checkpoint={directory}"])[0])
+        source = resolve_model(load_recipe(args.config, [f"run.init_checkpoint={directory}", *args.overrides])[0])
+        if not rows:
+            what = "model (PPO: actor + critic)" if has_critic(source.cfg) else "model"
+            rows += [f"| {what} | " + " | ".join(f"{g} x H100" for g in args.gpus) + " |",
+                     "|---|" + "---|" * len(args.gpus)]
         cells = [cell(best_plan(source, Hardware(gpus=g), args.prompt_tokens)) for g in args.gpus]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)

@@ -13,6 +13,9 @@ one step per generated token for every running sequence, bound by the larger of 
 rank's weight shard plus the running sequences' KV cache from HBM and its FLOPs, plus the
 engine's tensor-parallel all-reduces; a KV cache smaller than the batch needs means more
 waves of decoding.
+
+PPO's critic (`rl.advantage: gae`): one forward over the batch for the values and the
+actor's update passes, at the actor's FLOPs less the output layer's GEMM (`critic_seconds`).
 """
 
 from __future__ import annotations
@@ -36,18 +39,38 @@ def _peak(cfg: Config, hw: Hardware) -> float:
     return (hw.fp8_tflops if cfg.model.fp8 != "none" else hw.bf16_tflops) * TERA * hw.mfu
 
 
+def _forward_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_params: int, hw: Hardware) -> float:
+    """One forward pass over the step's batch, per rank, with `gemm_params` GEMM weights."""
+    s = work.seq_len
+    tokens = work.sequences * s
+    gemm_peak, attn_peak = _peak(cfg, hw), hw.bf16_tflops * TERA * hw.mfu
+    return tokens * (2.0 * gemm_params / gemm_peak + attention_flops_per_token(cfg, s) / attn_peak) / layout.learners
+
+
+def _update_factor(cfg: Config, layout: PlannedLayout, work: Workload, recompute: bool) -> float:
+    """The update's cost in forward passes: backward 2x, recompute one more forward, every
+    epoch, and the 1F1B bubble."""
+    bubble = 1 + (layout.pp - 1) / work.micro_batches
+    return (3 + (1 if recompute else 0)) * cfg.rl.epochs * bubble
+
+
 def learner_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_params: int, recompute: bool,
                     hw: Hardware) -> dict[str, float]:
     """Seconds per step of the scoring passes and the update passes (fwd + bwd), per rank."""
-    s = work.seq_len
-    fwd_gemm = 2.0 * gemm_params
-    fwd_attn = attention_flops_per_token(cfg, s)
-    tokens = work.sequences * s
-    gemm_peak, attn_peak = _peak(cfg, hw), hw.bf16_tflops * TERA * hw.mfu
-    fwd_seconds = tokens * (fwd_gemm / gemm_peak + fwd_attn / attn_peak) / layout.learners
-    bubble = 1 + (layout.pp - 1) / work.micro_batches
-    update_factor = (3 + (1 if recompute else 0)) * cfg.rl.epochs * bubble
-    return {"scoring": work.scoring_passes * fwd_seconds, "update_compute": update_factor * fwd_seconds}
+    fwd_seconds = _forward_seconds(cfg, layout, work, gemm_params, hw)
+    return {"scoring": work.scoring_passes * fwd_seconds,
+            "update_compute": _update_factor(cfg, layout, work, recompute) * fwd_seconds}
+
+
+def critic_seconds(cfg: Config, layout: PlannedLayout, work: Workload, critic_gemm_params: int, recompute: bool,
+                   hw: Hardware) -> dict[str, float]:
+    """PPO's critic per step, per rank: one forward pass over the batch for the values and the
+    actor's update passes, at the actor's FLOPs less the output layer's GEMM (the critic's
+    value head, a [h] dot product per token, is left out: 2h FLOPs against ~2 x active
+    parameters; `moe_rl.plan.critic`)."""
+    fwd_seconds = _forward_seconds(cfg, layout, work, critic_gemm_params, hw)
+    return {"critic_scoring": fwd_seconds,
+            "critic_update_compute": _update_factor(cfg, layout, work, recompute) * fwd_seconds}
 
 
 def rollout_seconds(cfg: Config, work: Workload, gemm_params: int, sampler: SamplerMemory,

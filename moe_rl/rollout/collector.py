@@ -252,6 +252,7 @@ class RolloutCollector:
             wake()
 
     def close(self) -> None:
+        self.weight_sync.finish()  # (the last push's sends, before the process groups go)
         if self.sampler is not None:
             self.sampler.close()
             self.sampler = None

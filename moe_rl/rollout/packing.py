@@ -11,6 +11,7 @@ import torch
 from moe_rl.advantages import compute_advantages, filter_groups, overlong_penalty
 from moe_rl.batch import TokenBatch, ragged_rows
 from moe_rl.config import Config
+from moe_rl.ppo import SCORE
 from moe_rl.rollout.types import GroupSummary, RowSample
 from moe_rl.routing.record import ReplayIds, align_sampler_routing
 from moe_rl.step_batch import StepBatch
@@ -23,7 +24,10 @@ class StepPlan:
     rewards_NG: torch.Tensor
     """[N, G] verifier rewards of the kept groups."""
     adv_NG: torch.Tensor
-    """[N, G] advantages (from the shaped rewards)."""
+    """[N, G] group advantages (from the shaped rewards); zeros under rl.advantage=gae,
+    whose token advantages the critic gives after the rollout (`moe_rl.ppo`)."""
+    scores_NG: torch.Tensor
+    """[N, G] the shaped rewards (verifier reward plus overlong shaping)."""
     seq_len: int
     """S: the longest prompt + response of the batch, rounded up to the TP size."""
     stats: dict[str, float]
@@ -42,11 +46,12 @@ def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, c
     shaped_NG = rewards_NG
     if cfg.rl.overlong_max_len:
         shaped_NG = rewards_NG + overlong_penalty(lengths_NG, cfg.rl.overlong_max_len, cfg.rl.overlong_cache)
-    adv_NG = compute_advantages(cfg.rl.advantage, shaped_NG)
+    gae = cfg.rl.advantage == "gae"
+    adv_NG = torch.zeros_like(shaped_NG) if gae else compute_advantages(cfg.rl.advantage, shaped_NG)
     longest = max(g.prompt_len + max(g.response_lens, default=0) for g in kept)
     tp = cfg.parallel.tensor_model_parallel_size
-    stats = rollout_stats(kept, drawn, draws, rewards_NG, lengths_NG, adv_NG)
-    return StepPlan(rewards_NG, adv_NG, -(-longest // tp) * tp, stats)
+    stats = rollout_stats(kept, drawn, draws, rewards_NG, lengths_NG, None if gae else adv_NG)
+    return StepPlan(rewards_NG, adv_NG, shaped_NG, -(-longest // tp) * tp, stats)
 
 
 def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -> tuple[StepBatch, torch.Tensor,
@@ -63,6 +68,7 @@ def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -
         sampler_logp_BT=ragged_rows([r.logprobs for r in rows], T),
         sampler_routing=sampler_routing(rows, tokens, row_ids, cfg),
         version_B=torch.tensor([r.version for r in rows], dtype=torch.long),
+        extras={SCORE: plan.scores_NG.flatten()[row_ids]} if cfg.rl.advantage == "gae" else {},
     )
     return batch, plan.rewards_NG.flatten()[row_ids], [r.text for r in rows]
 
@@ -78,10 +84,12 @@ def sampler_routing(rows: list[RowSample], tokens: TokenBatch, row_ids: torch.Te
 
 
 def rollout_stats(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, rewards_NG: torch.Tensor,
-                  lengths_NG: torch.Tensor, adv_NG: torch.Tensor) -> dict[str, float]:
+                  lengths_NG: torch.Tensor, adv_NG: torch.Tensor | None) -> dict[str, float]:
+    """The step's reward, length and sampling statistics (`advantage/abs_mean` of group
+    advantages; under GAE the critic stage logs it)."""
     all_rewards = torch.tensor([g.rewards for g in drawn], dtype=torch.float32)
     finish = [f for g in kept for f in g.finish]
-    return {
+    stats = {
         "reward/mean": float(rewards_NG.mean()),
         "reward/std": float(rewards_NG.std()) if rewards_NG.numel() > 1 else 0.0,
         "reward/solved_frac": float((rewards_NG == 1).float().mean()),
@@ -93,8 +101,10 @@ def rollout_stats(kept: list[GroupSummary], drawn: list[GroupSummary], draws: in
         "sampling/draws": float(draws),
         "sampling/groups": float(len(kept)),
         "sampling/groups_with_signal_frac": float(filter_groups(all_rewards).float().mean()),
-        "advantage/abs_mean": float(adv_NG.abs().mean()),
     }
+    if adv_NG is not None:
+        stats["advantage/abs_mean"] = float(adv_NG.abs().mean())
+    return stats
 
 
 def staleness_stats(kept: list[GroupSummary], current: int, dropped_groups: int, G: int) -> dict[str, float]:

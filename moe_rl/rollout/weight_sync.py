@@ -13,7 +13,13 @@ The caller never branches on the placement; the factory does, once:
 - `BroadcastSync` (separate placement, world > 1): global rank 0 assembles them and
   broadcasts each bucket (its names, shapes and dtypes first, then the tensors) over a group
   of itself and the engine ranks, which load it into their engines; an announcement without
-  tensors ends the sync and names the version.
+  tensors ends the sync and names the version. The sends are asynchronous, from staged
+  copies of the tensors (on a GPU: queued on the current stream, sent from NCCL's): the
+  learner does not wait for the engines, which are generating the next batch under
+  `rl.max_staleness`. An engine applies the weights at its batch boundary, when it calls
+  `receive` between one step's batch and the next (vLLM has no requests in flight then);
+  the learner's next push first waits for the previous one's sends to drain
+  (`sync/drain_wait_seconds`), so at most one staged copy exists.
 
 The learner's stream (`moe_rl.learner.export.hf_named_tensors`) runs collectives while it
 is iterated, so every learner rank iterates it to the end and hands its engine one bucket
@@ -29,6 +35,7 @@ later be tagged with the weights that sampled them.
 
 from __future__ import annotations
 
+import pickle
 import re
 import time
 from abc import ABC, abstractmethod
@@ -116,10 +123,49 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+class InFlight:
+    """Asynchronous broadcasts a push has issued and the staged buffers they read: the
+    learner goes on while they drain, and the next push (or the end of the run) waits."""
+
+    def __init__(self) -> None:
+        self.works: list[Any] = []
+        self.buffers: list[torch.Tensor] = []  # alive until their broadcast completes
+
+    def add(self, work: Any, buffer: torch.Tensor) -> None:
+        self.works.append(work)
+        self.buffers.append(buffer)
+
+    def wait(self) -> float:
+        """Block until every broadcast has completed; the seconds it took."""
+        t0 = time.perf_counter()
+        for work in self.works:
+            work.wait()
+        self.works, self.buffers = [], []
+        return time.perf_counter() - t0
+
+
+def _staged(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A copy of `t` on `dev` that the next update cannot change while it is in flight (on a
+    GPU the copy is queued on the current stream, which the collective's stream waits for)."""
+    return t.detach().to(dev, copy=True).contiguous()
+
+
+def _meta_tensors(payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+    return torch.tensor([data.numel()], dtype=torch.int64), data
+
+
+def _send(t: torch.Tensor, group: object, inflight: InFlight) -> None:
+    inflight.add(dist.broadcast(t, src=0, group=group, async_op=True), t)
+
+
 def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: object, send: bool,
-                      version: int) -> SyncReport:
+                      version: int, inflight: InFlight) -> SyncReport:
     """Drain `named_tensors`; with `send` (global rank 0), broadcast every bucket over
-    `group` to the engine ranks (`receive_buckets`). Collective over `group` for the sender."""
+    `group` to the engine ranks (`receive_buckets`) without waiting for them: each bucket's
+    names, shapes and dtypes, then its tensors (staged copies), then an end mark naming the
+    version, all issued asynchronously into `inflight`. An engine takes them when it next
+    calls `receive_buckets`, at its batch boundary."""
     report, t0 = SyncReport(version), time.perf_counter()
     for bucket in layer_buckets(named_tensors, bucket_bytes):
         report.buckets += 1
@@ -127,15 +173,24 @@ def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: obj
         if send:
             with bridge():
                 dev = _device()
-                metas = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
-                dist.broadcast_object_list([(version, metas)], src=0, group=group)
+                for t in _meta_tensors((version, [(n, tuple(t.shape), t.dtype) for n, t in bucket])):
+                    _send(t.to(dev), group, inflight)
                 for _, t in bucket:
-                    dist.broadcast(t.to(dev).contiguous(), src=0, group=group)
+                    _send(_staged(t, dev), group, inflight)
     if send:
         with bridge():
-            dist.broadcast_object_list([(version, None)], src=0, group=group)
+            for t in _meta_tensors((version, None)):
+                _send(t.to(_device()), group, inflight)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _receive_meta(group: object, dev: torch.device) -> Any:
+    size = torch.empty(1, dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.empty(int(size), dtype=torch.uint8, device=dev)
+    dist.broadcast(data, src=0, group=group)
+    return pickle.loads(data.cpu().numpy().tobytes())  # (from global rank 0 of this run)
 
 
 def receive_buckets(group: object, load: Callable[[Bucket], None]) -> SyncReport:
@@ -143,12 +198,10 @@ def receive_buckets(group: object, load: Callable[[Bucket], None]) -> SyncReport
     report, t0 = SyncReport(), time.perf_counter()
     while True:
         with bridge():
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=group)
-            report.version, metas = box[0]
+            dev = _device()
+            report.version, metas = _receive_meta(group, dev)
             if metas is None:
                 break
-            dev = _device()
             bucket = []
             for name, shape, dtype in metas:
                 t = torch.empty(shape, dtype=dtype, device=dev)
@@ -176,6 +229,8 @@ class WeightSynchronizer(ABC):
         self.engine: Sampler | None = None
         self.held_version: int | None = None
         """The version this rank's engine holds; None: the weights it started from."""
+        self.last_drain_seconds = 0.0
+        """How long the previous push's asynchronous sends still took when this push began."""
 
     def attach(self, engine: Sampler | None) -> None:
         """This rank's engine (None on a learner-only rank), once it has started."""
@@ -193,7 +248,7 @@ class WeightSynchronizer(ABC):
         if self.engine is not None:
             self.held_version = version
         mine = {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
-                "sync/bytes_sent": float(traffic.bytes_sent)}
+                "sync/bytes_sent": float(traffic.bytes_sent), "sync/drain_wait_seconds": self.last_drain_seconds}
         everyone = learner.all_gather_object(mine)
         per_rank = {f"{k}_rank{r}": v for r, m in enumerate(everyone) if len(everyone) > 1 for k, v in m.items()
                     if k in ("sync/seconds", "sync/bytes_received")}
@@ -202,6 +257,9 @@ class WeightSynchronizer(ABC):
     def receive(self) -> SyncReport:
         """An engine-only rank's side (separate placement): load the weights rank 0 pushes."""
         raise RuntimeError(f"{type(self).__name__} has no engine-only ranks: every rank pushes")
+
+    def finish(self) -> None:  # noqa: B027 (a synchronizer without asynchronous sends has nothing to wait for)
+        """Wait for anything a push left in flight (before the process groups go away)."""
 
     @abstractmethod
     def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
@@ -230,10 +288,15 @@ class BroadcastSync(WeightSynchronizer):
     def __init__(self, placement: EnginePlacement, bucket_bytes: int) -> None:
         super().__init__(placement, bucket_bytes)
         self.group = placement.weights_group()  # collective: every rank creates it here
+        self.inflight = InFlight()
 
     def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
         send = self.placement.rank == 0
-        return broadcast_buckets(named_tensors, self.bucket_bytes, self.group, send, version)
+        self.last_drain_seconds = self.inflight.wait()  # (one staged copy of the weights at a time)
+        return broadcast_buckets(named_tensors, self.bucket_bytes, self.group, send, version, self.inflight)
+
+    def finish(self) -> None:
+        self.inflight.wait()
 
     def receive(self) -> SyncReport:
         report = receive_buckets(self.group, self._load)

@@ -1,0 +1,70 @@
+"""The `critic` section: PPO's learned value function (read when `rl.advantage: gae`).
+
+The critic is the actor's architecture at the actor's parallel layout with a scalar value
+head in place of the output layer (`moe_rl.learner.critic`). It shares the `optimizer`
+section's Adam settings (betas, eps, weight decay, gradient clip) and has its own learning
+rate; its schedule is constant after `lr_warmup_steps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moe_rl.config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """PPO's value model: learning rate, warm-up, starting weights and value clip."""
+
+    lr: float = 1e-5
+    """The critic's learning rate (its own Adam; the other Adam knobs are optimizer.*)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up of the critic's learning rate, in critic updates."""
+    warmup_steps: int = 0
+    """Critic warm-up: the first N RL steps train the critic only (the actor is not
+    updated, so its rollouts stay on-policy while the values catch up)."""
+    init_checkpoint: str = ""
+    """The critic's starting transformer (a moe_rl checkpoint or a Hugging Face directory);
+    empty: the actor's starting checkpoint (run.init_checkpoint). The value head starts at
+    zero either way, so the first values are 0 and the first advantages are the returns."""
+    value_clip: float = 0.2
+    """c of the clipped value loss 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)."""
+    epochs: int = 1
+    """Passes of the critic over each step's batch, each in rl.num_minibatches reshuffled
+    mini-batches (verl's critic ppo_epochs): a value function fits more slowly than the
+    policy moves. The actor makes rl.epochs passes."""
+    value_loss_coef: float = 1.0
+    """Scale of the value loss (the critic has its own optimizer, so this scales its
+    gradient before Adam normalises it: it matters with gradient clipping)."""
+
+
+def validate_critic(cfg: Any) -> None:
+    """The critic section's ranges, and the PPO settings of the rl section (`Any`: sections.py
+    imports this module, so it cannot import `Config`)."""
+    c, rl = cfg.critic, cfg.rl
+    if c.lr <= 0:
+        raise ConfigError(f"critic.lr must be > 0, got {c.lr}")
+    if c.value_clip <= 0:
+        raise ConfigError(f"critic.value_clip must be > 0, got {c.value_clip}")
+    if c.value_loss_coef <= 0:
+        raise ConfigError(f"critic.value_loss_coef must be > 0, got {c.value_loss_coef}")
+    if c.epochs < 1:
+        raise ConfigError(f"critic.epochs must be >= 1, got {c.epochs}")
+    if c.warmup_steps < 0 or c.lr_warmup_steps < 0:
+        raise ConfigError("critic.warmup_steps and critic.lr_warmup_steps must be >= 0")
+    if not 0 <= rl.gae_gamma <= 1 or not 0 <= rl.gae_lambda <= 1:
+        raise ConfigError(f"rl.gae_gamma and rl.gae_lambda must be in [0, 1], got {rl.gae_gamma} and {rl.gae_lambda}")
+    if rl.advantage != "gae":
+        if rl.kl_in_reward:
+            raise ConfigError("rl.kl_in_reward puts the KL penalty in GAE's per-token reward: it needs "
+                              "rl.advantage=gae (with group advantages the penalty goes in the loss: rl.kl_coef)")
+        return
+    if rl.kl_in_reward and rl.kl_coef <= 0:
+        raise ConfigError("rl.kl_in_reward=true needs rl.kl_coef > 0 (the weight of the per-token k1 in the reward)")
+    if rl.dynamic_sampling:
+        raise ConfigError("rl.dynamic_sampling drops groups with equal rewards, a GRPO-family fix for zero group "
+                          "advantages; with rl.advantage=gae every row has a signal: set rl.dynamic_sampling=false")
+    if c.warmup_steps >= cfg.run.steps:
+        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} leaves no actor update in run.steps={cfg.run.steps}")

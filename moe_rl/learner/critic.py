@@ -1,0 +1,112 @@
+"""PPO's critic: the actor's megatron-core architecture at the actor's layout, with a
+scalar value head in place of the output layer.
+
+    critic = Critic(cfg, layout, total_updates=n)
+    values_bT = critic.values(batch)                          # [b, T], no gradients
+    result = critic.update(batch, ValueLossFn(cfg), plan=None)   # one Adam step of its own
+
+Model. `Critic` is a `Learner` whose last stage, instead of log-probs, maps the final
+hidden state at each response token's scoring slot (the slot whose logits would score that
+token: the state before the token is generated) through `ValueHead`, h . w + b, both zero
+at the start (so the first values are 0). The output layer is still built by `GPTModel` but
+frozen and bypassed: no gradient, no optimizer state, never read; the value head is a
+parameter of the module DDP wraps (the optimizer, the grad buffer and `dist_checkpointing`
+see it), on the last pipeline stage only, replicated over TP: every TP rank computes the
+whole value from the gathered hidden states, so its gradient needs no TP reduction.
+
+Everything else is the learner's: micro-batching, packing, the pipeline schedule, its own
+megatron optimizer (learning rate `critic.lr`, constant after `critic.lr_warmup_steps`; the
+other Adam settings are `optimizer.*`). Its MoE routers route on their own (the trainer
+passes no routing plan). It is never converted for the sampler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from moe_rl.config import Config
+from moe_rl.learner.engine import Learner
+from moe_rl.learner.microbatch import MicroBatch
+from moe_rl.learner.output_head import scatter_masked, whole_sequence
+from moe_rl.learner.parallel import Layout
+from moe_rl.step_batch import StepBatch
+
+VALUE_HEAD = "value_head"
+"""The value head's module name in the critic's GPTModel (its checkpoint keys start so)."""
+
+
+class ValueHead(torch.nn.Module):
+    """V(h) = h . w + b for final hidden states h, computed in fp32; zero-initialised."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+
+    def forward(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        return hidden_NH.float() @ self.weight.float() + self.bias.float()
+
+
+class _ValueOutput:
+    """The critic's head: the output layer's forward passes the (gathered) hidden states
+    through, and `values` reads the value of every response token's scoring slot."""
+
+    chunk_tokens = 0  # (no entropy: the learner asks for it only of a chunked log-prob head)
+
+    def __init__(self, gpt: torch.nn.Module, sequence_parallel: bool) -> None:
+        self.gpt = gpt
+        layer = getattr(gpt, "output_layer", None)
+        if layer is not None:  # (the last pipeline stage)
+            layer.forward = lambda h, weight=None, **kw: (whole_sequence(h, sequence_parallel), None)
+
+    @contextlib.contextmanager
+    def learner_pass(self) -> Iterator[None]:
+        yield
+
+    def values(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """[b, T] fp32 values at the response tokens (0 elsewhere); differentiable."""
+        flat_NH = output.reshape(-1, output.shape[-1])
+        mask_BT = mb.batch.response_mask().to(flat_NH.device)
+        index_N = mb.inp.logit_index_BT.to(flat_NH.device)[mask_BT]
+        return scatter_masked(getattr(self.gpt, VALUE_HEAD)(flat_NH[index_N]), mask_BT)
+
+
+def critic_config(cfg: Config) -> Config:
+    """The run config as the critic's learner reads it: the critic's learning rate, constant
+    after its own warm-up; every other optimizer setting is the actor's."""
+    c = cfg.critic
+    opt = dataclasses.replace(cfg.optimizer, lr=c.lr, min_lr=c.lr, lr_warmup_steps=c.lr_warmup_steps,
+                              lr_decay_style="constant")
+    return dataclasses.replace(cfg, optimizer=opt)
+
+
+class Critic(Learner):
+    """The value model (this rank's shard), its optimizer and schedule."""
+
+    def __init__(self, cfg: Config, layout: Layout, *, total_updates: int | None = None) -> None:
+        super().__init__(critic_config(cfg), layout, total_updates=total_updates)
+
+    def _prepare_model(self, gpt: torch.nn.Module) -> None:
+        layer = getattr(gpt, "output_layer", None)
+        if layer is None:
+            return
+        if layer.weight is not None and not gpt.share_embeddings_and_output_weights:
+            layer.weight.requires_grad_(False)  # bypassed: no gradient, no optimizer state
+        ref = next(p for p in gpt.parameters() if p.requires_grad)
+        gpt.add_module(VALUE_HEAD, ValueHead(self.cfg.model.hidden_size, ref.dtype, ref.device))
+
+    def _make_head(self) -> _ValueOutput:
+        return _ValueOutput(self.gpt, self.layout.sequence_parallel)
+
+    def _token_outputs(self, output: torch.Tensor, mb: MicroBatch,
+                       temperature: float) -> tuple[torch.Tensor, None]:
+        return self.head.values(output, mb), None
+
+    def values(self, batch: StepBatch) -> torch.Tensor:
+        """[b, T] fp32 values of this rank's rows at their response tokens (no gradients),
+        on every rank of the replica."""
+        return self.score(batch).logp_BT  # (the scoring pass's per-token output: here values)

@@ -1,0 +1,148 @@
+"""PPO with a learned critic (`rl.advantage: gae`): the critic's part of an RL step.
+
+    stage = CriticStage(cfg, layout, updates)            # the critic learner (moe_rl.learner.critic)
+    batch, metrics = stage.advantages(batch)            # values -> token rewards -> GAE -> whitening
+    ...                                                 # the actor's update reads batch.adv_B: [b, T]
+    metrics |= stage.update(batch, minibatches)         # the clipped value loss, the critic's own Adam
+
+Rewards and advantages (`moe_rl.gae`, the documents' formulas): the row's verifier score
+(after overlong shaping) sits on its last response token; with `rl.kl_in_reward` every
+response token also gets -kl_coef * k1, k1 = log pi_old - log pi_ref; GAE over the row's
+response tokens with `rl.gae_gamma` and `rl.gae_lambda`; returns = advantages + values;
+advantages whitened over every valid token of the step (all data-parallel ranks) when
+`rl.whiten_advantages`. Values are the critic's at the weights that start the step (the
+old values of the clipped value loss).
+
+Which objectives take the token advantages: every token-level one (grpo, which is PPO's
+clipped surrogate with token-mean aggregation, dr_grpo, dapo, cispo, sapo, gspo_token); the
+sequence-level ones (gspo, gmpo, rspo) need one advantage per sequence and are refused by
+the preflight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moe_rl.config import Config
+from moe_rl.gae import WHITEN_EPS, clipped_value_loss, gae, token_rewards
+from moe_rl.step_batch import StepBatch
+
+if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)
+    from moe_rl.learner import MicroBatch, MicroBatchLoss
+    from moe_rl.learner.parallel import Layout
+
+SCORE = "score_B"
+"""StepBatch.extras key: each row's sequence score (shaped reward), set by the rollout."""
+OLD_VALUES = "old_values_BT"
+"""StepBatch.extras key: the critic's values at the start of the step."""
+RETURNS = "returns_BT"
+"""StepBatch.extras key: GAE's returns, the value loss's targets."""
+
+
+class ValueLossFn:
+    """The critic's clipped value loss on one micro-batch, as the learner's `LossFn`:
+    value_loss_coef * 0.5 max((V - R)^2, (clip(V, V_old +- c) - R)^2), token-mean with the
+    whole mini-batch's token count (micro-batch contributions sum to it)."""
+
+    def __init__(self, cfg: Config) -> None:
+        from moe_rl.learner import MicroBatchLoss
+
+        self._result = MicroBatchLoss
+        self.clip = cfg.critic.value_clip
+        self.coef = cfg.critic.value_loss_coef
+
+    def __call__(self, values_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
+        rows = mb.step
+        mask_BT = rows.response_mask()
+        total = max(mb.totals.response_tokens, 1.0)
+        loss, clipfrac = clipped_value_loss(values_BT, rows.extras[OLD_VALUES], rows.extras[RETURNS], mask_BT,
+                                            self.clip, total_tokens=total)
+        n_mb = mask_BT.sum().double()
+        own = total / float(n_mb) if n_mb > 0 else 0.0  # contribution -> this micro-batch's token mean
+        metrics = {"critic/value_loss": loss.detach() * own, "critic/vf_clipfrac": clipfrac * own,
+                   "critic/values_pred_mean": (values_BT.detach() * mask_BT).sum() / n_mb.clamp(min=1)}
+        return self._result(self.coef * loss, metrics, n_mb)
+
+
+class CriticStage:
+    """PPO's critic within an RL step: its values, the step's token advantages, its update."""
+
+    def __init__(self, cfg: Config, layout: Layout, updates: int) -> None:
+        from moe_rl.learner.critic import Critic
+
+        self.cfg = cfg
+        self.critic = Critic(cfg, layout, total_updates=updates)
+        self.loss_fn = ValueLossFn(cfg)
+
+    def advantages(self, batch: StepBatch, gather: Callable[[Any], list[Any]]) -> tuple[StepBatch, dict[str, float]]:
+        """`batch` with [b, T] token advantages in `adv_B` and the critic's old values and
+        returns in its extras; `gather`: every data-parallel rank's object (for the step-wide
+        whitening and statistics)."""
+        rl = self.cfg.rl
+        mask_BT = batch.response_mask()
+        values_BT = self.critic.values(batch).double() * mask_BT
+        kl_BT = None
+        if rl.kl_in_reward:
+            kl_BT = (batch.old_logp_BT.double() - batch.ref_logp_BT.double()) * mask_BT
+        rewards_BT = token_rewards(batch.extras[SCORE], mask_BT, kl_BT, rl.kl_coef if rl.kl_in_reward else 0.0)
+        adv_BT, returns_BT = gae(rewards_BT, values_BT, mask_BT, rl.gae_gamma, rl.gae_lambda)
+        sums = gather(_moments(mask_BT, adv_BT, returns_BT, values_BT, kl_BT))
+        moments = torch.stack(sums).sum(dim=0)
+        metrics = _step_metrics(moments)
+        if rl.whiten_advantages:
+            adv_BT = whiten_with(adv_BT, mask_BT, moments[0], moments[1], moments[2])
+        extras = {**batch.extras, OLD_VALUES: values_BT.float(), RETURNS: returns_BT.float()}
+        return dataclasses.replace(batch, adv_B=adv_BT.float(), extras=extras), metrics
+
+    def update(self, batch: StepBatch, minibatches: list[torch.Tensor]) -> dict[str, float]:
+        """One critic update per mini-batch (this rank's rows of each); its metrics."""
+        out: list[dict[str, float]] = []
+        for rows in minibatches:
+            result = self.critic.update(batch.take(rows), self.loss_fn)
+            m = {k: v for k, v in result.metrics.items() if k.startswith("critic/")}
+            m.update({f"critic/{k}": result.metrics[k] for k in ("grad_norm", "lr")})
+            out.append(m)
+        return {k: sum(m[k] for m in out) / len(out) for k in out[0]} if out else {}
+
+
+def _moments(mask_BT: torch.Tensor, adv_BT: torch.Tensor, returns_BT: torch.Tensor, values_BT: torch.Tensor,
+             kl_BT: torch.Tensor | None) -> torch.Tensor:
+    """[10] fp64 sums over this rank's valid tokens: n, sum and sum of squares of the
+    advantages, the returns and the returns minus values, the sum of |adv| and of k1."""
+    m = mask_BT.to(torch.bool)
+    a, r, d = adv_BT[m], returns_BT[m], (returns_BT - values_BT)[m]
+    kl = kl_BT[m].sum() if kl_BT is not None else torch.zeros((), dtype=torch.float64)
+    return torch.stack([torch.tensor(float(m.sum()), dtype=torch.float64), a.sum(), (a * a).sum(),
+                        r.sum(), (r * r).sum(), d.sum(), (d * d).sum(), a.abs().sum(), values_BT[m].sum(), kl])
+
+
+def _variance(n: float, s: torch.Tensor, ss: torch.Tensor) -> float:
+    """Unbiased variance from a count, a sum and a sum of squares (0 below two samples)."""
+    return max(float(ss - s * s / n) / (n - 1), 0.0) if n > 1 else 0.0
+
+
+def _step_metrics(moments: torch.Tensor) -> dict[str, float]:
+    n = float(moments[0])
+    if n == 0:
+        return {}
+    var_r, var_d = _variance(n, moments[3], moments[4]), _variance(n, moments[5], moments[6])
+    return {"critic/values_mean": float(moments[8]) / n, "critic/returns_mean": float(moments[3]) / n,
+            "critic/explained_variance": 1.0 - var_d / var_r if var_r > 0 else float("nan"),
+            "advantage/abs_mean": float(moments[7]) / n, "critic/kl_in_reward_mean": float(moments[9]) / n}
+
+
+def whiten_with(adv_BT: torch.Tensor, mask_BT: torch.Tensor, n: torch.Tensor, s: torch.Tensor,
+                ss: torch.Tensor) -> torch.Tensor:
+    """`moe_rl.gae.masked_whiten` with the step-wide count, sum and sum of squares (every rank's
+    tokens): (A - mean) / sqrt(var + 1e-8), 0 at masked positions."""
+    count = float(n)
+    if count < 2:
+        return torch.zeros_like(adv_BT)
+    mean = s / count
+    var = torch.tensor(_variance(count, s, ss), dtype=torch.float64)
+    return torch.where(mask_BT.to(torch.bool), (adv_BT - mean) / torch.sqrt(var + WHITEN_EPS), 0.0)
+

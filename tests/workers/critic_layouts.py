@@ -1,0 +1,74 @@
+"""Worker for tests/test_ppo.py's layout test (run under torchrun).
+
+reference (1 process): a fresh tiny MoE -> checkpoint `ckpt0`; a critic started from it
+    (the value head then set to fixed values), its values of a fixed batch, one update of
+    the clipped value loss towards fixed returns, its values after.
+layouts (2 processes): the same at TP2, EP2 (data parallel 2) and PP2, from `ckpt0`.
+Results go to <out>/<mode>.pt.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from learner_utils import fixed_batch
+
+from moe_rl.config import load_config
+from moe_rl.learner.parallel import init_distributed, parallel_layout
+
+LAYOUTS = {
+    "tp2": ["parallel.tensor_model_parallel_size=2"],
+    "ep2": ["parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"],
+    "pp2": ["parallel.pipeline_model_parallel_size=2"],
+}
+# (as tests/workers/learner_layouts.py: a larger Adam eps keeps the first step a smooth function of g)
+BASE = ["rl.advantage=gae", "rl.objective=grpo", "parallel.micro_batch_size=4", "critic.lr=1e-2",
+        "optimizer.adam_eps=1e-3", "optimizer.clip_grad=0.5"]
+
+
+def set_head(gpt) -> None:
+    head = getattr(gpt, "value_head", None)
+    if head is None:  # (not the last pipeline stage)
+        return
+    with torch.no_grad():
+        # values of the size of rewards in [0, 1] (fp32 noise grows with them: ~2e-6 at |V| ~ 4)
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(11)) * 0.05)
+        head.bias.fill_(0.25)
+
+
+def critic_step(critic, cfg) -> dict:
+    from moe_rl.ppo import OLD_VALUES, RETURNS, ValueLossFn
+
+    tokens, _ = fixed_batch()
+    values = critic.score_whole(tokens).logp_BT  # (the critic's per-token output: its values)
+    returns = torch.randn(values.shape, generator=torch.Generator().manual_seed(12)) * tokens.response_mask()
+    update = critic.train_step(tokens, ValueLossFn(cfg), extras={OLD_VALUES: values, RETURNS: returns})
+    return {"values": values, "metrics": update, "grad_norm": update["grad_norm"],
+            "values_after": critic.score_whole(tokens).logp_BT}
+
+
+def main() -> None:
+    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.learner.critic import Critic
+    from moe_rl.learner.engine import Learner
+
+    mode, out = sys.argv[1], sys.argv[2]
+    rank, _ = init_distributed()
+    result = {}
+    for name, overrides in ({"reference": []} if mode == "reference" else LAYOUTS).items():
+        cfg = load_config(None, BASE + overrides)
+        with parallel_layout(cfg.parallel, seed=3) as layout:
+            if mode == "reference":
+                save_checkpoint(Learner(cfg, layout), f"{out}/ckpt0")
+            critic = Critic(cfg, layout)
+            load_checkpoint(critic, f"{out}/ckpt0", load_optimizer=False, optional=("value_head.",))
+            set_head(critic.gpt)
+            result[name] = critic_step(critic, cfg)
+    if rank == 0:
+        torch.save(result, f"{out}/{mode}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
