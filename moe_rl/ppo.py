@@ -29,6 +29,7 @@ import torch
 
 from moe_rl.config import Config
 from moe_rl.gae import WHITEN_EPS, clipped_value_loss, gae, token_rewards
+from moe_rl.metrics import combine
 from moe_rl.step_batch import StepBatch
 
 if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)
@@ -106,7 +107,7 @@ class CriticStage:
             m = {k: v for k, v in result.metrics.items() if k.startswith("critic/")}
             m.update({f"critic/{k}": result.metrics[k] for k in ("grad_norm", "lr")})
             out.append(m)
-        return {k: sum(m[k] for m in out) / len(out) for k in out[0]} if out else {}
+        return combine(out)
 
 
 def _moments(mask_BT: torch.Tensor, adv_BT: torch.Tensor, returns_BT: torch.Tensor, values_BT: torch.Tensor,
