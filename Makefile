@@ -24,7 +24,8 @@ DIR       ?=
 TORCH     ?= 2.11.0+cu130
 STAGE_ARGS ?=
 
-export TORCHDYNAMO_DISABLE := 1
+# torch.compile off on CPU only: vLLM on CUDA compiles its model (0.26 refuses to start without)
+export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -195,6 +196,14 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def compile_off_without_gpu() -> None:
+    """torch.compile off where there is no NVIDIA GPU (slow to start, nothing to gain on the
+    CPU path); left alone on a GPU machine, where vLLM compiles its model and 0.26 refuses to
+    start with dynamo disabled ("aot_compile is not supported", H100, 2026-11-25)."""
+    if shutil.which("nvidia-smi") is None:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
 def cpu_environment() -> None:
     """Environment the CPU path needs before torch/megatron/vLLM start (idempotent), and
     silence for the third-party warnings known to be harmless, matched by their exact text
@@ -202,7 +211,7 @@ def cpu_environment() -> None:
     them all."""
     from moe_rl.noise import silence_known_noise
 
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    compile_off_without_gpu()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM's start-up warnings for an in-process engine without a tokenizer (chat-template
     # warm-up, thread binding, EOS from the tokenizer) are expected here; errors still show.

@@ -396,5 +396,7 @@ def _postfix(m: dict[str, float]) -> dict[str, str]:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run a whole training job (what `python -m moe_rl.train` calls)."""
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    from moe_rl.cli import compile_off_without_gpu
+
+    compile_off_without_gpu()
     return Trainer(cfg).fit()

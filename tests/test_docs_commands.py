@@ -55,6 +55,7 @@ NOT_RUN_AS_WRITTEN = {
     "tools/measure_mismatch.py": "samples and scores 128 prompts x 8 (minutes): its flags and settings parse, "
                                  "in-process, without the measurement",
     "tools/gpu/stage_wheels.sh": "downloads wheels from a package registry: the script's --help runs",
+    "tools/gpu/lease.sh": "installs and runs on a lent GPU machine: the script's --help runs",
     "vllm": "serves a model on CUDA GPUs: the vllm executable is in the venv",
 }
 SLOW = ("Qwen3-235B-A22B", "GLM-4.5-Air")  # plans of the large models: 10-20 s each on 2 cores
@@ -203,7 +204,7 @@ FAST_FORMS = {
     "tensorboard": _executable, "source": _sourced_file_exists,
     # NOT_RUN_AS_WRITTEN
     "moe_rl.plan.table": _plan_table, "tools/measure_mismatch.py": _measure_mismatch,
-    "tools/gpu/stage_wheels.sh": _help_runs, "vllm": _executable,
+    "tools/gpu/stage_wheels.sh": _help_runs, "tools/gpu/lease.sh": _help_runs, "vllm": _executable,
 }
 
 

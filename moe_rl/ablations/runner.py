@@ -52,7 +52,8 @@ class Run:
 
 def _env(threads: int) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"), TORCHDYNAMO_DISABLE="1")
+               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+    # each run decides torch.compile itself (off without a GPU: moe_rl.cli.compile_off_without_gpu)
     # each run is its own one-rank world: nothing inherited may point it at another's rendezvous
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)

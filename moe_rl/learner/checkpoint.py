@@ -395,10 +395,16 @@ def _load_optimizer(learner: Any, state: Any, scheduler: dict | None, wanted: bo
 
 
 def _restore_rng(loaded: dict, same_layout: bool, path: Path, meta: dict, learner: Any) -> None:
-    if same_layout and "rng_state" in loaded:
-        rng = loaded["rng_state"]
+    rng = loaded.get("rng_state")
+    # megatron's tracker holds CUDA generator states on a GPU and (through the CPU shims) CPU
+    # generator states on the host; the two differ in size and never load into each other.
+    saved_on_gpu = rng is not None and rng.get("cuda") is not None
+    if same_layout and rng is not None and saved_on_gpu != torch.cuda.is_available():
+        log.info("checkpoint %s was saved on %s: its RNG states are not restored on %s", path,
+                 *(("a GPU", "the CPU") if saved_on_gpu else ("the CPU", "a GPU")))
+    elif same_layout and rng is not None:
         torch.set_rng_state(rng["cpu"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
+        if saved_on_gpu:
             torch.cuda.set_rng_state(rng["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
     elif not same_layout:

@@ -18,6 +18,7 @@ local megatron-core spec otherwise; `model.layer_spec` overrides.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.identity_op import IdentityOp
 
 from moe_rl.config import ConfigError, ModelConfig, ParallelConfig
 from moe_rl.learner.mla_attention import MLADotProductAttention, allow_mla_without_te
@@ -195,6 +197,8 @@ def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
     """The local pipeline stage of the model (megatron's parallel state must be set up)."""
     use_te = resolve_layer_spec(model) == "te"
     block_spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
+    if use_te:
+        _share_checkpoint_names_with_the_local_spec(block_spec)
     if not use_te:  # TE's attention takes packed (THD) input itself; the local one needs ours
         core = MLADotProductAttention if model.multi_latent_attention else PackedDotProductAttention
         allow_mla_without_te()
@@ -216,6 +220,20 @@ def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def _share_checkpoint_names_with_the_local_spec(block_spec: Any) -> None:
+    """Save and load the TE spec's MoE pre-MLP norm under the local spec's name.
+
+    megatron's local spec maps every layer's `pre_mlp_layernorm.` to the TE-fused name
+    `mlp.linear_fc1.layer_norm_` in checkpoints, MoE layers included; its TE spec keeps the
+    MoE layers' norm as a module of its own under `pre_mlp_layernorm.`. Without the same map a
+    checkpoint made under one spec lacks that norm under the other (found on an H100)."""
+    for layer in block_spec.layer_specs:
+        sub = layer.submodules
+        if getattr(sub, "pre_mlp_layernorm", IdentityOp) is not IdentityOp:
+            sub.sharded_state_dict_keys_map = {**(sub.sharded_state_dict_keys_map or {}),
+                                               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
 def _reduce_expert_grads_over_expert_dp(gpt: GPTModel, tcfg: TransformerConfig) -> None:

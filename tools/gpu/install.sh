@@ -2,7 +2,8 @@
 # Install the GPU stack (vLLM, megatron-core, Transformer Engine, moe_rl) into the CURRENT
 # python, on top of the machine's own CUDA torch, which is never replaced.
 #
-#   tools/gpu/install.sh [--dry-run] [--torch VERSION --cuda VERSION] [WHEELS_DIR]
+#   tools/gpu/install.sh [--dry-run] [--torch VERSION --cuda VERSION] [--lean]
+#                        [--without vllm|te] [WHEELS_DIR]
 #
 # PYTHON (default python3) is the interpreter to install into; `make install ACCEL=gpu`
 # passes a venv made with --system-site-packages so the machine's torch shows through.
@@ -11,12 +12,19 @@
 # pip uses the configured registry.
 # --dry-run prints every command instead of running it; --torch/--cuda stand in for the
 # installed torch there (so the plan for another machine can be read anywhere).
+# --lean: WHEELS_DIR holds a set staged with `stage_wheels.sh --lean`: every wheel in it is
+# installed as it is (--no-deps, nothing resolved; the machine's own packages fill the
+# rest), then `pip check` lists what is still unmet, as information. --without vllm / te
+# (repeatable, lean only) leaves that half out, e.g. to start the learner's half while the
+# vLLM wheels are still on their way.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 DRY_RUN=0
+LEAN=0
+WITHOUT=""
 OVERRIDE=0
 TORCH_VERSION=""
 CUDA_VERSION=""
@@ -27,15 +35,25 @@ die() { echo "error: $*" >&2; exit 1; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
+    --lean) LEAN=1 ;;
+    --without)
+      case "${2:-}" in vllm|te) WITHOUT="$WITHOUT ${2}" ;; *) die "--without takes vllm or te, not '${2:-}'" ;; esac
+      shift ;;
     --torch) TORCH_VERSION="${2:?--torch needs a version, e.g. 2.11.0+cu130}"; OVERRIDE=1; shift ;;
     --cuda) CUDA_VERSION="${2:?--cuda needs a version, e.g. 13.0}"; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     -*) die "unknown option $1: see tools/gpu/install.sh --help" ;;
     *) [[ -z "$WHEELS" ]] || die "more than one WHEELS_DIR ($WHEELS, $1): pass one folder"
        WHEELS="$1" ;;
   esac
   shift
 done
+
+if [[ -n "$WITHOUT" && $LEAN -eq 0 ]]; then
+  die "--without only works with --lean (a resolved install takes vLLM and TE together)"
+fi
+[[ $LEAN -eq 0 || -n "$WHEELS" ]] || die "--lean needs the WHEELS_DIR that stage_wheels.sh --lean filled"
+without() { [[ " $WITHOUT " == *" $1 "* ]]; }
 
 # Installing pins for a torch that is not the installed one would build TE against the
 # wrong headers, so the override only exists for reading the plan.
@@ -91,39 +109,67 @@ if [[ -n "$WHEELS" ]]; then
 fi
 pip=("$PYTHON" -m pip install "${pip_src[@]}" -c "$CONSTRAINTS")
 
-# Build tools for the TE extension and for moe_rl's editable install, both built without
-# isolation (an isolated build would fetch a fresh torch).
-run "${pip[@]}" setuptools wheel ninja
-run "${pip[@]}" "vllm==$VLLM_VERSION"
-run "${pip[@]}" "megatron-core==$MEGATRON_CORE_VERSION" "transformer-engine==$TE_VERSION" "$TE_CORE_PACKAGE==$TE_VERSION"
-
-# transformer_engine_torch is source-only on PyPI: compile it against this torch. It
-# compiles CUDA code, so nvcc must be found (PATH, CUDA_HOME, or /usr/local/cuda).
-cudnn_probe='import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "include"))'
-if [[ $OVERRIDE -eq 1 ]]; then
-  # Planning for another machine: this one's cuDNN location says nothing about it.
-  cudnn_include='<site-packages>/nvidia/cudnn/include'
-elif [[ $DRY_RUN -eq 1 ]]; then
-  cudnn_include="$("$PYTHON" -c "$cudnn_probe" 2>/dev/null || echo '<site-packages>/nvidia/cudnn/include')"
+if [[ $LEAN -eq 1 ]]; then
+  # Exactly the staged wheels, in one pip call (no resolution: the lean set lacks vLLM's
+  # optional kernels on purpose, and the machine's packages stand for the rest).
+  wheels=()
+  for w in "$WHEELS"/*.whl; do
+    [[ -e "$w" ]] || continue
+    base="$(basename "$w")"
+    if without vllm && [[ "$base" == vllm-* ]]; then continue; fi
+    if without te && [[ "$base" == transformer_engine* ]]; then continue; fi
+    wheels+=("$w")
+  done
+  [[ ${#wheels[@]} -gt 0 || $DRY_RUN -eq 1 ]] || die "no wheels in $WHEELS: fill it with tools/gpu/stage_wheels.sh --lean"
+  [[ ${#wheels[@]} -eq 0 ]] || run "${pip[@]}" --no-deps "${wheels[@]}"
 else
-  # The same search order as TE's build: CUDA_HOME, then PATH, then /usr/local/cuda.
-  if [[ -n "${CUDA_HOME:-}" ]]; then
-    [[ -x "$CUDA_HOME/bin/nvcc" ]] || die "no nvcc in CUDA_HOME=$CUDA_HOME/bin (needed to build transformer_engine_torch): point CUDA_HOME at the CUDA toolkit"
-  elif ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
-    die "nvcc not found (needed to build transformer_engine_torch): set CUDA_HOME to the CUDA toolkit or put its bin/ on PATH"
-  fi
-  # cuDNN headers come with the nvidia-cudnn wheel torch depends on, not with the toolkit.
-  cudnn_include="$("$PYTHON" -c "$cudnn_probe")" \
-    || die "nvidia.cudnn does not import in $PYTHON: install the nvidia-cudnn-cu${CUDA_VERSION%%.*} wheel torch was built with"
+  # Build tools for the TE extension and for moe_rl's editable install, both built without
+  # isolation (an isolated build would fetch a fresh torch).
+  run "${pip[@]}" setuptools wheel ninja
+  run "${pip[@]}" "vllm==$VLLM_VERSION"
+  run "${pip[@]}" "megatron-core==$MEGATRON_CORE_VERSION" "transformer-engine==$TE_VERSION" "$TE_CORE_PACKAGE==$TE_VERSION"
 fi
-run env NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS="$(nproc)" \
-  CPLUS_INCLUDE_PATH="$cudnn_include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
-  "${pip[@]}" --no-build-isolation --no-deps "transformer_engine_torch==$TE_VERSION"
+
+build_te_torch() {
+  # transformer_engine_torch is source-only on PyPI: compile it against this torch. It
+  # compiles CUDA code, so nvcc must be found (PATH, CUDA_HOME, or /usr/local/cuda).
+  # The folder of cudnn.h inside the nvidia wheels (nvidia/cudnn/include, or under a cu13/ level).
+  cudnn_probe='import glob, os, nvidia; print(next(os.path.dirname(h) for d in nvidia.__path__ for h in sorted(glob.glob(os.path.join(d, "**", "cudnn.h"), recursive=True))))'
+  if [[ $OVERRIDE -eq 1 ]]; then
+    # Planning for another machine: this one's cuDNN location says nothing about it.
+    cudnn_include='<site-packages>/nvidia/cudnn/include'
+  elif [[ $DRY_RUN -eq 1 ]]; then
+    cudnn_include="$("$PYTHON" -c "$cudnn_probe" 2>/dev/null || echo '<site-packages>/nvidia/cudnn/include')"
+  else
+    # The same search order as TE's build: CUDA_HOME, then PATH, then /usr/local/cuda.
+    if [[ -n "${CUDA_HOME:-}" ]]; then
+      [[ -x "$CUDA_HOME/bin/nvcc" ]] || die "no nvcc in CUDA_HOME=$CUDA_HOME/bin (needed to build transformer_engine_torch): point CUDA_HOME at the CUDA toolkit"
+    elif ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+      die "nvcc not found (needed to build transformer_engine_torch): set CUDA_HOME to the CUDA toolkit or put its bin/ on PATH"
+    fi
+    # cuDNN headers come with the nvidia-cudnn wheel torch depends on, not with the toolkit.
+    cudnn_include="$("$PYTHON" -c "$cudnn_probe")" \
+      || die "nvidia.cudnn does not import in $PYTHON: install the nvidia-cudnn-cu${CUDA_VERSION%%.*} wheel torch was built with"
+  fi
+  run env NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS="$(nproc)" \
+    CPLUS_INCLUDE_PATH="$cudnn_include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
+    "${pip[@]}" --no-build-isolation --no-deps "transformer_engine_torch==$TE_VERSION"
+}
+without te || build_te_torch
 
 # moe_rl itself, editable; its pure-Python dependencies (setup.py) come under the same
 # constraints. Not the [gpu] extra: `transformer-engine[pytorch]` there would build the
 # extension again in an isolated environment with a fresh torch.
-run "${pip[@]}" --no-build-isolation -e "$ROOT[dev]"
+if [[ $LEAN -eq 1 ]]; then
+  # The checkout on sys.path through a .pth file (what an editable install amounts to): pip's
+  # editable path needs a build backend from a registry when setuptools is older than PEP 660.
+  pth='import site, sys; d = site.getsitepackages()[0]; open(d + "/moe_rl_checkout.pth", "w").write(sys.argv[1] + "\n"); print(d + "/moe_rl_checkout.pth")'
+  run "$PYTHON" -c "$pth" "$ROOT"
+  # Information, not a failure: the lean set leaves vLLM's optional kernels out on purpose.
+  if [[ $DRY_RUN -eq 0 ]]; then "$PYTHON" -m pip check || true; else echo "+ $PYTHON -m pip check"; fi
+else
+  run "${pip[@]}" --no-build-isolation -e "$ROOT[dev]"
+fi
 
 # `import transformer_engine` succeeds without the compiled extension, so the check is on
 # transformer_engine.pytorch.
@@ -156,11 +202,11 @@ print(
 )
 if torch.__version__ != sys.argv[1]:
     sys.exit(f"error: torch changed from {sys.argv[1]} to {torch.__version__}: reinstall the machine's torch and report which package replaced it")
-sys.exit(0 if te_pytorch == "imports" else 1)
+sys.exit(0 if te_pytorch == "imports" or sys.argv[2] == "no-te" else 1)
 PY
 )"
 if [[ $DRY_RUN -eq 1 ]]; then
   echo "+ $PYTHON -c <verification: torch, CUDA, TE, transformer_engine.pytorch, vLLM, megatron-core> $TORCH_VERSION"
 else
-  run "$PYTHON" -c "$verify" "$TORCH_VERSION"
+  run "$PYTHON" -c "$verify" "$TORCH_VERSION" "$(without te && echo no-te || echo te)"
 fi

@@ -3,12 +3,15 @@
 # tools/gpu/install.sh needs on a GPU machine WITHOUT one, split for 64 MiB transfers.
 #
 #   tools/gpu/stage_wheels.sh DIR [--torch 2.11.0+cu130] [--cuda 13.0] [--python 3.12]
-#                                 [--glibc 2.39] [--have FREEZE.txt] [--dry-run]
+#                                 [--glibc 2.39] [--have FREEZE.txt] [--lean] [--dry-run]
 #
 # --torch: the GPU machine's torch.__version__ (its CUDA comes from the +cuXYZ tag unless
 #   --cuda says otherwise). --glibc: the GPU machine's glibc (`ldd --version`); wheels
 #   tagged for a newer one would not install there. --have: the GPU machine's
-#   `pip list --format=freeze`; packages it already has at the resolved version are left out.
+#   `pip list --format=freeze`; packages it already has at the resolved version are left out
+#   (a bare name: at any version; tools/gpu/cuda_image_have.txt lists the lent machines').
+#   --lean: also leave out vLLM's optional kernel and video packages (versions.py LEAN_SKIP);
+#   install such a set with `tools/gpu/install.sh --lean`.
 # PYTHON (default python3) only runs pip here; it need not be 3.12 nor have torch.
 set -euo pipefail
 
@@ -21,6 +24,7 @@ CUDA_VERSION=""
 PY_VERSION="3.12"
 GLIBC="2.39"  # Ubuntu 24.04, what the lent GPU machines (Python 3.12.3) run
 HAVE=""
+LEAN=0
 DRY_RUN=0
 
 die() { echo "error: $*" >&2; exit 1; }
@@ -32,8 +36,9 @@ while [[ $# -gt 0 ]]; do
     --python) PY_VERSION="${2:?--python needs a version, e.g. 3.12}"; shift ;;
     --glibc) GLIBC="${2:?--glibc needs a version, e.g. 2.39}"; shift ;;
     --have) HAVE="${2:?--have needs a pip freeze file}"; shift ;;
+    --lean) LEAN=1 ;;
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     -*) die "unknown option $1: see tools/gpu/stage_wheels.sh --help" ;;
     *) [[ -z "$DIR" ]] || die "more than one DIR ($DIR, $1): pass one folder"; DIR="$1" ;;
   esac
@@ -82,6 +87,7 @@ run "$PYTHON" -m pip install --dry-run --ignore-installed --quiet --report "$WOR
 # 2. Keep what the machine lacks: not torch, not torch's CUDA wheels, not moe_rl itself.
 have_args=()
 [[ -z "$HAVE" ]] || have_args=(--have "$HAVE")
+[[ $LEAN -eq 0 ]] || have_args+=(--lean)
 if [[ $DRY_RUN -eq 1 ]]; then
   echo "+ $PYTHON $HERE/versions.py --from-report $WORK/report.json ${have_args[*]} > $WORK/download.txt"
 else

@@ -177,29 +177,51 @@ def _closure(entries: dict[str, dict], root: str) -> set[str]:
     return {name for name, _ in seen}
 
 
+# What vLLM declares but an offline `LLM` on a text MoE model never imports: kernel
+# libraries for other models and attention backends (DeepSeek MLA, CuTe DSL, TileLang,
+# FlashInfer and its JIT toolchain) and video decoding. Together about 500 MB, more than the
+# rest of the set; `--lean` leaves them out and installs with --no-deps (vLLM imports each
+# behind an availability check and falls back). Not apache-tvm-ffi: xgrammar, which vLLM
+# imports to build its sampler, needs it (H100, 2026-11-25).
+LEAN_SKIP = frozenset({
+    "cuda-tile", "fastsafetensors", "flashinfer-python", "humming-kernels",
+    "nvidia-cuda-cccl", "nvidia-cuda-crt", "nvidia-cuda-nvcc", "nvidia-cuda-nvdisasm",
+    "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
+    "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13", "nvidia-nvvm", "pynvvideocodec",
+    "quack-kernels", "ruff", "tilelang", "tokenspeed-mla", "tokenspeed-triton", "torch-c-dlpack-ext",
+    "torchcodec", "z3-solver",
+})
+ANY_VERSION = "*"
+
+
 def read_have(text: str) -> dict[str, str]:
-    """`pip list --format=freeze` output of the GPU machine -> {normalized name: version}."""
+    """What the GPU machine has -> {normalized name: version}. Lines are `pip list
+    --format=freeze` (`name==version`: left out only at that version) or a bare name (left
+    out at any version: the machine's own build is the one to use)."""
     have = {}
     for line in text.splitlines():
-        name, sep, version = line.strip().partition("==")
-        if sep:
-            have[normalize(name)] = version.strip()
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, version = line.partition("==")
+        have[normalize(name)] = version.strip() if sep else ANY_VERSION
     return have
 
 
-def downloads_from_report(report: dict, have: dict[str, str] | None = None) -> list[str]:
+def downloads_from_report(report: dict, have: dict[str, str] | None = None, lean: bool = False) -> list[str]:
     """`name==version` for every resolved package the GPU machine needs shipped.
 
     Left out: torch itself, the binary wheels torch pulls in (nvidia-*, triton: the
     machine has the builds its torch was made with, and they are gigabytes), local
     projects (moe_rl itself travels as the checkout), and whatever the machine already
-    has at exactly the resolved version (`have`, from its `pip list --format=freeze`).
+    has at exactly the resolved version (`have`, from its `pip list --format=freeze`; a
+    bare name there: at any version), and with `lean` the packages in LEAN_SKIP.
     Pure-Python dependencies of torch stay in: they are small, and a newer one may be
     what another package asks for.
     """
     have = have or {}
     entries = {normalize(e["metadata"]["name"]): e for e in report.get("install", [])}
-    skip = {"torch"}
+    skip = {"torch"} | (set(LEAN_SKIP) if lean else set())
     for name in _closure(entries, "torch"):
         url = entries[name].get("download_info", {}).get("url", "")
         if not url.endswith("-none-any.whl"):
@@ -208,7 +230,7 @@ def downloads_from_report(report: dict, have: dict[str, str] | None = None) -> l
     for name, entry in sorted(entries.items()):
         version = entry["metadata"]["version"]
         local_project = "dir_info" in entry.get("download_info", {})  # a checkout, not a file
-        if name in skip or local_project or have.get(name) == version:
+        if name in skip or local_project or have.get(name) in (version, ANY_VERSION):
             continue
         lines.append(f"{entry['metadata']['name']}=={version}")
     return lines
@@ -237,8 +259,9 @@ def _parser() -> argparse.ArgumentParser:
         "--from-report", type=Path, help="pip --report JSON -> name==version lines to download"
     )
     parser.add_argument(
-        "--have", type=Path, help="with --from-report: the GPU machine's `pip list --format=freeze`"
+        "--have", type=Path, help="with --from-report: the GPU machine's `pip list --format=freeze` (or bare names)"
     )
+    parser.add_argument("--lean", action="store_true", help="with --from-report: leave out LEAN_SKIP")
     return parser
 
 
@@ -248,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_report is not None:
             report = json.loads(args.from_report.read_text())
             have = read_have(args.have.read_text()) if args.have else None
-            print("\n".join(downloads_from_report(report, have)))
+            print("\n".join(downloads_from_report(report, have, lean=args.lean)))
             return 0
         if args.torch:
             torch_version, cuda_version = args.torch, args.cuda
