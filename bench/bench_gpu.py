@@ -212,12 +212,14 @@ def bench_vllm(learner: Any, hf_dir: Path, quick: bool) -> dict[str, float]:
     ro = sampler.generate(prompts, n=4, max_new_tokens=128 if quick else 512, seed=1)
     gen_s = time.perf_counter() - t0
     new_tokens = sum(len(r) for r in ro.response_token_ids)
-    nbytes = sum(t.numel() * t.element_size() for _, t in hf_named_tensors(learner))
+    # dst=None: the path the trainer's colocated sync takes (full tensors assembled on the GPU);
+    # the default dst=0 is the export path, which assembles them in host memory
+    nbytes = sum(t.numel() * t.element_size() for _, t in hf_named_tensors(learner, dst=None))
     sync_s = []
     for _ in range(3):  # the first push also warms the engine's loader path
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        sampler.update_weights(hf_named_tensors(learner))
+        sampler.update_weights(hf_named_tensors(learner, dst=None))
         torch.cuda.synchronize()
         sync_s.append(time.perf_counter() - t0)
     free_awake = torch.cuda.mem_get_info()[0]

@@ -96,6 +96,25 @@ def test_a_discarded_learner_is_freed_after_a_training_step(learner_factory):
     assert model() is None
 
 
+def test_the_weight_stream_reads_the_weights_after_each_update(learner_factory):
+    """The learner's shard list is built once and kept (views of the parameters): after an
+    update the HF stream carries the new weights, the same as a fresh build of the list."""
+    from moe_rl.learner.export import hf_named_tensors
+    from moe_rl.learner.gather import _SHARDS_ATTR
+
+    learner = learner_factory()
+    before = {n: t.clone() for n, t in hf_named_tensors(learner)}
+    assert _SHARDS_ATTR in learner.gpt.__dict__  # kept: every piece is a view
+    batch, adv_B = fixed_batch()
+    learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
+    after = dict(hf_named_tensors(learner))
+    del learner.gpt.__dict__[_SHARDS_ATTR]
+    fresh = dict(hf_named_tensors(learner))
+    assert after.keys() == fresh.keys() == before.keys()
+    assert all(torch.equal(after[n], fresh[n]) for n in after)
+    assert sum(not torch.equal(after[n], before[n]) for n in after) > len(after) // 2
+
+
 @pytest.mark.parametrize("mbs", [1, 3, 12])
 def test_micro_batching_does_not_change_the_gradient(learner_factory, mbs):
     batch, adv_B = fixed_batch()

@@ -11,7 +11,8 @@ The caller never branches on the placement; the factory does, once:
   (`moe_rl.learner.gather.iter_full_tensors_everywhere`), and streams them into its own
   engine;
 - `BroadcastSync` (separate placement, world > 1): global rank 0 assembles them and
-  broadcasts each bucket (its names, shapes and dtypes first, then the tensors) over a group
+  broadcasts each bucket (its names, shapes and dtypes first, then its tensors packed in one
+  flat buffer: one collective a bucket, not one a tensor) over a group
   of itself and the engine ranks, which load it into their engines; an announcement without
   tensors ends the sync and names the version. The sends are asynchronous, from staged
   copies of the tensors (on a GPU: queued on the current stream, sent from NCCL's): the
@@ -35,6 +36,7 @@ later be tagged with the weights that sampled them.
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
 import time
@@ -144,10 +146,41 @@ class InFlight:
         return time.perf_counter() - t0
 
 
-def _staged(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A copy of `t` on `dev` that the next update cannot change while it is in flight (on a
-    GPU the copy is queued on the current stream, which the collective's stream waits for)."""
-    return t.detach().to(dev, copy=True).contiguous()
+_ALIGN = 16  # every tensor's bytes start at a multiple of this in a packed bucket (views by dtype)
+
+
+def _offsets(metas: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in its bucket's flat buffer, and the buffer's size: the
+    same on the sender and the receivers, from the names, shapes and dtypes alone."""
+    offsets, end = [], 0
+    for _, shape, dtype in metas:
+        offsets.append(end)
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        end += -(-n // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def _packed(bucket: Bucket, dev: torch.device) -> torch.Tensor:
+    """The bucket's tensors copied into one flat byte buffer on `dev`: the staged copy that
+    the next update cannot change while it is in flight (on a GPU the copies are queued on
+    the current stream, which the collective's stream waits for), sent in one collective."""
+    metas = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
+    offsets, size = _offsets(metas)
+    flat = torch.empty(size, dtype=torch.uint8, device=dev)
+    for (_, t), o in zip(bucket, offsets):
+        view = flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t.detach())  # (on a GPU: queued on the current stream, before the collective's)
+    return flat
+
+
+def _unpacked(flat: torch.Tensor, metas: list[tuple[str, tuple[int, ...], torch.dtype]]) -> Bucket:
+    """Views of the received flat buffer as the named tensors."""
+    offsets, _ = _offsets(metas)
+    out = []
+    for (name, shape, dtype), o in zip(metas, offsets):
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append((name, flat[o:o + n].view(dtype).view(shape)))
+    return out
 
 
 def _meta_tensors(payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,8 +208,7 @@ def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: obj
                 dev = _device()
                 for t in _meta_tensors((version, [(n, tuple(t.shape), t.dtype) for n, t in bucket])):
                     _send(t.to(dev), group, inflight)
-                for _, t in bucket:
-                    _send(_staged(t, dev), group, inflight)
+                _send(_packed(bucket, dev), group, inflight)
     if send:
         with bridge():
             for t in _meta_tensors((version, None)):
@@ -202,11 +234,9 @@ def receive_buckets(group: object, load: Callable[[Bucket], None]) -> SyncReport
             report.version, metas = _receive_meta(group, dev)
             if metas is None:
                 break
-            bucket = []
-            for name, shape, dtype in metas:
-                t = torch.empty(shape, dtype=dtype, device=dev)
-                dist.broadcast(t, src=0, group=group)
-                bucket.append((name, t))
+            flat = torch.empty(_offsets(metas)[1], dtype=torch.uint8, device=dev)
+            dist.broadcast(flat, src=0, group=group)
+            bucket = _unpacked(flat, metas)
         report.buckets += 1
         report.bytes_streamed += _nbytes(bucket)
         load(bucket)
