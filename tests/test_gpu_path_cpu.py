@@ -133,15 +133,16 @@ def test_params_dtype_auto():
     assert ModelConfig(params_dtype="fp32").dtype_on(True) == "fp32"
 
 
-def test_te_spec_saves_the_moe_pre_mlp_norm_under_the_local_name(megatron_world):
+def test_te_spec_saves_the_moe_pre_mlp_norm_under_the_local_name():
     """megatron's local spec maps `pre_mlp_layernorm.` to `mlp.linear_fc1.layer_norm_` in
     checkpoints for every layer; its TE spec kept the MoE layers' norm under its own name, so a
     CPU-made checkpoint lacked it under TE (seen on an H100). The TE spec gets the same map."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from moe_rl.learner import parallel_layout
+    from moe_rl.learner import init_distributed, parallel_layout
     from moe_rl.learner.model import _share_checkpoint_names_with_the_local_spec, transformer_config
 
+    init_distributed()  # (idempotent: an in-process trainer earlier in the session may have ended the world)
     cfg = load_config(ROOT / "examples/tiny_rspo.yaml", ["model.layer_spec=local"])
     with parallel_layout(cfg.parallel, seed=1):
         spec = get_gpt_decoder_block_spec(transformer_config(cfg.model, cfg.parallel), use_transformer_engine=False,
