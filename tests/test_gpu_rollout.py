@@ -90,14 +90,15 @@ def test_push_staging_is_ordered_before_the_next_update_on_the_stream():
     """What `broadcast_buckets` hands to an asynchronous NCCL broadcast is a copy queued on the
     current stream: an in-place update queued after it (the learner's next step) leaves the
     staged tensor as it was at the push."""
-    from moe_rl.rollout.weight_sync import _packed, _unpacked
+    from moe_rl.rollout.weight_sync import _metas, _packed, _unpacked
 
     dev = torch.device("cuda", torch.cuda.current_device())
     weight = torch.randn(4096, 1024, device=dev)
     before = weight.clone()
-    flat = _packed([("w", weight)], dev)
+    metas = _metas([("w", weight)])
+    flat = _packed([("w", weight)], metas, dev)
     weight.mul_(-3.0).add_(1.0)  # queued after the copy on the same stream
     torch.cuda.synchronize()
-    staged = _unpacked(flat, [("w", tuple(weight.shape), weight.dtype)])[0][1]
+    staged = _unpacked(flat, metas)[0][1]
     assert staged.data_ptr() != weight.data_ptr()
     assert torch.equal(staged, before) and not torch.equal(weight, before)

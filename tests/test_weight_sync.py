@@ -146,15 +146,15 @@ def test_push_returns_before_the_engine_receives_and_sends_what_it_staged(tmp_pa
 def test_a_packed_bucket_unpacks_to_the_same_tensors():
     """One flat buffer per bucket (one collective, not one per tensor): every dtype and shape,
     odd byte counts included, comes back bit-exact, each view aligned for its dtype."""
-    from moe_rl.rollout.weight_sync import _offsets, _packed, _unpacked
+    from moe_rl.rollout.weight_sync import _metas, _packed, _spans, _unpacked
 
     g = torch.Generator().manual_seed(3)
     bucket = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
               ("c", torch.randint(0, 9, (2, 3), generator=g, dtype=torch.int64)), ("d", torch.tensor(2.5)),
               ("e", torch.randn(4, 4, generator=g).t())]  # a transposed (non-contiguous) source
-    metas = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
-    flat = _packed(bucket, torch.device("cpu"))
-    offsets, size = _offsets(metas)
-    assert flat.numel() == size and all(o % 16 == 0 for o in offsets)
+    metas = _metas(bucket)
+    flat = _packed(bucket, metas, torch.device("cpu"))
+    spans, size = _spans(metas)
+    assert flat.numel() == size and all(o % 16 == 0 for o, _ in spans)
     for (name, want), (got_name, got) in zip(bucket, _unpacked(flat, metas)):
         assert got_name == name and got.dtype == want.dtype and torch.equal(got, want)

@@ -61,6 +61,12 @@ def local_main_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor
 _SHARDS_ATTR = "_moe_rl_local_shards"
 
 
+def own_storages(model: torch.nn.Module) -> set[int]:
+    """Storage addresses of the model's parameters and buffers (the router's expert bias is a
+    buffer): a tensor whose storage is among them is a view of the model, not a copy."""
+    return {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+
 def local_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor, bool]]:
     """Every piece this rank holds, replicas included: (piece, data, is the main replica).
 
@@ -73,7 +79,7 @@ def local_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor, boo
     if cached is not None:
         return cached
     out = _build_local_shards(model)
-    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    owned = own_storages(model)
     if all(data.untyped_storage().data_ptr() in owned for _, data, _ in out):
         model.__dict__[_SHARDS_ATTR] = out  # (not a submodule, parameter or buffer)
     return out

@@ -37,7 +37,7 @@ from moe_rl.config import Config, ModelConfig, validate
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
 from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shape, megatron_specs
-from moe_rl.learner.gather import flatten_sharded, piece_index
+from moe_rl.learner.gather import flatten_sharded, own_storages, piece_index
 
 
 @torch.no_grad()
@@ -51,8 +51,7 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
     expected = megatron_specs(m)
     sd = model.sharded_state_dict()
     apply_factories(sd)  # SwiGLU fc1: two ShardedTensors (gate, up) viewing one parameter
-    # Parameters and buffers (the router's expert bias is a buffer).
-    storages = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    storages = own_storages(model)
     pieces: dict[str, list[ShardedTensor]] = {}
     for sh in flatten_sharded(sd):
         if sh.key.startswith(optional):

@@ -199,7 +199,7 @@ def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
     block_spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
     if use_te:
         _share_checkpoint_names_with_the_local_spec(block_spec)
-    if not use_te:  # TE's attention takes packed (THD) input itself; the local one needs ours
+    else:  # TE's attention takes packed (THD) input itself; the local one needs ours
         core = MLADotProductAttention if model.multi_latent_attention else PackedDotProductAttention
         allow_mla_without_te()
         for layer in block_spec.layer_specs:

@@ -147,40 +147,38 @@ class InFlight:
 
 
 _ALIGN = 16  # every tensor's bytes start at a multiple of this in a packed bucket (views by dtype)
+Metas = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
-def _offsets(metas: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
-    """Byte offset of each tensor in its bucket's flat buffer, and the buffer's size: the
-    same on the sender and the receivers, from the names, shapes and dtypes alone."""
-    offsets, end = [], 0
+def _metas(bucket: Bucket) -> Metas:
+    return [(n, tuple(t.shape), t.dtype) for n, t in bucket]
+
+
+def _spans(metas: Metas) -> tuple[list[tuple[int, int]], int]:
+    """(byte offset, byte count) of each tensor in its bucket's flat buffer, and the buffer's
+    size: the same on the sender and the receivers, from the shapes and dtypes alone."""
+    spans, end = [], 0
     for _, shape, dtype in metas:
-        offsets.append(end)
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
+        spans.append((end, n))
         end += -(-n // _ALIGN) * _ALIGN
-    return offsets, end
+    return spans, end
 
 
-def _packed(bucket: Bucket, dev: torch.device) -> torch.Tensor:
+def _unpacked(flat: torch.Tensor, metas: Metas) -> Bucket:
+    """Views of a bucket's flat buffer as the named tensors."""
+    return [(name, flat[o:o + n].view(dtype).view(shape))
+            for (name, shape, dtype), (o, n) in zip(metas, _spans(metas)[0])]
+
+
+def _packed(bucket: Bucket, metas: Metas, dev: torch.device) -> torch.Tensor:
     """The bucket's tensors copied into one flat byte buffer on `dev`: the staged copy that
     the next update cannot change while it is in flight (on a GPU the copies are queued on
     the current stream, which the collective's stream waits for), sent in one collective."""
-    metas = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
-    offsets, size = _offsets(metas)
-    flat = torch.empty(size, dtype=torch.uint8, device=dev)
-    for (_, t), o in zip(bucket, offsets):
-        view = flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        view.copy_(t.detach())  # (on a GPU: queued on the current stream, before the collective's)
+    flat = torch.empty(_spans(metas)[1], dtype=torch.uint8, device=dev)
+    for (_, t), (_, view) in zip(bucket, _unpacked(flat, metas)):
+        view.copy_(t.detach())
     return flat
-
-
-def _unpacked(flat: torch.Tensor, metas: list[tuple[str, tuple[int, ...], torch.dtype]]) -> Bucket:
-    """Views of the received flat buffer as the named tensors."""
-    offsets, _ = _offsets(metas)
-    out = []
-    for (name, shape, dtype), o in zip(metas, offsets):
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        out.append((name, flat[o:o + n].view(dtype).view(shape)))
-    return out
 
 
 def _meta_tensors(payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,9 +204,10 @@ def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: obj
         if send:
             with bridge():
                 dev = _device()
-                for t in _meta_tensors((version, [(n, tuple(t.shape), t.dtype) for n, t in bucket])):
+                metas = _metas(bucket)
+                for t in _meta_tensors((version, metas)):
                     _send(t.to(dev), group, inflight)
-                _send(_packed(bucket, dev), group, inflight)
+                _send(_packed(bucket, metas, dev), group, inflight)
     if send:
         with bridge():
             for t in _meta_tensors((version, None)):
@@ -234,7 +233,7 @@ def receive_buckets(group: object, load: Callable[[Bucket], None]) -> SyncReport
             report.version, metas = _receive_meta(group, dev)
             if metas is None:
                 break
-            flat = torch.empty(_offsets(metas)[1], dtype=torch.uint8, device=dev)
+            flat = torch.empty(_spans(metas)[1], dtype=torch.uint8, device=dev)
             dist.broadcast(flat, src=0, group=group)
             bucket = _unpacked(flat, metas)
         report.buckets += 1
