@@ -131,8 +131,8 @@ else
 fi
 
 build_te_torch() {
-  # transformer_engine_torch is source-only on PyPI: compile it against this torch. It
-  # compiles CUDA code, so nvcc must be found (PATH, CUDA_HOME, or /usr/local/cuda).
+  # transformer_engine_torch is source-only on PyPI: compile it against this torch. Its
+  # build looks for the CUDA toolkit (PATH, CUDA_HOME, or /usr/local/cuda) for the headers.
   # The folder of cudnn.h inside the nvidia wheels (nvidia/cudnn/include, or under a cu13/ level).
   cudnn_probe='import glob, os, nvidia; print(next(os.path.dirname(h) for d in nvidia.__path__ for h in sorted(glob.glob(os.path.join(d, "**", "cudnn.h"), recursive=True))))'
   if [[ $OVERRIDE -eq 1 ]]; then
@@ -149,7 +149,7 @@ build_te_torch() {
     fi
     # cuDNN headers come with the nvidia-cudnn wheel torch depends on, not with the toolkit.
     cudnn_include="$("$PYTHON" -c "$cudnn_probe")" \
-      || die "nvidia.cudnn does not import in $PYTHON: install the nvidia-cudnn-cu${CUDA_VERSION%%.*} wheel torch was built with"
+      || die "no cudnn.h in the nvidia wheels of $PYTHON: install the nvidia-cudnn-cu${CUDA_VERSION%%.*} wheel torch was built with"
   fi
   run env NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS="$(nproc)" \
     CPLUS_INCLUDE_PATH="$cudnn_include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
