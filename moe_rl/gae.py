@@ -20,8 +20,8 @@ conventions:
   R)^2), token-mean over the valid tokens; `vf_clipfrac` is the fraction of tokens where
   the clipped term is the larger.
 
-These are building blocks: the critic model and the trainer wiring (`rl.advantage: gae`)
-are not in the stack yet (docs/ppo_dpo.md).
+The critic that supplies the values is `moe_rl.learner.critic`; `moe_rl.ppo` puts these
+together within an RL step (`rl.advantage: gae`, docs/ppo_dpo.md).
 """
 
 from __future__ import annotations
@@ -69,14 +69,28 @@ def gae(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor
     return adv, returns
 
 
+def unbiased_variance(n: float, s: torch.Tensor | float, ss: torch.Tensor | float) -> float:
+    """Unbiased variance from a count, a sum and a sum of squares (0 below two samples)."""
+    return max(float(ss - s * s / n) / (n - 1), 0.0) if n > 1 else 0.0
+
+
+def whiten_by_moments(x_BT: torch.Tensor, mask_BT: torch.Tensor, n: torch.Tensor | float, s: torch.Tensor,
+                      ss: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) with the mean and unbiased variance of a token count, sum
+    and sum of squares (this batch's, or summed over every data-parallel rank's valid tokens
+    for whitening over the whole step); 0 at masked positions, and everywhere below two tokens."""
+    count = float(n)
+    if count < 2:
+        return torch.zeros_like(x_BT, dtype=torch.float64)
+    mean = float(s) / count
+    std = (unbiased_variance(count, float(s), float(ss)) + WHITEN_EPS) ** 0.5
+    return torch.where(mask_BT.to(torch.bool), (x_BT.to(torch.float64) - mean) / std, 0.0)
+
+
 def masked_whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the valid tokens (unbiased var); 0 elsewhere."""
-    mask = mask_BT.to(torch.bool)
-    valid = x_BT[mask].to(torch.float64)
-    if valid.numel() < 2:
-        return torch.zeros_like(x_BT, dtype=torch.float64)
-    out = (x_BT.to(torch.float64) - valid.mean()) / torch.sqrt(valid.var() + WHITEN_EPS)
-    return torch.where(mask, out, 0.0)
+    valid = x_BT[mask_BT.to(torch.bool)].to(torch.float64)
+    return whiten_by_moments(x_BT, mask_BT, valid.numel(), valid.sum(), (valid * valid).sum())
 
 
 def clipped_value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor,

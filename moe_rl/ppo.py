@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moe_rl.config import Config
-from moe_rl.gae import WHITEN_EPS, clipped_value_loss, gae, token_rewards
+from moe_rl.gae import clipped_value_loss, gae, token_rewards, unbiased_variance, whiten_by_moments
 from moe_rl.metrics import combine
 from moe_rl.step_batch import StepBatch
 
@@ -95,7 +95,7 @@ class CriticStage:
         moments = torch.stack(sums).sum(dim=0)
         metrics = _step_metrics(moments)
         if rl.whiten_advantages:
-            adv_BT = whiten_with(adv_BT, mask_BT, moments[0], moments[1], moments[2])
+            adv_BT = whiten_by_moments(adv_BT, mask_BT, moments[0], moments[1], moments[2])
         extras = {**batch.extras, OLD_VALUES: values_BT.float(), RETURNS: returns_BT.float()}
         return dataclasses.replace(batch, adv_B=adv_BT.float(), extras=extras), metrics
 
@@ -121,29 +121,11 @@ def _moments(mask_BT: torch.Tensor, adv_BT: torch.Tensor, returns_BT: torch.Tens
                         r.sum(), (r * r).sum(), d.sum(), (d * d).sum(), a.abs().sum(), values_BT[m].sum(), kl])
 
 
-def _variance(n: float, s: torch.Tensor, ss: torch.Tensor) -> float:
-    """Unbiased variance from a count, a sum and a sum of squares (0 below two samples)."""
-    return max(float(ss - s * s / n) / (n - 1), 0.0) if n > 1 else 0.0
-
-
 def _step_metrics(moments: torch.Tensor) -> dict[str, float]:
     n = float(moments[0])
     if n == 0:
         return {}
-    var_r, var_d = _variance(n, moments[3], moments[4]), _variance(n, moments[5], moments[6])
+    var_r, var_d = unbiased_variance(n, moments[3], moments[4]), unbiased_variance(n, moments[5], moments[6])
     return {"critic/values_mean": float(moments[8]) / n, "critic/returns_mean": float(moments[3]) / n,
             "critic/explained_variance": 1.0 - var_d / var_r if var_r > 0 else float("nan"),
             "advantage/abs_mean": float(moments[7]) / n, "critic/kl_in_reward_mean": float(moments[9]) / n}
-
-
-def whiten_with(adv_BT: torch.Tensor, mask_BT: torch.Tensor, n: torch.Tensor, s: torch.Tensor,
-                ss: torch.Tensor) -> torch.Tensor:
-    """`moe_rl.gae.masked_whiten` with the step-wide count, sum and sum of squares (every rank's
-    tokens): (A - mean) / sqrt(var + 1e-8), 0 at masked positions."""
-    count = float(n)
-    if count < 2:
-        return torch.zeros_like(adv_BT)
-    mean = s / count
-    var = torch.tensor(_variance(count, s, ss), dtype=torch.float64)
-    return torch.where(mask_BT.to(torch.bool), (adv_BT - mean) / torch.sqrt(var + WHITEN_EPS), 0.0)
-

@@ -70,6 +70,7 @@ def test_one_step_off_trains_on_the_batch_of_the_step_before(uninterrupted, tmp_
         assert r["rollout/dropped_stale"] == 0
         # the sampler's policy is one update behind the learner's: the correction has work
         assert r["mismatch/k3_stale1"] > 1e-7 and r["mismatch/num_tokens_stale0"] == 0
+        assert r["policy/rollout_weight_mean"] != 1.0  # the objective's TIS weight pi_old / pi_sampler acts
         assert r["time/learner_wait"] >= 0 and r["time/engine_wait"] >= 0
     again = _train(tmp_path, "b", "run.steps=5")
     assert [r["reward/mean"] for r in again] == [r["reward/mean"] for r in rows]  # a fixed schedule

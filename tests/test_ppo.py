@@ -16,8 +16,8 @@ import torch
 from learner_utils import fixed_batch
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.gae import gae, masked_whiten, token_rewards
-from moe_rl.ppo import OLD_VALUES, RETURNS, SCORE, ValueLossFn, whiten_with
+from moe_rl.gae import gae, masked_whiten, token_rewards, whiten_by_moments
+from moe_rl.ppo import OLD_VALUES, RETURNS, SCORE, ValueLossFn
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_ppo.yaml"
@@ -66,11 +66,15 @@ def set_head(critic, seed: int) -> None:
 
 
 def test_whitening_over_the_step_equals_the_one_rank_form():
+    """Each data-parallel rank whitens its rows with the moments summed over every rank's:
+    the result equals whitening all rows on one rank."""
     g = torch.Generator().manual_seed(1)
     adv_BT = torch.randn(6, 9, generator=g, dtype=torch.float64)
     mask_BT = torch.rand(6, 9, generator=g) < 0.7
-    a = adv_BT[mask_BT]
-    got = whiten_with(adv_BT, mask_BT, torch.tensor(float(a.numel())), a.sum(), (a * a).sum())
+    halves = [(adv_BT[:2][mask_BT[:2]]), (adv_BT[2:][mask_BT[2:]])]  # two ranks' valid tokens
+    n, s, ss = (sum(f(a) for a in halves) for f in (lambda a: float(a.numel()), torch.sum, lambda a: (a * a).sum()))
+    got = torch.cat([whiten_by_moments(adv_BT[:2], mask_BT[:2], n, s, ss),
+                     whiten_by_moments(adv_BT[2:], mask_BT[2:], n, s, ss)])
     assert (got - masked_whiten(adv_BT, mask_BT)).abs().max() <= 1e-12
     assert got[~mask_BT].abs().max() == 0
 

@@ -1,0 +1,120 @@
+"""How much of the return's variance a value function could explain, on a synthetic digit
+task (exact-match reward), for a given policy: the ceiling of PPO's `critic/explained_variance`.
+
+    python tools/value_ceiling.py --policy runs/tiny_ppo/hf [--task reverse] [--prompts 192] [--samples 8]
+
+Under an exact-match reward the best possible value of a state (the prompt and the response
+so far) follows from the policy itself: 0 once the prefix has left the answer, else the
+probability that the policy writes the rest of the answer and then EOS, which is the product
+of its teacher-forced probabilities of those tokens. The tool samples `--samples` responses
+per prompt at temperature 1 (transformers, the policy's Hugging Face directory), and prints
+the explained variance of Monte-Carlo returns (the reward, on every response token: gamma 1)
+by three values, each read at the state before the token, as PPO's critic is:
+
+    exact      the best possible value above;
+    prefix     whether the prefix is still the answer's, times the success rate of the
+               sampled responses with a correct prefix at that position and operand length
+               (what a critic knows that spots a wrong digit but not the policy's confidence);
+    length     the success rate by position and operand length alone.
+
+A measured critic's explained variance is read against `exact` (docs/ppo_dpo.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_rl.config import TaskConfig
+from moe_rl.gae import explained_variance
+from moe_rl.tasks import make_task
+
+
+def exact_values(answer_ids: list[int], answer_p: list[float], response_ids: list[int]) -> list[float]:
+    """The value of the state before each response token: the product of the policy's
+    teacher-forced probabilities of the answer tokens still to write (`answer_p`, one per
+    token of `answer_ids`, EOS included) while the response so far equals the answer's
+    start, and 0 from the token after the first one that leaves it."""
+    suffix = [math.prod(answer_p[t:]) for t in range(len(answer_ids))]
+    values = []
+    for t in range(len(response_ids)):
+        on_track = t < len(answer_ids) and response_ids[:t] == answer_ids[:t]
+        values.append(suffix[t] if on_track else 0.0)
+    return values
+
+
+def _ev(returns: np.ndarray, values: np.ndarray) -> float:
+    r = torch.from_numpy(returns)
+    return explained_variance(torch.from_numpy(values), r, torch.ones_like(r, dtype=torch.bool))
+
+
+def _table_values(keys: list[tuple], hits: list[float], on_track: list[bool]) -> np.ndarray:
+    """Per token: the success rate of the tokens with the same key (among on-track ones when
+    `on_track` is given per token), 0 off track."""
+    total, count = defaultdict(float), defaultdict(int)
+    for k, r, ok in zip(keys, hits, on_track):
+        if ok:
+            total[k] += r
+            count[k] += 1
+    return np.array([total[k] / count[k] if ok and count[k] else 0.0 for k, ok in zip(keys, on_track)])
+
+
+def measure(policy: Path, task_name: str, prompts: int, samples: int, seed: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    task = make_task(TaskConfig(name=task_name))
+    eos = tok.eos_token_id
+    returns, exact, keys, on_track = [], [], [], []
+    with torch.no_grad():
+        for problem in task.sample(prompts, seed):
+            prompt = tok(problem.prompt, add_special_tokens=False).input_ids
+            answer = [*tok(task.completion(problem), add_special_tokens=False).input_ids, eos]
+            logp = torch.log_softmax(model(torch.tensor([prompt + answer])).logits[0].float(), -1)
+            answer_p = [float(logp[len(prompt) - 1 + j, a].exp()) for j, a in enumerate(answer)]
+            out = model.generate(torch.tensor([prompt] * samples), attention_mask=torch.ones(samples, len(prompt),
+                                 dtype=torch.long), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 max_new_tokens=len(answer) + 8, eos_token_id=eos, pad_token_id=eos)
+            for row in out[:, len(prompt):].tolist():
+                response = row[: row.index(eos) + 1] if eos in row else row
+                reward = task.reward(problem, tok.decode(response, skip_special_tokens=True))
+                returns += [reward] * len(response)
+                exact += exact_values(answer, answer_p, response)
+                keys += [(len(answer), t) for t in range(len(response))]
+                on_track += [t < len(answer) and response[:t] == answer[:t] for t in range(len(response))]
+    r = np.array(returns)
+    return {"reward": float(np.mean(r)), "tokens": float(len(r)),
+            "exact": _ev(r, np.array(exact)),
+            "prefix": _ev(r, _table_values(keys, returns, on_track)),
+            "length": _ev(r, _table_values(keys, returns, [True] * len(keys)))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="value_ceiling", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policy", type=Path, required=True, help="the policy's Hugging Face directory")
+    ap.add_argument("--task", default="reverse", choices=["reverse", "sort", "add"])
+    ap.add_argument("--prompts", type=int, default=192)
+    ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args(argv)
+    if not (args.policy / "config.json").is_file():
+        print(f"value_ceiling: --policy {args.policy} is not a Hugging Face directory (no config.json); "
+              "export one with tools/convert_checkpoint.py --to hf", file=sys.stderr)
+        return 2
+    m = measure(args.policy, args.task, args.prompts, args.samples, args.seed)
+    print(f"{args.policy}: reward (token-weighted) {m['reward']:.3f} over {int(m['tokens'])} response tokens")
+    print(f"explained variance of Monte-Carlo returns: exact {m['exact']:.3f} | prefix {m['prefix']:.3f} | "
+          f"length {m['length']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
