@@ -477,3 +477,35 @@ def _assert_same_final_checkpoint(run: Path, ref_run: Path, step: int) -> None:
         assert torch.equal(a.read(key), b.read(key)), key
     meta_a, meta_b = (json.loads((c.path / "moe_rl.json").read_text()) for c in (a, b))
     assert meta_a["scheduler"] == meta_b["scheduler"] and meta_a["step"] == meta_b["step"]
+
+
+_SAVE_THREADS = """
+import os, sys, torch
+from moe_rl.config import load_config
+from moe_rl.learner import Learner, init_distributed, parallel_layout, save_checkpoint
+torch.set_num_threads(2)
+init_distributed()
+cfg = load_config(sys.argv[1], ["model.num_layers=24"])  # (metadata > 32 KB: a parallel copy)
+with parallel_layout(cfg.parallel, seed=1) as layout:
+    learner = Learner(cfg, layout)
+    before = len(os.listdir("/proc/self/task"))
+    save_checkpoint(learner, sys.argv[2])
+    print(before, len(os.listdir("/proc/self/task")), torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_a_save_starts_no_openmp_team_on_gloos_threads(tmp_path):
+    """megatron's metadata gather copies its bytes on a gloo worker thread (over 32 KB at 24
+    layers: a parallel copy). At two torch threads that thread would open an OpenMP team of
+    its own (a new thread, and from then on libgomp's shortened spin for every team: 2.5x
+    slower updates on 2 CPUs). The save runs at one thread, so no thread appears, and the
+    caller's count is back after it. A fresh process: gloo's threads in this one may have
+    opened their teams in earlier tests."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "OMP_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", _SAVE_THREADS, str(BASE / "config.yaml"), str(tmp_path / "c")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after, threads = map(int, proc.stdout.split()[-3:])
+    assert after == before and threads == 2
