@@ -8,7 +8,7 @@ misspelt flag or key, or a recipe that does not exist, fails its case (FAST_FORM
 |---|---|
 | `python -m moe_rl.{train,sft,eval,dpo} ARGS` | `... ARGS --check` (recipe, inputs, layout; nothing built) |
 | `torchrun ... --nproc-per-node N -m moe_rl.train ARGS` | `python -m moe_rl.train ARGS --check --nproc N` |
-| `python -m moe_rl.plan ARGS`, `python tools/convert_checkpoint.py ARGS` | as written (seconds) |
+| `python -m moe_rl.plan ARGS`, `python tools/{convert_checkpoint,value_ceiling}.py ARGS` | as written (seconds) |
 | `make TARGET VAR=...` | `make -n` (the target exists; `ablate-NAME` names a setting) |
 | `tensorboard ...`; `source FILE` | the executable is in the venv; FILE exists |
 | the programs in NOT_RUN_AS_WRITTEN | what it says instead, with the reason |
@@ -198,6 +198,7 @@ def program(argv: tuple[str, ...]) -> str:
 FAST_FORMS = {
     "moe_rl.train": _check_moe_rl, "moe_rl.sft": _check_moe_rl, "moe_rl.eval": _check_moe_rl,
     "moe_rl.dpo": _check_moe_rl, "tools/make_preference_data.py": _run_as_written,
+    "tools/value_ceiling.py": _run_as_written,
     "torchrun": _torchrun,
     "moe_rl.plan": _run_as_written, "tools/convert_checkpoint.py": _run_as_written,
     "make": _make,

@@ -28,3 +28,11 @@ def test_the_value_is_zero_from_the_state_after_the_first_wrong_token() -> None:
     assert values == pytest.approx([0.5 * 0.8 * 0.9 * 0.6, 0.8 * 0.9 * 0.6, 0.0, 0.0, 0.0], abs=1e-12)
     # a response that runs on past the answer's EOS position is off track there
     assert value_ceiling.exact_values([2], [0.7], [4, 4]) == pytest.approx([0.7, 0.0])
+
+
+def test_a_bad_count_or_directory_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    assert value_ceiling.main(["--policy", str(tmp_path), "--prompts", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "value_ceiling: --prompts must be at least 1, got 0"
+    assert value_ceiling.main(["--policy", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is not a Hugging Face directory (no config.json)" in err

@@ -36,17 +36,18 @@ from moe_rl.gae import explained_variance
 from moe_rl.tasks import make_task
 
 
+def on_track(answer_ids: list[int], response_ids: list[int]) -> list[bool]:
+    """Per response token: is the response before it still the answer's start (with room for
+    the token in the answer)?"""
+    return [t < len(answer_ids) and response_ids[:t] == answer_ids[:t] for t in range(len(response_ids))]
+
+
 def exact_values(answer_ids: list[int], answer_p: list[float], response_ids: list[int]) -> list[float]:
     """The value of the state before each response token: the product of the policy's
     teacher-forced probabilities of the answer tokens still to write (`answer_p`, one per
-    token of `answer_ids`, EOS included) while the response so far equals the answer's
-    start, and 0 from the token after the first one that leaves it."""
-    suffix = [math.prod(answer_p[t:]) for t in range(len(answer_ids))]
-    values = []
-    for t in range(len(response_ids)):
-        on_track = t < len(answer_ids) and response_ids[:t] == answer_ids[:t]
-        values.append(suffix[t] if on_track else 0.0)
-    return values
+    token of `answer_ids`, EOS included) while the response is on track, and 0 from the
+    token after the first one that leaves it."""
+    return [math.prod(answer_p[t:]) if ok else 0.0 for t, ok in enumerate(on_track(answer_ids, response_ids))]
 
 
 def _ev(returns: np.ndarray, values: np.ndarray) -> float:
@@ -73,7 +74,7 @@ def measure(policy: Path, task_name: str, prompts: int, samples: int, seed: int)
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     task = make_task(TaskConfig(name=task_name))
     eos = tok.eos_token_id
-    returns, exact, keys, on_track = [], [], [], []
+    returns, exact, keys, tracked = [], [], [], []
     with torch.no_grad():
         for problem in task.sample(prompts, seed):
             prompt = tok(problem.prompt, add_special_tokens=False).input_ids
@@ -89,11 +90,11 @@ def measure(policy: Path, task_name: str, prompts: int, samples: int, seed: int)
                 returns += [reward] * len(response)
                 exact += exact_values(answer, answer_p, response)
                 keys += [(len(answer), t) for t in range(len(response))]
-                on_track += [t < len(answer) and response[:t] == answer[:t] for t in range(len(response))]
+                tracked += on_track(answer, response)
     r = np.array(returns)
     return {"reward": float(np.mean(r)), "tokens": float(len(r)),
             "exact": _ev(r, np.array(exact)),
-            "prefix": _ev(r, _table_values(keys, returns, on_track)),
+            "prefix": _ev(r, _table_values(keys, returns, tracked)),
             "length": _ev(r, _table_values(keys, returns, [True] * len(keys)))}
 
 
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args(argv)
+    for flag in ("prompts", "samples"):
+        if getattr(args, flag) < 1:
+            print(f"value_ceiling: --{flag} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
     if not (args.policy / "config.json").is_file():
         print(f"value_ceiling: --policy {args.policy} is not a Hugging Face directory (no config.json); "
               "export one with tools/convert_checkpoint.py --to hf", file=sys.stderr)

@@ -214,7 +214,7 @@ def _one_openmp_thread() -> Iterator[None]:
     first parallel op fixes its OpenMP team size at torch's thread count of that moment; a
     team on gloo's thread makes the process hold more OpenMP threads than CPUs, and libgomp
     then shortens every thread's spin-wait: on 2 CPUs every later update took 2.5x as long
-    (`examples/tiny_grpo.yaml`: 0.38 -> 0.95 s from the first save on; 0.35-0.39 s with this).
+    (`examples/tiny_grpo.yaml`: 0.38 -> 0.95 s from the first save on; 0.35-0.41 s with this).
     Begun at one thread, gloo's threads stay single-threaded."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
