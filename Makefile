@@ -29,11 +29,12 @@ export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo bench lint ablations ablations-report ablations-sweep clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo bench lint ablations ablations-report ablations-sweep clean-runs
 
 help:
 	@echo "make demo       RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
 	@echo "make dpo-demo   DPO on the shipped tiny MoE from preference pairs (CPU, held-out accuracy >= 0.9)"
+	@echo "make rm-demo    a reward model on the same pairs, the starting point of PPO's critic (CPU)"
 	@echo "make test       the full test suite (what CI runs)"
 	@echo "make bench      benchmarks -> bench/results/"
 	@echo "make ablations  off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/"
@@ -89,6 +90,11 @@ demo: install
 # rejected: a near miss; `tools/make_preference_data.py` makes them) -> runs/tiny_dpo.
 dpo-demo: install
 	$(PY) -m moe_rl.dpo --config examples/tiny_dpo.yaml run.overwrite=true
+
+# A reward model from the tiny SFT base on the same pairs -> runs/tiny_rm; its last
+# checkpoint can start PPO's critic (critic.init_checkpoint, docs/ppo_dpo.md).
+rm-demo: install
+	$(PY) -m moe_rl.reward_model --config examples/tiny_rm.yaml run.overwrite=true
 
 bench: install
 	$(PY) -m bench.run_all

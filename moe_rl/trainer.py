@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from moe_rl.config import Config, ConfigError
+from moe_rl.config import Config
 from moe_rl.diagnostics import combine_mismatch_summaries, compute_mismatch
 from moe_rl.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.metrics import combine
@@ -84,7 +84,8 @@ class Trainer:
         elif init:
             self._load_init(self.learner, init)
             if critic is not None:  # (its value head is not in the actor's weights: it starts at zero)
-                self._load_init(critic, cfg.critic.init_checkpoint or init, optional=(VALUE_HEAD_PREFIX,))
+                self._load_init(critic, cfg.critic.init_checkpoint or init, optional=(VALUE_HEAD_PREFIX,),
+                                key="critic.init_checkpoint" if cfg.critic.init_checkpoint else "run.init_checkpoint")
         trained = [self.learner] + ([critic] if critic is not None else [])
         self._offload = [HostOffload(m) for m in trained] if cfg.optimizer.offload_during_rollout else None
         self.ref = None
@@ -109,21 +110,13 @@ class Trainer:
         cfg = self.cfg
         return CriticStage(cfg, self.layout, updates=cfg.run.steps * cfg.critic.epochs * cfg.rl.num_minibatches)
 
-    def _load_init(self, learner: Any, path: str, optional: tuple[str, ...] = ()) -> None:
+    def _load_init(self, learner: Any, path: str, optional: tuple[str, ...] = (),
+                   key: str = "run.init_checkpoint") -> None:
         """Starting weights from a moe_rl checkpoint or a Hugging Face directory (`optional`:
         parameter-name prefixes they may lack)."""
-        from moe_rl.learner import load_checkpoint
-        from moe_rl.learner.checkpoint import is_checkpoint
-        from moe_rl.learner.hf_import import load_hf_weights
+        from moe_rl.learner import load_start
 
-        p = Path(path)
-        if is_checkpoint(p):
-            load_checkpoint(learner, p, load_optimizer=False, trust=self.cfg.run.trust_checkpoint, optional=optional)
-        elif (p / "config.json").is_file():
-            load_hf_weights(learner, p, optional=optional)
-        else:
-            raise ConfigError(f"run.init_checkpoint={path} is neither a moe_rl checkpoint nor a Hugging Face directory")
-        learner.step = 0
+        load_start(learner, path, self.cfg.run.trust_checkpoint, optional=optional, key=key)
 
     # ------------------------------------------------------------------ one step
 

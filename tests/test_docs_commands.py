@@ -6,7 +6,7 @@ misspelt flag or key, or a recipe that does not exist, fails its case (FAST_FORM
 
 | documented | run as |
 |---|---|
-| `python -m moe_rl.{train,sft,eval,dpo} ARGS` | `... ARGS --check` (recipe, inputs, layout; nothing built) |
+| `python -m moe_rl.{train,sft,eval,dpo,reward_model} ARGS` | `... ARGS --check` (recipe, inputs, layout; nothing built) |
 | `torchrun ... --nproc-per-node N -m moe_rl.train ARGS` | `python -m moe_rl.train ARGS --check --nproc N` |
 | `python -m moe_rl.plan ARGS`, `python tools/{convert_checkpoint,value_ceiling}.py ARGS` | as written (seconds) |
 | `make TARGET VAR=...` | `make -n` (the target exists; `ablate-NAME` names a setting) |
@@ -43,6 +43,9 @@ STAND_INS = {
     "runs/hf_rspo/hf": "{hf}",                # what a hf_rspo run exports
     "/tmp/tiny_hf": "{hf}",                   # README: what the convert command above it writes
     "runs/tiny_base": "moe_rl/assets/tiny_base",  # README: what the sft command above it writes
+    # docs/ppo_dpo.md: what `make rm-demo` writes (a checkpoint of the same model; --check
+    # reads where it is and what model it holds, not its value head)
+    "runs/tiny_rm/checkpoints/step_000300": "moe_rl/assets/tiny_base",
     "train.jsonl": "{prompts}", "/data/math/train.jsonl": "{prompts}", "test.jsonl": "{prompts}",
     "/tmp/plan_models": "{plan_models}",      # docs/plan.md: what the table command writes
     "/models/GLM-4.5-Air": "{plan_models}/GLM-4.5-Air",
@@ -122,7 +125,7 @@ def _torchrun(argv: tuple[str, ...], env: Env) -> None:
     opts = dict(itertools.pairwise(argv[1:m]))  # each word -> the word after it
     nproc = opts.get("--nproc-per-node") or opts.get("--nproc_per_node")
     assert nproc and nproc.isdigit(), f"torchrun without a numeric --nproc-per-node: {argv}"
-    assert argv[m + 1] in ("moe_rl.train", "moe_rl.sft", "moe_rl.dpo"), f"no --check for torchrun -m {argv[m + 1]}"
+    assert argv[m + 1] in ("moe_rl.train", "moe_rl.sft", "moe_rl.dpo", "moe_rl.reward_model"), f"no --check for torchrun -m {argv[m + 1]}"
     _check_moe_rl(("python", *argv[m:]), env, nproc=int(nproc))
 
 
@@ -197,7 +200,7 @@ def program(argv: tuple[str, ...]) -> str:
 
 FAST_FORMS = {
     "moe_rl.train": _check_moe_rl, "moe_rl.sft": _check_moe_rl, "moe_rl.eval": _check_moe_rl,
-    "moe_rl.dpo": _check_moe_rl, "tools/make_preference_data.py": _run_as_written,
+    "moe_rl.dpo": _check_moe_rl, "moe_rl.reward_model": _check_moe_rl, "tools/make_preference_data.py": _run_as_written,
     "tools/value_ceiling.py": _run_as_written,
     "torchrun": _torchrun,
     "moe_rl.plan": _run_as_written, "tools/convert_checkpoint.py": _run_as_written,

@@ -237,7 +237,7 @@ def test_run_learns_and_resumes_bit_exactly(megatron_world, tmp_path):
     for step in (3, 4):
         assert {k: v for k, v in a[step].items() if not k.startswith("time/")} == \
                {k: v for k, v in b[step].items() if not k.startswith("time/")}
-    sa, sb = whole.policy.gpt.state_dict(), resumed.policy.gpt.state_dict()
+    sa, sb = whole.model.gpt.state_dict(), resumed.model.gpt.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
     assert a[0]["eval/rewards/accuracies"] == 0.0 and a[4]["eval/rewards/accuracies"] > 0.5
     assert a[4]["eval/rewards/margins"] > a[2]["eval/rewards/margins"] > 0

@@ -180,7 +180,8 @@ def test_recipe_checks_name_the_key(overrides, needle):
 @pytest.mark.multiproc
 def test_critic_values_and_update_match_one_process_at_tp2_ep2_pp2(tmp_path):
     """The critic's values and one value-loss update at TP2, EP2 (data parallel 2) and PP2
-    equal the one-process run's (tests/workers/critic_layouts.py)."""
+    equal the one-process run's (tests/workers/critic_layouts.py); so do the reward model's
+    scores and one update of its pair surrogate on the same value model."""
     from dist_helpers import torchrun
 
     torchrun("critic_layouts.py", 1, "reference", str(tmp_path))
@@ -192,6 +193,11 @@ def test_critic_values_and_update_match_one_process_at_tp2_ep2_pp2(tmp_path):
         assert lay["metrics"]["critic/value_loss"] == pytest.approx(ref["metrics"]["critic/value_loss"], abs=1e-6)
         assert lay["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), name
         assert (lay["values_after"] - ref["values_after"]).abs().max() <= 1e-4, name
+        # (scores up to |2.3| after the critic's update: fp32 sums in another order, relative)
+        assert (lay["rm"]["scores"] - ref["rm"]["scores"]).abs().max() <= 1e-6 * ref["rm"]["scores"].abs().max(), name
+        assert lay["rm"]["grad_norm"] == pytest.approx(ref["rm"]["grad_norm"], rel=1e-5), name
+        assert (lay["rm"]["scores_after"] - ref["rm"]["scores_after"]).abs().max() <= 1e-4, name
+    assert (ref["rm"]["scores_after"] - ref["rm"]["scores"]).abs().max() > 1e-2
 
 
 def _ppo_cmd(out: Path, name: str, *extra: str) -> list[str]:

@@ -91,6 +91,16 @@ def test_no_learning_signal_is_said_the_first_time_and_every_ten_steps(caplog):
     assert sum("no learning signal" in r.getMessage() for r in caplog.records) == 3
 
 
+def test_a_critics_advantages_never_lack_signal_for_equal_group_rewards(caplog):
+    """With rl.advantage=gae (one sample per prompt makes every group 'equal') the warning
+    would be false: each row's advantage is its returns minus the critic's values."""
+    watch = LearningSignalWatch(dynamic_sampling=False, group_advantages=False)
+    caplog.set_level(logging.WARNING, logger="moe_rl.rollout")
+    for step in range(1, 2 + REPEAT_EVERY):
+        watch.observe(step, 1.0)
+    assert not [r for r in caplog.records if "no learning signal" in r.getMessage()]
+
+
 def test_zero_variance_fraction_counts_groups_with_equal_rewards():
     from moe_rl.config import load_config
     from moe_rl.rollout.packing import plan_step

@@ -36,6 +36,7 @@ from moe_rl.config.loading import (
 )
 from moe_rl.config.model import ModelConfig
 from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS, register_objective_hparams
+from moe_rl.config.reward_model import RewardModelConfig
 from moe_rl.config.rl import CorrectionHParams, ObjectiveArgs, RLConfig
 from moe_rl.config.sections import (
     Config,
@@ -62,6 +63,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "RLConfig",
+    "RewardModelConfig",
     "RunConfig",
     "SFTConfig",
     "SamplerConfig",

@@ -26,8 +26,9 @@ class CriticConfig:
     """Critic warm-up: the first N RL steps train the critic only (the actor is not
     updated, so its rollouts stay on-policy while the values catch up)."""
     init_checkpoint: str = ""
-    """The critic's starting transformer (a moe_rl checkpoint or a Hugging Face directory);
-    empty: the actor's starting checkpoint (run.init_checkpoint). The value head starts at
+    """The critic's starting transformer (a moe_rl checkpoint, a reward model's from
+    `python -m moe_rl.reward_model` included, or a Hugging Face directory); empty: the
+    actor's starting checkpoint (run.init_checkpoint). The value head starts at
     zero either way, so the first values are 0 and the first advantages are the returns."""
     value_clip: float = 0.2
     """c of the clipped value loss 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)."""

@@ -48,9 +48,14 @@ def validate_dpo(cfg: Any) -> None:
     if d.loss == "ipo" and d.label_smoothing:
         raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} applies to dpo.loss=sigmoid only "
                           "(conservative DPO); set it to 0 with dpo.loss=ipo")
-    if d.batch_size < 1:
-        raise ConfigError(f"dpo.batch_size must be >= 1, got {d.batch_size}")
-    if d.eval_every < 0:
-        raise ConfigError(f"dpo.eval_every must be >= 0 (0 disables it), got {d.eval_every}")
-    if d.eval_max_pairs < 0:
-        raise ConfigError(f"dpo.eval_max_pairs must be >= 0 (0: all), got {d.eval_max_pairs}")
+    validate_pair_batches("dpo", d)
+
+
+def validate_pair_batches(name: str, section: Any) -> None:
+    """batch_size, eval_every and eval_max_pairs of a preference trainer's section `name`."""
+    if section.batch_size < 1:
+        raise ConfigError(f"{name}.batch_size must be >= 1, got {section.batch_size}")
+    if section.eval_every < 0:
+        raise ConfigError(f"{name}.eval_every must be >= 0 (0 disables it), got {section.eval_every}")
+    if section.eval_max_pairs < 0:
+        raise ConfigError(f"{name}.eval_max_pairs must be >= 0 (0: all), got {section.eval_max_pairs}")

@@ -9,6 +9,7 @@ from typing import Literal
 from moe_rl.config.critic import CriticConfig
 from moe_rl.config.dpo import DPOConfig
 from moe_rl.config.model import ModelConfig
+from moe_rl.config.reward_model import RewardModelConfig
 from moe_rl.config.rl import RLConfig
 
 
@@ -269,6 +270,8 @@ class Config:
     """PPO's value model (read when rl.advantage=gae)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Preference tuning (`python -m moe_rl.dpo`)."""
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model on preference pairs (`python -m moe_rl.reward_model`)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Per-step outputs."""
     run: RunConfig = field(default_factory=RunConfig)

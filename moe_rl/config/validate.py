@@ -12,6 +12,7 @@ from moe_rl.config.critic import validate_critic
 from moe_rl.config.dpo import validate_dpo
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS
+from moe_rl.config.reward_model import validate_reward_model
 from moe_rl.config.sections import Config
 
 
@@ -240,7 +241,7 @@ def validate_task(t: Any, run: Any) -> None:
 
 
 SECTION_CHECKS = (validate_finite, validate_ranges, validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run,
-                  validate_critic, validate_dpo)
+                  validate_critic, validate_dpo, validate_reward_model)
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

@@ -1,8 +1,8 @@
-"""Every check of a DPO run's inputs, once, before anything is built (`--check` runs them
-and prints one line): the layout, the starting weights (which are also the reference), the
-learner's device, the preference files row by row, the tokenizer, and the longest pair
-against the model's positions. Each failure is one `ConfigError` line naming the key, file
-or row and the fix."""
+"""Every check of a preference run's inputs (DPO, or the reward model of
+`moe_rl.reward_model`), once, before anything is built (`--check` runs them and prints one
+line): the layout, the starting weights (for DPO also the reference), the learner's device,
+the preference files row by row, the tokenizer, and the longest pair against the model's
+positions. Each failure is one `ConfigError` line naming the key, file or row and the fix."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ from typing import Any
 
 from moe_rl.config import Config, ConfigError, validate_layout
 
+PROGRAMS = {"dpo": ("moe_rl.dpo", "the starting policy, which is also the frozen reference"),
+            "rm": ("moe_rl.reward_model", "the starting transformer (its value head starts at zero)")}
+"""Recipe section -> (the program that reads it, what run.init_checkpoint is to it)."""
 
-def load_inputs(cfg: Config) -> tuple[list[Any], list[Any], Any]:
+
+def load_inputs(cfg: Config, section: str = "dpo") -> tuple[list[Any], list[Any], Any]:
     """(training pairs, held-out pairs, PromptEncoder), or a one-line ConfigError."""
     from moe_rl.dpo.data import load_pairs
     from moe_rl.preflight import load_prompt_encoder
@@ -20,7 +24,7 @@ def load_inputs(cfg: Config) -> tuple[list[Any], list[Any], Any]:
 
     t = cfg.task
     if not t.data_path:
-        raise ConfigError("moe_rl.dpo needs task.data_path: a .jsonl or .parquet file of {prompt | messages, "
+        raise ConfigError(f"{PROGRAMS[section][0]} needs task.data_path: a .jsonl or .parquet file of {{prompt | messages, "
                           "chosen, rejected} rows (tools/make_preference_data.py writes one for the tiny task)")
     keys = DatasetKeys.from_config(t)
     try:
@@ -46,40 +50,49 @@ def check_lengths(pairs: list[Any], encoder: Any, positions: int) -> None:
                           "model.max_position_embeddings")
 
 
-def check_dpo_run(cfg: Config, world: int) -> tuple[list[Any], list[Any], Any]:
-    """Raise a one-line ConfigError for the first input that cannot work; returns what
-    `load_inputs` read (the run uses it rather than reading the files twice)."""
+def check_pairs_run(cfg: Config, world: int, section: str = "dpo") -> tuple[list[Any], list[Any], Any]:
+    """Raise a one-line ConfigError for the first input that cannot work in a run of
+    `section`'s program (`PROGRAMS`); returns what `load_inputs` read (the run uses it
+    rather than reading the files twice)."""
     from moe_rl.preflight import check_init_model, check_learner_device
 
     validate_layout(cfg, world)
     init = cfg.run.init_checkpoint
     if not init:
-        raise ConfigError("moe_rl.dpo needs run.init_checkpoint: the starting policy, which is also the frozen "
-                          "reference (the tiny recipe uses moe_rl/assets/tiny_base)")
+        prog, what = PROGRAMS[section]
+        raise ConfigError(f"{prog} needs run.init_checkpoint: {what} (the tiny recipe uses moe_rl/assets/tiny_base)")
     if not Path(init).exists():
         raise ConfigError(f"run.init_checkpoint={init} does not exist (paths are relative to the working directory)")
     check_init_model(cfg)
     check_learner_device(cfg)
-    train, held_out, encoder = load_inputs(cfg)
-    if cfg.dpo.eval_every and not held_out:
-        raise ConfigError(f"dpo.eval_every={cfg.dpo.eval_every} needs task.eval_data_path (held-out pairs); "
-                          "set it, or dpo.eval_every=0")
+    train, held_out, encoder = load_inputs(cfg, section)
+    every = getattr(cfg, section).eval_every
+    if every and not held_out:
+        raise ConfigError(f"{section}.eval_every={every} needs task.eval_data_path (held-out pairs); "
+                          f"set it, or {section}.eval_every=0")
     check_lengths(train + held_out, encoder, cfg.model.max_position_embeddings)
     return train, held_out, encoder
 
 
-def summary(cfg: Config, world: int, train: list[Any], held_out: list[Any]) -> str:
+def summary(cfg: Config, world: int, train: list[Any], held_out: list[Any], section: str = "dpo") -> str:
     """What would run, in one line."""
-    p, m, d = cfg.parallel, cfg.model, cfg.dpo
+    p, m = cfg.parallel, cfg.model
+    what = (f"dpo ({cfg.dpo.loss}, beta {cfg.dpo.beta})" if section == "dpo"
+            else f"reward model (compare {cfg.rm.compare})")
     dp = validate_layout(cfg, world)
     layout = (f"{world} rank{'s' if world > 1 else ''} (TP{p.tensor_model_parallel_size} "
               f"PP{p.pipeline_model_parallel_size} EP{p.expert_model_parallel_size} DP{dp})")
-    return (f"dpo ({d.loss}, beta {d.beta}), {layout}, model {m.num_layers} layers x {m.num_experts} experts "
+    return (f"{what}, {layout}, model {m.num_layers} layers x {m.num_experts} experts "
             f"(top-{m.moe_router_topk}) from {cfg.run.init_checkpoint}, {len(train)} pairs ({len(held_out)} held "
             f"out), {cfg.run.steps} steps -> {cfg.run_dir}")
 
 
-def check_recipe(cfg: Config, world: int) -> str:
+def check_recipe(cfg: Config, world: int, section: str = "dpo") -> str:
     """`--check`: every check above for `world` ranks, then the summary line."""
-    train, held_out, _ = check_dpo_run(cfg, world)
-    return summary(cfg, world, train, held_out)
+    train, held_out, _ = check_pairs_run(cfg, world, section)
+    return summary(cfg, world, train, held_out, section)
+
+
+def check_reward_model_recipe(cfg: Config, world: int) -> str:
+    """`--check` of `python -m moe_rl.reward_model`."""
+    return check_recipe(cfg, world, "rm")

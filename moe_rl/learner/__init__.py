@@ -21,6 +21,7 @@ from moe_rl.learner.microbatch import (
 )
 from moe_rl.learner.parallel import Layout, init_distributed, parallel_layout
 from moe_rl.learner.routing import RoutingPlan
+from moe_rl.learner.start import load_start
 
 __all__ = [
     "BatchTotals",
@@ -36,6 +37,7 @@ __all__ = [
     "init_distributed",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_start",
     "parallel_layout",
     "read_meta",
     "save_checkpoint",

@@ -14,7 +14,9 @@ parameter of the module DDP wraps (the optimizer, the grad buffer and `dist_chec
 see it), on the last pipeline stage only, replicated over TP: every TP rank computes the
 whole value from the gathered hidden states, so its gradient needs no TP reduction.
 
-Everything else is the learner's: micro-batching, packing, the pipeline schedule, its own
+`ValueModel` is that learner with the run's optimizer settings (the reward model of
+`moe_rl.reward_model` is one); `Critic` is PPO's, with the critic section's. Everything
+else is the learner's: micro-batching, packing, the pipeline schedule, its own
 megatron optimizer (learning rate `critic.lr`, constant after `critic.lr_warmup_steps`; the
 other Adam settings are `optimizer.*`). Its MoE routers route on their own (the trainer
 passes no routing plan). It is never converted for the sampler.
@@ -84,11 +86,10 @@ def critic_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, optimizer=opt)
 
 
-class Critic(Learner):
-    """The value model (this rank's shard), its optimizer and schedule."""
-
-    def __init__(self, cfg: Config, layout: Layout, *, total_updates: int | None = None) -> None:
-        super().__init__(critic_config(cfg), layout, total_updates=total_updates)
+class ValueModel(Learner):
+    """A value model (this rank's shard), its optimizer and schedule, as the run's config
+    sets them: the reward model's learner (`moe_rl.reward_model`). PPO's critic is one with
+    the critic's own optimizer settings."""
 
     def _prepare_model(self, gpt: torch.nn.Module) -> None:
         layer = getattr(gpt, "output_layer", None)
@@ -110,3 +111,10 @@ class Critic(Learner):
         """[b, T] fp32 values of this rank's rows at their response tokens (no gradients),
         on every rank of the replica."""
         return self.score(batch).logp_BT  # (the scoring pass's per-token output: here values)
+
+
+class Critic(ValueModel):
+    """PPO's critic: a value model with the critic section's learning rate and schedule."""
+
+    def __init__(self, cfg: Config, layout: Layout, *, total_updates: int | None = None) -> None:
+        super().__init__(critic_config(cfg), layout, total_updates=total_updates)

@@ -68,7 +68,7 @@ class RolloutCollector:
         self.last_eval_examples: list[dict[str, Any]] = []
         self._row_owners: list[int | None] = [0] * self.placement.world  # (until assign_rows: all rows everywhere)
         self._dp = 1
-        self._signal = LearningSignalWatch(cfg.rl.dynamic_sampling)
+        self._signal = LearningSignalWatch(cfg.rl.dynamic_sampling, group_advantages=cfg.rl.advantage != "gae")
 
     @property
     def pad_id(self) -> int:

@@ -3,8 +3,10 @@
 reference (1 process): a fresh tiny MoE -> checkpoint `ckpt0`; a critic started from it
     (the value head then set to fixed values), its values of a fixed batch, one update of
     the clipped value loss towards fixed returns, its values after.
-layouts (2 processes): the same at TP2, EP2 (data parallel 2) and PP2, from `ckpt0`.
-Results go to <out>/<mode>.pt.
+    Then the reward model's step on the same value model: the scores of 6 shipped preference
+    pairs (12 rows), one update of its Bradley-Terry surrogate, the scores after.
+layouts (2 processes): the same at TP2, EP2 (data parallel 2: a pair's two rows on
+    different ranks) and PP2, from `ckpt0`. Results go to <out>/<mode>.pt.
 """
 
 import sys
@@ -47,6 +49,23 @@ def critic_step(critic, cfg) -> dict:
             "values_after": critic.score_whole(tokens).logp_BT}
 
 
+def reward_model_step(model, tp: int) -> dict:
+    from dpo_layouts import pairs_batch
+
+    from moe_rl.reward_model.loss import (
+        COEF_KEY,
+        compared_slots,
+        score_coefficients,
+        surrogate_loss,
+    )
+
+    tokens = pairs_batch(tp)
+    chosen, rejected = compared_slots(tokens, "divergence")
+    scores = model.logprobs(tokens)
+    update = model.train_step(tokens, surrogate_loss, extras={COEF_KEY: score_coefficients(scores, chosen, rejected)})
+    return {"scores": scores, "grad_norm": update["grad_norm"], "scores_after": model.logprobs(tokens)}
+
+
 def main() -> None:
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
     from moe_rl.learner.critic import Critic
@@ -64,6 +83,7 @@ def main() -> None:
             load_checkpoint(critic, f"{out}/ckpt0", load_optimizer=False, optional=("value_head.",))
             set_head(critic.gpt)
             result[name] = critic_step(critic, cfg)
+            result[name]["rm"] = reward_model_step(critic, layout.tp)
     if rank == 0:
         torch.save(result, f"{out}/{mode}.pt")
     dist.barrier()

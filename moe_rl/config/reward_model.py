@@ -1,0 +1,39 @@
+"""The `rm` section: a reward model trained on preference pairs (`python -m moe_rl.reward_model`).
+
+The run length, seed, checkpoints and resume are the `run` section's; the preference files
+are `task.data_path` and `task.eval_data_path` (the DPO trainer's format); the learning rate
+and schedule are the `optimizer` section's; `run.init_checkpoint` is the starting
+transformer (the value head starts at zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from moe_rl.config.dpo import validate_pair_batches
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """A Bradley-Terry reward model: the value model's score of a chosen response should
+    exceed its score of the rejected one."""
+
+    compare: Literal["divergence", "last"] = "divergence"
+    """Which scores a pair's loss compares. `last`: each response's score at its last
+    token's slot (the state after the whole answer, before EOS: InstructGPT's sequence
+    reward). `divergence`: every slot whose prefix holds the first token where the two
+    responses differ, up to the shorter one's last slot (DeepSpeed-Chat's per-token loss;
+    a pair that differs only in its last token falls back to `last`). The loss is the
+    mean over those slots of -log sigmoid(r_chosen - r_rejected)."""
+    batch_size: int = 32
+    """Preference pairs per optimizer step (2x as many sequences go through the model)."""
+    eval_every: int = 10
+    """Steps between held-out evaluations on task.eval_data_path and at the last step; 0: none."""
+    eval_max_pairs: int = 0
+    """Evaluate on the first N held-out pairs (0: all of them)."""
+
+
+def validate_reward_model(cfg: Any) -> None:
+    """The rm section's ranges (`Any`: sections.py imports this module, so it cannot import `Config`)."""
+    validate_pair_batches("rm", cfg.rm)

@@ -1,0 +1,47 @@
+"""A reward model on preference pairs: the starting transformer for PPO's critic.
+
+    python -m moe_rl.reward_model --config examples/tiny_rm.yaml [section.key=value ...]
+    torchrun --nproc-per-node 2 -m moe_rl.reward_model --config examples/tiny_rm.yaml parallel.expert_model_parallel_size=2
+
+Reads the DPO trainer's `{prompt | messages, chosen, rejected}` rows (task.data_path; held
+out: task.eval_data_path), encodes them with the checkpoint's tokenizer and chat template,
+and trains a value model (run.init_checkpoint's transformer with a zero scalar head) for
+run.steps steps of rm.batch_size pairs so that chosen responses score higher
+(`moe_rl.reward_model.trainer`). The run directory is the RL trainer's: config.yaml,
+metrics.jsonl and TensorBoard (learner/loss, rewards/chosen, rewards/rejected,
+rewards/margins, rewards/accuracies, rewards/slot_accuracies, eval/*), checkpoints
+(run.save_every; run.resume=true continues) and summary.json; start PPO's critic from the
+last one with critic.init_checkpoint. Errors are one line (exit 2); `--debug` shows the
+traceback. `--check [--nproc N]` only checks the recipe and its inputs and prints one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from moe_rl.cli import cpu_environment, parse, run_guarded, setup_logging
+from moe_rl.config import Config
+
+PROG = "python -m moe_rl.reward_model"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from moe_rl.dpo.preflight import check_reward_model_recipe
+
+    cpu_environment()
+    args, cfg = parse(argv, PROG, __doc__, check=check_reward_model_recipe)
+    setup_logging(int(os.environ.get("RANK", "0")))
+    sys.exit(run_guarded(PROG, lambda: run(cfg), debug=args.debug))
+
+
+def run(cfg: Config) -> int:
+    """The whole run (every rank); StoppedBySignal leaves with the signal's status."""
+    from moe_rl.reward_model.trainer import RewardModelTrainer
+
+    RewardModelTrainer(cfg).fit()
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The reward-model trainer: pairs -> the value model's scores -> one Bradley-Terry update, on
+the loop every preference trainer shares (`moe_rl.preference_loop`).
+
+Per step, on every rank: the step's `rm.batch_size` pairs (`moe_rl.dpo.data.pairs_of_step`)
+become 2P rows; the value model (`moe_rl.learner.critic.ValueModel`: the policy's
+architecture and layout with a scalar head, started from run.init_checkpoint with the head
+at zero) scores them without gradients, which gives dL/dr in closed form
+(`loss.score_coefficients`); then one optimizer update runs the row-local surrogate with
+that gradient. Metrics: `learner/loss`, `rewards/chosen`, `rewards/rejected`,
+`rewards/margins`, `rewards/accuracies` (scores at each response's last slot),
+`rewards/slot_accuracies` (every compared slot), and `eval/*` on the held-out pairs.
+
+The checkpoints are the run's product: `critic.init_checkpoint=<run>/checkpoints/step_N`
+starts PPO's critic from this transformer (its value head restarts at zero), the InstructGPT
+recipe of a value function initialised from the reward model. Nothing is exported to
+Hugging Face: a value head has no place in a causal-LM directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moe_rl.atomic import atomic_write_text
+from moe_rl.batch import TokenBatch
+from moe_rl.config import Config
+from moe_rl.dpo.data import encode_pairs
+from moe_rl.preference_loop import PreferenceTrainer
+from moe_rl.reward_model.loss import (
+    COEF_KEY,
+    compared_slots,
+    pair_metrics,
+    score_coefficients,
+    surrogate_loss,
+)
+
+
+class RewardModelTrainer(PreferenceTrainer):
+    """Owns the value model and the run directory of one reward-model run."""
+
+    name = "reward model"
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg, "rm")
+
+    def _build(self, layout: Any, resume_from: Path | None) -> None:
+        from moe_rl.learner import load_start
+        from moe_rl.learner.critic import VALUE_HEAD, ValueModel
+
+        cfg = self.cfg
+        self.model = ValueModel(cfg, layout, total_updates=cfg.run.steps)
+        if resume_from is None:  # (the policy's weights hold no value head: it stays at zero)
+            load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint, optional=(VALUE_HEAD,))
+        self.eval_tokens = encode_pairs(self.eval_pairs, self.encoder, layout.tp) if self.eval_pairs else None
+
+    def _scored(self, tokens: TokenBatch) -> tuple[Any, Any, Any]:
+        """(scores [2P, T] on every rank, the chosen and rejected compared-slot masks)."""
+        chosen_PT, rejected_PT = compared_slots(tokens, self.cfg.rm.compare)
+        return self.model.logprobs(tokens), chosen_PT, rejected_PT  # (a value model's per-token output: scores)
+
+    def _train_on(self, tokens: TokenBatch) -> tuple[dict[str, float], dict[str, float]]:
+        scores_BT, chosen_PT, rejected_PT = self._scored(tokens)
+        coef_BT = score_coefficients(scores_BT, chosen_PT, rejected_PT)
+        update = self.model.train_step(tokens, surrogate_loss, extras={COEF_KEY: coef_BT})
+        return pair_metrics(scores_BT, tokens, chosen_PT, rejected_PT), update
+
+    def _held_out(self) -> dict[str, float]:
+        """Held-out loss, accuracies and margins."""
+        scores_BT, chosen_PT, rejected_PT = self._scored(self.eval_tokens)
+        return pair_metrics(scores_BT, self.eval_tokens, chosen_PT, rejected_PT)
+
+    def _finish(self) -> None:
+        final = self.run_dir.checkpoints / f"step_{self.cfg.run.steps:06d}"
+        self.log.info("reward model in %s; start PPO's critic from it with critic.init_checkpoint=%s", final, final)
+
+    def _summary(self, wall_seconds: float) -> dict[str, Any]:
+        """summary.json: steps, held-out accuracy first and last, the final checkpoint, wall time."""
+        evals = self.eval_accuracies()
+        out = {"algorithm": "reward_model", "compare": self.cfg.rm.compare, "steps": self.cfg.run.steps,
+               "wall_seconds": wall_seconds, "world_size": self.world,
+               "eval_accuracy": [{"step": s, "accuracy": a} for s, a in evals],
+               "final_eval_accuracy": evals[-1][1] if evals else None,
+               "final_checkpoint": str(self.run_dir.checkpoints / f"step_{self.cfg.run.steps:06d}"),
+               "tensorboard": str(self.run_dir.path / "tb")}
+        atomic_write_text(self.run_dir.path / "summary.json", json.dumps(out, indent=2) + "\n")
+        return out
