@@ -2,9 +2,9 @@
 the step's pairs -> one update -> log / evaluate / checkpoint, in the RL trainer's run
 directory (`moe_rl.rundir`).
 
-A subclass builds its models (`_build`), runs one step (`step`) and the held-out
-evaluation (`evaluate`), and says what a finished run leaves (`_finish`, `_summary`). The
-loop owns the rest: the pairs of a step are a pure function of run.seed and the step
+A subclass builds its models (`_build`), makes one update on a step's pairs (`_train_on`),
+gives the held-out statistics (`_held_out`), and says what a finished run leaves
+(`_finish`, `_summary_fields`). The loop owns the rest: the pairs of a step are a pure function of run.seed and the step
 (`moe_rl.dpo.data.pairs_of_step`), so checkpoints (`run.save_every`, and the last step)
 resume bit-exactly with the model, optimizer, schedule and RNG they hold; SIGINT / SIGTERM
 finish the step, save and exit (130 / 143), like the RL trainer.
@@ -12,6 +12,7 @@ finish the step, save and exit (130 / 143), like the RL trainer.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.atomic import atomic_write_text
 from moe_rl.config import Config
 from moe_rl.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.rundir import RunDirectory
@@ -37,11 +39,11 @@ class PreferenceTrainer:
         from moe_rl.dpo.preflight import check_pairs_run
         from moe_rl.learner import init_distributed
 
-        self.cfg, self.section = cfg, getattr(cfg, section)
+        self.cfg, self.pairs_cfg = cfg, getattr(cfg, section)
         self.train_pairs, self.eval_pairs, self.encoder = check_pairs_run(cfg, int(os.environ.get("WORLD_SIZE", "1")),
                                                                           section)
-        if self.section.eval_max_pairs:
-            self.eval_pairs = self.eval_pairs[: self.section.eval_max_pairs]
+        if self.pairs_cfg.eval_max_pairs:
+            self.eval_pairs = self.eval_pairs[: self.pairs_cfg.eval_max_pairs]
         self.rank, self.world = init_distributed(cfg.parallel.distributed_backend)
         self.run_dir = RunDirectory(cfg)
         self.start_step = 0
@@ -69,7 +71,7 @@ class PreferenceTrainer:
         from moe_rl.dpo.data import encode_pairs, pairs_of_step
 
         t0, run = time.perf_counter(), self.cfg.run
-        pairs = pairs_of_step(self.train_pairs, step - 1, self.section.batch_size, run.seed, self.cfg.task.shuffle)
+        pairs = pairs_of_step(self.train_pairs, step - 1, self.pairs_cfg.batch_size, run.seed, self.cfg.task.shuffle)
         stats, update = self._train_on(encode_pairs(pairs, self.encoder, self.layout.tp))
         metrics = {("learner/loss" if k == "loss" else k): v for k, v in stats.items()}
         metrics.update({f"learner/{k}": update[k] for k in ("grad_norm", "lr", "update_skipped") if k in update})
@@ -86,8 +88,25 @@ class PreferenceTrainer:
     def _finish(self) -> None:
         """Rank 0, after the last step: what the run leaves besides its checkpoints."""
 
-    def _summary(self, wall_seconds: float) -> dict[str, Any]:
+    def _summary_fields(self) -> dict[str, Any]:
+        """The algorithm's own fields of summary.json (its name and settings)."""
         raise NotImplementedError
+
+    def checkpoint_path(self, step: int) -> Path:
+        """Where the checkpoint of `step` is (or would be) saved."""
+        return self.run_dir.checkpoints / f"step_{step:06d}"
+
+    def _summary(self, wall_seconds: float) -> dict[str, Any]:
+        """summary.json: the algorithm's fields, steps, held-out accuracy at every evaluation
+        and the last, the final checkpoint, wall time."""
+        evals = self.eval_accuracies()
+        out = {**self._summary_fields(), "steps": self.cfg.run.steps, "wall_seconds": wall_seconds,
+               "world_size": self.world, "eval_accuracy": [{"step": s, "accuracy": a} for s, a in evals],
+               "final_eval_accuracy": evals[-1][1] if evals else None,
+               "final_checkpoint": str(self.checkpoint_path(self.cfg.run.steps)),
+               "tensorboard": str(self.run_dir.path / "tb")}
+        atomic_write_text(self.run_dir.path / "summary.json", json.dumps(out, indent=2) + "\n")
+        return out
 
     def _log_line(self, step: int, m: dict[str, float]) -> str:
         held = (f", held-out accuracy {m['eval/rewards/accuracies']:.3f}" if "eval/rewards/accuracies" in m else "")
@@ -95,6 +114,7 @@ class PreferenceTrainer:
                 f"margin {m['rewards/margins']:.3f}{held}")
 
     def _setup(self, layout: Any) -> None:
+        """The run directory, the seed, the models (resumed or from their start), logging."""
         from moe_rl.learner import load_checkpoint
 
         resume_from = self.run_dir.prepare(self.cfg.run.resume, rank=self.rank)
@@ -109,10 +129,12 @@ class PreferenceTrainer:
             self.run_dir.start_logging(self.start_step)
 
     def _eval_due(self, step: int) -> bool:
-        every = self.section.eval_every
+        """Held-out evaluation every eval_every steps and at the last."""
+        every = self.pairs_cfg.eval_every
         return self.eval_tokens is not None and bool(every) and (step % every == 0 or step == self.cfg.run.steps)
 
     def fit(self) -> dict[str, Any]:
+        """The whole run, on every rank; rank 0 returns the summary."""
         from moe_rl.learner import parallel_layout
 
         cfg, t0 = self.cfg, time.perf_counter()
@@ -131,6 +153,8 @@ class PreferenceTrainer:
         return self._summary(time.perf_counter() - t0) if self.rank == 0 else {}
 
     def _loop(self) -> None:
+        """Steps from the start (or the resumed step) to run.steps; a checkpoint every
+        run.save_every steps, at the last, and on SIGINT / SIGTERM (then StoppedBySignal)."""
         cfg = self.cfg
         with StopOnSignal() as stop:
             for step in range(self.start_step + 1, cfg.run.steps + 1):
@@ -146,13 +170,14 @@ class PreferenceTrainer:
                     if self.rank == 0:
                         self.log.warning("stopped by %s after step %d of %d, saved in %s; to continue, run the same "
                                          "command with run.resume=true", signal.Signals(signum).name, step,
-                                         cfg.run.steps, self.run_dir.checkpoints / f"step_{step:06d}")
+                                         cfg.run.steps, self.checkpoint_path(step))
                     raise StoppedBySignal(signum)
 
     def _save(self, step: int) -> None:
+        """Collective: the model, optimizer, schedule and RNG at `step`; old ones rotated out."""
         from moe_rl.learner import save_checkpoint
 
-        save_checkpoint(self.model, self.run_dir.checkpoints / f"step_{step:06d}",
+        save_checkpoint(self.model, self.checkpoint_path(step),
                         extra_meta={"trainer_step": step, "run_id": self.run_dir.run_id})
         if self.rank == 0:
             self.run_dir.rotate_checkpoints()

@@ -67,7 +67,8 @@ LOCK_FILE = ".lock"
 # rollouts independent of the number of engines). Everything else changes the run itself.
 RESUME_MAY_CHANGE = (
     "run.steps", "run.save_every", "run.resume", "run.overwrite", "run.trust_checkpoint", "run.name",
-    "run.output_dir", "logging.", "sft.", "eval.", "dpo.eval_every", "dpo.eval_max_pairs", "parallel.", "sampler.vllm_kv_cache_gib",
+    "run.output_dir", "logging.", "sft.", "eval.", "dpo.eval_every", "dpo.eval_max_pairs",
+    "rm.eval_every", "rm.eval_max_pairs", "parallel.", "sampler.vllm_kv_cache_gib",
     "sampler.gpu_memory_utilization", "sampler.in_process", "sampler.tensor_parallel_size",
     "sampler.expert_parallel", "sampler.sleep_between_steps", "sampler.placement", "sampler.engine_ranks",
     "sampler.weight_sync_bucket_mib",

@@ -41,8 +41,6 @@ from moe_rl.update import PolicyLossFn, minibatch_rows
 
 log = logging.getLogger("moe_rl.trainer")
 
-VALUE_HEAD_PREFIX = "value_head."
-"""The critic's parameters that no starting checkpoint holds (`moe_rl.learner.critic`)."""
 
 
 class Trainer:
@@ -81,10 +79,14 @@ class Trainer:
             meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint, critic=critic)
             self.start_step = int(meta.get("trainer_step", meta["step"]))
             log.info("resumed from %s at step %d", resume_from, self.start_step)
-        elif init:
-            self._load_init(self.learner, init)
-            if critic is not None:  # (its value head is not in the actor's weights: it starts at zero)
-                self._load_init(critic, cfg.critic.init_checkpoint or init, optional=(VALUE_HEAD_PREFIX,),
+        else:
+            if init:
+                self._load_init(self.learner, init)
+            if critic is not None and (cfg.critic.init_checkpoint or init):
+                from moe_rl.learner.critic import VALUE_HEAD_KEYS
+
+                # (no starting weights hold the value head: it stays at zero)
+                self._load_init(critic, cfg.critic.init_checkpoint or init, optional=(VALUE_HEAD_KEYS,),
                                 key="critic.init_checkpoint" if cfg.critic.init_checkpoint else "run.init_checkpoint")
         trained = [self.learner] + ([critic] if critic is not None else [])
         self._offload = [HostOffload(m) for m in trained] if cfg.optimizer.offload_during_rollout else None

@@ -147,7 +147,7 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tmp_path):
-    """A run of 2 steps resumed to 4 equals a 4-step run; at step 0 the zero head scores
+    """A run of 2 steps resumed to 4 (evaluating less often) equals a 4-step run; at step 0 the zero head scores
     every slot alike (held-out loss log 2, no slot ordered right); PPO's critic started from
     the final checkpoint has the reward model's transformer and a zero value head. (That
     the model learns: the recipe's run in docs/ppo_dpo.md, held-out accuracy 0.957; it
@@ -157,12 +157,16 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
             "run.save_every=2"]
     whole = _fit([*base, "run.name=whole", "run.steps=4"])
     _fit([*base, "run.name=resumed", "run.steps=2"])
-    resumed = _fit([*base, "run.name=resumed", "run.steps=4", "run.resume=true"])
+    # (a resume may change how often it evaluates: every 3 steps from here, so step 3 has held-out rows)
+    resumed = _fit([*base, "run.name=resumed", "run.steps=4", "run.resume=true", "rm.eval_every=3"])
     a, b = _rows(tmp_path / "whole"), _rows(tmp_path / "resumed")
     assert sorted(a) == sorted(b) == list(range(5))
+    assert "eval/loss" not in a[3] and "eval/loss" in b[3]
     for step in (3, 4):
-        assert {k: v for k, v in a[step].items() if not k.startswith("time/")} == \
-               {k: v for k, v in b[step].items() if not k.startswith("time/")}
+        assert {k: v for k, v in a[step].items() if not k.startswith(("time/", "eval/"))} == \
+               {k: v for k, v in b[step].items() if not k.startswith(("time/", "eval/"))}
+    assert {k: v for k, v in a[4].items() if k.startswith("eval/")} == {k: v for k, v in b[4].items()
+                                                                         if k.startswith("eval/")}
     sa, sb = whole.model.gpt.state_dict(), resumed.model.gpt.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
     assert a[0]["eval/rewards/slot_accuracies"] == 0.0 and a[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-12)
@@ -174,13 +178,13 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
     assert summary["final_checkpoint"].endswith("step_000004") and not (tmp_path / "whole" / "hf").exists()
 
     from moe_rl.learner import load_start, parallel_layout
-    from moe_rl.learner.critic import VALUE_HEAD, Critic
+    from moe_rl.learner.critic import VALUE_HEAD_KEYS, Critic
     from moe_rl.recipe_source import load_resolved
 
     cfg = load_resolved(ROOT / "examples" / "tiny_ppo.yaml", [])
     with parallel_layout(cfg.parallel, seed=1) as layout:
         critic = Critic(cfg, layout)
-        load_start(critic, summary["final_checkpoint"], False, optional=(VALUE_HEAD,))
+        load_start(critic, summary["final_checkpoint"], False, optional=(VALUE_HEAD_KEYS,))
         sc = critic.gpt.state_dict()
     assert torch.equal(sc["decoder.layers.1.self_attention.linear_qkv.weight"],
                        sa["decoder.layers.1.self_attention.linear_qkv.weight"])

@@ -22,7 +22,7 @@ class RewardModelConfig:
     compare: Literal["divergence", "last"] = "divergence"
     """Which scores a pair's loss compares. `last`: each response's score at its last
     token's slot (the state after the whole answer, before EOS: InstructGPT's sequence
-    reward). `divergence`: every slot whose prefix holds the first token where the two
+    reward, except that it does not see whether the answer ended). `divergence`: every slot whose prefix holds the first token where the two
     responses differ, up to the shorter one's last slot (DeepSpeed-Chat's per-token loss;
     a pair that differs only in its last token falls back to `last`). The loss is the
     mean over those slots of -log sigmoid(r_chosen - r_rejected)."""

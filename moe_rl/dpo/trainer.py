@@ -12,13 +12,11 @@ update runs the surrogate whose gradient is DPO's (`surrogate`). Metrics use TRL
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moe_rl.atomic import atomic_write_text
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config
 from moe_rl.dpo.data import encode_pairs, pair_rows
@@ -73,16 +71,8 @@ class DPOTrainer(PreferenceTrainer):
 
         if not self.cfg.run.export_hf:
             return
-        final = self.run_dir.checkpoints / f"step_{self.cfg.run.steps:06d}"
+        final = self.checkpoint_path(self.cfg.run.steps)
         self.log.info("exported the final model to %s", megatron_to_hf(final, self.run_dir.path / "hf", force=True))
 
-    def _summary(self, wall_seconds: float) -> dict[str, Any]:
-        """summary.json: steps, held-out accuracy first and last, wall time."""
-        evals = self.eval_accuracies()
-        out = {"algorithm": "dpo", "loss": self.cfg.dpo.loss, "beta": self.cfg.dpo.beta,
-               "steps": self.cfg.run.steps, "wall_seconds": wall_seconds, "world_size": self.world,
-               "eval_accuracy": [{"step": s, "accuracy": a} for s, a in evals],
-               "final_eval_accuracy": evals[-1][1] if evals else None,
-               "tensorboard": str(self.run_dir.path / "tb")}
-        atomic_write_text(self.run_dir.path / "summary.json", json.dumps(out, indent=2) + "\n")
-        return out
+    def _summary_fields(self) -> dict[str, Any]:
+        return {"algorithm": "dpo", "loss": self.cfg.dpo.loss, "beta": self.cfg.dpo.beta}

@@ -5,7 +5,7 @@ scalar value head in place of the output layer.
     values_bT = critic.values(batch)                          # [b, T], no gradients
     result = critic.update(batch, ValueLossFn(cfg), plan=None)   # one Adam step of its own
 
-Model. `Critic` is a `Learner` whose last stage, instead of log-probs, maps the final
+Model. `ValueModel` (and so `Critic`) is a `Learner` whose last stage, instead of log-probs, maps the final
 hidden state at each response token's scoring slot (the slot whose logits would score that
 token: the state before the token is generated) through `ValueHead`, h . w + b, both zero
 at the start (so the first values are 0). The output layer is still built by `GPTModel` but
@@ -38,7 +38,9 @@ from moe_rl.learner.parallel import Layout
 from moe_rl.step_batch import StepBatch
 
 VALUE_HEAD = "value_head"
-"""The value head's module name in the critic's GPTModel (its checkpoint keys start so)."""
+"""The value head's module name in the critic's GPTModel."""
+VALUE_HEAD_KEYS = VALUE_HEAD + "."
+"""The prefix of its parameter names: what no policy checkpoint holds (`optional=` of the loaders)."""
 
 
 class ValueHead(torch.nn.Module):

@@ -17,9 +17,14 @@ micro-batch, pipeline pass or data-parallel rank a pair's two rows land on (the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from moe_rl.batch import TokenBatch
+
+if TYPE_CHECKING:  # (the learner package imports megatron-core)
+    from moe_rl.learner import MicroBatch, MicroBatchLoss
 
 COEF_KEY = "rm_coef_BT"
 """`StepBatch.extras` key of the [B, T] surrogate coefficients."""
@@ -49,6 +54,7 @@ def compared_slots(tokens: TokenBatch, compare: str) -> tuple[torch.Tensor, torc
 
 
 def _response(tokens: TokenBatch, row: int) -> list[int]:
+    """The response token ids of `row`."""
     start = int(tokens.prompt_lens_B[row])
     return tokens.tokens_BS[row, start:start + int(tokens.response_lens_B[row])].tolist()
 
@@ -83,7 +89,7 @@ def score_coefficients(scores_BT: torch.Tensor, chosen_PT: torch.Tensor, rejecte
     return coef
 
 
-def surrogate_loss(scores_BT: torch.Tensor, mb):
+def surrogate_loss(scores_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
     """Loss callback: this micro-batch's sum over rows and slots of coef * score."""
     from moe_rl.learner import MicroBatchLoss
 

@@ -18,11 +18,9 @@ Hugging Face: a value head has no place in a causal-LM directory.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from moe_rl.atomic import atomic_write_text
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config
 from moe_rl.dpo.data import encode_pairs
@@ -46,12 +44,12 @@ class RewardModelTrainer(PreferenceTrainer):
 
     def _build(self, layout: Any, resume_from: Path | None) -> None:
         from moe_rl.learner import load_start
-        from moe_rl.learner.critic import VALUE_HEAD, ValueModel
+        from moe_rl.learner.critic import VALUE_HEAD_KEYS, ValueModel
 
         cfg = self.cfg
         self.model = ValueModel(cfg, layout, total_updates=cfg.run.steps)
         if resume_from is None:  # (the policy's weights hold no value head: it stays at zero)
-            load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint, optional=(VALUE_HEAD,))
+            load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint, optional=(VALUE_HEAD_KEYS,))
         self.eval_tokens = encode_pairs(self.eval_pairs, self.encoder, layout.tp) if self.eval_pairs else None
 
     def _scored(self, tokens: TokenBatch) -> tuple[Any, Any, Any]:
@@ -71,17 +69,8 @@ class RewardModelTrainer(PreferenceTrainer):
         return pair_metrics(scores_BT, self.eval_tokens, chosen_PT, rejected_PT)
 
     def _finish(self) -> None:
-        final = self.run_dir.checkpoints / f"step_{self.cfg.run.steps:06d}"
+        final = self.checkpoint_path(self.cfg.run.steps)
         self.log.info("reward model in %s; start PPO's critic from it with critic.init_checkpoint=%s", final, final)
 
-    def _summary(self, wall_seconds: float) -> dict[str, Any]:
-        """summary.json: steps, held-out accuracy first and last, the final checkpoint, wall time."""
-        evals = self.eval_accuracies()
-        out = {"algorithm": "reward_model", "compare": self.cfg.rm.compare, "steps": self.cfg.run.steps,
-               "wall_seconds": wall_seconds, "world_size": self.world,
-               "eval_accuracy": [{"step": s, "accuracy": a} for s, a in evals],
-               "final_eval_accuracy": evals[-1][1] if evals else None,
-               "final_checkpoint": str(self.run_dir.checkpoints / f"step_{self.cfg.run.steps:06d}"),
-               "tensorboard": str(self.run_dir.path / "tb")}
-        atomic_write_text(self.run_dir.path / "summary.json", json.dumps(out, indent=2) + "\n")
-        return out
+    def _summary_fields(self) -> dict[str, Any]:
+        return {"algorithm": "reward_model", "compare": self.cfg.rm.compare}

@@ -15,7 +15,8 @@ REPEAT_EVERY = 10
 
 class LearningSignalWatch:
     """Warns the first step whose groups all have equal rewards, then every REPEAT_EVERY
-    steps while that lasts; a step with signal resets it."""
+    steps while that lasts; a step with signal resets it. Silent with a critic's advantages
+    (`group_advantages=False`)."""
 
     def __init__(self, dynamic_sampling: bool, group_advantages: bool = True) -> None:
         self.dynamic_sampling = dynamic_sampling

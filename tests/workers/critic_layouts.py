@@ -68,7 +68,7 @@ def reward_model_step(model, tp: int) -> dict:
 
 def main() -> None:
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.learner.critic import Critic
+    from moe_rl.learner.critic import VALUE_HEAD_KEYS, Critic
     from moe_rl.learner.engine import Learner
 
     mode, out = sys.argv[1], sys.argv[2]
@@ -80,7 +80,7 @@ def main() -> None:
             if mode == "reference":
                 save_checkpoint(Learner(cfg, layout), f"{out}/ckpt0")
             critic = Critic(cfg, layout)
-            load_checkpoint(critic, f"{out}/ckpt0", load_optimizer=False, optional=("value_head.",))
+            load_checkpoint(critic, f"{out}/ckpt0", load_optimizer=False, optional=(VALUE_HEAD_KEYS,))
             set_head(critic.gpt)
             result[name] = critic_step(critic, cfg)
             result[name]["rm"] = reward_model_step(critic, layout.tp)
