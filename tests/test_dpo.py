@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.dpo.data import encode_pairs, load_pairs, pair_rows, pairs_of_step
 from moe_rl.dpo.loss import PairLogps, margin_grad, pair_losses, pair_metrics
 from moe_rl.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
+from moe_rl.preference.data import encode_pairs, load_pairs, pair_rows, pairs_of_step
 from moe_rl.tasks.dataset import DatasetError
 
 ROOT = Path(__file__).resolve().parents[1]

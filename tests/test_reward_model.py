@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_rm.yaml"
 EOS = 2
 
-# 3 pairs: chosen rows 0-2, rejected rows 3-5 (the layout of moe_rl.dpo.data.encode_pairs)
+# 3 pairs: chosen rows 0-2, rejected rows 3-5 (the layout of moe_rl.preference.data.encode_pairs)
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18]]
 CHOSEN = [[5, 6, 7, 8, EOS], [5, 6, 7, EOS], [1, 2, EOS]]
 REJECTED = [[5, 6, 9, 8, EOS], [5, 6, 7, 8, EOS], [1, 3, EOS]]
@@ -149,7 +149,8 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tmp_path):
     """A run of 2 steps resumed to 4 (evaluating less often) equals a 4-step run; at step 0 the zero head scores
     every slot alike (held-out loss log 2, no slot ordered right); PPO's critic started from
-    the final checkpoint has the reward model's transformer and a zero value head. (That
+    the final checkpoint has the reward model's transformer, a zero value head and the RNG
+    state it had before the load. (That
     the model learns: the recipe's run in docs/ppo_dpo.md, held-out accuracy 0.957; it
     needs about 50 steps to leave the flat start, too many for a test.)"""
     base = [f"run.output_dir={tmp_path}", "rm.batch_size=16", "rm.eval_every=2", "rm.eval_max_pairs=32",
@@ -184,7 +185,10 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
     cfg = load_resolved(ROOT / "examples" / "tiny_ppo.yaml", [])
     with parallel_layout(cfg.parallel, seed=1) as layout:
         critic = Critic(cfg, layout)
+        rng = torch.get_rng_state()
         load_start(critic, summary["final_checkpoint"], False, optional=(VALUE_HEAD_KEYS,))
+        # (starting weights carry no RNG state into the run; a resume restores the saved one)
+        assert torch.equal(torch.get_rng_state(), rng)
         sc = critic.gpt.state_dict()
     assert torch.equal(sc["decoder.layers.1.self_attention.linear_qkv.weight"],
                        sa["decoder.layers.1.self_attention.linear_qkv.weight"])

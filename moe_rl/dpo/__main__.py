@@ -26,7 +26,7 @@ PROG = "python -m moe_rl.dpo"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moe_rl.dpo.preflight import check_recipe
+    from moe_rl.preference.preflight import check_recipe
 
     cpu_environment()
     args, cfg = parse(argv, PROG, __doc__, check=check_recipe)

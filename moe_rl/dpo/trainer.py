@@ -1,5 +1,5 @@
 """The DPO trainer: pairs -> reference and policy log-probs -> one update, on the loop that
-every preference trainer shares (`moe_rl.preference_loop`: run directory, evaluation,
+every preference trainer shares (`moe_rl.preference.loop`: run directory, evaluation,
 checkpoints, resume, signals).
 
 Per step, on every rank: the step's `dpo.batch_size` pairs (a pure function of run.seed and
@@ -19,10 +19,10 @@ import torch
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config
-from moe_rl.dpo.data import encode_pairs, pair_rows
 from moe_rl.dpo.loss import PairLogps, pair_metrics
 from moe_rl.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
-from moe_rl.preference_loop import PreferenceTrainer
+from moe_rl.preference.data import encode_pairs, pair_rows
+from moe_rl.preference.loop import PreferenceTrainer
 
 
 def sequence_logps(learner: Any, tokens: TokenBatch) -> torch.Tensor:

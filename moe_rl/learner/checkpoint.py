@@ -360,11 +360,13 @@ def load_checkpoint(
     trust: bool = False,
     critic: Any = None,
     optional: tuple[str, ...] = (),
+    restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Collective. Load `path` (saved at any layout) into the learner, after checking its
     manifest (`trust=True` accepts a checkpoint without one). Optimizer state and LR
-    schedule are restored when present and asked for; RNG states only when the layout is
-    the one the checkpoint was saved at. `critic`: also PPO's critic saved beside the actor
+    schedule are restored when present and asked for; RNG states when `restore_rng` and the
+    layout is the one the checkpoint was saved at (a resume; starting weights leave the
+    run's own seeded RNG alone). `critic`: also PPO's critic saved beside the actor
     (its weights, optimizer and schedule). `optional`: parameter-name prefixes the
     checkpoint may lack (a critic started from the actor's weights has no value head in
     them). Returns the checkpoint's metadata."""
@@ -377,9 +379,10 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path} holds no critic (it was saved by a run without rl.advantage=gae); "
                               "resume a PPO run from its own checkpoints")
     same_layout = meta.get("layout") == _layout_tag(learner)
+    with_rng = restore_rng and same_layout
     want_opt = load_optimizer and learner.optimizer is not None and meta.get("has_optimizer", False)
     critic_opt = critic is not None and load_optimizer and meta["critic"].get("has_optimizer", False)
-    sd = _sharded_state(learner, with_optimizer=want_opt, with_rng=same_layout, loading=True, critic=critic,
+    sd = _sharded_state(learner, with_optimizer=want_opt, with_rng=with_rng, loading=True, critic=critic,
                         critic_optimizer=critic_opt)
     sd["model"] = {k: v for k, v in sd["model"].items() if not k.startswith(optional)}  # (not asked of the files)
     loaded = _load_files(learner, path, sd, restricted)
@@ -390,7 +393,8 @@ def load_checkpoint(
         _load_weights(critic, critic_sd, path, strict, optional)
         _load_optimizer(critic, loaded.get("critic_optimizer"), meta["critic"].get("scheduler"), critic_opt)
         critic.step = int(meta["critic"].get("step", 0))
-    _restore_rng(loaded, same_layout, path, meta, learner)
+    if restore_rng:
+        _restore_rng(loaded, same_layout, path, meta, learner)
     learner.step = int(meta.get("step", 0))
     return meta
 

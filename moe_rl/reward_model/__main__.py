@@ -27,7 +27,7 @@ PROG = "python -m moe_rl.reward_model"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moe_rl.dpo.preflight import check_reward_model_recipe
+    from moe_rl.preference.preflight import check_reward_model_recipe
 
     cpu_environment()
     args, cfg = parse(argv, PROG, __doc__, check=check_reward_model_recipe)

@@ -1,7 +1,7 @@
 """The reward-model trainer: pairs -> the value model's scores -> one Bradley-Terry update, on
-the loop every preference trainer shares (`moe_rl.preference_loop`).
+the loop every preference trainer shares (`moe_rl.preference.loop`).
 
-Per step, on every rank: the step's `rm.batch_size` pairs (`moe_rl.dpo.data.pairs_of_step`)
+Per step, on every rank: the step's `rm.batch_size` pairs (`moe_rl.preference.data.pairs_of_step`)
 become 2P rows; the value model (`moe_rl.learner.critic.ValueModel`: the policy's
 architecture and layout with a scalar head, started from run.init_checkpoint with the head
 at zero) scores them without gradients, which gives dL/dr in closed form
@@ -23,8 +23,8 @@ from typing import Any
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config
-from moe_rl.dpo.data import encode_pairs
-from moe_rl.preference_loop import PreferenceTrainer
+from moe_rl.preference.data import encode_pairs
+from moe_rl.preference.loop import PreferenceTrainer
 from moe_rl.reward_model.loss import (
     COEF_KEY,
     compared_slots,
@@ -51,21 +51,20 @@ class RewardModelTrainer(PreferenceTrainer):
         if resume_from is None:  # (the policy's weights hold no value head: it stays at zero)
             load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint, optional=(VALUE_HEAD_KEYS,))
         self.eval_tokens = encode_pairs(self.eval_pairs, self.encoder, layout.tp) if self.eval_pairs else None
-
-    def _scored(self, tokens: TokenBatch) -> tuple[Any, Any, Any]:
-        """(scores [2P, T] on every rank, the chosen and rejected compared-slot masks)."""
-        chosen_PT, rejected_PT = compared_slots(tokens, self.cfg.rm.compare)
-        return self.model.logprobs(tokens), chosen_PT, rejected_PT  # (a value model's per-token output: scores)
+        # (the held-out pairs never change: their compared slots are found once, not per evaluation)
+        self.eval_slots = compared_slots(self.eval_tokens, cfg.rm.compare) if self.eval_tokens is not None else None
 
     def _train_on(self, tokens: TokenBatch) -> tuple[dict[str, float], dict[str, float]]:
-        scores_BT, chosen_PT, rejected_PT = self._scored(tokens)
+        chosen_PT, rejected_PT = compared_slots(tokens, self.cfg.rm.compare)
+        scores_BT = self.model.logprobs(tokens)  # (a value model's per-token output: scores)
         coef_BT = score_coefficients(scores_BT, chosen_PT, rejected_PT)
         update = self.model.train_step(tokens, surrogate_loss, extras={COEF_KEY: coef_BT})
         return pair_metrics(scores_BT, tokens, chosen_PT, rejected_PT), update
 
     def _held_out(self) -> dict[str, float]:
         """Held-out loss, accuracies and margins."""
-        scores_BT, chosen_PT, rejected_PT = self._scored(self.eval_tokens)
+        chosen_PT, rejected_PT = self.eval_slots
+        scores_BT = self.model.logprobs(self.eval_tokens)
         return pair_metrics(scores_BT, self.eval_tokens, chosen_PT, rejected_PT)
 
     def _finish(self) -> None:

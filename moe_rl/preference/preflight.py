@@ -6,25 +6,40 @@ positions. Each failure is one `ConfigError` line naming the key, file or row an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from moe_rl.config import Config, ConfigError, validate_layout
 
-PROGRAMS = {"dpo": ("moe_rl.dpo", "the starting policy, which is also the frozen reference"),
-            "rm": ("moe_rl.reward_model", "the starting transformer (its value head starts at zero)")}
-"""Recipe section -> (the program that reads it, what run.init_checkpoint is to it)."""
+
+class Program(NamedTuple):
+    """A preference program: its module, what run.init_checkpoint is to it, and the first
+    words of its `--check` line."""
+
+    module: str
+    init_role: str
+    headline: Callable[[Config], str]
+
+
+PROGRAMS = {
+    "dpo": Program("moe_rl.dpo", "the starting policy, which is also the frozen reference",
+                   lambda cfg: f"dpo ({cfg.dpo.loss}, beta {cfg.dpo.beta})"),
+    "rm": Program("moe_rl.reward_model", "the starting transformer (its value head starts at zero)",
+                  lambda cfg: f"reward model (compare {cfg.rm.compare})"),
+}
+"""Recipe section -> the program that reads it."""
 
 
 def load_inputs(cfg: Config, section: str = "dpo") -> tuple[list[Any], list[Any], Any]:
     """(training pairs, held-out pairs, PromptEncoder), or a one-line ConfigError."""
-    from moe_rl.dpo.data import load_pairs
+    from moe_rl.preference.data import load_pairs
     from moe_rl.preflight import load_prompt_encoder
     from moe_rl.tasks.dataset import DatasetKeys
 
     t = cfg.task
     if not t.data_path:
-        raise ConfigError(f"{PROGRAMS[section][0]} needs task.data_path: a .jsonl or .parquet file of {{prompt | messages, "
+        raise ConfigError(f"{PROGRAMS[section].module} needs task.data_path: a .jsonl or .parquet file of {{prompt | messages, "
                           "chosen, rejected} rows (tools/make_preference_data.py writes one for the tiny task)")
     keys = DatasetKeys.from_config(t)
     try:
@@ -59,8 +74,8 @@ def check_pairs_run(cfg: Config, world: int, section: str = "dpo") -> tuple[list
     validate_layout(cfg, world)
     init = cfg.run.init_checkpoint
     if not init:
-        prog, what = PROGRAMS[section]
-        raise ConfigError(f"{prog} needs run.init_checkpoint: {what} (the tiny recipe uses moe_rl/assets/tiny_base)")
+        prog = PROGRAMS[section]
+        raise ConfigError(f"{prog.module} needs run.init_checkpoint: {prog.init_role} (the tiny recipe uses moe_rl/assets/tiny_base)")
     if not Path(init).exists():
         raise ConfigError(f"run.init_checkpoint={init} does not exist (paths are relative to the working directory)")
     check_init_model(cfg)
@@ -77,8 +92,7 @@ def check_pairs_run(cfg: Config, world: int, section: str = "dpo") -> tuple[list
 def summary(cfg: Config, world: int, train: list[Any], held_out: list[Any], section: str = "dpo") -> str:
     """What would run, in one line."""
     p, m = cfg.parallel, cfg.model
-    what = (f"dpo ({cfg.dpo.loss}, beta {cfg.dpo.beta})" if section == "dpo"
-            else f"reward model (compare {cfg.rm.compare})")
+    what = PROGRAMS[section].headline(cfg)
     dp = validate_layout(cfg, world)
     layout = (f"{world} rank{'s' if world > 1 else ''} (TP{p.tensor_model_parallel_size} "
               f"PP{p.pipeline_model_parallel_size} EP{p.expert_model_parallel_size} DP{dp})")

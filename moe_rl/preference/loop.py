@@ -5,7 +5,7 @@ directory (`moe_rl.rundir`).
 A subclass builds its models (`_build`), makes one update on a step's pairs (`_train_on`),
 gives the held-out statistics (`_held_out`), and says what a finished run leaves
 (`_finish`, `_summary_fields`). The loop owns the rest: the pairs of a step are a pure function of run.seed and the step
-(`moe_rl.dpo.data.pairs_of_step`), so checkpoints (`run.save_every`, and the last step)
+(`moe_rl.preference.data.pairs_of_step`), so checkpoints (`run.save_every`, and the last step)
 resume bit-exactly with the model, optimizer, schedule and RNG they hold; SIGINT / SIGTERM
 finish the step, save and exit (130 / 143), like the RL trainer.
 """
@@ -36,8 +36,8 @@ class PreferenceTrainer:
     """The algorithm's name in log lines."""
 
     def __init__(self, cfg: Config, section: str) -> None:
-        from moe_rl.dpo.preflight import check_pairs_run
         from moe_rl.learner import init_distributed
+        from moe_rl.preference.preflight import check_pairs_run
 
         self.cfg, self.pairs_cfg = cfg, getattr(cfg, section)
         self.train_pairs, self.eval_pairs, self.encoder = check_pairs_run(cfg, int(os.environ.get("WORLD_SIZE", "1")),
@@ -68,7 +68,7 @@ class PreferenceTrainer:
     def step(self, step: int) -> dict[str, float]:
         """One optimizer step on the step's pairs; its metrics (`eval/*` when due): the
         loss as `learner/loss`, the statistics under their own names (TRL's)."""
-        from moe_rl.dpo.data import encode_pairs, pairs_of_step
+        from moe_rl.preference.data import encode_pairs, pairs_of_step
 
         t0, run = time.perf_counter(), self.cfg.run
         pairs = pairs_of_step(self.train_pairs, step - 1, self.pairs_cfg.batch_size, run.seed, self.cfg.task.shuffle)
