@@ -4,6 +4,8 @@ R2 / R3 replay) at every layout, for a Qwen3-MoE and a GLM-4.5-shaped model."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from dist_helpers import torchrun
@@ -57,6 +59,53 @@ def test_padding_spreads_evenly_over_every_expert(experts, topk):
     assert (ids[:, 1:] > ids[:, :-1]).all()  # distinct, sorted
     load = torch.bincount(ids.reshape(-1), minlength=experts)
     assert int(load.max() - load.min()) == 0  # a whole number of rounds: exactly even
+
+
+def test_length_groups_bound_the_padding_cost():
+    from moe_rl.learner.packed_attention import length_groups
+
+    # short rollouts share one call: 17^2 - 12^2 = 145 <= 1024
+    assert length_groups([12, 17, 15, 14, 16, 13]) == [[1, 4, 2, 3, 5, 0]]
+    # 40^2 - 30^2 = 700 joins; 40^2 - 20^2 = 1200 does not, and starts the next group
+    assert length_groups([20, 40, 30, 12]) == [[1, 2], [0, 3]]
+    assert length_groups([300, 299, 298]) == [[0, 1], [2]] and length_groups([]) == []
+    # (the packed-attention test below: 40^2 - 35^2 = 375, 40^2 - 3^2 = 1591: two groups)
+    assert length_groups([40, 3, 3, 1, 35]) == [[0, 4], [1, 2, 3]]
+    assert length_groups([9, 3], waste=72) == [[0, 1]] and length_groups([9, 3], waste=71) == [[0], [1]]
+
+
+def test_packed_attention_equals_one_call_per_sequence(megatron_world):
+    """Grouped, right-padded attention over packed segments (two groups here) gives each
+    segment's own causal attention: the output and the gradients of q, k, v."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moe_rl.config import load_config
+    from moe_rl.learner import parallel_layout
+    from moe_rl.learner.packed_attention import PackedDotProductAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            kv_channels=16, attention_dropout=0.0)
+    with parallel_layout(load_config(None, []).parallel, seed=1):
+        attn = PackedDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                         attention_type="self")
+        cu = torch.tensor([0, 40, 43, 46, 47, 82], dtype=torch.int32)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(82, h, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+        w = torch.randn(82, 1, 64, generator=g)
+        got = attn(q, k, v, None, AttnMaskType.causal, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40, max_seqlen_kv=40))
+        grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+        bounds = cu.tolist()
+        want = torch.cat([DotProductAttention.forward(attn, q[a:b, None], k[a:b, None], v[a:b, None], None,
+                                                      AttnMaskType.causal) for a, b in itertools.pairwise(bounds)])
+        want_grads = torch.autograd.grad((want * w).sum(), (q, k, v))
+        assert got.shape == want.shape == (82, 1, 64)
+        assert torch.allclose(got, want, rtol=0, atol=1e-6)
+        for a, b in zip(grads, want_grads):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
 def test_packing_is_the_default_and_the_padded_path_is_kept():

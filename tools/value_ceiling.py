@@ -26,7 +26,9 @@ import argparse
 import math
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +36,17 @@ import torch
 from moe_rl.config import TaskConfig
 from moe_rl.gae import explained_variance
 from moe_rl.tasks import make_task
+
+
+class Rollout(NamedTuple):
+    """One sampled response: token ids of the prompt, the answer (EOS included) and the
+    response, the policy's teacher-forced probability of each answer token, the reward."""
+
+    prompt: list[int]
+    answer: list[int]
+    answer_p: list[float]
+    response: list[int]
+    reward: float
 
 
 def on_track(answer_ids: list[int], response_ids: list[int]) -> list[bool]:
@@ -66,7 +79,11 @@ def _table_values(keys: list[tuple], hits: list[float], on_track: list[bool]) ->
     return np.array([total[k] / count[k] if ok and count[k] else 0.0 for k, ok in zip(keys, on_track)])
 
 
-def measure(policy: Path, task_name: str, prompts: int, samples: int, seed: int) -> dict[str, float]:
+def sample_rollouts(policy: Path, task_name: str, prompts: int, samples: int, seed: int,
+                    with_answer_p: bool = True) -> Iterator[Rollout]:
+    """`samples` responses (token ids, EOS included when written) to each of `prompts`
+    problems drawn from `seed`, at temperature 1 with transformers, with their rewards and
+    (`with_answer_p`) the policy's teacher-forced probabilities of the answer's tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -74,23 +91,30 @@ def measure(policy: Path, task_name: str, prompts: int, samples: int, seed: int)
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     task = make_task(TaskConfig(name=task_name))
     eos = tok.eos_token_id
-    returns, exact, keys, tracked = [], [], [], []
     with torch.no_grad():
         for problem in task.sample(prompts, seed):
             prompt = tok(problem.prompt, add_special_tokens=False).input_ids
             answer = [*tok(task.completion(problem), add_special_tokens=False).input_ids, eos]
-            logp = torch.log_softmax(model(torch.tensor([prompt + answer])).logits[0].float(), -1)
-            answer_p = [float(logp[len(prompt) - 1 + j, a].exp()) for j, a in enumerate(answer)]
+            answer_p: list[float] = []
+            if with_answer_p:
+                logp = torch.log_softmax(model(torch.tensor([prompt + answer])).logits[0].float(), -1)
+                answer_p = [float(logp[len(prompt) - 1 + j, a].exp()) for j, a in enumerate(answer)]
             out = model.generate(torch.tensor([prompt] * samples), attention_mask=torch.ones(samples, len(prompt),
                                  dtype=torch.long), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                  max_new_tokens=len(answer) + 8, eos_token_id=eos, pad_token_id=eos)
             for row in out[:, len(prompt):].tolist():
                 response = row[: row.index(eos) + 1] if eos in row else row
                 reward = task.reward(problem, tok.decode(response, skip_special_tokens=True))
-                returns += [reward] * len(response)
-                exact += exact_values(answer, answer_p, response)
-                keys += [(len(answer), t) for t in range(len(response))]
-                tracked += on_track(answer, response)
+                yield Rollout(prompt, answer, answer_p, response, reward)
+
+
+def measure(policy: Path, task_name: str, prompts: int, samples: int, seed: int) -> dict[str, float]:
+    returns, exact, keys, tracked = [], [], [], []
+    for ro in sample_rollouts(policy, task_name, prompts, samples, seed):
+        returns += [ro.reward] * len(ro.response)
+        exact += exact_values(ro.answer, ro.answer_p, ro.response)
+        keys += [(len(ro.answer), t) for t in range(len(ro.response))]
+        tracked += on_track(ro.answer, ro.response)
     r = np.array(returns)
     return {"reward": float(np.mean(r)), "tokens": float(len(r)),
             "exact": _ev(r, np.array(exact)),

@@ -129,6 +129,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         worst = {k: (min if k.endswith("_min") else max)(m[k] for m in everyone) for k in mine}
         torch.save(worst, f"{out}/{layout_name}-{model_name}.pt")
+    dist.destroy_process_group()  # (exiting with gloo's threads alive can abort: "terminate called ...")
 
 
 if __name__ == "__main__":
