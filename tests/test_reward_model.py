@@ -147,8 +147,9 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tmp_path):
-    """A run of 2 steps resumed to 4 (evaluating less often) equals a 4-step run; at step 0 the zero head scores
-    every slot alike (held-out loss log 2, no slot ordered right); PPO's critic started from
+    """A run of 2 steps resumed to 4 (evaluating less often) equals a 4-step run (the value
+    head starting random, from run.seed); with rm.head_init_scale=0 the zero head scores
+    every slot alike at step 0 (held-out loss log 2, no slot ordered right); PPO's critic started from
     the final checkpoint has the reward model's transformer, a zero value head and the RNG
     state it had before the load. (That
     the model learns: the recipe's run in docs/ppo_dpo.md, held-out accuracy 0.957; it
@@ -170,7 +171,10 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
                                                                          if k.startswith("eval/")}
     sa, sb = whole.model.gpt.state_dict(), resumed.model.gpt.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
-    assert a[0]["eval/rewards/slot_accuracies"] == 0.0 and a[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-12)
+    assert a[0]["eval/loss"] != pytest.approx(math.log(2), abs=1e-6)  # (the random head already ranks)
+    zero = _rows(_fit([*base, "run.name=zero_head", "run.steps=1", "rm.head_init_scale=0"]).run_dir.path)
+    assert zero[0]["eval/rewards/slot_accuracies"] == 0.0
+    assert zero[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-12)
     assert a[4]["eval/loss"] != a[0]["eval/loss"] and a[4]["rewards/margins"] != 0
     for key in ("learner/loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "rewards/slot_accuracies", "learner/grad_norm"):
@@ -193,3 +197,24 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
     assert torch.equal(sc["decoder.layers.1.self_attention.linear_qkv.weight"],
                        sa["decoder.layers.1.self_attention.linear_qkv.weight"])
     assert float(sc["value_head.weight"].abs().max()) == 0 and float(sa["value_head.weight"].abs().max()) > 0
+
+
+def test_the_value_head_starts_random_from_the_seed(megatron_world):
+    """init_value_head: N(0, std^2) weights from the seed (the same on every build), bias 0;
+    an unknown scale is one line."""
+    from moe_rl.learner import parallel_layout
+    from moe_rl.learner.critic import ValueModel
+    from moe_rl.recipe_source import load_resolved
+
+    cfg = load_resolved(RECIPE, [])
+    heads = []
+    with parallel_layout(cfg.parallel, seed=1) as layout:
+        for seed in (7, 7, 8):
+            model = ValueModel(cfg, layout, total_updates=1)
+            model.init_value_head(0.5, seed)
+            heads.append((model.gpt.value_head.weight.detach().clone(), model.gpt.value_head.bias.detach().clone()))
+    (w7, b7), (w7b, _), (w8, _) = heads
+    assert torch.equal(w7, w7b) and not torch.equal(w7, w8) and float(b7.abs().max()) == 0
+    assert w7.numel() == 128 and 0.4 < float(w7.std()) < 0.6  # (128 draws of N(0, 0.25): std within 20%)
+    with pytest.raises(ConfigError, match=r"rm\.head_init_scale must be >= 0"):
+        load_resolved(RECIPE, ["rm.head_init_scale=-1"])

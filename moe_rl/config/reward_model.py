@@ -3,7 +3,7 @@
 The run length, seed, checkpoints and resume are the `run` section's; the preference files
 are `task.data_path` and `task.eval_data_path` (the DPO trainer's format); the learning rate
 and schedule are the `optimizer` section's; `run.init_checkpoint` is the starting
-transformer (the value head starts at zero).
+transformer (the value head starts small and random: `rm.head_init_scale`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from moe_rl.config.dpo import validate_pair_batches
+from moe_rl.config.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,16 @@ class RewardModelConfig:
     """Steps between held-out evaluations on task.eval_data_path and at the last step; 0: none."""
     eval_max_pairs: int = 0
     """Evaluate on the first N held-out pairs (0: all of them)."""
+    head_init_scale: float = 1.0
+    """The value head's weights start as N(0, (scale / sqrt(model.hidden_size))^2), drawn from
+    run.seed (nn.Linear's scale; DeepSpeed-Chat's and TRL's reward heads start random too),
+    its bias at 0. 0: a zero head, so every score starts equal and the transformer gets no
+    gradient until the head has moved, a flat start whose length varies run to run
+    (docs/ppo_dpo.md)."""
 
 
 def validate_reward_model(cfg: Any) -> None:
     """The rm section's ranges (`Any`: sections.py imports this module, so it cannot import `Config`)."""
     validate_pair_batches("rm", cfg.rm)
+    if not cfg.rm.head_init_scale >= 0:
+        raise ConfigError(f"rm.head_init_scale must be >= 0 (0: a zero value head), got {cfg.rm.head_init_scale}")

@@ -109,6 +109,20 @@ class ValueModel(Learner):
                        temperature: float) -> tuple[torch.Tensor, None]:
         return self.head.values(output, mb), None
 
+    def init_value_head(self, std: float, seed: int) -> None:
+        """Value head weights ~ N(0, std^2) from a generator seeded with `seed` (the same on
+        every rank: the head is replicated over TP and DP), bias 0; optimizer's master
+        copies follow. A no-op where this pipeline stage holds no head."""
+        head = getattr(self.gpt, VALUE_HEAD, None)
+        if head is None:
+            return
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=g, dtype=torch.float32) * std)
+            head.bias.zero_()
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
     def values(self, batch: StepBatch) -> torch.Tensor:
         """[b, T] fp32 values of this rank's rows at their response tokens (no gradients),
         on every rank of the replica."""

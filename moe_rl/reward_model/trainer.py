@@ -3,8 +3,8 @@ the loop every preference trainer shares (`moe_rl.preference.loop`).
 
 Per step, on every rank: the step's `rm.batch_size` pairs (`moe_rl.preference.data.pairs_of_step`)
 become 2P rows; the value model (`moe_rl.learner.critic.ValueModel`: the policy's
-architecture and layout with a scalar head, started from run.init_checkpoint with the head
-at zero) scores them without gradients, which gives dL/dr in closed form
+architecture and layout with a scalar head, started from run.init_checkpoint with a small
+random head, `rm.head_init_scale`) scores them without gradients, which gives dL/dr in closed form
 (`loss.score_coefficients`); then one optimizer update runs the row-local surrogate with
 that gradient. Metrics: `learner/loss`, `rewards/chosen`, `rewards/rejected`,
 `rewards/margins`, `rewards/accuracies` (scores at each response's last slot),
@@ -18,6 +18,7 @@ Hugging Face: a value head has no place in a causal-LM directory.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,10 @@ class RewardModelTrainer(PreferenceTrainer):
 
         cfg = self.cfg
         self.model = ValueModel(cfg, layout, total_updates=cfg.run.steps)
-        if resume_from is None:  # (the policy's weights hold no value head: it stays at zero)
+        if resume_from is None:  # (the policy's weights hold no value head: rm.head_init_scale starts it)
             load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint, optional=(VALUE_HEAD_KEYS,))
+            if cfg.rm.head_init_scale > 0:
+                self.model.init_value_head(cfg.rm.head_init_scale / math.sqrt(cfg.model.hidden_size), cfg.run.seed)
         self.eval_tokens = encode_pairs(self.eval_pairs, self.encoder, layout.tp) if self.eval_pairs else None
         # (the held-out pairs never change: their compared slots are found once, not per evaluation)
         self.eval_slots = compared_slots(self.eval_tokens, cfg.rm.compare) if self.eval_tokens is not None else None
