@@ -40,6 +40,12 @@ def length_groups(lengths: list[int], waste: int = MERGE_WASTE) -> list[list[int
     return groups
 
 
+def _padded(x_NHD: torch.Tensor, token_N: torch.Tensor, slot_N: torch.Tensor, longest: int, g: int) -> torch.Tensor:
+    """A group's tokens of packed [t, heads, dim] at their slots of a right-padded [L, g, heads, dim]."""
+    out = x_NHD.new_zeros(longest * g, *x_NHD.shape[1:]).index_copy(0, slot_N, x_NHD[token_N])
+    return out.view(longest, g, *x_NHD.shape[1:])
+
+
 class PackedDotProductAttention(DotProductAttention):
     """`DotProductAttention` that also accepts megatron's THD packed layout."""
 
@@ -52,20 +58,17 @@ class PackedDotProductAttention(DotProductAttention):
             cu = packed_seq_params.cu_seqlens_q
         bounds = cu.tolist()
         lengths = [end - start for start, end in itertools.pairwise(bounds)]
-        out_NH: torch.Tensor | None = None
+        tokens, contexts = [], []
         for group in length_groups(lengths):
             longest, g = lengths[group[0]], len(group)
             # each token of the group: its packed index, and its slot (position * g + member) in [L, g]
             token_N = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in group]).to(query.device)
             slot_N = torch.cat([torch.arange(lengths[i]) * g + m for m, i in enumerate(group)]).to(query.device)
-
-            def padded(x_NHD: torch.Tensor, token_N=token_N, slot_N=slot_N, longest=longest, g=g) -> torch.Tensor:
-                out = x_NHD.new_zeros(longest * g, *x_NHD.shape[1:]).index_copy(0, slot_N, x_NHD[token_N])
-                return out.view(longest, g, *x_NHD.shape[1:])  # [L, g, heads, dim]
-
-            context = super().forward(padded(query), padded(key), padded(value), None, attn_mask_type, attention_bias)
-            context_NH = context.reshape(longest * g, -1)[slot_N]
-            if out_NH is None:
-                out_NH = context_NH.new_zeros(query.shape[0], context_NH.shape[-1])
-            out_NH = out_NH.index_copy(0, token_N, context_NH)
-        return out_NH.unsqueeze(1)  # [t, 1, heads * dim]
+            qkv = (_padded(x, token_N, slot_N, longest, g) for x in (query, key, value))
+            context = super().forward(*qkv, None, attn_mask_type, attention_bias)
+            tokens.append(token_N)
+            contexts.append(context.reshape(longest * g, -1)[slot_N])
+        # (the groups' tokens, concatenated, back into packed order: index_copy, whose
+        # backward is a gather rather than a scatter-add)
+        context_NH = torch.cat(contexts)
+        return context_NH.new_zeros(context_NH.shape).index_copy(0, torch.cat(tokens), context_NH).unsqueeze(1)

@@ -25,7 +25,7 @@ class Program(NamedTuple):
 PROGRAMS = {
     "dpo": Program("moe_rl.dpo", "the starting policy, which is also the frozen reference",
                    lambda cfg: f"dpo ({cfg.dpo.loss}, beta {cfg.dpo.beta})"),
-    "rm": Program("moe_rl.reward_model", "the starting transformer (its value head starts at zero)",
+    "rm": Program("moe_rl.reward_model", "the starting transformer (its value head starts small and random)",
                   lambda cfg: f"reward model (compare {cfg.rm.compare})"),
 }
 """Recipe section -> the program that reads it."""
