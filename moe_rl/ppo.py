@@ -100,14 +100,15 @@ class CriticStage:
         return dataclasses.replace(batch, adv_B=adv_BT.float(), extras=extras), metrics
 
     def update(self, batch: StepBatch, minibatches: list[torch.Tensor]) -> dict[str, float]:
-        """One critic update per mini-batch (this rank's rows of each); its metrics."""
+        """One critic update per mini-batch (this rank's rows of each); its metrics, with
+        `critic/updates` their count."""
         out: list[dict[str, float]] = []
         for rows in minibatches:
             result = self.critic.update(batch.take(rows), self.loss_fn)
             m = {k: v for k, v in result.metrics.items() if k.startswith("critic/")}
             m.update({f"critic/{k}": result.metrics[k] for k in ("grad_norm", "lr")})
             out.append(m)
-        return combine(out)
+        return combine(out) | {"critic/updates": float(len(out))}
 
 
 def _moments(mask_BT: torch.Tensor, adv_BT: torch.Tensor, returns_BT: torch.Tensor, values_BT: torch.Tensor,

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from moe_rl.config import Config
+from moe_rl.config.critic import critic_minibatches
 from moe_rl.diagnostics import combine_mismatch_summaries, compute_mismatch
 from moe_rl.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.metrics import combine
@@ -110,7 +111,7 @@ class Trainer:
         from moe_rl.ppo import CriticStage
 
         cfg = self.cfg
-        return CriticStage(cfg, self.layout, updates=cfg.run.steps * cfg.critic.epochs * cfg.rl.num_minibatches)
+        return CriticStage(cfg, self.layout, updates=cfg.run.steps * cfg.critic.epochs * critic_minibatches(cfg))
 
     def _load_init(self, learner: Any, path: str, optional: tuple[str, ...] = (),
                    key: str = "run.init_checkpoint") -> None:
@@ -201,15 +202,17 @@ class Trainer:
         takes its old logprobs and routing record from the update's own forward."""
         metrics: dict[str, float] = {"policy/updates": 0.0}
         if not self._critic_warmup(step):
-            metrics, batch = self._update_actor(batch, self._minibatches(step, batch, self.cfg.rl.epochs))
+            metrics, batch = self._update_actor(batch, self._minibatches(step, batch, self.cfg.rl.epochs,
+                                                                         self.cfg.rl.num_minibatches))
         if self.ppo is not None:  # (its own passes: epochs after the actor's reuse their shuffles)
-            metrics.update(self.ppo.update(batch, self._minibatches(step, batch, self.cfg.critic.epochs)))
+            metrics.update(self.ppo.update(batch, self._minibatches(step, batch, self.cfg.critic.epochs,
+                                                                    critic_minibatches(self.cfg))))
         return metrics, batch
 
-    def _minibatches(self, step: int, batch: StepBatch, epochs: int) -> list[Any]:
-        """`epochs` passes of `rl.num_minibatches` shuffled mini-batches (global row ids)."""
+    def _minibatches(self, step: int, batch: StepBatch, epochs: int, count: int) -> list[Any]:
+        """`epochs` passes of `count` shuffled mini-batches (global row ids)."""
         return [rows for epoch in range(epochs)
-                for rows in minibatch_rows(batch.step_rows, self.cfg.rl.num_minibatches, self.layout.dp,
+                for rows in minibatch_rows(batch.step_rows, count, self.layout.dp,
                                            seed=self.cfg.run.seed * 7919 + step * 31 + epoch)]
 
     def _update_actor(self, batch: StepBatch, minibatches: list[Any]) -> tuple[dict[str, float], StepBatch]:

@@ -36,6 +36,12 @@ def _jobs() -> list[dict]:
             for lay, (ov, n) in LAYOUTS.items() for adv in ("grpo", "gae")]
     jobs.append({"name": "gae/one/kl", "recipe": None, "gpus": 1,
                  "overrides": [*BASE, "rl.advantage=gae", "rl.kl_coef=0.1"]})
+    # the critic's own passes: 2 epochs of 4 mini-batches (the actor: 1 of 2), against an
+    # actor that itself takes 4 mini-batches; micro-batches of a whole mini-batch
+    whole = [*BASE, "parallel.micro_batch_size=64"]
+    jobs.append({"name": "gae/one/critic4x2", "recipe": None, "gpus": 1,
+                 "overrides": [*whole, "rl.advantage=gae", "critic.num_minibatches=4", "critic.epochs=2"]})
+    jobs.append({"name": "grpo/one/mb4", "recipe": None, "gpus": 1, "overrides": [*whole, "rl.num_minibatches=4"]})
     return jobs
 
 
@@ -142,6 +148,24 @@ def test_critic_time_is_the_actors_without_the_output_layer(plans):
     assert set(critic) == {"critic_scoring", "critic_update_compute", "critic_comms", "critic_optimizer"}
     assert t["total"] - grpo["times_s"]["total"] == pytest.approx(sum(critic.values()), rel=1e-9)
     assert 0 < critic["critic_optimizer"] < t["optimizer"]  # Adam over fewer elements
+
+
+def test_the_critic_is_planned_at_its_own_minibatches_and_epochs(plans):
+    """critic.num_minibatches=4 and critic.epochs=2 (the actor: one pass of 2): the critic's
+    activations are those of an actor update over a quarter of the batch (plus the head), its
+    update compute is 2 passes (fwd + 2x bwd each) of its value forward, its Adam steps 8 where
+    the default critic takes 2; the actor's own numbers do not move."""
+    plan, default, quarter = plans["gae/one/critic4x2"], plans["gae/one"], plans["grpo/one/mb4"]
+    mem, q = plan["ranks"][0]["memory_bytes"], quarter["ranks"][0]["memory_bytes"]
+    assert (plan["workload"]["micro_batch"], quarter["workload"]["micro_batch"]) == (64, 32)
+    tokens = 32 * quarter["workload"]["seq_len"]
+    assert mem["critic_activations"] == q["activations"] + tokens * H * PARAM + 4 * tokens
+    assert mem["activations"] > q["activations"]  # the actor's micro-batches stay whole mini-batches
+    t, t0 = plan["times_s"], default["times_s"]
+    assert t["critic_update_compute"] == pytest.approx(2 * 3.0 * t["critic_scoring"], rel=1e-12)
+    assert t["critic_scoring"] == pytest.approx(t0["critic_scoring"], rel=1e-12)
+    assert t["critic_optimizer"] == pytest.approx(4 * t0["critic_optimizer"], rel=1e-12)
+    assert t["update_compute"] == t0["update_compute"] and t["optimizer"] == t0["optimizer"]
 
 
 def test_critic_traffic_is_the_actors_passes(plans):

@@ -169,6 +169,7 @@ def test_preflight_refuses_a_ppo_recipe_that_cannot_run(overrides, needle):
     (["rl.gae_lambda=1.5"], "rl.gae_gamma and rl.gae_lambda must be in [0, 1]"),
     (["critic.value_clip=0"], "critic.value_clip must be > 0"),
     (["critic.epochs=0"], "critic.epochs must be >= 1"),
+    (["critic.num_minibatches=-1"], "critic.num_minibatches must be >= 0 (0: rl.num_minibatches)"),
 ])
 def test_recipe_checks_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
@@ -202,7 +203,7 @@ def test_critic_values_and_update_match_one_process_at_tp2_ep2_pp2(tmp_path):
 
 def _ppo_cmd(out: Path, name: str, *extra: str) -> list[str]:
     small = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "critic.warmup_steps=1",
-             "run.save_every=1", "run.export_hf=false", "logging.progress=false", "logging.tensorboard=false"]
+             "critic.epochs=2", "critic.num_minibatches=3", "run.save_every=1", "run.export_hf=false", "logging.progress=false", "logging.tensorboard=false"]
     return [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *small, f"run.output_dir={out}",
             f"run.name={name}", *extra]
 
@@ -233,6 +234,7 @@ def test_killed_ppo_run_resumes_bit_exactly(tmp_path):
         assert {k: v for k, v in a.items() if not k.startswith(NOISY)} == \
                {k: v for k, v in b.items() if not k.startswith(NOISY)}, a["step"]
     assert rows[0]["policy/updates"] == 0 and rows[-1]["policy/updates"] == 2  # the critic's warm-up step
+    assert all(r["critic/updates"] == 6 for r in rows)  # critic.epochs x critic.num_minibatches
     a, b = (DcpCheckpoint(tmp_path / run / "checkpoints" / "step_000004") for run in ("cut", "ref"))
     assert a.tensors == b.tensors
     for part in ("critic.value_head.weight", "critic.decoder.", "optimizer.state.exp_avg.critic.", "exp_avg.decoder"):
@@ -240,7 +242,7 @@ def test_killed_ppo_run_resumes_bit_exactly(tmp_path):
     for key in a.tensors:
         assert torch.equal(a.read(key), b.read(key)), key
     meta_a, meta_b = (json.loads((c.path / "moe_rl.json").read_text()) for c in (a, b))
-    assert meta_a["critic"] == meta_b["critic"] and meta_a["critic"]["step"] == 16  # 4 steps x 2 epochs x 2 batches
+    assert meta_a["critic"] == meta_b["critic"] and meta_a["critic"]["step"] == 24  # 4 steps x 2 epochs x 3 batches
     assert meta_a["scheduler"] == meta_b["scheduler"]
 
 

@@ -33,12 +33,21 @@ class CriticConfig:
     value_clip: float = 0.2
     """c of the clipped value loss 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)."""
     epochs: int = 1
-    """Passes of the critic over each step's batch, each in rl.num_minibatches reshuffled
+    """Passes of the critic over each step's batch, each in critic.num_minibatches reshuffled
     mini-batches (verl's critic ppo_epochs): a value function fits more slowly than the
     policy moves. The actor makes rl.epochs passes."""
+    num_minibatches: int = 0
+    """Mini-batches per critic pass (verl's critic ppo_mini_batch_size, as a count); 0: the
+    actor's rl.num_minibatches. Smaller mini-batches give the critic more, noisier updates on
+    the same rollouts."""
     value_loss_coef: float = 1.0
     """Scale of the value loss (the critic has its own optimizer, so this scales its
     gradient before Adam normalises it: it matters with gradient clipping)."""
+
+
+def critic_minibatches(cfg: Any) -> int:
+    """Mini-batches per critic pass: critic.num_minibatches, or the actor's rl.num_minibatches."""
+    return cfg.critic.num_minibatches or cfg.rl.num_minibatches
 
 
 def validate_critic(cfg: Any) -> None:
@@ -53,6 +62,8 @@ def validate_critic(cfg: Any) -> None:
         raise ConfigError(f"critic.value_loss_coef must be > 0, got {c.value_loss_coef}")
     if c.epochs < 1:
         raise ConfigError(f"critic.epochs must be >= 1, got {c.epochs}")
+    if c.num_minibatches < 0:
+        raise ConfigError(f"critic.num_minibatches must be >= 0 (0: rl.num_minibatches), got {c.num_minibatches}")
     if c.warmup_steps < 0 or c.lr_warmup_steps < 0:
         raise ConfigError("critic.warmup_steps and critic.lr_warmup_steps must be >= 0")
     if not 0 <= rl.gae_gamma <= 1 or not 0 <= rl.gae_lambda <= 1:

@@ -93,7 +93,7 @@ def actor_passes(layout: PlannedLayout, work: Workload, sw: Switches) -> Passes:
 
 
 def critic_passes(layout: PlannedLayout, work: Workload, sw: Switches) -> Passes:
-    """PPO's critic: one value pass over the batch and the actor's updates."""
+    """PPO's critic (`work`: its workload): one value pass over the batch and its updates."""
     return _passes(layout, work, sw, 1)
 
 

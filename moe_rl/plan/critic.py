@@ -15,8 +15,10 @@ ceil(1/dp) of it), plus the value head's parameter, gradient and optimizer state
 whole on one rank). The buffers' padding is taken as the actor's (it differs by less than
 dp elements per bucket).
 
-Activations: the critic's update runs the actor's layers at the actor's micro-batching, so
-its saved activations are the actor's (`activations.stage_activation_bytes`); on the last
+Activations: the critic's update runs the actor's layers at the actor's micro-batch size over
+its own mini-batches (`critic.num_minibatches`, default the actor's: `workload.critic_workload`),
+so its saved activations are those of an actor update of that size
+(`activations.stage_activation_bytes`); on the last
 stage the value head's input and fp32 values stand in for the logits. The actor's and the
 critic's updates run one after the other, so the update phase holds the larger of the two
 (`memory.rank_memory`). The critic's value pass is forward-only, like the reference
@@ -24,9 +26,9 @@ policy's scoring pass, and is not a peak either. With fp8, the critic's GEMM wei
 their own cached fp8 copies (`memory`'s 2 bytes per GEMM weight element).
 
 Compute: the actor's FLOPs per token less the output layer's GEMM (2 * V * h; the critic's
-head is a [h] dot product), for one forward pass over the batch (values) and the actor's
-update passes (same minibatches, epochs, recompute and 1F1B bubble), `timing.critic_seconds`;
-its traffic (TP, EP, PP, DP) is `comms.traffic` over those passes.
+head is a [h] dot product), for one forward pass over the batch (values) and its update
+passes (`critic.epochs` of `critic.num_minibatches`, the actor's recompute and 1F1B bubble),
+`timing.critic_seconds`; its traffic (TP, EP, PP, DP) is `comms.traffic` over those passes.
 """
 
 from __future__ import annotations

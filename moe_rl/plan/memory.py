@@ -37,7 +37,7 @@ from moe_rl.plan.critic import (
 from moe_rl.plan.hardware import GIB, Hardware
 from moe_rl.plan.model_state import model_state
 from moe_rl.plan.sampler import SamplerMemory
-from moe_rl.plan.workload import PlannedLayout, Workload
+from moe_rl.plan.workload import PlannedLayout, Workload, critic_workload
 
 if TYPE_CHECKING:  # the meta-device build imports megatron; these modules need only its type
     from moe_rl.learner.meta import MetaRank
@@ -108,10 +108,20 @@ def _variants(rank: MetaRank, acts: dict[bool, int]) -> dict[str, int]:
     }
 
 
+def _stage_activations(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, recompute: bool) -> int:
+    """The activations `rank`'s pipeline stage holds during an update of `work`'s shapes."""
+    return stage_activation_bytes(cfg.model, tokens=work.micro_batch_tokens, tp=layout.tp, pp=layout.pp,
+                                  stage=rank.pp_rank, layers=rank.num_layers, moe_layers=rank.num_moe_layers,
+                                  micro_batches=work.micro_batches, recompute=recompute)
+
+
 def _critic_kinds(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
-                  actor_activations: int, actor_fp8: int) -> tuple[dict[str, int], int]:
+                  actor_fp8: int) -> tuple[dict[str, int], int]:
     """The critic's GPU bytes by kind on `rank` (`moe_rl.plan.critic`) and its optimizer
-    bytes offloaded to the host (the actor's offload fraction)."""
+    bytes offloaded to the host (the actor's offload fraction). Its activations are the
+    actor's layers' at its own micro-batching (`critic.num_minibatches`)."""
+    work = critic_workload(cfg, layout, work)
+    activations = _stage_activations(cfg, rank, layout, work, sw.recompute)
     head = value_head_numel(cfg, rank, layout.pp)
     state = critic_state(rank, sw.distributed_optimizer, layout.dp, head)
     offloaded = int(state.optimizer * sw.offload_fraction)
@@ -122,7 +132,7 @@ def _critic_kinds(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Work
         "critic_grads": state.grads,
         "critic_optimizer_states": state.optimizer - offloaded,
         "critic_fp8_extra": actor_fp8,  # the same GEMM weights (the output layer is none of them)
-        "critic_activations": actor_activations + (value_head if head else 0),
+        "critic_activations": activations + (value_head if head else 0),
     }, offloaded
 
 
@@ -130,16 +140,13 @@ def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Worklo
                 hw: Hardware, sw: Switches) -> RankMemory:
     m = cfg.model
     state = model_state(rank, sw.distributed_optimizer)
-    acts = {rc: stage_activation_bytes(
-        m, tokens=work.micro_batch_tokens, tp=layout.tp, pp=layout.pp, stage=rank.pp_rank,
-        layers=rank.num_layers, moe_layers=rank.num_moe_layers, micro_batches=work.micro_batches,
-        recompute=rc) for rc in (False, True)}
+    acts = {rc: _stage_activations(cfg, rank, layout, work, rc) for rc in (False, True)}
     last = rank.pp_rank == layout.pp - 1
     colocated = int(layout.learners == layout.world)  # else engines have GPUs of their own
     offloaded = int(state.optimizer * sw.offload_fraction)
     gemm = sum(rank.params_by_kind[k] for k in GEMM_KINDS)
     fp8 = 2 * gemm if m.fp8 != "none" else 0
-    critic, critic_offloaded = (_critic_kinds(cfg, rank, layout, work, sw, acts[sw.recompute], fp8)
+    critic, critic_offloaded = (_critic_kinds(cfg, rank, layout, work, sw, fp8)
                                 if has_critic(cfg) else ({}, 0))
     kinds = {
         "params": state.params,

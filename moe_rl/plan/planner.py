@@ -26,7 +26,7 @@ from moe_rl.plan.model_source import ModelSource
 from moe_rl.plan.model_state import ModelState, model_state
 from moe_rl.plan.sampler import SamplerMemory, sampler_memory
 from moe_rl.plan.timing import critic_seconds, learner_seconds, optimizer_seconds, rollout_seconds
-from moe_rl.plan.workload import PlannedLayout, Workload, check_world, workload
+from moe_rl.plan.workload import PlannedLayout, Workload, check_world, critic_workload, workload
 
 _BUILDS: dict[tuple[ModelConfig, ParallelConfig, int], list[MetaRank]] = {}
 _COUNTS: dict[tuple[ModelConfig, int], dict[str, int]] = {}
@@ -136,7 +136,8 @@ def _optimizer_seconds(states: list[ModelState], sw: Switches, work: Workload, h
 def _critic_times(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches, by_kind: dict[str, int],
                   metas: list[MetaRank], hw: Hardware) -> dict[str, float]:
     """PPO's critic (`moe_rl.plan.critic`): its compute, its traffic (the slowest rank's TP,
-    EP, PP and DP for its passes) and its Adam steps."""
+    EP, PP and DP for its passes) and its Adam steps, over its own mini-batches and epochs."""
+    work = critic_workload(cfg, layout, work)
     gemm = critic_gemm_params(active_params(cfg, by_kind), by_kind)
     times = critic_seconds(cfg, layout, work, gemm, sw.recompute, hw)
     passes = critic_passes(layout, work, sw)

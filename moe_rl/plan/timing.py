@@ -14,8 +14,8 @@ rank's weight shard plus the running sequences' KV cache from HBM and its FLOPs,
 engine's tensor-parallel all-reduces; a KV cache smaller than the batch needs means more
 waves of decoding.
 
-PPO's critic (`rl.advantage: gae`): one forward over the batch for the values and the
-actor's update passes, at the actor's FLOPs less the output layer's GEMM (`critic_seconds`).
+PPO's critic (`rl.advantage: gae`): one forward over the batch for the values and its own
+update passes (critic.epochs x critic.num_minibatches), at the actor's FLOPs less the output layer's GEMM (`critic_seconds`).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def _forward_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_pa
     return tokens * (2.0 * gemm_params / gemm_peak + attention_flops_per_token(cfg, s) / attn_peak) / layout.learners
 
 
-def _update_factor(cfg: Config, layout: PlannedLayout, work: Workload, recompute: bool) -> float:
+def _update_factor(layout: PlannedLayout, work: Workload, recompute: bool) -> float:
     """The update's cost in forward passes: backward 2x, recompute one more forward, every
     epoch, and the 1F1B bubble."""
     bubble = 1 + (layout.pp - 1) / work.micro_batches
-    return (3 + (1 if recompute else 0)) * cfg.rl.epochs * bubble
+    return (3 + (1 if recompute else 0)) * work.epochs * bubble
 
 
 def learner_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_params: int, recompute: bool,
@@ -59,18 +59,18 @@ def learner_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_par
     """Seconds per step of the scoring passes and the update passes (fwd + bwd), per rank."""
     fwd_seconds = _forward_seconds(cfg, layout, work, gemm_params, hw)
     return {"scoring": work.scoring_passes * fwd_seconds,
-            "update_compute": _update_factor(cfg, layout, work, recompute) * fwd_seconds}
+            "update_compute": _update_factor(layout, work, recompute) * fwd_seconds}
 
 
 def critic_seconds(cfg: Config, layout: PlannedLayout, work: Workload, critic_gemm_params: int, recompute: bool,
                    hw: Hardware) -> dict[str, float]:
-    """PPO's critic per step, per rank: one forward pass over the batch for the values and the
-    actor's update passes, at the actor's FLOPs less the output layer's GEMM (the critic's
+    """PPO's critic per step, per rank (`work`: its workload, `workload.critic_workload`): one
+    forward pass over the batch for the values and its update passes, at the actor's FLOPs less the output layer's GEMM (the critic's
     value head, a [h] dot product per token, is left out: 2h FLOPs against ~2 x active
     parameters; `moe_rl.plan.critic`)."""
     fwd_seconds = _forward_seconds(cfg, layout, work, critic_gemm_params, hw)
     return {"critic_scoring": fwd_seconds,
-            "critic_update_compute": _update_factor(cfg, layout, work, recompute) * fwd_seconds}
+            "critic_update_compute": _update_factor(layout, work, recompute) * fwd_seconds}
 
 
 def rollout_seconds(cfg: Config, work: Workload, gemm_params: int, sampler: SamplerMemory,

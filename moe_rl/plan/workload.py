@@ -10,10 +10,12 @@ its longest (prompt + `sampler.max_new_tokens`), which is the bound memory must 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from moe_rl.config import Config, ConfigError, validate_layout
+from moe_rl.config.critic import critic_minibatches
 
 
 def separate_engine_ranks(cfg: Config) -> int:
@@ -70,6 +72,8 @@ class Workload:
     """Micro-batches per data-parallel rank per optimizer update."""
     updates: int
     """Optimizer updates per step: num_minibatches * epochs."""
+    epochs: int
+    """Passes over the step's batch (rl.epochs; in the critic's workload critic.epochs)."""
     scoring_passes: int
     """Forward-only passes over the whole batch per step (old log-probs, reference policy)."""
     rollout_tp: int
@@ -86,15 +90,9 @@ def workload(cfg: Config, layout: PlannedLayout, prompt_tokens: int) -> Workload
     """The step's shapes for `cfg` at `layout` with prompts of `prompt_tokens` tokens."""
     rl = cfg.rl
     sequences = rl.prompts_per_step * rl.group_size
-    per_update = math.ceil(sequences / rl.num_minibatches)
-    per_rank = math.ceil(per_update / layout.dp)
     response = cfg.sampler.max_new_tokens
     seq_len = math.ceil((prompt_tokens + response) / layout.tp) * layout.tp
-    budget = cfg.parallel.max_tokens_per_microbatch
-    # the plan's worst case: every sequence at its longest, so a token budget holds
-    # budget // seq_len of them (at least one: a longer sequence takes a micro-batch alone)
-    per_micro = max(1, budget // seq_len) if budget and cfg.parallel.packing else cfg.parallel.micro_batch_size
-    micro_batch = min(per_micro, per_rank)
+    micro_batch, micro_batches = _micro_batching(cfg, layout, sequences, seq_len, rl.num_minibatches)
     rollout_tp = cfg.sampler.tensor_parallel_size
     return Workload(
         sequences=sequences,
@@ -102,13 +100,37 @@ def workload(cfg: Config, layout: PlannedLayout, prompt_tokens: int) -> Workload
         response_tokens=response,
         seq_len=seq_len,
         micro_batch=micro_batch,
-        micro_batches=math.ceil(per_rank / micro_batch),
+        micro_batches=micro_batches,
         updates=rl.num_minibatches * rl.epochs,
+        epochs=rl.epochs,
         # the old-logprob pass is skipped when the first update's forward scores (on-policy)
         scoring_passes=(0 if getattr(rl, "scores_in_update", False) else 1) + (rl.kl_coef > 0),
         rollout_tp=rollout_tp,
         engines=(layout.world - layout.learners or layout.world) // rollout_tp,
     )
+
+
+def critic_workload(cfg: Config, layout: PlannedLayout, work: Workload) -> Workload:
+    """PPO's critic's update shapes: the step's batch in critic.num_minibatches mini-batches
+    (default the actor's), critic.epochs passes, at the actor's micro-batch size; one value
+    pass over the batch (its scoring pass)."""
+    minibatches = critic_minibatches(cfg)
+    micro_batch, micro_batches = _micro_batching(cfg, layout, work.sequences, work.seq_len, minibatches)
+    return dataclasses.replace(work, micro_batch=micro_batch, micro_batches=micro_batches,
+                               updates=minibatches * cfg.critic.epochs, epochs=cfg.critic.epochs, scoring_passes=1)
+
+
+def _micro_batching(cfg: Config, layout: PlannedLayout, sequences: int, seq_len: int,
+                    minibatches: int) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per rank per update) for `sequences` split
+    into `minibatches` updates over `layout.dp` ranks."""
+    per_rank = math.ceil(math.ceil(sequences / minibatches) / layout.dp)
+    budget = cfg.parallel.max_tokens_per_microbatch
+    # the plan's worst case: every sequence at its longest, so a token budget holds
+    # budget // seq_len of them (at least one: a longer sequence takes a micro-batch alone)
+    per_micro = max(1, budget // seq_len) if budget and cfg.parallel.packing else cfg.parallel.micro_batch_size
+    micro_batch = min(per_micro, per_rank)
+    return micro_batch, math.ceil(per_rank / micro_batch)
 
 
 def check_rollout_tp(cfg: Config, world: int) -> None:
