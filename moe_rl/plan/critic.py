@@ -18,12 +18,12 @@ dp elements per bucket).
 Activations: the critic's update runs the actor's layers at the actor's micro-batch size over
 its own mini-batches (`critic.num_minibatches`, default the actor's: `workload.critic_workload`),
 so its saved activations are those of an actor update of that size
-(`activations.stage_activation_bytes`); on the last
-stage the value head's input and fp32 values stand in for the logits. The actor's and the
-critic's updates run one after the other, so the update phase holds the larger of the two
-(`memory.rank_memory`). The critic's value pass is forward-only, like the reference
-policy's scoring pass, and is not a peak either. With fp8, the critic's GEMM weights get
-their own cached fp8 copies (`memory`'s 2 bytes per GEMM weight element).
+(`activations.stage_activation_bytes`); on the last stage the value head's input and fp32
+values stand in for the logits. The actor's and the critic's updates run one after the
+other, so the update phase holds the larger of the two (`memory.rank_memory`). The critic's
+value pass is forward-only, like the reference policy's scoring pass, and is not a peak
+either. With fp8, the critic's GEMM weights get their own cached fp8 copies (`memory`'s 2
+bytes per GEMM weight element).
 
 Compute: the actor's FLOPs per token less the output layer's GEMM (2 * V * h; the critic's
 head is a [h] dot product), for one forward pass over the batch (values) and its update

@@ -15,7 +15,8 @@ engine's tensor-parallel all-reduces; a KV cache smaller than the batch needs me
 waves of decoding.
 
 PPO's critic (`rl.advantage: gae`): one forward over the batch for the values and its own
-update passes (critic.epochs x critic.num_minibatches), at the actor's FLOPs less the output layer's GEMM (`critic_seconds`).
+update passes (critic.epochs x critic.num_minibatches), at the actor's FLOPs less the output
+layer's GEMM (`critic_seconds`).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def learner_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_par
 def critic_seconds(cfg: Config, layout: PlannedLayout, work: Workload, critic_gemm_params: int, recompute: bool,
                    hw: Hardware) -> dict[str, float]:
     """PPO's critic per step, per rank (`work`: its workload, `workload.critic_workload`): one
-    forward pass over the batch for the values and its update passes, at the actor's FLOPs less the output layer's GEMM (the critic's
-    value head, a [h] dot product per token, is left out: 2h FLOPs against ~2 x active
-    parameters; `moe_rl.plan.critic`)."""
+    forward pass over the batch for the values and its update passes, at the actor's FLOPs
+    less the output layer's GEMM (the critic's value head, a [h] dot product per token, is
+    left out: 2h FLOPs against ~2 x active parameters; `moe_rl.plan.critic`)."""
     fwd_seconds = _forward_seconds(cfg, layout, work, critic_gemm_params, hw)
     return {"critic_scoring": fwd_seconds,
             "critic_update_compute": _update_factor(layout, work, recompute) * fwd_seconds}
