@@ -6,7 +6,8 @@ line naming the key:
     check_run(cfg, world, sft=True)           # SFT: the same, with the completions' lengths
 
 What it covers, in order:
-- the layout against the world size (`config.validate_layout`);
+- the layout against the world size (`config.validate_layout`), and (RL) that every
+  mini-batch of the actor's and the critic's gets a row (`config.validate_minibatches`);
 - the starting weights: `run.init_checkpoint` exists and holds the recipe's model;
 
 - the task builds (`task.name`, `task.data_path`, digit ranges) and the tokenizer loads
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import Config, ConfigError, validate_layout
+from moe_rl.config import Config, ConfigError, validate_layout, validate_minibatches
 
 SYNTHETIC_DRAWS = 512
 
@@ -41,7 +42,9 @@ SYNTHETIC_DRAWS = 512
 def check_run(cfg: Config, world: int, *, sft: bool = False) -> None:
     """Raise a one-line ConfigError for the first input of the run that cannot work (see the
     module docstring). `world`: ranks in the torchrun world (WORLD_SIZE)."""
-    validate_layout(cfg, world)
+    dp = validate_layout(cfg, world)
+    if not sft:
+        validate_minibatches(cfg, dp)
     check_init_weights(cfg, sft=sft)
     check_task_inputs(cfg, completions=sft)
     check_init_model(cfg)

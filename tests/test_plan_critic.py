@@ -158,6 +158,9 @@ def test_the_critic_is_planned_at_its_own_minibatches_and_epochs(plans):
     plan, default, quarter = plans["gae/one/critic4x2"], plans["gae/one"], plans["grpo/one/mb4"]
     mem, q = plan["ranks"][0]["memory_bytes"], quarter["ranks"][0]["memory_bytes"]
     assert (plan["workload"]["micro_batch"], quarter["workload"]["micro_batch"]) == (64, 32)
+    shapes = {k: plan["critic_workload"][k] for k in ("micro_batch", "micro_batches", "updates", "epochs")}
+    assert shapes == {"micro_batch": 32, "micro_batches": 1, "updates": 8, "epochs": 2}
+    assert plans["grpo/one"]["critic_workload"] is None
     tokens = 32 * quarter["workload"]["seq_len"]
     assert mem["critic_activations"] == q["activations"] + tokens * H * PARAM + 4 * tokens
     assert mem["activations"] > q["activations"]  # the actor's micro-batches stay whole mini-batches

@@ -203,7 +203,8 @@ def test_critic_values_and_update_match_one_process_at_tp2_ep2_pp2(tmp_path):
 
 def _ppo_cmd(out: Path, name: str, *extra: str) -> list[str]:
     small = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "critic.warmup_steps=1",
-             "critic.epochs=2", "critic.num_minibatches=3", "run.save_every=1", "run.export_hf=false", "logging.progress=false", "logging.tensorboard=false"]
+             "critic.epochs=2", "critic.num_minibatches=3", "run.save_every=1", "run.export_hf=false",
+             "logging.progress=false", "logging.tensorboard=false"]
     return [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *small, f"run.output_dir={out}",
             f"run.name={name}", *extra]
 

@@ -51,6 +51,38 @@ def test_the_starting_weights_are_checked_first(tmp_path):
         check_run(load_config(RECIPE, ["run.init_checkpoint="]), 1)
 
 
+@pytest.mark.parametrize("rows, dp, k", [(16, 1, 16), (10, 4, 3), (8, 4, 2), (128, 2, 64)])
+def test_every_minibatch_gets_a_row(rows, dp, k):
+    """A rank holds at most ceil(rows / dp) rows: that many mini-batches run that many
+    updates (minibatch_rows leaves none empty); one more is refused, for the actor's and the
+    critic's, naming the key and the bound (the trainer would silently run fewer updates than
+    the schedule and the planner count)."""
+    from moe_rl.config import validate_minibatches
+    from moe_rl.update import minibatch_rows
+
+    assert len(minibatch_rows(rows, k, dp, seed=0)) == k
+    assert len(minibatch_rows(rows, k + 1, dp, seed=0)) < k + 1
+    size = [f"rl.prompts_per_step={rows}", "rl.group_size=1"]
+    for key in ("rl.num_minibatches", "critic.num_minibatches"):
+        ok = load_config(RECIPE, [BASE, *size, "rl.advantage=gae", "rl.objective=grpo", f"{key}={k}"])
+        validate_minibatches(ok, dp)
+        bad = load_config(RECIPE, [BASE, *size, "rl.advantage=gae", "rl.objective=grpo", f"{key}={k + 1}"])
+        with pytest.raises(ConfigError) as e:
+            validate_minibatches(bad, dp)
+        assert str(e.value) == (f"{key}={k + 1} is more mini-batches than the {k} rows a data-parallel rank holds "
+                                f"per step (rl.prompts_per_step x rl.group_size = {rows} over {dp} ranks); "
+                                f"set it to at most {k}")
+    # (the critic's count is the critic's concern only under PPO)
+    validate_minibatches(load_config(RECIPE, [BASE, *size, f"critic.num_minibatches={k + 1}"]), dp)
+
+
+def test_a_run_with_empty_minibatches_is_refused_before_anything_is_built():
+    from moe_rl.preflight import check_run
+
+    with pytest.raises(ConfigError, match=r"rl\.num_minibatches=129 is more mini-batches than the 128 rows"):
+        check_run(load_config(RECIPE, [BASE, "rl.num_minibatches=129"]), 1)
+
+
 def test_the_mismatched_model_lists_only_real_differences():
     """`params_dtype: auto` resolves to the checkpoint's fp32 on CPU: not a difference."""
     from moe_rl.preflight import check_init_model

@@ -48,7 +48,12 @@ from moe_rl.config.sections import (
     SFTConfig,
     TaskConfig,
 )
-from moe_rl.config.validate import learner_world_size, validate, validate_layout
+from moe_rl.config.validate import (
+    learner_world_size,
+    validate,
+    validate_layout,
+    validate_minibatches,
+)
 
 __all__ = [
     "OBJECTIVE_HPARAMS",
@@ -83,4 +88,5 @@ __all__ = [
     "to_dict",
     "validate",
     "validate_layout",
+    "validate_minibatches",
 ]

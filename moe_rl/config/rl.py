@@ -122,7 +122,8 @@ class RLConfig:
     over every valid token of every data-parallel rank)."""
     kl_in_reward: bool = False
     """rl.advantage=gae: put the KL to the reference in the per-token reward, -kl_coef * k1
-    (k1 = log pi_old - log pi_ref), instead of in the loss."""
+    (k1 = log pi_old - log pi_ref, as the design documents write it; rl.kl_estimator is the
+    loss's penalty and is not read then), instead of in the loss."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_step: int = 16
@@ -146,7 +147,7 @@ class RLConfig:
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; >0 keeps a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator used for the penalty."""
+    """KL estimator used for the penalty in the loss (with rl.kl_in_reward the reward's is k1)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and draw more prompts."""
     max_draws: int = 3

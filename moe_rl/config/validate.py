@@ -284,3 +284,20 @@ def validate_layout(cfg: Config, world_size: int) -> int:
             f"parallel ({etp} x {ep} x {pp}); launch a multiple of {etp * ep * pp} processes"
         )
     return world_size // (tp * pp)
+
+
+def validate_minibatches(cfg: Config, dp: int) -> None:
+    """Every mini-batch of an RL step holds a row on some rank: a rank holds at most
+    ceil(prompts_per_step x group_size / dp) of the step's rows and splits them into the
+    mini-batches, so more mini-batches than that would leave some empty and the trainer would
+    run fewer updates than the recipe (and the learning-rate schedule, and the planner) count."""
+    rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+    per_rank = -(-rows // max(dp, 1))
+    counts = {"rl.num_minibatches": cfg.rl.num_minibatches}
+    if cfg.rl.advantage == "gae":
+        counts["critic.num_minibatches"] = cfg.critic.num_minibatches
+    for key, k in counts.items():
+        if k > per_rank:
+            raise ConfigError(f"{key}={k} is more mini-batches than the {per_rank} rows a data-parallel rank "
+                              f"holds per step (rl.prompts_per_step x rl.group_size = {rows} over {dp} ranks); "
+                              f"set it to at most {per_rank}")

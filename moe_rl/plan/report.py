@@ -16,6 +16,7 @@ from moe_rl.plan.critic import has_critic
 from moe_rl.plan.hardware import GIB
 from moe_rl.plan.planner import Plan
 from moe_rl.plan.verdict import Suggestion
+from moe_rl.plan.workload import critic_workload
 
 GB = 1e9
 
@@ -48,6 +49,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict[str, Any]:
         "workload": vars(plan.work),
         "switches": vars(plan.switches),
         "critic": has_critic(plan.cfg),
+        "critic_workload": vars(critic_workload(plan.cfg, plan.layout, plan.work)) if has_critic(plan.cfg) else None,
         "sampler": {**vars(plan.sampler), "concurrency": plan.sampler.concurrency, "starts": plan.sampler.starts},
         "ranks": [{
             "rank": r.rank, "stage_ranks": list(r.stage_ranks), "pp_rank": r.pp_rank,
@@ -93,14 +95,18 @@ def _setup_lines(plan: Plan) -> list[str]:
                                   ("sleeping sampler", sw.sleep)) if flag]
     if sw.offload_fraction:
         on.append(f"optimizer offload {sw.offload_fraction:g}")
-    critic = (["critic (rl.advantage=gae): the actor's layers at its layout, output layer frozen (weights kept), "
-               "a value head, its own Adam; its update after the actor's"] if has_critic(plan.cfg) else [])
+    critic = []
+    if has_critic(plan.cfg):
+        c = critic_workload(plan.cfg, plan.layout, w)
+        critic = ["critic (rl.advantage=gae): the actor's layers at its layout, output layer frozen (weights kept), "
+                  f"a value head, its own Adam; its update after the actor's: micro-batch {c.micro_batch} x "
+                  f"{c.seq_len} tokens, {c.micro_batches} per update, {c.updates} update(s)"]
     return [
         f"layout: {plan.layout.describe()} on {hw.nodes} node(s) of {hw.gpus_per_node} x {hw.gpu_memory_gib:g} GiB"
         + (f"; {', '.join(on)}" if on else ""),
-        *critic,
         f"step: {w.sequences} sequences of {w.prompt_tokens} prompt + {w.response_tokens} response tokens; "
         f"micro-batch {w.micro_batch} x {w.seq_len} tokens, {w.micro_batches} per update, {w.updates} update(s)",
+        *critic,
         f"rollout: {w.engines} engine(s) at TP{w.rollout_tp}, {s.sequences_per_engine} sequences each; batch KV cache "
         f"{s.kv_batch_bytes / GIB:.1f} GiB in all; {s.concurrency:.0%} of an engine's sequences fit at once",
     ]

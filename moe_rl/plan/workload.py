@@ -14,7 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from moe_rl.config import Config, ConfigError, validate_layout
+from moe_rl.config import Config, ConfigError, validate_layout, validate_minibatches
 from moe_rl.config.critic import critic_minibatches
 
 
@@ -148,8 +148,9 @@ def check_rollout_tp(cfg: Config, world: int) -> None:
 
 
 def check_world(cfg: Config, world: int) -> None:
-    """The trainer's layout check at this world size, and the rollout TP's (cheap: no build)."""
-    validate_layout(cfg, world)
+    """The trainer's layout and mini-batch checks at this world size, and the rollout TP's
+    (cheap: no build)."""
+    validate_minibatches(cfg, validate_layout(cfg, world))
     check_rollout_tp(cfg, world)
 
 

@@ -11,8 +11,9 @@ that gradient. Metrics: `learner/loss`, `rewards/chosen`, `rewards/rejected`,
 `rewards/slot_accuracies` (every compared slot), and `eval/*` on the held-out pairs.
 
 The checkpoints are the run's product: `critic.init_checkpoint=<run>/checkpoints/step_N`
-starts PPO's critic from this transformer (its value head restarts at zero), the InstructGPT
-recipe of a value function initialised from the reward model. Nothing is exported to
+starts PPO's critic from this transformer (its value head restarts at zero: the scores here
+are Bradley-Terry logits, not returns), after InstructGPT's value function initialised from
+the reward model. Nothing is exported to
 Hugging Face: a value head has no place in a causal-LM directory.
 """
 
