@@ -30,14 +30,13 @@ from moe_rl.config import Config
 from moe_rl.plan.activations import DTYPE_BYTES, logits_bytes, stage_activation_bytes
 from moe_rl.plan.critic import (
     critic_state,
-    has_critic,
     value_head_activation_bytes,
     value_head_numel,
 )
 from moe_rl.plan.hardware import GIB, Hardware
 from moe_rl.plan.model_state import model_state
 from moe_rl.plan.sampler import SamplerMemory
-from moe_rl.plan.workload import PlannedLayout, Workload, critic_workload
+from moe_rl.plan.workload import PlannedLayout, Workload
 
 if TYPE_CHECKING:  # the meta-device build imports megatron; these modules need only its type
     from moe_rl.learner.meta import MetaRank
@@ -118,9 +117,8 @@ def _stage_activations(cfg: Config, rank: MetaRank, layout: PlannedLayout, work:
 def _critic_kinds(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
                   actor_fp8: int) -> tuple[dict[str, int], int]:
     """The critic's GPU bytes by kind on `rank` (`moe_rl.plan.critic`) and its optimizer
-    bytes offloaded to the host (the actor's offload fraction). Its activations are the
-    actor's layers' at its own micro-batching (`critic.num_minibatches`)."""
-    work = critic_workload(cfg, layout, work)
+    bytes offloaded to the host (the actor's offload fraction); `work`: its own workload
+    (`workload.critic_workload`), whose micro-batching sets its activations."""
     activations = _stage_activations(cfg, rank, layout, work, sw.recompute)
     head = value_head_numel(cfg, rank, layout.pp)
     state = critic_state(rank, sw.distributed_optimizer, layout.dp, head)
@@ -136,8 +134,8 @@ def _critic_kinds(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Work
     }, offloaded
 
 
-def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sampler: SamplerMemory,
-                hw: Hardware, sw: Switches) -> RankMemory:
+def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, critic_work: Workload | None,
+                sampler: SamplerMemory, hw: Hardware, sw: Switches) -> RankMemory:
     m = cfg.model
     state = model_state(rank, sw.distributed_optimizer)
     acts = {rc: _stage_activations(cfg, rank, layout, work, rc) for rc in (False, True)}
@@ -146,8 +144,8 @@ def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Worklo
     offloaded = int(state.optimizer * sw.offload_fraction)
     gemm = sum(rank.params_by_kind[k] for k in GEMM_KINDS)
     fp8 = 2 * gemm if m.fp8 != "none" else 0
-    critic, critic_offloaded = (_critic_kinds(cfg, rank, layout, work, sw, fp8)
-                                if has_critic(cfg) else ({}, 0))
+    critic, critic_offloaded = (_critic_kinds(cfg, rank, layout, critic_work, sw, fp8)
+                                if critic_work is not None else ({}, 0))
     kinds = {
         "params": state.params,
         "grads": state.grads,

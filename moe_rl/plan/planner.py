@@ -82,6 +82,8 @@ class Plan:
     """Per distinct rank, by family."""
     times: dict[str, float]
     """Seconds per step by part (the slowest rank's where ranks differ)."""
+    critic_work: Workload | None
+    """PPO's critic's own update shapes (`workload.critic_workload`), or None without a critic."""
 
     @property
     def params_total(self) -> int:
@@ -135,9 +137,8 @@ def _optimizer_seconds(states: list[ModelState], sw: Switches, work: Workload, h
 
 def _critic_times(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches, by_kind: dict[str, int],
                   metas: list[MetaRank], hw: Hardware) -> dict[str, float]:
-    """PPO's critic (`moe_rl.plan.critic`): its compute, its traffic (the slowest rank's TP,
-    EP, PP and DP for its passes) and its Adam steps, over its own mini-batches and epochs."""
-    work = critic_workload(cfg, layout, work)
+    """PPO's critic (`moe_rl.plan.critic`; `work`: its own workload): its compute, its traffic
+    (the slowest rank's TP, EP, PP and DP for its passes) and its Adam steps."""
     gemm = critic_gemm_params(active_params(cfg, by_kind), by_kind)
     times = critic_seconds(cfg, layout, work, gemm, sw.recompute, hw)
     passes = critic_passes(layout, work, sw)
@@ -150,16 +151,17 @@ def _critic_times(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switch
     return times
 
 
-def _times(cfg: Config, layout: PlannedLayout, work: Workload, sw: Switches, by_kind: dict[str, int],
-           sampler: SamplerMemory, metas: list[MetaRank], traffic_: list[list[Traffic]], hw: Hardware) -> dict[str, float]:
+def _times(cfg: Config, layout: PlannedLayout, work: Workload, critic_work: Workload | None, sw: Switches,
+           by_kind: dict[str, int], sampler: SamplerMemory, metas: list[MetaRank], traffic_: list[list[Traffic]],
+           hw: Hardware) -> dict[str, float]:
     gemm = _gemm_params(cfg, by_kind)
     times = {**rollout_seconds(cfg, work, gemm, sampler, hw),
              **learner_seconds(cfg, layout, work, gemm, sw.recompute, hw)}
     for family in ("tp", "ep", "pp", "dp"):
         times[family] = max(next(t.seconds for t in ts if t.family == family) for ts in traffic_)
     times["optimizer"] = _optimizer_seconds([model_state(m, sw.distributed_optimizer) for m in metas], sw, work, hw)
-    if has_critic(cfg):
-        times.update(_critic_times(cfg, layout, work, sw, by_kind, metas, hw))
+    if critic_work is not None:
+        times.update(_critic_times(cfg, layout, critic_work, sw, by_kind, metas, hw))
     times["weight_sync"] = max(next(t.seconds for t in ts if t.family == "weight_sync") for ts in traffic_)
     times["total"] = sum(times.values())
     return times
@@ -175,11 +177,12 @@ def make_plan(source: ModelSource, hw: Hardware, prompt_tokens: int, switches: S
                           "(megatron offloads the distributed optimizer's shards)")
     layout = PlannedLayout.of(cfg, hw.gpus)
     work = workload(cfg, layout, prompt_tokens)
+    critic_work = critic_workload(cfg, layout, work) if has_critic(cfg) else None
     metas = meta_ranks(cfg, layout.learners)
     by_kind = param_counts(cfg)
     sampler = sampler_memory(cfg, by_kind, work, hw)
-    ranks = [rank_memory(cfg, r, layout, work, sampler, hw, sw) for r in metas]
+    ranks = [rank_memory(cfg, r, layout, work, critic_work, sampler, hw, sw) for r in metas]
     traffic_ = [traffic(cfg, r, layout, work, sw, sampler.weights_bytes, hw) for r in metas]
-    times = _times(cfg, layout, work, sw, by_kind, sampler, metas, traffic_, hw)
+    times = _times(cfg, layout, work, critic_work, sw, by_kind, sampler, metas, traffic_, hw)
     return Plan(cfg, source, hw, layout, work, sw, by_kind, sampler, tuple(ranks),
-                engine_memory(layout, sampler, hw, sw), tuple(tuple(t) for t in traffic_), times)
+                engine_memory(layout, sampler, hw, sw), tuple(tuple(t) for t in traffic_), times, critic_work)

@@ -16,7 +16,6 @@ from moe_rl.plan.critic import has_critic
 from moe_rl.plan.hardware import GIB
 from moe_rl.plan.planner import Plan
 from moe_rl.plan.verdict import Suggestion
-from moe_rl.plan.workload import critic_workload
 
 GB = 1e9
 
@@ -49,7 +48,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict[str, Any]:
         "workload": vars(plan.work),
         "switches": vars(plan.switches),
         "critic": has_critic(plan.cfg),
-        "critic_workload": vars(critic_workload(plan.cfg, plan.layout, plan.work)) if has_critic(plan.cfg) else None,
+        "critic_workload": vars(plan.critic_work) if plan.critic_work is not None else None,
         "sampler": {**vars(plan.sampler), "concurrency": plan.sampler.concurrency, "starts": plan.sampler.starts},
         "ranks": [{
             "rank": r.rank, "stage_ranks": list(r.stage_ranks), "pp_rank": r.pp_rank,
@@ -96,8 +95,7 @@ def _setup_lines(plan: Plan) -> list[str]:
     if sw.offload_fraction:
         on.append(f"optimizer offload {sw.offload_fraction:g}")
     critic = []
-    if has_critic(plan.cfg):
-        c = critic_workload(plan.cfg, plan.layout, w)
+    if (c := plan.critic_work) is not None:
         critic = ["critic (rl.advantage=gae): the actor's layers at its layout, output layer frozen (weights kept), "
                   f"a value head, its own Adam; its update after the actor's: micro-batch {c.micro_batch} x "
                   f"{c.seq_len} tokens, {c.micro_batches} per update, {c.updates} update(s)"]
