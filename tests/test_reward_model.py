@@ -149,11 +149,10 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tmp_path):
     """A run of 2 steps resumed to 4 (evaluating less often) equals a 4-step run (the value
     head starting random, from run.seed); with rm.head_init_scale=0 the zero head scores
-    every slot alike at step 0 (held-out loss log 2, no slot ordered right); PPO's critic started from
-    the final checkpoint has the reward model's transformer, a zero value head and the RNG
-    state it had before the load. (That
-    the model learns: the recipe's run in docs/ppo_dpo.md, held-out accuracy 0.957; it
-    needs about 50 steps to leave the flat start, too many for a test.)"""
+    every slot alike at step 0 (held-out loss log 2, no slot ordered right); PPO's critic
+    started from the final checkpoint has the reward model's transformer, a zero value head
+    and the RNG state it had before the load. (That the model learns: `make rm-demo` in
+    docs/ppo_dpo.md, held-out accuracy 0.969 after 300 steps, too many for a test.)"""
     base = [f"run.output_dir={tmp_path}", "rm.batch_size=16", "rm.eval_every=2", "rm.eval_max_pairs=32",
             "optimizer.lr_warmup_steps=0", "optimizer.lr_decay_style=constant", "logging.progress=false",
             "run.save_every=2"]

@@ -4,17 +4,17 @@ the loop every preference trainer shares (`moe_rl.preference.loop`).
 Per step, on every rank: the step's `rm.batch_size` pairs (`moe_rl.preference.data.pairs_of_step`)
 become 2P rows; the value model (`moe_rl.learner.critic.ValueModel`: the policy's
 architecture and layout with a scalar head, started from run.init_checkpoint with a small
-random head, `rm.head_init_scale`) scores them without gradients, which gives dL/dr in closed form
-(`loss.score_coefficients`); then one optimizer update runs the row-local surrogate with
-that gradient. Metrics: `learner/loss`, `rewards/chosen`, `rewards/rejected`,
+random head, `rm.head_init_scale`) scores them without gradients, which gives dL/dr in
+closed form (`loss.score_coefficients`); then one optimizer update runs the row-local
+surrogate with that gradient. Metrics: `learner/loss`, `rewards/chosen`, `rewards/rejected`,
 `rewards/margins`, `rewards/accuracies` (scores at each response's last slot),
 `rewards/slot_accuracies` (every compared slot), and `eval/*` on the held-out pairs.
 
 The checkpoints are the run's product: `critic.init_checkpoint=<run>/checkpoints/step_N`
 starts PPO's critic from this transformer (its value head restarts at zero: the scores here
 are Bradley-Terry logits, not returns), after InstructGPT's value function initialised from
-the reward model. Nothing is exported to
-Hugging Face: a value head has no place in a causal-LM directory.
+the reward model. Nothing is exported to Hugging Face: a value head has no place in a
+causal-LM directory.
 """
 
 from __future__ import annotations
