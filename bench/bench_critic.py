@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from bench.common import markdown_table, write_results
+from moe_rl.gae import explained_variance
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "moe_rl" / "assets" / "tiny_base"
@@ -131,7 +132,7 @@ def held_out_scores(critic: ProbeCritic, held: tuple, affine: bool) -> dict[str,
         out["on_track_accuracy"] = float(((v > 0.5) == (track[mask] > 0.5)).double().mean())
         design = torch.stack([v, torch.ones_like(v)], 1)
         v = design @ torch.linalg.lstsq(design, r[:, None]).solution[:, 0]
-    return {"ev": float(1 - (r - v).var() / r.var()), **out}
+    return {"ev": explained_variance(v, r, torch.ones_like(r, dtype=torch.bool)), **out}
 
 
 def fit(name: str, spec: dict[str, Any], policy: str, data: tuple, updates: int, every: int) -> dict[str, Any]:
