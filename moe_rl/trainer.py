@@ -38,7 +38,7 @@ from moe_rl.rollout import Rollout, RolloutCollector, Sampled
 from moe_rl.rundir import RunDirectory
 from moe_rl.step_batch import StepBatch
 from moe_rl.timing import StepTimer
-from moe_rl.update import PolicyLossFn, minibatch_rows
+from moe_rl.update import PolicyLossFn, minibatch_rows, shuffle_seed
 
 log = logging.getLogger("moe_rl.trainer")
 
@@ -210,10 +210,12 @@ class Trainer:
         return metrics, batch
 
     def _minibatches(self, step: int, batch: StepBatch, epochs: int, count: int) -> list[Any]:
-        """`epochs` passes of `count` shuffled mini-batches (global row ids)."""
+        """`epochs` passes of `count` shuffled mini-batches (global row ids), a shuffle per
+        (step, pass); the critic's passes reuse the actor's shuffles."""
+        most = max(self.cfg.rl.epochs, self.cfg.critic.epochs)
         return [rows for epoch in range(epochs)
                 for rows in minibatch_rows(batch.step_rows, count, self.layout.dp,
-                                           seed=self.cfg.run.seed * 7919 + step * 31 + epoch)]
+                                           seed=shuffle_seed(self.cfg.run.seed, step, epoch, most))]
 
     def _update_actor(self, batch: StepBatch, minibatches: list[Any]) -> tuple[dict[str, float], StepBatch]:
         cfg = self.cfg

@@ -36,6 +36,13 @@ def minibatch_rows(B: int, num_minibatches: int, dp: int, seed: int) -> list[tor
     return [torch.cat(c).sort().values for c in chunks if sum(p.numel() for p in c)]
 
 
+def shuffle_seed(run_seed: int, step: int, epoch: int, max_epochs: int) -> int:
+    """The mini-batch shuffle's seed for pass `epoch` of `step`: distinct for every (step,
+    pass) of a run whose models make at most `max_epochs` passes (the step's stride is at
+    least that; 31 below it, the stride every recorded run used)."""
+    return run_seed * 7919 + step * max(31, max_epochs) + epoch
+
+
 class PolicyLossFn:
     """The objective's loss on one micro-batch, as the learner's `LossFn`.
 

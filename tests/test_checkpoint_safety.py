@@ -10,6 +10,7 @@ reaches a named point of a save.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -201,6 +202,40 @@ def test_resume_with_a_different_recipe_is_refused_naming_the_fields(tmp_path):
     with pytest.raises(ConfigError, match=r"differs from the run's \(.*step_000002/config.yaml\) in rl.group_size "
                                           r"\(4 -> 8\), rl.objective \('rspo' -> 'gspo'\); resume with the saved"):
         RunDirectory(make_cfg(tmp_path, "rl.group_size=8", "rl.objective=gspo")).prepare(resume=True)
+
+
+def test_a_longer_resume_keeps_a_decaying_schedule_and_says_so():
+    """Resuming with more run.steps keeps the saved schedule (megatron-core loads it): the
+    next learning rate is the saved schedule's, and the resume says so in one line; a
+    constant schedule, or the same length, has nothing to say."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from moe_rl.learner.optimizer import schedule_kept_note
+
+    def scheduler(style: str, total: int) -> OptimizerParamScheduler:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=2,
+                                       lr_decay_steps=total, lr_decay_style=style, start_wd=0.0, end_wd=0.0,
+                                       wd_incr_steps=total, wd_incr_style="constant")
+
+    saved = scheduler("cosine", 10)
+    saved.step(increment=6)
+    longer = scheduler("cosine", 20)
+    note = schedule_kept_note(saved.state_dict(), longer)
+    assert note == ("the learning rate keeps its saved schedule (cosine decay over 10 updates after 2 of warm-up, at "
+                    "update 6), not the 20 this run.steps would give: it stays at min_lr past the saved end; to "
+                    "decay over the new length, start a new run (another run.name) from this checkpoint "
+                    "(run.init_checkpoint)")
+    longer.load_state_dict(saved.state_dict())
+    saved.step(increment=1)
+    longer.step(increment=1)
+    # cosine over updates 2..10 at update 7: min + (max - min) * 0.5 * (1 + cos(pi * 5 / 8))
+    expected = 1e-5 + (1e-3 - 1e-5) * 0.5 * (1 + math.cos(math.pi * 5 / 8))
+    assert longer.get_lr(longer.optimizer.param_groups[0]) == pytest.approx(expected, rel=1e-12)
+    assert saved.get_lr(saved.optimizer.param_groups[0]) == pytest.approx(expected, rel=1e-12)
+    assert schedule_kept_note(saved.state_dict(), scheduler("cosine", 10)) is None
+    assert schedule_kept_note(scheduler("constant", 10).state_dict(), scheduler("constant", 20)) is None
 
 
 def test_resume_from_a_checkpoint_without_manifest_needs_trust(tmp_path):

@@ -76,6 +76,19 @@ def test_every_minibatch_gets_a_row(rows, dp, k):
     validate_minibatches(load_config(RECIPE, [BASE, *size, f"critic.num_minibatches={k + 1}"]), dp)
 
 
+@pytest.mark.parametrize("max_epochs", [1, 4, 31, 32, 100])
+def test_every_step_and_pass_has_its_own_shuffle(max_epochs):
+    """No two (step, pass) of a run share a shuffle seed, however many passes (step * 31 +
+    pass collided at 31 passes: step 1's 32nd with step 2's first); below 31 passes the seeds
+    are the ones every recorded run used."""
+    from moe_rl.update import shuffle_seed
+
+    seeds = [shuffle_seed(1234, step, epoch, max_epochs) for step in range(1, 201) for epoch in range(max_epochs)]
+    assert len(set(seeds)) == len(seeds)
+    if max_epochs <= 31:
+        assert shuffle_seed(1234, 7, 2, max_epochs) == 1234 * 7919 + 7 * 31 + 2
+
+
 def test_a_run_with_empty_minibatches_is_refused_before_anything_is_built():
     from moe_rl.preflight import check_run
 

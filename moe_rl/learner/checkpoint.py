@@ -62,6 +62,7 @@ from moe_rl.collectives import all_gather_object, broadcast_object
 from moe_rl.config import save_config
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
 from moe_rl.failures import describe, disk_full
+from moe_rl.learner.optimizer import schedule_kept_note
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +411,10 @@ def _load_optimizer(learner: Any, state: Any, scheduler: dict | None, wanted: bo
     if wanted:
         learner.optimizer.load_state_dict(state)
         if scheduler is not None:
+            note = schedule_kept_note(scheduler, learner.scheduler)
             learner.scheduler.load_state_dict(scheduler)
+            if note:
+                log.warning("%s", note)
     elif learner.optimizer is not None:
         # Weights only: mixed-precision optimizers keep fp32 master copies of the params,
         # which must follow the weights just loaded (a no-op for fp32 training).

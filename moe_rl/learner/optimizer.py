@@ -52,3 +52,16 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, total_updates: int) -> 
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def schedule_kept_note(saved: dict, scheduler: OptimizerParamScheduler) -> str | None:
+    """What a resume that changed the run's length does to a decaying schedule, in a line
+    (None when nothing changes): the saved schedule continues, because stretching it to the
+    new length would raise the learning rate mid-decay. megatron-core loads the saved one."""
+    steps = (saved.get("lr_warmup_steps"), saved.get("lr_decay_steps"))
+    if scheduler.lr_decay_style == "constant" or steps == (scheduler.lr_warmup_steps, scheduler.lr_decay_steps):
+        return None
+    return (f"the learning rate keeps its saved schedule ({saved.get('lr_decay_style')} decay over "
+            f"{steps[1]} updates after {steps[0]} of warm-up, at update {saved.get('num_steps')}), not the "
+            f"{scheduler.lr_decay_steps} this run.steps would give: it stays at min_lr past the saved end; "
+            "to decay over the new length, start a new run (another run.name) from this checkpoint (run.init_checkpoint)")
