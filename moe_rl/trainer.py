@@ -14,7 +14,8 @@ One step, on every rank of the torchrun world (docs/step.md):
   4. sync: `collector.weight_sync` pushes the weights to the engines, whatever the placement;
   5. log and checkpoint (`moe_rl.rundir`); SIGINT / SIGTERM end the step, save and exit.
 Determinism: problems, sampler seeds and mini-batch shuffles derive from (run.seed, step)
-alone, so a run resumed from a checkpoint replays the same steps an uninterrupted run takes.
+and the data-parallel size alone, so a run resumed from a checkpoint at the same layout replays
+the steps an uninterrupted run takes.
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ class Trainer:
                     self.collector.deliver(step, ahead or self.collector.sample(step, timer), timer)
                     if self.cfg.rl.max_staleness and step < self.cfg.run.steps:
                         ahead = self.collector.sample(step + 1, timer)
-                        self._keep_ahead(ahead)
+                        self.collector.save_ahead(self.run_dir.path, ahead)
                     t0 = time.perf_counter()
                     self.collector.weight_sync.receive()
                     self.collector.engine_wait = time.perf_counter() - t0
@@ -282,21 +283,9 @@ class Trainer:
 
     def _first_batch(self, step: int) -> Sampled | None:
         """Asynchronous rollout's first batch: the one sampled ahead before a stop, when this
-        run is resumed and it was saved; else sampled now."""
-        from moe_rl.rollout.ahead import load_ahead
-
-        engine = self.collector.placement.engine
-        saved = load_ahead(self.run_dir.path, step, engine) if step > 1 else None
-        if step > 1 and saved is None and self.collector.placement.leader:
-            log.warning("resuming step %d without the batch sampled ahead before the stop: sampling it now with "
-                        "the checkpoint's weights (the uninterrupted run used the step before's)", step)
+        run is resumed and every engine saved its share; else sampled now."""
+        saved = self.collector.sampled_ahead(self.run_dir.path, step) if step > 1 else None
         return saved or self.collector.sample(step, StepTimer())
-
-    def _keep_ahead(self, sampled: Sampled | None) -> None:
-        if sampled is not None and self.collector.placement.leader:
-            from moe_rl.rollout.ahead import save_ahead
-
-            save_ahead(self.run_dir.path, self.collector.placement.engine, sampled)
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.run.eval_every

@@ -52,6 +52,57 @@ def test_asynchronous_rollout_needs_separate_engines_and_a_correction():
         load_config(RECIPE, ["rl.max_staleness=1", "sampler.placement=separate", "sampler.engine_ranks=1"])
 
 
+def _sampled(step: int, keys: list[tuple[int, int]]):
+    from moe_rl.rollout.types import GroupSummary, Sampled, ScoredGroup
+
+    out = Sampled(step, version=step - 2, kept=keys, engine_seconds=[[0.5, 0.25]],
+                  drawn=[[GroupSummary(3, (2, 2), (1.0, 0.0), ("stop", "stop"), step - 2)] * 4])
+    out.held = {k: ScoredGroup([1, 2, 3], [[4, 0], [5, 0]], [[-0.5, -0.25], [-1.0, -0.125]], ["4", "5"], [1.0, 0.0],
+                               ["stop", "stop"], None, step - 2) for k in keys}
+    return out
+
+
+def test_a_batch_sampled_ahead_loads_back_only_under_its_engine_layout(tmp_path):
+    """The saved share comes back as it was; a missing file, or one saved by another number
+    or size of engines (a resume may change them), is named instead."""
+    from moe_rl.rollout.ahead import load_ahead, save_ahead
+
+    save_ahead(tmp_path, 1, (2, 1), _sampled(7, [(0, 2), (0, 3)]))
+    back, why = load_ahead(tmp_path, 7, 1, (2, 1))
+    assert why == "" and back == _sampled(7, [(0, 2), (0, 3)])
+    assert load_ahead(tmp_path, 7, 1, (1, 2)) == (
+        None, "step_000007.engine1.json was sampled by 2 engine(s) of 1 rank(s), this run has 1 of 2")
+    assert load_ahead(tmp_path, 7, 0, (2, 1)) == (None, "no step_000007.engine0.json")
+
+
+def test_every_engine_uses_the_saved_batch_or_none_does(tmp_path, monkeypatch, caplog):
+    """Engine ranks agree: the saved batch is used only when every engine leader found its
+    share (otherwise the engines with a file would skip the sampling collectives the others
+    enter); a rank that is not its engine's leader holds no groups (it used to hold its
+    leader's, delivering every row once per engine rank)."""
+    from moe_rl.rollout import RolloutCollector
+    from moe_rl.rollout.ahead import save_ahead
+    from moe_rl.rollout.placement import EnginePlacement
+
+    class Placement(EnginePlacement):  # two engines of two ranks; the gather answered from disk
+        def gather_engines(self, mine, group):
+            from moe_rl.rollout.ahead import load_ahead
+
+            return [load_ahead(tmp_path, 7, e, (2, 2))[1] for e in range(2)]
+
+    def on(rank: int):
+        return RolloutCollector.sampled_ahead(type("C", (), {"placement": Placement(4, rank, 2), "_engines_group": None}),
+                                              tmp_path, 7)
+
+    save_ahead(tmp_path, 0, (2, 2), _sampled(7, [(0, 0), (0, 1)]))
+    with caplog.at_level("WARNING", logger="moe_rl.rollout"):
+        assert [on(rank) for rank in range(4)] == [None] * 4
+    assert caplog.text.count("engine 1: no step_000007.engine1.json") == 1  # (once, from the first engine rank)
+    save_ahead(tmp_path, 1, (2, 2), _sampled(7, [(0, 2), (0, 3)]))
+    leader, other = on(2), on(3)
+    assert leader == _sampled(7, [(0, 2), (0, 3)]) and other.held == {} and other.kept == leader.kept
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("async")

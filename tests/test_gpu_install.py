@@ -274,7 +274,7 @@ def test_make_gpu_check_installs_then_runs_the_gpu_tests_and_the_benchmark(tmp_p
     tests = out.index(f"{tmp_path}/venv/bin/python -m pytest -m gpu")
     bench = out.index(f"{tmp_path}/venv/bin/python -m bench.bench_gpu")
     assert install < tests < bench
-    assert "timeout 1080" in out  # tests + benchmark inside the 20-minute budget with install
+    assert out.count("timeout 1080") == 2  # the tests and the benchmark, each under its own 18-minute timeout
 
 
 def test_make_gpu_check_on_a_cpu_machine_is_a_one_line_error():

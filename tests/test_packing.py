@@ -163,6 +163,10 @@ def test_packed_equals_padded(results, layout, model):
     # a token budget: the same gradient, as many micro-batches on every rank (several here)
     assert r["budget_grad"] < 1e-6, r
     assert r["budget_microbatches"] == r["budget_microbatches_min"] > 1, r
+    # the load-balancing and z losses and the expert-bias update count real tokens only
+    assert r["balancing_grad"] < 1e-6, r
+    assert r["bias_update_differs"] == 0, r
+    assert (r["bias_updated_min"] > 0) if model == "glm4" else (r["bias_updated_min"] == -1), r  # (it acted)
 
 
 @pytest.mark.multiproc

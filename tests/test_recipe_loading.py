@@ -192,3 +192,15 @@ def test_launch_scripts_check_before_torchrun(tmp_path, script):
     assert proc.returncode == 2 and not marker.exists()
     assert only_line(proc.stderr) == ("python -m moe_rl.train: config error: unknown key run.save_evry; "
                                       "did you mean run.save_every?")
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "examples" / "gpu").glob("*.yaml")))
+def test_gpu_recipes_ask_only_what_the_learner_builds_on_a_gpu(recipe, monkeypatch):
+    """What the preflight checks of the learner on a CUDA machine holds for every shipped GPU
+    recipe (glm45_air.yaml once asked for model.recompute=full, which the learner refuses)."""
+    import torch
+
+    from moe_rl.preflight import check_learner_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_learner_device(load_recipe(ROOT / "examples" / "gpu" / recipe)[0])

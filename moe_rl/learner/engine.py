@@ -56,7 +56,7 @@ from moe_rl.learner.microbatch import (
     token_budget_bins,
 )
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
-from moe_rl.learner.model_input import packed_input, packed_seq_params, padded_input
+from moe_rl.learner.model_input import packed_input, packed_seq_params, padded_input, padding_mask
 from moe_rl.learner.optimizer import build_optimizer
 from moe_rl.learner.output_head import OutputHead
 from moe_rl.learner.parallel import Layout, all_reduce_, comm_device
@@ -181,11 +181,12 @@ class Learner:
         mb = next(data_iterator)
         self.hooks.before_forward(mb)
         inp = mb.inp
-        tokens, positions, extra = inp.tokens, inp.positions, {}
+        tokens, positions, pad_BS = inp.tokens, inp.positions, padding_mask(inp, self.layout)
         if torch.cuda.is_available():  # the loss callback then sees device tensors only
             dev = torch.device("cuda", torch.cuda.current_device())
             mb.step = mb.step.to(dev)
-            tokens, positions = tokens.to(dev), positions.to(dev)
+            tokens, positions, pad_BS = tokens.to(dev), positions.to(dev), pad_BS.to(dev)
+        extra: dict[str, Any] = {"padding_mask": pad_BS}  # (the MoE losses count real tokens only)
         if inp.packed:
             extra["packed_seq_params"] = packed_seq_params(inp, tokens.device)
         output = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra)

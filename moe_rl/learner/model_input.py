@@ -110,3 +110,16 @@ def packed_seq_params(inp: ModelInput, device: torch.device) -> Any:
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
                            cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
                            max_seqlen_q=inp.max_seqlen, max_seqlen_kv=inp.max_seqlen)
+
+
+def padding_mask(inp: ModelInput, layout: Any) -> torch.Tensor:
+    """[b, s] True on the slots without a real token (right and alignment padding, padding
+    rows), in the model input's shape: megatron-core's MoE layers then leave them out of the
+    load-balancing and z losses. megatron shards it over sequence-parallel ranks on the
+    first pipeline stage only, so a later stage gets its own shard of the sequence here."""
+    b, s = inp.tokens.shape
+    pad_BS = ~inp.real_N.reshape(s, b).T  # (router order is s-major)
+    if layout.sequence_parallel and layout.pp_rank > 0:
+        shard = s // layout.tp
+        pad_BS = pad_BS[:, layout.tp_rank * shard:(layout.tp_rank + 1) * shard]
+    return pad_BS.contiguous()

@@ -103,6 +103,23 @@ def _drop_autograd_state(dispatcher: Any) -> None:
             setattr(dispatcher, name, None)
 
 
+def _route(router: TopKRouter, original: Any, logits: torch.Tensor, padding_mask: torch.Tensor | None) -> Any:
+    """megatron-core's routing, with the expert-bias token count (aux-loss-free balancing)
+    kept to real tokens here: megatron-core 0.16 masks the [N, E] routing map with the [N]
+    padding mask, which fails to broadcast (or, with N = E, masks the wrong axis)."""
+    if padding_mask is None or not router.enable_expert_bias:
+        return original(logits, padding_mask)
+    router.enable_expert_bias = False
+    try:
+        probs, routing_map = original(logits, padding_mask)
+    finally:
+        router.enable_expert_bias = True
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            router.local_tokens_per_expert += (routing_map & ~padding_mask.reshape(-1, 1)).sum(dim=0)
+    return probs, routing_map
+
+
 class RouterTaps(ForwardHooks):
     """Owns the routers (and their RouterReplay instances) of one model."""
 
@@ -236,7 +253,7 @@ class RouterTaps(ForwardHooks):
         def routing(logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
             st = self._state
             if st is None or (self.plan is None and st.spread_NK is None):
-                return original(logits, padding_mask)
+                return _route(router, original, logits, padding_mask)
             dev = logits.device
             logits_NE = logits.reshape(-1, self.num_experts)
             with torch.no_grad():
@@ -248,7 +265,7 @@ class RouterTaps(ForwardHooks):
                 replay.target_topk_idx = target_NK
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             used_NK = target_NK.sort(dim=-1).values if target_NK is not None else fresh_NK
-            out = original(logits, padding_mask)
+            out = _route(router, original, logits, padding_mask)
             replay.clear_router_replay_action()
             replay.target_topk_idx = None
             if self.plan is not None:

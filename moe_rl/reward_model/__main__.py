@@ -5,11 +5,12 @@
 
 Reads the DPO trainer's `{prompt | messages, chosen, rejected}` rows (task.data_path; held
 out: task.eval_data_path), encodes them with the checkpoint's tokenizer and chat template,
-and trains a value model (run.init_checkpoint's transformer with a zero scalar head) for
-run.steps steps of rm.batch_size pairs so that chosen responses score higher
-(`moe_rl.reward_model.trainer`). The run directory is the RL trainer's: config.yaml,
-metrics.jsonl and TensorBoard (learner/loss, rewards/chosen, rewards/rejected,
-rewards/margins, rewards/accuracies, rewards/slot_accuracies, eval/*), checkpoints
+and trains a value model (run.init_checkpoint's transformer with a scalar head that starts
+small and random: rm.head_init_scale, 0 for a zero head) for run.steps steps of
+rm.batch_size pairs so that chosen responses score higher (`moe_rl.reward_model.trainer`).
+The run directory is the RL trainer's: config.yaml, metrics.jsonl and TensorBoard
+(learner/loss, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
+rewards/slot_accuracies, eval/*), checkpoints
 (run.save_every; run.resume=true continues) and summary.json; start PPO's critic from the
 last one with critic.init_checkpoint. Errors are one line (exit 2); `--debug` shows the
 traceback. `--check [--nproc N]` only checks the recipe and its inputs and prints one line.

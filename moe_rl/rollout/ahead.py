@@ -6,8 +6,11 @@ trains. When the run stops after step n, batch n+1 already exists and its weight
 n-1's) are in no checkpoint, so it is saved rather than re-generated: each engine leader
 writes its groups and the step's decisions to `<run>/sampled_ahead/step_<n+1>.engine<e>.json`
 (plain JSON: nothing in it executes on load) before it takes step n's weights, hence before
-the learners' checkpoint of step n exists. A resume from step n loads it; without it the
-engines re-sample with the checkpoint's weights, and the log says the schedule differs.
+the learners' checkpoint of step n exists. A resume from step n loads it when every engine
+finds its share saved under the same engine layout (a resume may change the number of
+engines or their size, and each file holds one engine's block of the prompts); otherwise
+every engine re-samples with the checkpoint's weights, and the log says why and that the
+schedule differs.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ def _path(run_dir: Path, step: int, engine: int) -> Path:
     return run_dir / "sampled_ahead" / f"step_{step:06d}.engine{engine}.json"
 
 
-def save_ahead(run_dir: Path, engine: int, sampled: Sampled) -> None:
-    """Write this engine leader's share of a batch sampled ahead (atomic), and prune."""
+def save_ahead(run_dir: Path, engine: int, layout: tuple[int, int], sampled: Sampled) -> None:
+    """Write this engine leader's share of a batch sampled ahead (atomic), and prune.
+    `layout`: (engines, ranks per engine) it was sampled under."""
     groups = [{"key": list(k), "prompt": g.prompt, "responses": g.responses, "logprobs": g.logprobs,
                "texts": g.texts, "rewards": g.rewards, "finish": g.finish, "version": g.version,
                "routed": [np.asarray(r).tolist() for r in g.routed] if g.routed is not None else None}
               for k, g in sampled.held.items()]
-    doc = {"step": sampled.step, "version": sampled.version, "kept": sampled.kept,
+    doc = {"step": sampled.step, "layout": list(layout), "version": sampled.version, "kept": sampled.kept,
            "drawn": [[vars(s) for s in d] for d in sampled.drawn], "engine_seconds": sampled.engine_seconds,
            "groups": groups}
     path = _path(run_dir, sampled.step, engine)
@@ -43,12 +47,20 @@ def save_ahead(run_dir: Path, engine: int, sampled: Sampled) -> None:
         old.unlink(missing_ok=True)
 
 
-def load_ahead(run_dir: Path, step: int, engine: int) -> Sampled | None:
-    """The batch of `step` this engine sampled ahead before a stop, or None."""
+def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -> tuple[Sampled | None, str]:
+    """This engine's share of the batch of `step` sampled ahead before a stop, or None and
+    why not: no file, or one saved under another `layout` (engines, ranks per engine)."""
     path = _path(run_dir, step, engine)
     if not path.is_file():
-        return None
-    doc = json.loads(path.read_text())
+        return None, f"no {path.name}"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"{path.name} cannot be read ({' '.join(str(e).split())})"
+    saved = tuple(doc.get("layout") or ())
+    if saved != tuple(layout):
+        was = f"{saved[0]} engine(s) of {saved[1]} rank(s)" if len(saved) == 2 else "an unrecorded engine layout"
+        return None, f"{path.name} was sampled by {was}, this run has {layout[0]} of {layout[1]}"
     out = Sampled(doc["step"], doc["version"], [tuple(k) for k in doc["kept"]],
                   [[GroupSummary(s["prompt_len"], tuple(s["response_lens"]), tuple(s["rewards"]), tuple(s["finish"]),
                                  s["version"]) for s in d] for d in doc["drawn"]], doc["engine_seconds"])
@@ -56,4 +68,4 @@ def load_ahead(run_dir: Path, step: int, engine: int) -> Sampled | None:
         routed = [np.asarray(r) for r in g["routed"]] if g["routed"] is not None else None
         out.held[tuple(g["key"])] = ScoredGroup(g["prompt"], g["responses"], g["logprobs"], g["texts"], g["rewards"],
                                                 g["finish"], routed, g["version"])
-    return out
+    return out, ""

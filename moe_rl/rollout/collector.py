@@ -140,6 +140,37 @@ class RolloutCollector:
             self.sampler.sleep()
         return out
 
+    def sampled_ahead(self, run_dir: Path, step: int) -> Sampled | None:
+        """The batch of `step` the engines sampled ahead before a stop (`moe_rl.rollout.ahead`),
+        when every engine finds its share saved under this engine layout; else None on every
+        engine rank alike (then they all sample it now), the reason logged once. Collective
+        over the engine ranks; a learner-only rank returns None at once. Only an engine's
+        leader holds its groups, as when sampled."""
+        from moe_rl.rollout.ahead import load_ahead
+
+        p = self.placement
+        if not p.hosts_engine:
+            return None
+        saved, why = load_ahead(run_dir, step, p.engine, (p.engines, p.ranks_per_engine))
+        missing = [f"engine {e}: {w}" for e, w in enumerate(p.gather_engines(why, self._engines_group)) if w]
+        if missing:
+            if p.rank == p.first_engine_rank:
+                log.warning("resuming step %d without the batch sampled ahead before the stop (%s): sampling it now "
+                            "with the checkpoint's weights (the uninterrupted run used the step before's)", step,
+                            "; ".join(missing))
+            return None
+        if not p.leader:
+            saved.held = {}
+        return saved
+
+    def save_ahead(self, run_dir: Path, sampled: Sampled | None) -> None:
+        """Keep a batch sampled ahead on disk (each engine leader its share) for a resume."""
+        if sampled is not None and self.placement.leader:
+            from moe_rl.rollout.ahead import save_ahead
+
+            p = self.placement
+            save_ahead(run_dir, p.engine, (p.engines, p.ranks_per_engine), sampled)
+
     def deliver(self, step: int, sampled: Sampled | None, timer: StepTimer) -> Rollout:
         """Hand each data-parallel rank its rows of step `step`'s sampled groups, dropping
         groups sampled more than `rl.max_staleness` weight pushes ago. Collective over every

@@ -113,6 +113,28 @@ def compare(learner, batch, adv_B):
     return out
 
 
+AUX = ["model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "model.moe_router_bias_update_rate=0.001"]
+
+
+def compare_balancing(learner, batch, adv_B):
+    """With the load-balancing and z losses on and, where the router has an expert bias, its
+    update: packed and padded micro-batches (different padding) give the same gradients and
+    bias updates, since padding slots count in neither."""
+    routers = learner.taps.routers
+    biased = [r for r in routers if r.expert_bias is not None]
+    out, got = {}, {}
+    for packing in (True, False):
+        learner.packing = packing
+        before = [r.expert_bias.clone() for r in biased]
+        got[packing] = grads(learner, batch, adv_B), [r.expert_bias - b for r, b in zip(biased, before)]
+    (g_packed, d_packed), (g_padded, d_padded) = got[True], got[False]
+    scale = max(float(g.abs().max()) for g in g_padded)
+    out["balancing_grad"] = max(float((a - b).abs().max()) for a, b in zip(g_packed, g_padded)) / scale
+    out["bias_update_differs"] = float(sum(int((a != b).sum()) for a, b in zip(d_packed, d_padded)))
+    out["bias_updated_min"] = float(min((int((d != 0).sum()) for d in d_padded), default=-1))
+    return out
+
+
 def main() -> None:
     layout_name, model_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
     init_distributed()
@@ -124,6 +146,8 @@ def main() -> None:
     with parallel_layout(cfg.parallel, seed=3) as layout:
         learner = Learner(cfg, layout)
         mine = compare(learner, batch, adv_B)
+        balancing = load_config(None, BASE + MODELS[model_name] + LAYOUTS[layout_name] + AUX)
+        mine.update(compare_balancing(Learner(balancing, layout), batch, adv_B))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
