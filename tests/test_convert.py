@@ -105,6 +105,9 @@ def test_expert_fc1_is_gate_then_up_per_global_expert():
     ({"add_qkv_bias": True}, "add_qkv_bias"),  # softmax: Qwen3-MoE would add an o_proj bias too
     ({"rotary_percent": 0.5}, "rotary_percent"),
     ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor"),
+    ({"moe_router_num_groups": 4, "moe_router_group_topk": 1}, "moe_router_num_groups=4"),  # exported without
+    ({"moe_router_score_function": "sigmoid", "moe_router_num_groups": 4, "moe_router_group_topk": 1},
+     "moe_router_num_groups=4: the Glm4-MoE export writes n_group = topk_group = 1"),
     ({"moe_router_score_function": "sigmoid", "moe_shared_expert_intermediate_size": 48},
      "moe_shared_expert_intermediate_size=48 is not a multiple of model.moe_ffn_hidden_size"),
 ])
@@ -123,6 +126,9 @@ def test_hf_config_round_trips_the_model_config():
     cfg = hf_config(m, torch.bfloat16, bos_token_id=2, eos_token_id=3, pad_token_id=0)
     assert cfg["mlp_only_layers"] == [0, 1] and cfg["tie_word_embeddings"] and cfg["dtype"] == "bfloat16"
     assert model_config_from_hf(json.loads(json.dumps(cfg)), base=m) == m
+    # a recipe's group routing does not survive an import of a model that has none
+    grouped = dataclasses.replace(m, moe_router_num_groups=4, moe_router_group_topk=1)
+    assert model_config_from_hf(json.loads(json.dumps(cfg)), base=grouped) == m
     # norm_topk_prob=false: top-k of the softmax over all experts, megatron's pre-softmax
     unnormed = model_config_from_hf({**cfg, "norm_topk_prob": False}, base=m)
     assert unnormed == dataclasses.replace(m, moe_router_pre_softmax=True)

@@ -111,6 +111,30 @@ def test_settings_the_learner_cannot_build_are_named(change, needle):
     assert needle in str(e.value)
 
 
+def test_fields_config_json_leaves_out_take_transformers_defaults():
+    """vLLM and transformers read a config.json through DeepseekV3Config: a field it leaves
+    out means that class's default (first_k_dense_replace 3, routed_scaling_factor 2.5,
+    n_group 8, topk_group 4), here too."""
+    from transformers import DeepseekV3Config
+
+    plain = {k: v for k, v in V3.items() if k not in ("first_k_dense_replace", "routed_scaling_factor", "n_group",
+                                                      "topk_group")}
+    hf = DeepseekV3Config()
+    got = model_config_from_hf(plain)
+    assert (got.num_dense_layers, got.moe_router_topk_scaling_factor, got.moe_router_num_groups,
+            got.moe_router_group_topk) == (hf.first_k_dense_replace, hf.routed_scaling_factor, hf.n_group,
+                                           hf.topk_group) == (3, 2.5, 8, 4)
+
+
+def test_group_routing_exports_only_as_transformers_computes_it():
+    m = model_config_from_hf(V3)
+    hf_config(m, torch.bfloat16, bos_token_id=0, eos_token_id=1, pad_token_id=None)  # 8 groups, top-4 of them
+    with pytest.raises(NotImplementedError, match=r"moe_router_num_groups=8, model.moe_router_group_topk=2 "
+                                                  r"with model.moe_router_topk=8"):
+        hf_config(dataclasses.replace(m, moe_router_group_topk=2), torch.bfloat16, bos_token_id=0, eos_token_id=1,
+                  pad_token_id=None)
+
+
 def test_transformer_engine_spellings_of_the_mla_norms_are_the_same_keys():
     """The Transformer Engine spec fuses MLA's latent norms into the up projections and keeps
     the input norm apart: its checkpoints name the same tensors (converted alike)."""

@@ -223,10 +223,21 @@ def _rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").open())}
 
 
+def test_eval_every_zero_evaluates_nothing(megatron_world, tmp_path):
+    """dpo.eval_every=0 means no held-out evaluation, the start's included (summary.json
+    used to report the untrained policy's 0.0 as the final accuracy)."""
+    _fit([f"run.output_dir={tmp_path}", "run.name=quiet", "run.steps=1", "dpo.batch_size=4", "dpo.eval_every=0",
+          "run.export_hf=false", "logging.progress=false"])
+    summary = json.loads((tmp_path / "quiet" / "summary.json").read_text())
+    assert summary["eval_accuracy"] == [] and summary["final_eval_accuracy"] is None
+    assert [sorted(k for k in r if k.startswith("eval/")) for r in _rows(tmp_path / "quiet").values()] == [[]]
+
+
 @pytest.mark.slow
 def test_run_learns_and_resumes_bit_exactly(megatron_world, tmp_path):
-    """A run of 2 steps resumed to 4 equals a 4-step run (a constant lr: the recipe's cosine
-    decay spans run.steps, which this resume raises; the Ctrl-C test keeps it)."""
+    """A run of 2 steps resumed to 4 equals a 4-step run (a constant lr: under the recipe's
+    cosine decay the resume would keep the 2-step schedule it saved; the Ctrl-C test keeps
+    run.steps)."""
     base = [f"run.output_dir={tmp_path}", "dpo.batch_size=8", "dpo.eval_every=2", "dpo.eval_max_pairs=32",
             "optimizer.lr_warmup_steps=0", "optimizer.lr_decay_style=constant", "run.export_hf=false", "logging.progress=false", "run.save_every=2"]
     whole = _fit([*base, "run.name=whole", "run.steps=4"])

@@ -93,6 +93,17 @@ class DeepseekV3Layout(Glm4MoeLayout):
                 raise NotImplementedError(f"model.{field}={got!r}: DeepseekV3ForCausalLM needs {want!r}")
         super().check_supported(m)
 
+    def check_groups(self, m: ModelConfig) -> None:
+        """Group-limited routing as transformers and vLLM compute it (`_group_fields`)."""
+        n_group, topk_group, topk = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
+        if n_group > 1 and (m.num_experts % n_group or topk % topk_group or topk // topk_group != 2):
+            raise NotImplementedError(
+                f"model.moe_router_num_groups={n_group}, model.moe_router_group_topk={topk_group} with "
+                f"model.moe_router_topk={topk}, model.num_experts={m.num_experts}: transformers and vLLM rank "
+                "groups by their top-2 scores and megatron by their top (moe_router_topk / moe_router_group_topk); "
+                "exportable when that is 2 and the groups divide the experts"
+            )
+
     # ------------------------------------------------------------------ the map
 
     def layer_parts(self, i: int, rest: str, m: ModelConfig) -> list[Part] | None:
@@ -168,12 +179,13 @@ class DeepseekV3Layout(Glm4MoeLayout):
             num_query_groups=heads,
             kv_channels=mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"],  # a query / key head
             qk_layernorm=True,  # megatron's MLA q/kv latent norms
-            num_dense_layers=int(get_field(cfg, "first_k_dense_replace", default=0)),
+            # (defaults for fields config.json leaves out: transformers' DeepseekV3Config's, as vLLM reads them)
+            num_dense_layers=int(get_field(cfg, "first_k_dense_replace", default=3)),
             num_experts=int(get_field(cfg, "n_routed_experts")),
             moe_shared_expert_intermediate_size=n_shared * fields["moe_ffn_hidden_size"],
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
-            moe_router_topk_scaling_factor=float(get_field(cfg, "routed_scaling_factor", default=1.0)),
+            moe_router_topk_scaling_factor=float(get_field(cfg, "routed_scaling_factor", default=2.5)),
             moe_router_pre_softmax=False,  # sigmoid routing: megatron ignores it
             rotary_percent=1.0,
             mtp_num_layers=mtp,
@@ -237,7 +249,7 @@ def _refuse_unbuilt_math(cfg: dict[str, Any], notes: list[str] | None) -> None:
 def _group_fields(cfg: dict[str, Any], topk: int, experts: int, notes: list[str] | None) -> dict[str, int]:
     """moe_router_num_groups / moe_router_group_topk for n_group / topk_group (1 / 1 when
     every group is eligible: the same routing without the group step)."""
-    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    n_group, topk_group = int(cfg.get("n_group", 8) or 1), int(cfg.get("topk_group", 4) or 1)  # (transformers')
     if topk_group >= n_group:
         return {"moe_router_num_groups": 1, "moe_router_group_topk": 1}
     if experts % n_group or topk % topk_group or topk // topk_group != 2:

@@ -93,12 +93,23 @@ class Glm4MoeLayout(HFArchitecture):
                 "router and an ungated shared expert (Glm4-MoE routes by sigmoid, Qwen3-MoE has no "
                 "shared expert, Qwen2-MoE gates its shared expert); use the sigmoid router or no shared expert"
             )
+        self.check_groups(m)
         S, F = m.moe_shared_expert_intermediate_size, m.moe_ffn_hidden_size
         if S % F:
             raise NotImplementedError(
                 f"model.moe_shared_expert_intermediate_size={S} is not a multiple of "
                 f"model.moe_ffn_hidden_size={F}: Glm4-MoE sizes its shared expert as "
                 "n_shared_experts * moe_intermediate_size"
+            )
+
+    def check_groups(self, m: ModelConfig) -> None:
+        """Group-limited routing: not written by this layout (n_group = topk_group = 1), so a
+        model that routes by groups would be served without them."""
+        if m.moe_router_num_groups > 1:
+            raise NotImplementedError(
+                f"model.moe_router_num_groups={m.moe_router_num_groups}: the {self.name} export writes "
+                "n_group = topk_group = 1 (every group eligible); group-limited routing converts to the "
+                "DeepseekV3 layout (model.multi_latent_attention=true), or set model.moe_router_num_groups=1"
             )
 
     # ------------------------------------------------------------------ the map
@@ -201,6 +212,8 @@ class Glm4MoeLayout(HFArchitecture):
             rotary_percent=_rotary_percent(cfg),
             moe_router_topk_scaling_factor=_routed_scaling(cfg),
             moe_router_pre_softmax=False,  # sigmoid routing: megatron ignores it
+            moe_router_num_groups=1,  # (group-limited routing was refused above)
+            moe_router_group_topk=1,
         )
         return dataclasses.replace(base or ModelConfig(), **fields)
 

@@ -90,6 +90,11 @@ class Qwen3MoeLayout(HFArchitecture):
                 "routes by softmax with renormalised top-k and has no expert bias; sigmoid routers "
                 "convert to the Glm4-MoE layout"
             )
+        if m.moe_router_num_groups > 1:
+            raise NotImplementedError(
+                f"model.moe_router_num_groups={m.moe_router_num_groups}: Qwen3-MoE has no group-limited "
+                "routing (transformers and vLLM would route over every expert); set model.moe_router_num_groups=1"
+            )
         if not m.qk_layernorm:
             raise NotImplementedError(
                 "model.qk_layernorm=false: Qwen3-MoE always applies RMSNorm to queries and keys "
@@ -149,6 +154,8 @@ class Qwen3MoeLayout(HFArchitecture):
             qk_layernorm=True,
             # transformers' Qwen3MoeConfig defaults norm_topk_prob to false
             moe_router_pre_softmax=not bool(cfg.get("norm_topk_prob", False)),
+            moe_router_num_groups=1,  # Qwen3-MoE routes over every expert
+            moe_router_group_topk=1,
         )
         return dataclasses.replace(base or ModelConfig(), **fields)
 

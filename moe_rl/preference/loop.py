@@ -141,7 +141,7 @@ class PreferenceTrainer:
         with parallel_layout(cfg.parallel, seed=cfg.run.seed) as layout:
             try:
                 self._setup(layout)
-                if self.start_step == 0 and self.eval_tokens is not None:
+                if self.start_step == 0 and self.eval_tokens is not None and self.pairs_cfg.eval_every:
                     start = self.evaluate()  # (collective: every rank takes part)
                     if self.rank == 0:
                         self.run_dir.log(0, {**start, "step": 0})
