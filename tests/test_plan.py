@@ -335,3 +335,26 @@ def test_token_budget_and_chunk_size_set_the_update_memory():
     layout = PlannedLayout(world=1, learners=1, tp=1, pp=1, ep=1, etp=1, dp=1, expert_dp=1)
     work = workload(cfg, layout, prompt_tokens=32)
     assert work.seq_len == 128 and work.micro_batch == 4 and work.micro_batches == 128
+
+
+def test_the_table_shows_what_the_learner_runs_before_what_recompute_would_buy(monkeypatch):
+    """Without recompute (which the learner refuses) whenever some plan fits, even a slower
+    one; the fastest recompute plan only where nothing else fits, and marked."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import moe_rl.plan.table as table
+    from moe_rl.plan.hardware import Hardware
+
+    def plan(total: float, recompute: bool):
+        return SimpleNamespace(times={"total": total}, switches=SimpleNamespace(recompute=recompute))
+
+    fits = {(2, 0.0, False): None, (2, 0.0, True): plan(300.0, True), (2, 1.0, False): plan(500.0, False),
+            (2, 1.0, True): plan(350.0, True), (4, 0.0, False): plan(450.0, False)}
+    source = dataclasses.make_dataclass("Source", ["cfg"])(load_config(None, []))
+    monkeypatch.setattr(table, "layouts", lambda cfg, gpus, per_node: iter([(2, 8, 1), (4, 8, 1)]))
+    monkeypatch.setattr(table, "_fitted", lambda src, hw, tokens, sw: fits.get(
+        (src.cfg.parallel.tensor_model_parallel_size, sw.offload_fraction, sw.recompute)))
+    assert table.best_plan(source, Hardware(gpus=8), 1024) is fits[4, 0.0, False]
+    del fits[4, 0.0, False], fits[2, 1.0, False]
+    assert table.best_plan(source, Hardware(gpus=8), 1024) is fits[2, 0.0, True]

@@ -1,7 +1,8 @@
 """What fits on N H100s: for each published model and GPU count, every layout the planner
-can build is planned (distributed optimizer and a sleeping sampler on; without recompute,
-with full recompute, and with recompute plus optimizer offload; every rollout TP, with
-vLLM's budget sized to what the learner leaves), and the fastest one that fits is reported. This is how docs/plan.md's table is made:
+can build is planned (distributed optimizer and a sleeping sampler on; with and without the
+optimizer offloaded; every rollout TP, with vLLM's budget sized to what the learner leaves),
+and the fastest one that fits is reported: without recompute when any fits (the learner does
+not run recompute yet), else the fastest with full recompute, marked so. This is how docs/plan.md's table is made:
 
     python -m moe_rl.plan.table --config examples/gpu/qwen3_30b_a3b.yaml --gpus 8 16 64 \\
         --models-dir /tmp/plan_models > /tmp/table.md
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import math
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 from moe_rl.cli import cpu_environment, run_guarded
 from moe_rl.config import Config, ConfigError, load_recipe
@@ -80,18 +83,19 @@ def _fitted(source, hw: Hardware, prompt_tokens: int, sw: Switches):  # -> Plan 
 
 
 def best_plan(source, hw: Hardware, prompt_tokens: int):  # -> Plan | None
-    """The fastest plan that fits over `layouts`: without recompute, with it, and with it and
-    the optimizer offloaded to host memory."""
-    best = None
+    """The fastest plan that fits over `layouts`, with and without the optimizer offloaded to
+    host memory; without recompute (which the learner does not run yet) when any fits, else
+    the fastest with full recompute, for what recompute would buy."""
+    best: dict[bool, Any] = {False: None, True: None}
     for tp, ep, pp in layouts(source.cfg, hw.gpus, hw.gpus_per_node):
         cfg = _with(source.cfg, "parallel", tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                     pipeline_model_parallel_size=pp, micro_batch_size=1)
-        for recompute, offload in ((False, 0.0), (True, 0.0), (True, 1.0)):
+        for recompute, offload in itertools.product((False, True), (0.0, 1.0)):
             sw = Switches(distributed_optimizer=True, offload_fraction=offload, recompute=recompute, sleep=True)
             plan = _fitted(dataclasses.replace(source, cfg=cfg), hw, prompt_tokens, sw)
-            if plan and (best is None or plan.times["total"] < best.times["total"]):
-                best = plan
-    return best
+            if plan and (best[recompute] is None or plan.times["total"] < best[recompute].times["total"]):
+                best[recompute] = plan
+    return best[False] or best[True]
 
 
 def cell(plan) -> str:
@@ -101,7 +105,7 @@ def cell(plan) -> str:
     layout = f"TP{lay.tp}·EP{lay.ep}" + (f"·PP{lay.pp}" if lay.pp > 1 else "")
     parts = sorted(((v, k) for k, v in plan.times.items() if k != "total"), reverse=True)
     top = parts[0][1].replace("rollout_decode", "decode").replace("update_compute", "update")
-    extra = (", recompute" if plan.switches.recompute else "") + (", offload" if plan.switches.offload_fraction else "")
+    extra = (", recompute (not run yet)" if plan.switches.recompute else "") + (", offload" if plan.switches.offload_fraction else "")
     return (f"{layout}, rollout TP{w.rollout_tp}{extra}: update {plan.update_peak / GIB:.0f} GiB, "
             f"KV for {plan.sampler.concurrency:.0%}; ~{plan.times['total']:.0f} s/step "
             f"({top} {parts[0][0] / plan.times['total']:.0%})")
