@@ -91,6 +91,9 @@ def _jobs(dirs) -> list[dict]:
                  "overrides": ["sampler.placement=separate", "sampler.engine_ranks=1"]})
     jobs += [{"name": f"recipe/{r}", "recipe": str(ROOT / path), "overrides": [], "gpus": n, "suggest": True}
              for r, (path, n) in RECIPES.items()]
+    # GLM-4.5-Air at TP2 without recompute: the update does not fit (its recipe uses TP4)
+    jobs.append({"name": "glm_tp2", "recipe": str(ROOT / RECIPES["glm45_air"][0]), "gpus": 64, "suggest": True,
+                 "overrides": ["parallel.tensor_model_parallel_size=2"]})
     # does not fit: activations of 128 x 64-token fp32 micro-batches in a 0.3 GiB GPU beside vLLM
     jobs.append({"name": "unfit", "recipe": TINY, "overrides": ["model.params_dtype=fp32", "sampler.precision=fp32"],
                  "gpus": 1, "suggest": True,
@@ -231,6 +234,15 @@ def test_unfit_plan_suggests_changes_that_fit(planned):
     for s in p["suggestions"]:
         assert s["changes"] and s["fits"]
         assert max(s["rollout_peak_bytes"], s["update_peak_bytes"]) <= limit
+
+
+def test_suggestions_leave_recompute_out_while_anything_else_fits(planned):
+    """The learner refuses model.recompute=full: recompute alone would fit GLM-4.5-Air at TP2,
+    and so does the wider TP the recipe uses, which is what is suggested."""
+    p = _plan(planned, "glm_tp2")
+    assert not p["fits"]
+    assert [s["changes"] for s in p["suggestions"]] == [["parallel.tensor_model_parallel_size=4"]]
+    assert p["suggestions"][0]["fits"]
 
 
 def test_separate_placement_puts_the_engine_on_its_own_gpus(planned):

@@ -104,6 +104,15 @@ def _budget(plan: Plan) -> list[Change]:
     return [change] if change else []
 
 
+def _tensor_parallel(plan: Plan) -> list[Change]:
+    """A wider TP inside a node (sequence parallel shards the activations with it)."""
+    tp = plan.cfg.parallel.tensor_model_parallel_size * 2
+    if tp > plan.hw.gpus_per_node or plan.cfg.model.num_query_groups % tp:
+        return []
+    return [Change(f"parallel.tensor_model_parallel_size={tp}",
+                   lambda s: _cfg(s, "parallel", tensor_model_parallel_size=tp))]
+
+
 def _expert_parallel(plan: Plan) -> list[Change]:
     out, ep = [], plan.cfg.parallel.expert_model_parallel_size * 2
     while plan.cfg.model.num_experts % ep == 0 and ep <= plan.hw.gpus:
@@ -128,11 +137,16 @@ def _more_gpus(plan: Plan) -> list[Change]:
     return out
 
 
+RECOMPUTE = _switch_group("recompute", "model.recompute=full", recompute=True)
+"""Planned for what it would buy; the learner refuses it yet, so it is suggested only where
+nothing else fits."""
+
 GROUPS: tuple[Group, ...] = (
     _switch_group("distributed_optimizer", "optimizer.distributed=true", distributed_optimizer=True),
-    _switch_group("recompute", "model.recompute=full", recompute=True),
+    RECOMPUTE,
     _switch_group("sleep", "sampler.sleep_between_steps=true", sleep=True),
     _micro_batch,
+    _tensor_parallel,
     _rollout_tp,
     _budget,
     _switch_group("offload_fraction", "optimizer.distributed=true optimizer.offload_fraction=1.0",
@@ -172,12 +186,12 @@ def _prune(plan: Plan, chosen: list[Change], fitted: Plan) -> Suggestion:
     return Suggestion(tuple(c.text for c in chosen), fitted)
 
 
-def _combined(plan: Plan) -> Suggestion | None:
+def _combined(plan: Plan, groups: tuple[Group, ...]) -> Suggestion | None:
     """Walk the groups in order; from each take the alternative that helps most, stopping as
     soon as the plan fits."""
     chosen: list[Change] = []
     current = plan
-    for group in GROUPS:
+    for group in groups:
         best: tuple[int, Change, Plan] | None = None
         for change in group(current):
             p = _replan(plan, [*chosen, change])
@@ -195,16 +209,20 @@ def _combined(plan: Plan) -> Suggestion | None:
 
 def suggest(plan: Plan, limit: int = 4) -> list[Suggestion]:
     """Changes that make `plan` fit (empty when it fits): single changes that suffice, else
-    the smallest combination found."""
+    the smallest combination found; without recompute (which the learner refuses yet) when
+    that can fit, else with it."""
     if plan.fits:
         return []
-    singles = []
-    for group in GROUPS[:-2]:
-        for change in group(plan)[:1]:
-            p = _replan(plan, [change])
-            if p and p.fits:
-                singles.append(Suggestion((change.text,), p))
-    if singles:
-        return singles[:limit]
-    found = _combined(plan)
-    return [found] if found else []
+    for groups in (tuple(g for g in GROUPS if g is not RECOMPUTE), GROUPS):
+        singles = []
+        for group in groups[:-2]:
+            for change in group(plan)[:1]:
+                p = _replan(plan, [change])
+                if p and p.fits:
+                    singles.append(Suggestion((change.text,), p))
+        if singles:
+            return singles[:limit]
+        found = _combined(plan, groups)
+        if found:
+            return [found]
+    return []
