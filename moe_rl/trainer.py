@@ -62,6 +62,7 @@ class Trainer:
         self.records_routing = cfg.rl.records_routing
         self._stack = contextlib.ExitStack()
         self.start_step = 0
+        self._said_fewer_updates = False
 
     # ------------------------------------------------------------------ setup
 
@@ -214,9 +215,15 @@ class Trainer:
         """`epochs` passes of `count` shuffled mini-batches (global row ids), a shuffle per
         (step, pass); the critic's passes reuse the actor's shuffles."""
         most = max(self.cfg.rl.epochs, self.cfg.critic.epochs)
-        return [rows for epoch in range(epochs)
-                for rows in minibatch_rows(batch.step_rows, count, self.layout.dp,
-                                           seed=shuffle_seed(self.cfg.run.seed, step, epoch, most))]
+        out = [rows for epoch in range(epochs)
+               for rows in minibatch_rows(batch.step_rows, count, self.layout.dp,
+                                          seed=shuffle_seed(self.cfg.run.seed, step, epoch, most))]
+        if len(out) < epochs * count and not self._said_fewer_updates and self.rank == 0:
+            self._said_fewer_updates = True  # (said once: policy/updates and critic/updates count every step's)
+            log.warning("step %d: %d rows make %d of the %d mini-batches a pass asks for (dynamic sampling kept "
+                        "fewer groups than rl.prompts_per_step): fewer optimizer updates this step, and the "
+                        "learning-rate schedule runs behind", step, batch.step_rows, len(out) // epochs, count)
+        return out
 
     def _update_actor(self, batch: StepBatch, minibatches: list[Any]) -> tuple[dict[str, float], StepBatch]:
         cfg = self.cfg

@@ -89,6 +89,24 @@ def test_every_step_and_pass_has_its_own_shuffle(max_epochs):
         assert shuffle_seed(1234, 7, 2, max_epochs) == 1234 * 7919 + 7 * 31 + 2
 
 
+def test_a_step_with_fewer_rows_than_minibatches_says_so_once(caplog):
+    """Dynamic sampling can keep fewer groups than rl.prompts_per_step: the step then makes
+    fewer updates than configured, which the log says (once) instead of hiding."""
+    from types import SimpleNamespace
+
+    from moe_rl.trainer import Trainer
+
+    cfg = load_config(RECIPE, [BASE, "rl.num_minibatches=4", "rl.epochs=2"])
+    me = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(dp=2), rank=0, _said_fewer_updates=False)
+    full, short = SimpleNamespace(step_rows=16), SimpleNamespace(step_rows=6)
+    with caplog.at_level("WARNING", logger="moe_rl.trainer"):
+        assert len(Trainer._minibatches(me, 3, full, 2, 4)) == 8
+        assert caplog.text == ""
+        assert len(Trainer._minibatches(me, 4, short, 2, 4)) == 6  # 3 rows a rank: 3 mini-batches a pass
+        assert len(Trainer._minibatches(me, 5, short, 2, 4)) == 6
+    assert caplog.text.count("step 4: 6 rows make 3 of the 4 mini-batches a pass asks for") == 1
+
+
 def test_a_run_with_empty_minibatches_is_refused_before_anything_is_built():
     from moe_rl.preflight import check_run
 

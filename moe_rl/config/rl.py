@@ -151,7 +151,10 @@ class RLConfig:
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and draw more prompts."""
     max_draws: int = 3
-    """With dynamic sampling: at most this many prompt batches are drawn per step."""
+    """With dynamic sampling: at most this many prompt batches are drawn per step. When they
+    hold fewer groups with signal than prompts_per_step, the step trains on those it has: a
+    step with fewer rows than its mini-batches need makes fewer updates (`policy/updates`;
+    the log says so the first time)."""
     overlong_max_len: int = 0
     """DAPO overlong shaping L_max in tokens; 0 disables shaping."""
     overlong_cache: int = 0
