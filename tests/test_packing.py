@@ -132,7 +132,7 @@ def test_replay_that_does_not_cover_the_rows_is_an_error(megatron_world):
             learner.score_whole(batch, routing=RoutingPlan(replay=partial))
 
 
-LAYOUTS = {"one": 1, "tp2": 2, "pp2": 2, "ep2": 2, "tp2ep2": 4}
+LAYOUTS = {"one": 1, "tp2": 2, "pp2": 2, "ep2": 2, "tp2ep2": 4, "tp2pp2": 4}
 
 
 @pytest.fixture(scope="module")
