@@ -96,7 +96,7 @@ class DeepseekV3Layout(Glm4MoeLayout):
     def check_groups(self, m: ModelConfig) -> None:
         """Group-limited routing as transformers and vLLM compute it (`_group_fields`)."""
         n_group, topk_group, topk = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
-        if n_group > 1 and (m.num_experts % n_group or topk % topk_group or topk // topk_group != 2):
+        if n_group > 1 and not _groups_as_transformers(n_group, topk_group, topk, m.num_experts):
             raise NotImplementedError(
                 f"model.moe_router_num_groups={n_group}, model.moe_router_group_topk={topk_group} with "
                 f"model.moe_router_topk={topk}, model.num_experts={m.num_experts}: transformers and vLLM rank "
@@ -246,13 +246,19 @@ def _refuse_unbuilt_math(cfg: dict[str, Any], notes: list[str] | None) -> None:
                f"(only norm_topk_prob={str(topk > 1).lower()} is supported)", notes)
 
 
+def _groups_as_transformers(n_group: int, topk_group: int, topk: int, experts: int) -> bool:
+    """Group-limited routing that megatron and transformers / vLLM compute alike: transformers
+    ranks groups by their top-2 scores, megatron by their top (topk / topk_group)."""
+    return experts % n_group == 0 and topk % topk_group == 0 and topk // topk_group == 2
+
+
 def _group_fields(cfg: dict[str, Any], topk: int, experts: int, notes: list[str] | None) -> dict[str, int]:
     """moe_router_num_groups / moe_router_group_topk for n_group / topk_group (1 / 1 when
     every group is eligible: the same routing without the group step)."""
     n_group, topk_group = int(cfg.get("n_group", 8) or 1), int(cfg.get("topk_group", 4) or 1)  # (transformers')
     if topk_group >= n_group:
         return {"moe_router_num_groups": 1, "moe_router_group_topk": 1}
-    if experts % n_group or topk % topk_group or topk // topk_group != 2:
+    if not _groups_as_transformers(n_group, topk_group, topk, experts):
         refuse(f"config.json n_group={n_group}, topk_group={topk_group} with num_experts_per_tok={topk}, "
                f"n_routed_experts={experts}: transformers ranks groups by their top-2 scores and megatron by "
                "their top (num_experts_per_tok / topk_group); supported when that is 2 and n_group divides "
