@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moe_rl.checkpoints import MANIFEST_FILE
@@ -334,6 +334,8 @@ def yaml_text(value: typing.Any) -> str:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(key=st.sampled_from([k for k, _ in FIELDS]), value=VALUES)
+@example(key="rl.objective_args", value={"\n": None})  # (a name with a newline: quoted, one line)
+@example(key="rl.rollout_correction_args", value={"a\nb": 1})
 def test_fuzz_any_value_of_any_field_is_accepted_or_one_line_naming_it(key, value):
     try:
         load_config(RECIPE, [f"{key}={yaml_text(value)}"])

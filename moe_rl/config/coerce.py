@@ -66,9 +66,16 @@ def choices_hint(word: str, choices: Iterable[str], prefix: str = "") -> str:
     return f"{near} valid: {valid}" if near else f"; valid: {valid}"
 
 
+def key_text(name: str) -> str:
+    """A key as a recipe wrote it, for a one-line message: quoted when it holds a newline or
+    another unprintable character."""
+    return name if name.isprintable() else repr(name)
+
+
 def unknown_key(prefix: str, key: str, valid: list[str], owner: str) -> ConfigError:
     """`unknown key a.b; did you mean a.c?`, or the valid keys when none is near."""
     hint = did_you_mean(key, valid, prefix)
+    key = key_text(key)
     if hint:  # the dotted key says where; an owner that is not a section (an objective) is named
         return ConfigError(f"unknown key {prefix}{key}{'' if owner.startswith('in ') else ' ' + owner}{hint}")
     return ConfigError(f"unknown key {prefix}{key} {owner}; valid keys: {', '.join(valid) or '(none)'}")

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from moe_rl.config.coerce import build_section, choices_hint
+from moe_rl.config.coerce import build_section, choices_hint, key_text
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS
 
@@ -77,7 +77,7 @@ def _not_an_objective(key: str, name: str) -> str:
     if owners:
         return (f"{key}.{name}: not an objective; hyperparameters go under their objective's name, "
                 f"e.g. {key}.{owners[0]}.{name}=...; valid: {', '.join(OBJECTIVE_HPARAMS)}")
-    return f"{key}.{name}: not an objective{choices_hint(name, OBJECTIVE_HPARAMS)}"
+    return f"{key}.{key_text(name)}: not an objective{choices_hint(name, OBJECTIVE_HPARAMS)}"
 
 
 @dataclass(frozen=True)
