@@ -13,7 +13,9 @@ weights (a checkpoint of the bf16 learner), so drift and speed are comparable in
 - learner tokens/s: median over timed `train_step`s of B x S tokens; MFU = model FLOPs /
   (step time x peak dense bf16 FLOP/s of the GPU), model FLOPs = 6 x active parameters x
   tokens + causal attention (6 x layers x S x heads x head_dim per token), the same formula
-  for the fp8 rows (fp8 speed-up = their tokens/s over bf16's);
+  for the fp8 rows (fp8 speed-up = their tokens/s over bf16's); a bf16 row with Transformer
+  Engine's fused MoE token permutation (`model.moe_permute_fusion`), whose log-probs should
+  match bf16's (a reordering);
 - fp8 drift against bf16 on the same batch and weights: mean and max |dlogp|, k3;
 - on-policy ratio: the update pass's logprobs against the scoring pass's (exactly 0 under
   current scaling);
@@ -44,7 +46,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from bench.common import markdown_table, time_fn, write_results  # noqa: E402
 
-PRECISIONS = (("bf16", []), ("fp8 blockwise", ["model.fp8=hybrid", "model.fp8_recipe=blockwise"]),
+PRECISIONS = (("bf16", []), ("bf16, fused permutation", ["model.moe_permute_fusion=true"]),
+              ("fp8 blockwise", ["model.fp8=hybrid", "model.fp8_recipe=blockwise"]),
               ("fp8 tensorwise", ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"]),
               ("fp8 delayed", ["model.fp8=hybrid", "model.fp8_recipe=delayed"]))
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0}  # dense, SXM datasheets
@@ -246,10 +249,12 @@ def learner_report(rows: list[dict[str, Any]], drifts: dict[str, dict[str, float
           r["on_policy_max_abs_dlogp"], *(drifts.get(r["precision"], {}).get(k, 0.0)
                                            for k in ("mean_abs_dlogp", "max_abs_dlogp", "k3")), r["peak_mem_gib"]]
          for r in rows])
-    padded = packing[0]["tokens_per_s"]
-    table += "\n\n" + markdown_table(["micro-batches (bf16)", "step s", "real tokens", "tokens/s", "x padded", "peak GiB"],
-                                     [[r["layout"], r["step_s"], r["real_tokens"], r["tokens_per_s"],
-                                       r["tokens_per_s"] / padded, r["peak_mem_gib"]] for r in packing])
+    if packing:
+        padded = packing[0]["tokens_per_s"]
+        table += "\n\n" + markdown_table(
+            ["micro-batches (bf16)", "step s", "real tokens", "tokens/s", "x padded", "peak GiB"],
+            [[r["layout"], r["step_s"], r["real_tokens"], r["tokens_per_s"], r["tokens_per_s"] / padded,
+              r["peak_mem_gib"]] for r in packing])
     notes = (f"Qwen3-30B-A3B layer shape x {_LAYERS} layers, vocab 32768, TE spec, bf16 params, one GPU; batch "
              f"{batch.batch_size} x {batch.seq_len} tokens per step. The packing rows use a batch of varied lengths "
              "(1/8 to all of the longest). `python -m bench.bench_gpu --part learner` "
@@ -270,7 +275,7 @@ def rollout_report(vllm: dict[str, Any], spec: str) -> tuple[str, str]:
     return table, notes
 
 
-def main(part: str = "all", quick: bool = False, layers: int = 4) -> None:
+def main(part: str = "all", quick: bool = False, layers: int = 4, iters: int = 10) -> None:
     global _LAYERS
     from moe_rl.convert import megatron_to_hf
     from moe_rl.learner import init_distributed, parallel_layout
@@ -299,19 +304,40 @@ def main(part: str = "all", quick: bool = False, layers: int = 4) -> None:
         free_gpu()
         if part == "rollout":
             return
-        iters = 3 if quick else 10
-        rows = []
+        iters = 3 if quick else iters
+        rows, failed = [], {}
         for name, ov in PRECISIONS:
-            rows.append(run_precision(name, ov, base, layout, batch, adv_B, iters))
+            row = _attempt(failed, name, run_precision, name, ov, base, layout, batch, adv_B, iters)
+            if row is not None:
+                rows.append(row)
+                print(f"{name}: {row['tokens_per_s']:.4g} tokens/s, MFU {100 * row['mfu']:.1f}%, "
+                      f"peak {row['peak_mem_gib']:.1f} GiB", flush=True)
             free_gpu()
-        packing = run_packing(base, layout, iters, quick)
+        packing = _attempt(failed, "packing", run_packing, base, layout, iters, quick) or []
+    if not rows or rows[0]["precision"] != "bf16":
+        raise SystemExit(f"bench_gpu: the bf16 row failed, nothing to compare against: {failed}")
     mask = batch.response_mask()
     drifts = {r["precision"]: drift(r["logp_BT"], rows[0]["logp_BT"], mask) for r in rows[1:]}
     table, notes = learner_report(rows, drifts, packing, batch)
+    if failed:
+        notes += "\n\nFailed: " + "; ".join(f"{k}: {v}" for k, v in failed.items())
     data = {"layers": _LAYERS, "rows": [{k: v for k, v in r.items() if k != "logp_BT"} for r in rows],
-            "drift": drifts, "packing": packing, "quick": quick}
+            "drift": drifts, "packing": packing, "failed": failed, "quick": quick}
     print(table)
     print(write_results(f"gpu_{short}_learner", data, table, notes))
+
+
+def _attempt(failed: dict[str, str], name: str, fn: Any, *args: Any) -> Any:
+    """fn(*args), or None with the one-line cause in `failed[name]`: on a lent GPU one failing
+    recipe must not cost the other rows (the cause is a result too)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # recorded and reported (the cause is a result), never swallowed
+        text = str(exc).strip().splitlines()
+        failed[name] = f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+        print(f"{name}: FAILED {failed[name]}", flush=True)
+        free_gpu()
+        return None
 
 
 def _parallel() -> Any:
@@ -326,5 +352,6 @@ if __name__ == "__main__":
                     help="learner (TE: bf16, fp8 recipes, packing), rollout (vLLM, weight sync, sleep), or both")
     ap.add_argument("--quick", action="store_true", help="1 layer, small batch (smoke test)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-30B-A3B shape (default 4)")
+    ap.add_argument("--iters", type=int, default=10, help="timed train_steps per row, median reported (default 10)")
     args = ap.parse_args()
-    main(part=args.part, quick=args.quick, layers=args.layers)
+    main(part=args.part, quick=args.quick, layers=args.layers, iters=args.iters)

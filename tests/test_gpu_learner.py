@@ -48,6 +48,7 @@ def make_learner(megatron_world):
             load_checkpoint(learner, path, load_optimizer=False)
             return learner
 
+        make.layout = layout  # for models built beside the policy (PPO's critic)
         yield make
 
 
@@ -177,3 +178,26 @@ def test_offload_during_rollout_round_trip_is_bit_exact_on_the_gpu(make_learner)
     assert torch.cuda.memory_allocated() <= used - released + (1 << 20)
     off.reload()
     assert all(torch.equal(a, b) for a, b in zip(offloadable_tensors(learner), before))
+
+
+@needs_te
+def test_ppo_critic_on_the_te_spec_starts_at_zero_and_fits_returns(make_learner):
+    """PPO's critic on the GPU (TE spec, bf16), from the CPU-made base like the actor: the
+    value head starts at zero, and updates toward fixed returns (old values refreshed each
+    step, as the trainer's mini-batches do) lower the clipped value loss."""
+    from moe_rl.ppo import OLD_VALUES, RETURNS, CriticStage, ValueLossFn
+
+    cfg = load_config(ROOT / "examples" / "tiny_ppo.yaml", ["parallel.micro_batch_size=4", "model.layer_spec=te",
+                                                            "model.params_dtype=bf16"])
+    critic = CriticStage(cfg, make_learner.layout, updates=8).critic
+    tokens, _ = fixed_batch()
+    assert critic.values(critic.own_rows(tokens)).abs().max() == 0
+    mask_BT = tokens.response_mask()
+    returns_BT = (torch.randn(mask_BT.shape, generator=torch.Generator().manual_seed(6)) * 0.5 + 1.0) * mask_BT
+    losses = []
+    for _ in range(6):
+        old_BT = critic.values(critic.own_rows(tokens)).float().cpu()
+        metrics = critic.train_step(tokens, ValueLossFn(cfg), extras={OLD_VALUES: old_BT, RETURNS: returns_BT})
+        losses.append(metrics["critic/value_loss"])
+    print("critic value loss on the GPU:", [round(x, 4) for x in losses])
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0], losses

@@ -106,6 +106,9 @@ def test_fp8_without_te_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"transformer_engine\.pytorch"):
         resolve_layer_spec(ModelConfig(layer_spec="te"))
     assert resolve_layer_spec(ModelConfig()) == "local"
+    with pytest.raises(ConfigError, match=r"model\.moe_permute_fusion=true needs the Transformer Engine layer "
+                                          "spec on a GPU \\(the layer spec here is local\\)"):
+        resolve_layer_spec(ModelConfig(moe_permute_fusion=True))
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise", "delayed"])

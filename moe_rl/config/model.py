@@ -143,6 +143,10 @@ class ModelConfig:
     """Delayed scaling: amax history length."""
     fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
     """Delayed scaling: the scale's amax from the history (max) or the last step."""
+    moe_permute_fusion: bool = False
+    """Transformer Engine's fused token permutation in the MoE dispatcher (GPU, TE spec
+    only). It reorders the same tokens, so log-probs do not change; bench/bench_gpu.py's
+    "bf16, fused permutation" row measures what it buys on the Qwen3-30B-A3B layer shape."""
 
     def dtype_on(self, on_gpu: bool) -> Literal["fp32", "bf16"]:
         """`params_dtype` made concrete for a machine (auto: bf16 on a GPU, fp32 on CPU)."""

@@ -68,7 +68,8 @@ def _check_fp8(model: ModelConfig, spec: str) -> None:
 
 def resolve_layer_spec(model: ModelConfig) -> str:
     """'te' or 'local' for this machine; an explicit 'te' without TE/CUDA is an error, and so
-    is fp8 without the TE spec (checked here, before megatron fails deep in a layer)."""
+    is fp8 or the fused MoE permutation without the TE spec (checked here, before megatron
+    fails deep in a layer)."""
     if model.layer_spec == "auto":
         spec = "te" if transformer_engine_available() else "local"
     elif model.layer_spec == "te" and not transformer_engine_available():
@@ -77,6 +78,9 @@ def resolve_layer_spec(model: ModelConfig) -> str:
     else:
         spec = model.layer_spec
     _check_fp8(model, spec)
+    if model.moe_permute_fusion and spec != "te":
+        raise ConfigError("model.moe_permute_fusion=true needs the Transformer Engine layer spec on a GPU "
+                          f"(the layer spec here is {spec}): set it to false")
     return spec
 
 
@@ -167,7 +171,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         moe_router_dtype="fp32",  # routing decisions in fp32 even for bf16 models
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
         moe_grouped_gemm=spec == "te",
-        moe_permute_fusion=False,
+        moe_permute_fusion=model.moe_permute_fusion,
         moe_router_fusion=False,  # the fused router bypasses RouterReplay
         moe_enable_routing_replay=True,  # idle unless the learner sets a replay action
         # parallelism

@@ -3,7 +3,7 @@
 # python, on top of the machine's own CUDA torch, which is never replaced.
 #
 #   tools/gpu/install.sh [--dry-run] [--torch VERSION --cuda VERSION] [--lean]
-#                        [--without vllm|te] [WHEELS_DIR]
+#                        [--without vllm|te] [--te-torch-only] [WHEELS_DIR]
 #
 # PYTHON (default python3) is the interpreter to install into; `make install ACCEL=gpu`
 # passes a venv made with --system-site-packages so the machine's torch shows through.
@@ -17,6 +17,9 @@
 # rest), then `pip check` lists what is still unmet, as information. --without vllm / te
 # (repeatable, lean only) leaves that half out, e.g. to start the learner's half while the
 # vLLM wheels are still on their way.
+# --te-torch-only: compile transformer_engine_torch from WHEELS_DIR's sdist and stop (it needs
+# only torch, so it can build while the big wheels are still arriving); a later full install
+# finds it built at the pinned version and does not compile it again.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,6 +28,7 @@ PYTHON="${PYTHON:-python3}"
 DRY_RUN=0
 LEAN=0
 WITHOUT=""
+TE_TORCH_ONLY=0
 OVERRIDE=0
 TORCH_VERSION=""
 CUDA_VERSION=""
@@ -36,12 +40,13 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --lean) LEAN=1 ;;
+    --te-torch-only) TE_TORCH_ONLY=1 ;;
     --without)
       case "${2:-}" in vllm|te) WITHOUT="$WITHOUT ${2}" ;; *) die "--without takes vllm or te, not '${2:-}'" ;; esac
       shift ;;
     --torch) TORCH_VERSION="${2:?--torch needs a version, e.g. 2.11.0+cu130}"; OVERRIDE=1; shift ;;
     --cuda) CUDA_VERSION="${2:?--cuda needs a version, e.g. 13.0}"; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     -*) die "unknown option $1: see tools/gpu/install.sh --help" ;;
     *) [[ -z "$WHEELS" ]] || die "more than one WHEELS_DIR ($WHEELS, $1): pass one folder"
        WHEELS="$1" ;;
@@ -103,13 +108,16 @@ pip_src=()
 if [[ -n "$WHEELS" ]]; then
   [[ -d "$WHEELS" || $DRY_RUN -eq 1 ]] || die "$WHEELS is not a directory: pass the folder tools/gpu/stage_wheels.sh filled"
   WHEELS="$(cd "$WHEELS" 2>/dev/null && pwd || echo "$WHEELS")"
-  # Big wheels arrive as NAME.part-NNN chunks; put them back (SHA-256 checked) first.
-  run "$PYTHON" "$HERE/chunks.py" join "$WHEELS"
+  # Big wheels arrive as NAME.part-NNN chunks; put them back (SHA-256 checked) first. The
+  # extension alone needs none of them (they may still be on their way).
+  [[ $TE_TORCH_ONLY -eq 1 ]] || run "$PYTHON" "$HERE/chunks.py" join "$WHEELS"
   pip_src=(--no-index --find-links "$WHEELS")
 fi
 pip=("$PYTHON" -m pip install "${pip_src[@]}" -c "$CONSTRAINTS")
 
-if [[ $LEAN -eq 1 ]]; then
+if [[ $TE_TORCH_ONLY -eq 1 ]]; then
+  [[ -n "$WHEELS" ]] || die "--te-torch-only needs the WHEELS_DIR holding the transformer_engine_torch sdist"
+elif [[ $LEAN -eq 1 ]]; then
   # Exactly the staged wheels, in one pip call (no resolution: the lean set lacks vLLM's
   # optional kernels on purpose, and the machine's packages stand for the rest).
   wheels=()
@@ -131,6 +139,10 @@ else
 fi
 
 build_te_torch() {
+  if [[ $DRY_RUN -eq 0 && "$("$PYTHON" -m pip show transformer_engine_torch 2>/dev/null | sed -n 's/^Version: //p')" == "$TE_VERSION" ]]; then
+    echo "transformer_engine_torch $TE_VERSION is already built for this torch: not compiled again"
+    return 0
+  fi
   # transformer_engine_torch is source-only on PyPI: compile it against this torch. Its
   # build looks for the CUDA toolkit (PATH, CUDA_HOME, or /usr/local/cuda) for the headers.
   # The folder of cudnn.h inside the nvidia wheels (nvidia/cudnn/include, or under a cu13/ level).
@@ -156,6 +168,7 @@ build_te_torch() {
     "${pip[@]}" --no-build-isolation --no-deps "transformer_engine_torch==$TE_VERSION"
 }
 without te || build_te_torch
+if [[ $TE_TORCH_ONLY -eq 1 ]]; then exit 0; fi
 
 # moe_rl itself, editable; its pure-Python dependencies (setup.py) come under the same
 # constraints. Not the [gpu] extra: `transformer-engine[pytorch]` there would build the

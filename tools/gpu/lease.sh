@@ -8,10 +8,18 @@
 #   tools/gpu/lease.sh install-bg learner|rollout
 #                                              tools/gpu/install.sh --lean for that half, in the
 #                                              background (it outlives the call), log in /tmp
-#   tools/gpu/lease.sh wait learner|rollout [S] wait up to S seconds for it; its log's end
+#   tools/gpu/lease.sh build-te-bg             compile transformer_engine_torch alone, in the
+#                                              background, from the learner half's sdist (it
+#                                              needs only torch: start it with the first chunk)
+#   tools/gpu/lease.sh wait learner|rollout|te [S]
+#                                              wait up to S seconds for it; its log's end
 #   tools/gpu/lease.sh test learner|rollout    pytest -m gpu for that half -> $OUT/test_HALF.log
 #   tools/gpu/lease.sh bench learner|rollout   bench/bench_gpu.py --part HALF -> $OUT
 #   tools/gpu/lease.sh mismatch                tools/measure_mismatch.py, bf16 and vLLM fp8 -> $OUT
+#   tools/gpu/lease.sh profile [LAYERS]        bench/profile_gpu.py: where a bf16 step's time goes -> $OUT
+#   tools/gpu/lease.sh learner-all             after the last chunk: wait for the extension, install
+#                                              the learner half, then bench, profile and tests, each
+#                                              under its own timeout (one call, ~8 minutes)
 #
 # Staging (on a machine with a registry): tools/gpu/stage_wheels.sh DIR --lean --have
 # tools/gpu/cuda_image_have.txt, then split DIR's learner/ and rollout/ files over folders
@@ -50,8 +58,13 @@ case "${1:-}" in
     setsid bash -c "tools/gpu/install.sh --lean --without $without '$W/$2' >/tmp/moe_rl_install_$2.log 2>&1; echo \$? >/tmp/moe_rl_install_$2.rc" \
       </dev/null >/dev/null 2>&1 &
     echo "installing the $2 half in the background: /tmp/moe_rl_install_$2.log" ;;
+  build-te-bg)
+    rm -f /tmp/moe_rl_install_te.rc
+    setsid bash -c "tools/gpu/install.sh --lean --te-torch-only '$W/learner' >/tmp/moe_rl_install_te.log 2>&1; echo \$? >/tmp/moe_rl_install_te.rc" \
+      </dev/null >/dev/null 2>&1 &
+    echo "compiling transformer_engine_torch in the background: /tmp/moe_rl_install_te.log" ;;
   wait)
-    half "${2:-}"
+    [[ "${2:-}" == te ]] || half "${2:-}"
     for ((i = 0; i < ${3:-600}; i++)); do [[ -f "/tmp/moe_rl_install_$2.rc" ]] && break; sleep 1; done
     tail -n 15 "/tmp/moe_rl_install_$2.log" || true
     cp "/tmp/moe_rl_install_$2.log" "$OUT/install_$2.log" 2>/dev/null || true
@@ -71,6 +84,19 @@ case "${1:-}" in
     "$PYTHON" tools/measure_mismatch.py --settings vllm:bf16/learner:bf16 vllm:fp8/learner:bf16 \
       vllm:bf16/learner:fp32 --out /tmp/moe_rl_mismatch --no-progress 2>&1 | tail -n 25
     tar czf "$OUT/mismatch_h100.tgz" -C /tmp moe_rl_mismatch ;;
-  -h|--help) sed -n '2,19p' "$0" ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  profile)
+    PYTHONUNBUFFERED=1 "$PYTHON" -m bench.profile_gpu --layers "${2:-1}" 2>&1 | tee "$OUT/profile.log" | tail -n 70
+    cp bench/results/gpu_*_profile.md "$OUT/" ;;
+  learner-all)
+    rc=0
+    "$0" receive
+    "$0" wait te 200 || rc=1
+    timeout 150 tools/gpu/install.sh --lean --without vllm "$W/learner" >"$OUT/install_learner.log" 2>&1 || rc=1
+    tail -n 4 "$OUT/install_learner.log"
+    BENCH_ARGS="${BENCH_ARGS:---iters 3}" timeout 300 "$0" bench learner || rc=1
+    timeout 90 "$0" profile 1 || rc=1
+    timeout 150 "$0" test learner || rc=1
+    exit $rc ;;
+  -h|--help) sed -n '2,28p' "$0" ;;
+  *) sed -n '2,28p' "$0"; exit 2 ;;
 esac
