@@ -8,7 +8,7 @@ The MFU of bench_gpu's table is far below the GEMMs' rate; this names the cause:
 busy time against the step's wall time (a step the GPU idles through is bound by the host:
 launches, synchronisations, Python), the kernels that take the GPU time, and the host
 operations that take the host time (a `cudaStreamSynchronize` or `aten::item` high in the
-host list is a device-to-host wait).
+host list is a device-to-host wait), and the host ops whose kernels take the GPU time.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def _rows(events: Any, key: str, total_us: float) -> list[list[Any]]:
 
 
 def profile(layers: int, steps: int, spec: str) -> None:
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -67,17 +68,23 @@ def profile(layers: int, steps: int, spec: str) -> None:
                 step()
         wall_s = (time.perf_counter() - t0) / steps
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) / steps
-    host_us = sum(e.self_cpu_time_total for e in events) / steps
+    # A kernel's time appears twice: as the kernel's own event and as the device time of the
+    # host op that launched it. The kernels alone give the GPU's busy time.
+    kernels = [e for e in events if e.device_type != DeviceType.CPU]
+    ops = [e for e in events if e.device_type == DeviceType.CPU]
+    device_us = sum(e.self_device_time_total for e in kernels) / steps
+    host_us = sum(e.self_cpu_time_total for e in ops) / steps
     tokens = batch.batch_size * batch.seq_len
     summary = markdown_table(
         ["layers", "spec", "step wall s (profiled)", "GPU busy s / step", "GPU busy / wall", "tokens / step"],
         [[layers, spec, wall_s, device_us / 1e6, f"{100 * device_us / 1e6 / max(wall_s, 1e-9):.1f}%", tokens]])
-    gpu_table = markdown_table(["kernel / op (GPU self time)", "calls", "ms", "% of GPU"],
-                               _rows(events, "self_device_time_total", device_us * steps))
-    cpu_table = markdown_table(["host op (self time)", "calls", "ms", "% of host"],
-                               _rows(events, "self_cpu_time_total", host_us * steps))
-    table = summary + "\n" + gpu_table + "\n" + cpu_table
+    gpu_table = markdown_table(["kernel (GPU time)", "calls", "ms", "% of GPU"],
+                               _rows(kernels, "self_device_time_total", device_us * steps))
+    launch_table = markdown_table(["host op (GPU time of the kernels it launched)", "calls", "ms", "% of GPU"],
+                                  _rows(ops, "self_device_time_total", device_us * steps))
+    cpu_table = markdown_table(["host op (self host time)", "calls", "ms", "% of host"],
+                               _rows(ops, "self_cpu_time_total", host_us * steps))
+    table = summary + "\n" + gpu_table + "\n" + launch_table + "\n" + cpu_table
     print(table)
     device = torch.cuda.get_device_name()
     short = next((k.lower() for k in bench_gpu.PEAK_BF16_TFLOPS if k in device),

@@ -170,3 +170,17 @@ def test_the_chunk_size_key_defaults_on_and_refuses_negative_values():
     assert load_config(None, ["parallel.logprob_chunk_tokens=0"]).parallel.logprob_chunk_tokens == 0
     with pytest.raises(ConfigError, match=r"parallel.logprob_chunk_tokens must be >= 0 \(0: full logits\), got -1"):
         load_config(None, ["parallel.logprob_chunk_tokens=-1"])
+
+
+def test_the_logit_gradient_splits_into_two_bf16_halves_within_2_to_the_minus_16():
+    """hi = t rounded to bf16, lo = (t - hi) rounded: |t - hi - lo| <= 2^-9 |t - hi| <= 2^-17 |t|
+    per element (each bf16 rounding is within half an ulp, 2^-9 relative)."""
+    from moe_rl.learner.chunked_logprobs import _halves
+
+    t = torch.randn(5, 37, generator=torch.Generator().manual_seed(3)) * torch.logspace(-6, 2, 37)
+    want = t.clone()
+    halves = _halves(t, torch.bfloat16)
+    assert halves.shape == (10, 37) and halves.dtype == torch.bfloat16
+    err = (want - halves[:5].float() - halves[5:].float()).abs()
+    assert bool((err <= 2.0**-17 * want.abs()).all()), float((err / want.abs()).max())
+    assert bool(((want - halves[:5].float()).abs() > err).any())  # lo carries what hi loses

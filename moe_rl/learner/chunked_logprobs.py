@@ -54,8 +54,10 @@ def chunked_token_logprobs(
       ids [vocab_start, vocab_start + V/tp).
     targets_N: global token ids (int64), each owned by exactly one rank of the group.
     Returns fp32 (fp64 for fp64 inputs) tensors; the math is in fp32 at least, gradients
-    come back in the inputs' dtypes (a bf16 weight costs a transient fp32 copy [V/tp, H] in
-    the forward and the backward, plus the fp32 gradient accumulator; independent of N).
+    come back in the inputs' dtypes. bf16 hidden states and weight multiply on the GPU's
+    tensor cores with fp32 results (the logits are the fp32 GEMM's up to summation order; the
+    logit gradient enters as two bf16 halves, ~2^-16 relative), never as an fp32 copy of W;
+    the backward holds the fp32 gradient accumulator [V/tp, H] and one chunk's fp32 product.
     Every rank of `tp_group` must make the same call (same N, chunk_tokens, temperature,
     targets): the per-chunk all-reduces must line up. Under pipeline parallel only the last
     stage calls it. Padded vocabulary rows (megatron pads V to a multiple) take part in the
@@ -101,13 +103,46 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: _ProcessGroup) -> tor
     return t
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     """fp32 for half/bf16/fp32 inputs, fp64 for fp64 (so gradcheck can run)."""
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float) -> torch.Tensor:
-    z_CV = h_CH.to(w_VH.dtype) @ w_VH.t()
+def _operands(hidden: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, weight) as the GEMMs take them: as they are when both are the same 16-bit
+    dtype (a bf16 model's), else widened to `dtype`."""
+    if hidden.dtype == weight_VH.dtype and weight_VH.dtype in _HALF:
+        return hidden, weight_VH
+    return hidden.to(dtype), weight_VH.to(dtype)
+
+
+def _mm_wide(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b with a `dtype` result. Two 16-bit operands on a GPU multiply on the tensor cores
+    with fp32 accumulation and an fp32 result: a bf16 x bf16 product is exact in fp32, so this
+    is the fp32 GEMM of the same values up to summation order, at tensor-core speed instead of
+    fp32 SIMT (bench/results/gpu_h100_head.md). Elsewhere the operands are widened."""
+    if a.is_cuda and dtype == torch.float32 and a.dtype == b.dtype and a.dtype in _HALF:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.to(dtype) @ b.to(dtype)
+
+
+def _halves(t_CV: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """fp32 [c, V] `t` as [2c, V] 16-bit rows, hi (t rounded) then lo (t - hi rounded), so
+    t - hi - lo ~ 2^-16 |t| for bf16: the logit gradient reaches the tensor cores without
+    losing fp32's precision to one bf16 rounding. `t` is consumed (it holds t - hi after),
+    so no more than t's bytes are ever added."""
+    c = t_CV.shape[0]
+    out_KV = torch.empty((2 * c, t_CV.shape[1]), dtype=half, device=t_CV.device)
+    out_KV[:c] = t_CV
+    out_KV[c:] = t_CV.sub_(out_KV[:c])
+    return out_KV
+
+
+def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    z_CV = _mm_wide(h_CH, w_VH.t(), dtype)
     return z_CV.div_(temperature) if temperature != 1.0 else z_CV
 
 
@@ -124,14 +159,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_tokens, tp_group,
                 vocab_start, with_entropy):
         dtype = _compute_dtype(hidden_NH)
-        w_VH = weight_VH.to(dtype)  # a no-op for fp32 weights; one transient copy for bf16
+        h_NH, w_VH = _operands(hidden_NH, weight_VH, dtype)
         N, V_local = hidden_NH.shape[0], weight_VH.shape[0]
         lse_N = hidden_NH.new_empty(N, dtype=dtype)
         logp_N, entropy_N = torch.empty_like(lse_N), torch.zeros_like(lse_N)
         owners_N = torch.empty_like(lse_N)
         for lo in range(0, N, chunk_tokens):
             hi = min(lo + chunk_tokens, N)
-            z_CV = _chunk_logits(hidden_NH[lo:hi], w_VH, temperature)
+            z_CV = _chunk_logits(h_NH[lo:hi], w_VH, temperature, dtype)
             max_C = _all_reduce(z_CV.amax(dim=1), dist.ReduceOp.MAX, tp_group)
             z_CV.sub_(max_C[:, None])  # z - max <= 0: exp cannot overflow, log-probs stay <= 0
             owned_C, col_C1 = _owned(targets_N[lo:hi], vocab_start, V_local)
@@ -164,24 +199,28 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if (grad_logp_N is None and grad_entropy_N is None) or not (want_h or want_w):
             return (None,) * 8
         dtype = lse_N.dtype
-        w_VH = weight_VH.to(dtype)
+        h_NH, w_VH = _operands(hidden_NH, weight_VH, dtype)
         grad_h_NH = torch.zeros(hidden_NH.shape, dtype=dtype, device=hidden_NH.device) if want_h else None
-        grad_w_VH = torch.zeros_like(w_VH) if want_w else None
+        grad_w_VH = torch.zeros(weight_VH.shape, dtype=dtype, device=weight_VH.device) if want_w else None
         for lo in range(0, hidden_NH.shape[0], chunk_tokens):
             hi = min(lo + chunk_tokens, hidden_NH.shape[0])
-            h_CH = hidden_NH[lo:hi].to(dtype)
+            h_CH = h_NH[lo:hi]
             dz_CV = _grad_logits(
-                _chunk_logits(h_CH, w_VH, temperature), lse_N[lo:hi], entropy_N[lo:hi],
+                _chunk_logits(h_CH, w_VH, temperature, dtype), lse_N[lo:hi], entropy_N[lo:hi],
                 _slice(grad_logp_N, lo, hi), _slice(grad_entropy_N, lo, hi),
                 _owned(targets_N[lo:hi], vocab_start, w_VH.shape[0]),
             )
             if temperature != 1.0:
                 dz_CV.div_(temperature)  # z = h W^T / t
+            halves = w_VH.dtype in _HALF
+            if halves:  # dz as hi and lo rows: each gradient is one tensor-core GEMM (K = 2c for dW)
+                dz_CV, h_CH = _halves(dz_CV, w_VH.dtype), torch.cat([h_CH, h_CH])
             if want_h:
-                grad_h_NH[lo:hi] = dz_CV @ w_VH
+                g_KH = _mm_wide(dz_CV, w_VH, dtype)
+                grad_h_NH[lo:hi] = g_KH[: hi - lo] + g_KH[hi - lo:] if halves else g_KH
             if want_w:
-                grad_w_VH.addmm_(dz_CV.t(), h_CH)
-            del dz_CV  # before the next chunk's logits exist: two [c, V] buffers at most
+                grad_w_VH.add_(_mm_wide(dz_CV.t(), h_CH, dtype))
+            del dz_CV  # before the next chunk's logits exist: two [c, V] fp32 buffers at most
         if want_h:  # each rank saw only its vocabulary shard's share of dL/dh
             _all_reduce(grad_h_NH, dist.ReduceOp.SUM, tp_group)
             grad_h_NH = grad_h_NH.to(hidden_NH.dtype)
