@@ -145,8 +145,11 @@ class ModelConfig:
     """Delayed scaling: the scale's amax from the history (max) or the last step."""
     moe_permute_fusion: bool = False
     """Transformer Engine's fused token permutation in the MoE dispatcher (GPU, TE spec
-    only). It reorders the same tokens, so log-probs do not change; bench/bench_gpu.py's
-    "bf16, fused permutation" row measures what it buys on the Qwen3-30B-A3B layer shape."""
+    only). Its unpermute sums expert outputs in a fixed order, so two passes over the same
+    weights and tokens agree exactly and the on-policy ratio is 1; megatron's unfused path
+    differed by up to 0.071 in log-prob at 4 layers of the Qwen3-30B-A3B shape (H100,
+    2026-11-26, bench/results/gpu_h100_learner.md, 0.87x the speed there). The GPU recipes
+    set it."""
 
     def dtype_on(self, on_gpu: bool) -> Literal["fp32", "bf16"]:
         """`params_dtype` made concrete for a machine (auto: bf16 on a GPU, fp32 on CPU)."""

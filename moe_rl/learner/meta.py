@@ -177,9 +177,10 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
 
 
 def _local_spec(cfg: Config) -> Config:
-    """The recipe with the local layer spec and no fp8: same parameter shapes as the TE spec,
-    buildable without CUDA / Transformer Engine."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layer_spec="local", fp8="none"))
+    """The recipe with the local layer spec, no fp8 and no TE fusions: the same parameter
+    shapes as the TE spec, buildable without CUDA / Transformer Engine."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layer_spec="local", fp8="none",
+                                                              moe_permute_fusion=False))
 
 
 @contextlib.contextmanager
