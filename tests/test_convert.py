@@ -99,6 +99,37 @@ def test_expert_fc1_is_gate_then_up_per_global_expert():
     assert out["model.layers.0.mlp.experts.5.up_proj.weight"].data_ptr() == w[5, F:].data_ptr()  # a view
 
 
+def test_a_rank_fetches_only_the_hf_tensors_its_pieces_read():
+    """Expert parallelism: the rank holding experts 4-7 of 8 reads those experts' gate/up
+    tensors and no other, and its pieces equal the full import's; an index that spans every
+    expert (a TP-like slice of all of them) fetches every tensor it reads."""
+    from moe_rl.convert.layouts import layout_for
+
+    m = ModelConfig(num_layers=1, num_experts=8)
+    key = "decoder.layers.0.mlp.experts.experts.linear_fc1.weight"
+    E, F2, H = megatron_specs(m)[key]
+    full = torch.randn(E, F2, H, generator=torch.Generator().manual_seed(0))
+    hf = dict(to_hf(key, full, m))
+    fetched: list[str] = []
+
+    def fetch(name: str) -> torch.Tensor:
+        fetched.append(name)
+        return hf[name]
+
+    layout = layout_for(m)
+    wanted = [(e, slice(0, F2), slice(0, H)) for e in range(4, 8)]
+    got = layout.from_hf(key, fetch, m, wanted)
+    assert sorted(fetched) == sorted(f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"
+                                     for e in range(4, 8) for p in ("gate", "up"))
+    assert all(torch.equal(got[idx], full[idx]) for idx in wanted)
+    fetched.clear()
+    assert torch.equal(layout.from_hf(key, fetch, m), full) and len(fetched) == 2 * E
+    fetched.clear()
+    gates = (slice(0, E), slice(0, F2 // 2), slice(0, H))  # every expert's gate rows
+    assert torch.equal(layout.from_hf(key, fetch, m, [gates])[gates], full[gates])
+    assert {f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(E)} <= set(fetched)
+
+
 @pytest.mark.parametrize("fields,named", [
     ({"moe_shared_expert_intermediate_size": 32}, "moe_shared_expert_intermediate_size"),  # softmax + shared
     ({"qk_layernorm": False}, "qk_layernorm"),  # softmax without QK-norm

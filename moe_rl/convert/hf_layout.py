@@ -39,7 +39,7 @@ tensor); on import the two HF tensors must then be equal.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,32 @@ def expert_parts(prefix: str, m: ModelConfig, fc: str) -> list[Part]:
             (TensorSpec(f"{prefix}{e}.up_proj.weight", (F, H)), lambda w, e=e: w[e, F:]),
         )
     ]
+
+
+def _span(view: torch.Tensor) -> tuple[int, int] | None:
+    """The first and last storage element a view reads; None when it reads none."""
+    if view.numel() == 0:
+        return None
+    first = view.storage_offset()
+    return first, first + sum((n - 1) * stride for n, stride in zip(view.shape, view.stride()))
+
+
+def _unread_parts(parts: list[Part], shape: tuple[int, ...], wanted: Sequence[tuple]) -> set[int]:
+    """Indices of `parts` whose place in a tensor of `shape` no `wanted` index reads, found on
+    a meta tensor (no memory). Conservative: a part is kept when its span of storage overlaps
+    a wanted span at all, when its view is not a view of the tensor, and when it is a zero
+    spec (those are fetched to be checked)."""
+    meta = torch.empty(shape, device="meta")
+    spans = [span for idx in wanted if (span := _span(meta[idx])) is not None]
+    unread = set()
+    for i, (spec, view) in enumerate(parts):
+        v = None if spec.zero else view(meta)
+        if v is None or v._base is not meta:
+            continue
+        span = _span(v)
+        if span is None or not any(span[0] <= hi and lo <= span[1] for lo, hi in spans):
+            unread.add(i)
+    return unread
 
 
 def zero_parts(specs: list[TensorSpec]) -> list[Part]:
@@ -241,15 +267,24 @@ class HFArchitecture:
             t = torch.zeros(spec.shape, dtype=want) if t is None else t.reshape(spec.shape)
             yield spec.name, t.to(want)
 
-    def from_hf(self, key: str, fetch: Callable[[str], torch.Tensor], m: ModelConfig) -> torch.Tensor:
+    def from_hf(self, key: str, fetch: Callable[[str], torch.Tensor], m: ModelConfig,
+                wanted: Sequence[tuple] | None = None) -> torch.Tensor:
         """The megatron tensor `key` assembled from HF tensors; `fetch(name)` returns one HF
         tensor (it should raise naming `name` when it is missing). Each HF tensor is copied
-        into its place as it is fetched, so only one is held besides the result."""
+        into its place as it is fetched, so only one is held besides the result.
+
+        `wanted`: the indices of the result a caller will read (a rank's pieces). HF tensors
+        none of them touches are not fetched and their place is left unwritten, so a rank at
+        expert parallelism reads its own experts only, and the pages of the rest of the
+        result are never touched (not committed) either."""
         key = canonical_key(key)
         parts = self.parts(key, m)
+        unread = _unread_parts(parts, megatron_shape(key, m), wanted) if wanted is not None else set()
         out: torch.Tensor | None = None
         views: list[torch.Tensor | None] = []
         for i, (spec, _) in enumerate(parts):
+            if i in unread:
+                continue
             t = fetch(spec.name)
             check_shape(spec.name, tuple(t.shape), spec.shape, "Hugging Face tensor")
             if spec.zero:
@@ -265,7 +300,7 @@ class HFArchitecture:
             elif t.dtype != out.dtype and spec.dtype is None:
                 raise ConvertError(f"Hugging Face tensor {spec.name!r} is {t.dtype}, its siblings {out.dtype}")
             dest = views[i]
-            twin = next((j for j in range(i) if views[j] is dest), None)
+            twin = next((j for j in range(i) if j not in unread and views[j] is dest), None)
             if twin is None:
                 dest.copy_(t.reshape(dest.shape))
             elif not torch.equal(dest, t.reshape(dest.shape).to(dest.dtype)):  # e.g. a tied head

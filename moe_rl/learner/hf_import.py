@@ -9,8 +9,9 @@ tensors, each rank copies the slices it owns into its parameters, through the sa
 ShardedTensor descriptions megatron uses for checkpoints (so TP slices, the global expert
 ids of this EP rank, the SwiGLU gate/up halves and the pipeline stage's layers all follow
 megatron's own layout; the router's expert bias is a float32 buffer, not a parameter).
-No process communicates: every rank reads from the files the global tensors of the keys its
-pipeline stage holds (whole, one at a time) and keeps its slices.
+No process communicates: every rank reads from the files the HF tensors that its pieces of
+the keys its pipeline stage holds need (one key at a time; at expert parallelism, only its
+own experts' tensors) and keeps its slices.
 
 `hf_to_megatron` is not streaming: it builds a one-process learner of the HF model's size
 (fp32 or bf16 as config.json says), loads the weights into it and lets
@@ -41,13 +42,14 @@ from moe_rl.learner.gather import flatten_sharded, own_storages, piece_index
 
 
 @torch.no_grad()
-def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tensor], m: ModelConfig,
+def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str, list[tuple]], torch.Tensor], m: ModelConfig,
                       optional: tuple[str, ...] = ()) -> int:
     """Copy this rank's slices of every global tensor into `model`'s parameters.
 
-    `fetch(key)` returns the full global megatron tensor of a (canonical) key; it is called
-    once per key this rank holds. Keys starting with an `optional` prefix are left as they
-    are (the critic's value head). Returns the number of slices copied."""
+    `fetch(key, wanted)` returns the global megatron tensor of a (canonical) key, of which
+    only the indices `wanted` (this rank's pieces) are read; it is called once per key this
+    rank holds. Keys starting with an `optional` prefix are left as they are (the critic's
+    value head). Returns the number of slices copied."""
     expected = megatron_specs(m)
     sd = model.sharded_state_dict()
     apply_factories(sd)  # SwiGLU fc1: two ShardedTensors (gate, up) viewing one parameter
@@ -64,7 +66,7 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str], torch.Tenso
         pieces.setdefault(key, []).append(sh)
     copied = 0
     for key, shards in pieces.items():
-        full = fetch(key)
+        full = fetch(key, [piece_index(sh) for sh in shards])
         check_shape(key, tuple(full.shape), expected[key], "megatron tensor")
         for sh in shards:
             check_shape(key, tuple(full.shape), tuple(sh.global_shape), "megatron tensor")
@@ -132,7 +134,8 @@ def load_hf_weights(learner, hf_dir: str | os.PathLike, optional: tuple[str, ...
         layout = layout_for(m)
         # No cast here: each slice is cast as it is copied, so the float32 expert bias of a
         # bf16 model is not rounded through bf16 on the way.
-        load_full_tensors(learner.gpt, lambda key: layout.from_hf(key, hf.get, m), m, optional)
+        # each rank fetches only the HF tensors its pieces read (at EP, its own experts)
+        load_full_tensors(learner.gpt, lambda key, wanted: layout.from_hf(key, hf.get, m, wanted), m, optional)
     if learner.optimizer is not None:
         # bf16: the optimizer's fp32 main params were copied from the old weights.
         learner.optimizer.reload_model_params()
