@@ -54,10 +54,11 @@ def chunked_token_logprobs(
       ids [vocab_start, vocab_start + V/tp).
     targets_N: global token ids (int64), each owned by exactly one rank of the group.
     Returns fp32 (fp64 for fp64 inputs) tensors; the math is in fp32 at least, gradients
-    come back in the inputs' dtypes. bf16 hidden states and weight multiply on the GPU's
+    come back in the inputs' dtypes. On a GPU, bf16 hidden states and weight multiply on the
     tensor cores with fp32 results (the logits are the fp32 GEMM's up to summation order; the
-    logit gradient enters as two bf16 halves, ~2^-16 relative), never as an fp32 copy of W;
-    the backward holds the fp32 gradient accumulator [V/tp, H] and one chunk's fp32 product.
+    logit gradient enters as two bf16 halves, ~2^-16 relative), with no fp32 copy of W; on a
+    CPU they are widened once (a transient fp32 copy [V/tp, H] per pass). The backward holds
+    the fp32 gradient accumulator [V/tp, H] (and on a GPU one chunk's fp32 product of it).
     Every rank of `tp_group` must make the same call (same N, chunk_tokens, temperature,
     targets): the per-chunk all-reduces must line up. Under pipeline parallel only the last
     stage calls it. Padded vocabulary rows (megatron pads V to a multiple) take part in the
@@ -112,9 +113,10 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _operands(hidden: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, weight) as the GEMMs take them: as they are when both are the same 16-bit
-    dtype (a bf16 model's), else widened to `dtype`."""
-    if hidden.dtype == weight_VH.dtype and weight_VH.dtype in _HALF:
+    """(hidden, weight) as the GEMMs take them: as they are on a GPU when both are the same
+    16-bit dtype (a bf16 model's: the tensor cores take them), else widened to `dtype` once
+    (a CPU has no faster 16-bit GEMM, and one copy beats one per chunk)."""
+    if hidden.is_cuda and hidden.dtype == weight_VH.dtype and weight_VH.dtype in _HALF:
         return hidden, weight_VH
     return hidden.to(dtype), weight_VH.to(dtype)
 
