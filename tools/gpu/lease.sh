@@ -18,7 +18,8 @@
 #   tools/gpu/lease.sh mismatch                tools/measure_mismatch.py, bf16 and vLLM fp8 -> $OUT
 #   tools/gpu/lease.sh profile [LAYERS]        bench/profile_gpu.py: where a bf16 step's time goes -> $OUT
 #   tools/gpu/lease.sh learner-all             after the last chunk: wait for the extension, install
-#                                              the learner half, then bench, profile and tests, each
+#                                              the learner half, then bench, profile, the head's
+#                                              bench (bench/bench_head.py) and tests, each
 #                                              under its own timeout (one call, ~8 minutes)
 #
 # Staging (on a machine with a registry): tools/gpu/stage_wheels.sh DIR --lean --have
@@ -95,6 +96,7 @@ case "${1:-}" in
     tail -n 4 "$OUT/install_learner.log"
     BENCH_ARGS="${BENCH_ARGS:---iters 3}" timeout 300 "$0" bench learner || rc=1
     timeout 90 "$0" profile 1 || rc=1
+    PYTHONUNBUFFERED=1 timeout 90 "$PYTHON" -m bench.bench_head 2>&1 | tail -n 8 || rc=1
     timeout 150 "$0" test learner || rc=1
     exit $rc ;;
   -h|--help) sed -n '2,28p' "$0" ;;
