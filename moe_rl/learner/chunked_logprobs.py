@@ -121,14 +121,14 @@ def _operands(hidden: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype)
     return hidden.to(dtype), weight_VH.to(dtype)
 
 
-def _mm_wide(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """a @ b with a `dtype` result. Two 16-bit operands on a GPU multiply on the tensor cores
-    with fp32 accumulation and an fp32 result: a bf16 x bf16 product is exact in fp32, so this
-    is the fp32 GEMM of the same values up to summation order, at tensor-core speed instead of
-    fp32 SIMT (bench/results/gpu_h100_head.md). Elsewhere the operands are widened."""
-    if a.is_cuda and dtype == torch.float32 and a.dtype == b.dtype and a.dtype in _HALF:
+def _mm_wide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of `_operands`, with an fp32 (or fp64) result. Two 16-bit operands (only ever on a
+    GPU) multiply on the tensor cores with fp32 accumulation and an fp32 result: a bf16 x bf16
+    product is exact in fp32, so this is the fp32 GEMM of the same values up to summation
+    order, at tensor-core speed instead of fp32 SIMT (bench/results/gpu_h100_head.md)."""
+    if a.dtype in _HALF:
         return torch.mm(a, b, out_dtype=torch.float32)
-    return a.to(dtype) @ b.to(dtype)
+    return a @ b
 
 
 def _halves(t_CV: torch.Tensor, half: torch.dtype) -> torch.Tensor:
@@ -143,8 +143,8 @@ def _halves(t_CV: torch.Tensor, half: torch.dtype) -> torch.Tensor:
     return out_KV
 
 
-def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    z_CV = _mm_wide(h_CH, w_VH.t(), dtype)
+def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float) -> torch.Tensor:
+    z_CV = _mm_wide(h_CH, w_VH.t())
     return z_CV.div_(temperature) if temperature != 1.0 else z_CV
 
 
@@ -168,7 +168,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         owners_N = torch.empty_like(lse_N)
         for lo in range(0, N, chunk_tokens):
             hi = min(lo + chunk_tokens, N)
-            z_CV = _chunk_logits(h_NH[lo:hi], w_VH, temperature, dtype)
+            z_CV = _chunk_logits(h_NH[lo:hi], w_VH, temperature)
             max_C = _all_reduce(z_CV.amax(dim=1), dist.ReduceOp.MAX, tp_group)
             z_CV.sub_(max_C[:, None])  # z - max <= 0: exp cannot overflow, log-probs stay <= 0
             owned_C, col_C1 = _owned(targets_N[lo:hi], vocab_start, V_local)
@@ -208,7 +208,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             hi = min(lo + chunk_tokens, hidden_NH.shape[0])
             h_CH = h_NH[lo:hi]
             dz_CV = _grad_logits(
-                _chunk_logits(h_CH, w_VH, temperature, dtype), lse_N[lo:hi], entropy_N[lo:hi],
+                _chunk_logits(h_CH, w_VH, temperature), lse_N[lo:hi], entropy_N[lo:hi],
                 _slice(grad_logp_N, lo, hi), _slice(grad_entropy_N, lo, hi),
                 _owned(targets_N[lo:hi], vocab_start, w_VH.shape[0]),
             )
@@ -218,10 +218,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if halves:  # dz as hi and lo rows: each gradient is one tensor-core GEMM (K = 2c for dW)
                 dz_CV, h_CH = _halves(dz_CV, w_VH.dtype), torch.cat([h_CH, h_CH])
             if want_h:
-                g_KH = _mm_wide(dz_CV, w_VH, dtype)
+                g_KH = _mm_wide(dz_CV, w_VH)
                 grad_h_NH[lo:hi] = g_KH[: hi - lo] + g_KH[hi - lo:] if halves else g_KH
-            if want_w:
-                grad_w_VH.add_(_mm_wide(dz_CV.t(), h_CH, dtype))
+            if want_w and halves:  # an fp32 product of 16-bit operands, then accumulated
+                grad_w_VH.add_(_mm_wide(dz_CV.t(), h_CH))
+            elif want_w:  # accumulated in place: no [V, H] temporary
+                grad_w_VH.addmm_(dz_CV.t(), h_CH)
             del dz_CV  # before the next chunk's logits exist: two [c, V] fp32 buffers at most
         if want_h:  # each rank saw only its vocabulary shard's share of dL/dh
             _all_reduce(grad_h_NH, dist.ReduceOp.SUM, tp_group)
