@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from bench.common import markdown_table, time_fn, write_results  # noqa: E402
+from bench.common import markdown_table, synced, time_fn, write_results  # noqa: E402
 
 PRECISIONS = (("bf16", []), ("bf16, fused permutation", ["model.moe_permute_fusion=true"]),
               ("fp8 blockwise", ["model.fp8=hybrid", "model.fp8_recipe=blockwise"]),
@@ -119,7 +119,7 @@ def run_precision(name: str, overrides: list[str], base: Path, layout: Any, batc
     own = learner.update(learner.own_rows(batch, {"adv_B": adv_B}), reinforce(batch))
     mask = batch.response_mask()
     on_policy = float((own.logp_BT.float() - scored.logp_BT.float()).abs()[mask].max())
-    timing = time_fn(lambda: _synced(learner.train_step, batch, reinforce(batch), {"adv_B": adv_B}), warmup=1,
+    timing = time_fn(lambda: synced(learner.train_step, batch, reinforce(batch), {"adv_B": adv_B}), warmup=1,
                      iters=iters)
     tokens = batch.batch_size * batch.seq_len
     out = {"precision": name, "step_s": timing["median_s"], "tokens_per_s": tokens / timing["median_s"],
@@ -127,12 +127,6 @@ def run_precision(name: str, overrides: list[str], base: Path, layout: Any, batc
            "on_policy_max_abs_dlogp": on_policy, "logp_BT": scored.logp_BT.float().cpu(),
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
     return out  # (the learner is freed by the caller's collection)
-
-
-def _synced(fn: Any, *args: Any) -> Any:
-    out = fn(*args)
-    torch.cuda.synchronize()
-    return out
 
 
 def varied_batch(batch_size: int, max_len: int, vocab: int) -> tuple[Any, torch.Tensor]:
@@ -174,7 +168,7 @@ def _timed_steps(learner: Any, base: Path, batch: Any, adv_B: torch.Tensor, iter
     from moe_rl.learner import load_checkpoint
 
     load_checkpoint(learner, base, load_optimizer=False)
-    return time_fn(lambda: _synced(learner.train_step, batch, reinforce(batch), {"adv_B": adv_B}), warmup=1,
+    return time_fn(lambda: synced(learner.train_step, batch, reinforce(batch), {"adv_B": adv_B}), warmup=1,
                    iters=iters)["median_s"]
 
 

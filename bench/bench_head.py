@@ -4,8 +4,8 @@ against the same function on fp32 operands (fp32 GEMMs), with errors against fp6
     python -m bench.bench_head [--tokens 16384] [--hidden 2048] [--vocab 32768 151936] [--quick]
         # -> bench/results/<device>_head.md (and .json); <device> is gpu_h100 on an H100, cpu here
 
-Why: bench/profile_gpu.py found fp32 SIMT GEMMs of the head taking a quarter of a bf16
-step's GPU time at a 32k vocabulary, and the head's share grows with the vocabulary
+Why: bench/profile_gpu.py found fp32 SIMT GEMMs of the head taking about half of a bf16
+step's GPU time at one layer and a 32k vocabulary, and the head's share grows with the vocabulary
 (Qwen3's is 151936). Each row: forward + backward seconds (median of `--iters`), tokens/s,
 and against the fp64 computation of the same bf16 values: max |dlogp|, max |dentropy|, and
 the relative error (max abs / max abs of the reference) of dL/dh and dL/dW for a random
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from bench.common import markdown_table, time_fn, write_results  # noqa: E402
+from bench.common import markdown_table, synced, time_fn, write_results  # noqa: E402
 
 
 def _case(tokens: int, hidden: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -48,13 +48,6 @@ def _pass(case: dict[str, torch.Tensor], dtype: torch.dtype, chunk: int) -> dict
     return {"logp": logp.detach(), "entropy": entropy.detach(), "grad_h": h.grad, "grad_w": w.grad}
 
 
-def _synced(fn: Any) -> Any:
-    out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out
-
-
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-300))
 
@@ -65,8 +58,8 @@ def run(tokens: int, hidden: int, vocab: int, chunk: int, iters: int) -> list[di
     ref = _pass(case, torch.float64, chunk)
     rows = []
     for name, dtype in (("fp32 operands (fp32 GEMMs)", torch.float32), ("bf16 operands (tensor cores)", torch.bfloat16)):
-        got = _synced(lambda dtype=dtype: _pass(case, dtype, chunk))
-        timing = time_fn(lambda dtype=dtype: _synced(lambda: _pass(case, dtype, chunk)), warmup=1, iters=iters)
+        got = synced(_pass, case, dtype, chunk)
+        timing = time_fn(lambda dtype=dtype: synced(_pass, case, dtype, chunk), warmup=1, iters=iters)
         rows.append({"vocab": vocab, "operands": name, "fwd_bwd_s": timing["median_s"],
                      "tokens_per_s": tokens / timing["median_s"],
                      "max_abs_dlogp": float((got["logp"].double() - ref["logp"]).abs().max()),

@@ -51,6 +51,16 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, iters: int = 10) -> dict[
     }
 
 
+def synced(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), then wait for the GPU's queued work (if any) so a wall clock times it all."""
+    import torch
+
+    out = fn(*args)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     def fmt(x: Any) -> str:
         if isinstance(x, float):

@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bench import bench_gpu  # noqa: E402
-from bench.common import markdown_table, write_results  # noqa: E402
+from bench.common import markdown_table, synced, write_results  # noqa: E402
 
 TOP = 25
 
@@ -57,8 +57,7 @@ def profile(layers: int, steps: int, spec: str) -> None:
         learner = Learner(cfg, layout, total_updates=steps + 8)
 
         def step() -> None:
-            learner.train_step(batch, bench_gpu.reinforce(batch), {"adv_B": adv_B})
-            torch.cuda.synchronize()
+            synced(learner.train_step, batch, bench_gpu.reinforce(batch), {"adv_B": adv_B})
 
         for _ in range(2):  # warm-up: allocator, TE's kernel selection, autotuning
             step()
