@@ -97,9 +97,6 @@ def check_learner_device(cfg: Config) -> None:
     if cfg.optimizer.distributed and not cuda:
         raise ConfigError("optimizer.distributed=true needs CUDA: megatron-core's distributed optimizer only "
                           "takes CUDA tensors; leave it false on CPU")
-    if cfg.model.recompute != "none":
-        raise ConfigError("model.recompute=full is not supported by the learner yet: the routing taps would "
-                          "see each router twice per micro-batch (the planner accounts for it)")
 
 
 def check_sampler(cfg: Config) -> None:

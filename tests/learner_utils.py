@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from moe_rl.batch import TokenBatch
@@ -34,3 +37,40 @@ def reinforce_loss(batch: TokenBatch):
         return MicroBatchLoss(contrib, {"logp_mean": logp_mean}, weight=mask.sum())
 
     return loss_fn
+
+
+def replayed_updates(learner, count: int = 2, perturb_seed: int = 3) -> list:
+    """The fixed batch's routing record A, the routers perturbed (N(0, 0.05^2) from
+    `perturb_seed`), then `count` updates that capture, measure the router shift from A and
+    replay A (R2): every routing path of an update at once."""
+    from moe_rl.learner import RoutingPlan
+    from moe_rl.routing.record import ReplayIds
+
+    batch, adv_B = fixed_batch()
+    old = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
+    g = torch.Generator().manual_seed(perturb_seed)
+    with torch.no_grad():
+        for router in learner.taps.routers:
+            router.weight.add_(torch.randn(router.weight.shape, generator=g) * 0.05)
+    rows = learner.own_rows(batch, {"adv_B": adv_B})
+    plan = RoutingPlan(capture=True, old=old, replay=ReplayIds.from_record(old))
+    return [learner.update(rows, reinforce_loss(batch), plan) for _ in range(count)]
+
+
+@contextlib.contextmanager
+def counting_router_reruns() -> Iterator[dict[str, int]]:
+    """Counts, under "n", the router calls made inside a backward: a recomputed layer routing again."""
+    import moe_rl.learner.routing as routing
+
+    real, count = routing._in_backward, {"n": 0}
+
+    def spy() -> bool:
+        inside = real()
+        count["n"] += int(inside)
+        return inside
+
+    routing._in_backward = spy
+    try:
+        yield count
+    finally:
+        routing._in_backward = real

@@ -236,13 +236,17 @@ def test_unfit_plan_suggests_changes_that_fit(planned):
         assert max(s["rollout_peak_bytes"], s["update_peak_bytes"]) <= limit
 
 
-def test_suggestions_leave_recompute_out_while_anything_else_fits(planned):
-    """The learner refuses model.recompute=full: recompute alone would fit GLM-4.5-Air at TP2,
-    and so does the wider TP the recipe uses, which is what is suggested."""
+def test_recompute_is_suggested_beside_a_wider_layout_with_its_cost(planned):
+    """GLM-4.5-Air at TP2: its update does not fit. Full recompute alone fits it, and so does
+    the wider TP the recipe uses; both are suggested, recompute first (GROUPS order), each
+    with its own plan: recompute's is smaller in memory but slower (one more forward)."""
     p = _plan(planned, "glm_tp2")
     assert not p["fits"]
-    assert [s["changes"] for s in p["suggestions"]] == [["parallel.tensor_model_parallel_size=4"]]
-    assert p["suggestions"][0]["fits"]
+    recompute, tp4 = p["suggestions"]
+    assert (recompute["changes"], tp4["changes"]) == (["model.recompute=full"], ["parallel.tensor_model_parallel_size=4"])
+    assert recompute["fits"] and tp4["fits"]
+    assert recompute["update_peak_bytes"] < p["phases"]["update"]["peak_bytes"]
+    assert recompute["step_s"] > p["times_s"]["total"]
 
 
 def test_separate_placement_puts_the_engine_on_its_own_gpus(planned):
@@ -349,9 +353,8 @@ def test_token_budget_and_chunk_size_set_the_update_memory():
     assert work.seq_len == 128 and work.micro_batch == 4 and work.micro_batches == 128
 
 
-def test_the_table_shows_what_the_learner_runs_before_what_recompute_would_buy(monkeypatch):
-    """Without recompute (which the learner refuses) whenever some plan fits, even a slower
-    one; the fastest recompute plan only where nothing else fits, and marked."""
+def test_the_table_shows_the_fastest_plan_that_fits_recompute_or_not(monkeypatch):
+    """Over layouts, offload and recompute, the fastest plan that fits; nothing else decides."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -367,6 +370,26 @@ def test_the_table_shows_what_the_learner_runs_before_what_recompute_would_buy(m
     monkeypatch.setattr(table, "layouts", lambda cfg, gpus, per_node: iter([(2, 8, 1), (4, 8, 1)]))
     monkeypatch.setattr(table, "_fitted", lambda src, hw, tokens, sw: fits.get(
         (src.cfg.parallel.tensor_model_parallel_size, sw.offload_fraction, sw.recompute)))
-    assert table.best_plan(source, Hardware(gpus=8), 1024) is fits[4, 0.0, False]
-    del fits[4, 0.0, False], fits[2, 1.0, False]
     assert table.best_plan(source, Hardware(gpus=8), 1024) is fits[2, 0.0, True]
+    fits[4, 1.0, False] = plan(250.0, False)
+    assert table.best_plan(source, Hardware(gpus=8), 1024) is fits[4, 1.0, False]
+
+
+def test_full_recompute_keeps_layer_inputs_the_routed_ids_and_one_layer():
+    """Full recompute on a stage of 6 layers (2 dense, 4 MoE) at PP2 stage 0 (2 micro-batches
+    in flight), TP2: each layer's bf16 input, each MoE layer's K one-byte expert ids (what the
+    routing taps keep to force the recomputed router), and the largest layer's activations."""
+    from moe_rl.plan.activations import layer_bytes, stage_activation_bytes
+
+    m = ModelConfig(num_layers=6, hidden_size=256, num_attention_heads=4, num_query_groups=2, kv_channels=64,
+                    num_experts=64, moe_router_topk=4, moe_ffn_hidden_size=128, params_dtype="bf16")
+    tokens, tp = 4096, 2
+    got = stage_activation_bytes(m, tokens=tokens, tp=tp, pp=2, stage=0, layers=6, moe_layers=4, micro_batches=8,
+                                 recompute=True)
+    inputs = 2 * 6 * tokens * 2 * 256 // tp
+    ids = 2 * 4 * tokens * 4 * 1 // tp
+    assert got == inputs + ids + max(layer_bytes(m, tokens, tp, True), layer_bytes(m, tokens, tp, False))
+    more_experts = stage_activation_bytes(ModelConfig(**{**vars(m), "num_experts": 512}), tokens=tokens, tp=tp, pp=2,
+                                          stage=0, layers=6, moe_layers=4, micro_batches=8, recompute=True)
+    assert more_experts - layer_bytes(ModelConfig(**{**vars(m), "num_experts": 512}), tokens, tp, True) == \
+        inputs + 2 * ids  # int16 ids beyond 256 experts

@@ -21,13 +21,18 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a C
 @pytest.mark.parametrize("override, message", [
     ("model.params_dtype=bf16", "model.params_dtype=bf16 training needs CUDA"),
     ("optimizer.distributed=true", "optimizer.distributed=true needs CUDA"),
-    ("model.recompute=full", "model.recompute=full is not supported"),
 ])
 def test_the_learner_device_limits_are_one_line(override, message):
     from moe_rl.preflight import check_learner_device
 
     with pytest.raises(ConfigError, match=message):
         check_learner_device(load_config(RECIPE, [BASE, override]))
+
+
+def test_full_recompute_passes_the_learner_checks():
+    from moe_rl.preflight import check_learner_device
+
+    check_learner_device(load_config(RECIPE, [BASE, "model.recompute=full"]))  # (tests/test_recompute.py runs it)
 
 
 @cpu_only

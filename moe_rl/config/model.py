@@ -120,9 +120,11 @@ class ModelConfig:
     The learner does not build them: they stay frozen, out of the RL loss, and every export
     copies them unchanged from the source directory."""
     recompute: Literal["none", "full"] = "none"
-    """Activation recomputation: full recomputes each layer in the backward (megatron's
-    recompute_granularity=full, uniform, 1 layer). Planned by `python -m moe_rl.plan`; the
-    learner refuses it until its routing taps handle a router run twice per micro-batch."""
+    """Activation recomputation: full keeps only each transformer layer's input and runs the
+    layer again in the backward (megatron's recompute_granularity=full, uniform, 1 layer): one
+    more forward per update for a fraction of the activations (`python -m moe_rl.plan` counts
+    both). The recomputed routers take the experts their forward chose, so the update is the
+    one without recompute, bit for bit on CPU (tests/test_recompute.py)."""
     layer_spec: Literal["auto", "local", "te"] = "auto"
     """auto: Transformer Engine spec when CUDA and TE are present, else the local spec."""
     params_dtype: Literal["auto", "fp32", "bf16"] = "auto"

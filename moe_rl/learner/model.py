@@ -194,7 +194,17 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         gradient_accumulation_fusion=False,
         # packed micro-batches differ in length: pipeline stages exchange shapes first
         variable_seq_lengths=parallel.packing,
+        **recompute_settings(model),
     )
+
+
+def recompute_settings(model: ModelConfig) -> dict:
+    """Full activation recompute: every transformer layer keeps only its input and runs its
+    forward again in the backward (megatron's full / uniform / 1 layer). The routing taps
+    force each recomputed router to the experts the first forward used (`RouterTaps`)."""
+    if model.recompute == "none":
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:

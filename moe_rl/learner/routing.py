@@ -28,6 +28,7 @@ sees this model's replay data.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,10 +44,13 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from moe_rl.collectives import all_gather_object
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
 from moe_rl.learner.parallel import all_reduce_, comm_device
+from moe_rl.learner.routing_checks import ReplayError, check_replay_covers, check_replay_took
 from moe_rl.learner.routing_tokens import rows_to_slots, slot_shard, slots_to_rows, spread_topk
 from moe_rl.routing.record import ReplayIds, RoutingRecord, ids_dtype
 from moe_rl.routing.shift import router_shift_from_partial
 from moe_rl.routing.stats import gamma_stats, topk_set_changed
+
+__all__ = ["ReplayError", "RouterTaps", "RoutingPlan"]
 
 
 @dataclass
@@ -103,21 +107,42 @@ def _drop_autograd_state(dispatcher: Any) -> None:
             setattr(dispatcher, name, None)
 
 
-def _route(router: TopKRouter, original: Any, logits: torch.Tensor, padding_mask: torch.Tensor | None) -> Any:
-    """megatron-core's routing, with the expert-bias token count (aux-loss-free balancing)
-    kept to real tokens here: megatron-core 0.16 masks the [N, E] routing map with the [N]
-    padding mask, which fails to broadcast (or, with N = E, masks the wrong axis)."""
-    if padding_mask is None or not router.enable_expert_bias:
-        return original(logits, padding_mask)
-    router.enable_expert_bias = False
+def _route(router: TopKRouter, original: Any, logits: torch.Tensor, padding_mask: torch.Tensor | None, *,
+           force: torch.Tensor | None = None, record: bool = False, count: bool = True) -> tuple[Any, Any]:
+    """megatron-core's routing, and the [N, K] ids it used (None unless forced or recorded).
+
+    `force`: route to these ids (megatron's REPLAY_FORWARD: gates from the current router at
+    them); `record`: keep the ids megatron picked, in its own order (its RECORD action), so
+    that forcing them again reproduces the gates bit for bit. `count`: add this pass's real
+    tokens to the expert-bias token count (aux-loss-free balancing). Counted here rather than
+    by megatron-core 0.16, which masks the [N, E] routing map with the [N] padding mask (fails
+    to broadcast, or with N = E masks the wrong axis) and counts whenever gradients are on,
+    so a recomputed layer would count its tokens again."""
+    replay = router.router_replay
+    if force is not None:
+        replay.target_topk_idx = force
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    elif record:
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+    bias_on, router.enable_expert_bias = router.enable_expert_bias, False
     try:
         probs, routing_map = original(logits, padding_mask)
+        used = force if force is not None else replay.recorded_topk_idx
     finally:
-        router.enable_expert_bias = True
-    if torch.is_grad_enabled():
+        router.enable_expert_bias = bias_on
+        replay.clear_router_replay_action()
+        replay.target_topk_idx = None
+        replay.recorded_topk_idx = None
+    if bias_on and count:
         with torch.no_grad():
-            router.local_tokens_per_expert += (routing_map & ~padding_mask.reshape(-1, 1)).sum(dim=0)
-    return probs, routing_map
+            real = routing_map if padding_mask is None else routing_map & ~padding_mask.reshape(-1, 1)
+            router.local_tokens_per_expert += real.sum(dim=0)
+    return (probs, routing_map), used
+
+
+def _in_backward() -> bool:
+    """Inside an autograd backward: where megatron's activation recompute runs a layer again."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class RouterTaps(ForwardHooks):
@@ -135,6 +160,9 @@ class RouterTaps(ForwardHooks):
         self.routers: list[TopKRouter] = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
         self.dispatchers = [m.token_dispatcher for m in gpt.modules() if isinstance(m, MoELayer)]
         self.layers = [moe_layer_of[r.layer_number - 1] for r in self.routers]
+        self.recompute = tcfg.recompute_granularity == "full"
+        self._ids_dtype = ids_dtype(self.num_experts)
+        self._for_recompute: list[deque[torch.Tensor]] = [deque() for _ in self.routers]
         for i, router in enumerate(self.routers):
             if router.router_replay is None:
                 raise RuntimeError("routers were built without moe_enable_routing_replay")
@@ -159,7 +187,13 @@ class RouterTaps(ForwardHooks):
         self._stat_sums.zero_()
         try:
             yield
+            left = sum(len(p) for p in self._for_recompute)
+            if left:
+                raise RuntimeError(f"recompute: {left} routings of this pass's forwards were never re-run in a "
+                                   "backward (a micro-batch's backward did not run)")
         finally:
+            for pending in self._for_recompute:
+                pending.clear()
             for work in self._pending_sends:
                 work.wait()
             self._pending_sends = []
@@ -193,7 +227,7 @@ class RouterTaps(ForwardHooks):
             valid = r.valid_RS[..., None, None] if r.valid_RS is not None else torch.ones(
                 *r.ids_RSLK.shape[:2], 1, 1, dtype=torch.bool)
             st.replay_valid_N = rows_to_slots(r.rows, valid, mb.rows_B, inp, shard, missing_ok=True).reshape(-1) & real_N
-            _check_replay_covers(mb, inp, r, st.replay_valid_N, shard)
+            check_replay_covers(mb, inp, r, st.replay_valid_N, shard)
         if self.plan.old is not None:
             o = self.plan.old
             st.old_ids_NLK = rows_to_slots(o.rows, o.ids_RSLK, mb.rows_B, inp, shard, fill_k=self.topk)
@@ -248,30 +282,44 @@ class RouterTaps(ForwardHooks):
 
     def _make_tap(self, i: int, router: TopKRouter, original: Any) -> Any:
         """Router i's `routing`, wrapped. Everything stays on the router's device; the
-        micro-batch's results move to the host once, in `after_forward`."""
+        micro-batch's results move to the host once, in `after_forward`.
+
+        Under full recompute a training micro-batch routes twice: in its forward, and again in
+        its backward when megatron re-runs the layer. The forward keeps the ids it used (its
+        own, replayed or spread), per router and in micro-batch order (the schedules run
+        backwards in forward order); the re-run takes them back and is forced to them, so it
+        computes the forward's gates exactly and records, measures and counts nothing."""
+        pending = self._for_recompute[i]
 
         def routing(logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+            keep = self.recompute and router.training
+            if keep and _in_backward():
+                if not pending:
+                    raise RuntimeError(f"recompute: router of MoE layer {self.layers[i]} re-ran a layer its "
+                                       "forward did not route")
+                return _route(router, original, logits, padding_mask, force=pending.popleft().long(), count=False)[0]
+            count = torch.is_grad_enabled() or keep  # (a recomputed layer's first forward runs without grad)
             st = self._state
             if st is None or (self.plan is None and st.spread_NK is None):
-                return _route(router, original, logits, padding_mask)
+                out, used = _route(router, original, logits, padding_mask, record=keep, count=count)
+                if keep:
+                    pending.append(used.to(self._ids_dtype))  # (kept until the backward: 1-2 bytes per id)
+                return out
             dev = logits.device
             logits_NE = logits.reshape(-1, self.num_experts)
             with torch.no_grad():
                 logr_NE = self._log_routing_probs(router, logits_NE)
                 fresh_NK = self._fresh_topk(router, logits_NE).sort(dim=-1).values
             target_NK = self._target_ids(st, i, dev, fresh_NK)
-            replay = router.router_replay
-            if target_NK is not None:
-                replay.target_topk_idx = target_NK
-                replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             used_NK = target_NK.sort(dim=-1).values if target_NK is not None else fresh_NK
-            out = _route(router, original, logits, padding_mask)
-            replay.clear_router_replay_action()
-            replay.target_topk_idx = None
+            out, ids = _route(router, original, logits, padding_mask, force=target_NK,
+                              record=keep and target_NK is None, count=count)
+            if keep:
+                pending.append(ids.to(self._ids_dtype))
             if self.plan is not None:
                 with torch.no_grad():
                     if st.replay_valid_N is not None:
-                        _check_replay_took(out[1], used_NK, st.on(dev, "replay_valid_N"), self.layers[i])
+                        check_replay_took(out[1], used_NK, st.on(dev, "replay_valid_N"), self.layers[i])
                     self._record(st, i, dev, logr_NE, fresh_NK, used_NK)
             return out
 
@@ -423,33 +471,3 @@ def _pipeline_side_group(layout: Any) -> Any:
         if dist.get_rank() in ranks:
             my_group = g
     return my_group
-
-
-class ReplayError(RuntimeError):
-    """Routing replay did not do what the plan asked: never a silent fallback."""
-
-
-def _check_replay_took(routing_map_NE: torch.Tensor, used_NK: torch.Tensor, replayed_N: torch.Tensor,
-                       layer: int) -> None:
-    """The experts megatron's router actually selected equal the replayed ids on every
-    replayed slot (the loud check behind R2 and R3)."""
-    chosen_NK = routing_map_NE.gather(1, used_NK.to(routing_map_NE.device))
-    wrong = replayed_N & ~(chosen_NK.all(dim=1) & (routing_map_NE.sum(dim=1) == used_NK.shape[1]))
-    if bool(wrong.any()):
-        raise ReplayError(f"routing replay: MoE layer {layer} used other experts than the replayed ones on "
-                          f"{int(wrong.sum())} of {int(replayed_N.sum())} replayed tokens")
-
-
-def _check_replay_covers(mb: MicroBatch, inp: Any, replay: ReplayIds, replayed_N: torch.Tensor,
-                         shard: slice) -> None:
-    """Every real token a replay source routed is replayed: R2 records every real token, the
-    sampler (R3) every real token but each sequence's last. Counted on this rank's shard."""
-    rows_N, pos_N = inp.rows_N[shard], inp.pos_N[shard]
-    lens_N = mb.batch.total_lens_B[rows_N.clamp(min=0)]
-    last_routed = lens_N - (1 if replay.valid_RS is not None else 0)
-    expected = int((inp.real_N[shard] & (pos_N < last_routed)).sum())
-    got = int(replayed_N.sum())
-    if got != expected:
-        raise ReplayError(f"routing replay: {got} replayed tokens on this rank's micro-batch {mb.index}, "
-                          f"expected {expected} (every real token the source routed): the replay ids do "
-                          "not cover the batch's rows")

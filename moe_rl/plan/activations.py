@@ -26,7 +26,9 @@ Per layer (tokens = s*b, every term / t: sequence-parallel or head/column-sharde
 Pipeline: 1F1B keeps min(pp - stage, micro-batches) micro-batches in flight on a stage
 (Korthikanti et al. sec. 4.2.3). Full recompute (megatron's `recompute_granularity=full`,
 uniform, one layer per checkpoint) keeps only each layer's input (e*h per token) plus one
-layer's full activations while it is recomputed.
+layer's full activations while it is recomputed; each MoE layer also keeps the K expert ids
+its forward routed each token to (1 byte each up to 256 experts, else 2), which the routing
+taps force on the recomputed router (`moe_rl/learner/routing.py`).
 
 The logits are separate (last stage): the output layer's [b, s, V/t] logits, then the
 learner's log-prob path on the T response positions: a gather, its fp32 copy, the
@@ -72,7 +74,8 @@ def stage_activation_bytes(m: ModelConfig, *, tokens: int, tp: int, pp: int, sta
         return in_flight * (moe_layers * per_moe + dense * per_dense)
     e = DTYPE_BYTES[m.dtype_on(True)]
     inputs = in_flight * layers * tokens * e * m.hidden_size // tp
-    return inputs + max(per_moe if moe_layers else 0, per_dense if dense else 0)
+    routed_ids = in_flight * moe_layers * tokens * m.moe_router_topk * (1 if m.num_experts <= 256 else 2) // tp
+    return inputs + routed_ids + max(per_moe if moe_layers else 0, per_dense if dense else 0)
 
 
 def logits_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, response_tokens: int, tp: int,

@@ -155,8 +155,6 @@ def _verdict_lines(plan: Plan, suggestions: list[Suggestion]) -> list[str]:
         p = s.plan
         lines.append(f"  fits with: {' '.join(s.changes)}  -> rollout {p.rollout_peak / GIB:.1f} GiB, "
                      f"update {p.update_peak / GIB:.1f} GiB, step ~{p.times['total']:.0f} s")
-        if "model.recompute=full" in s.changes:
-            lines.append("    (nothing fits without recompute, which the learner does not run yet)")
     if not plan.fits and not suggestions:
         lines.append("  no change tried makes it fit (see docs/plan.md for what is tried)")
     return lines

@@ -25,7 +25,6 @@ import logging
 import math
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 from moe_rl.cli import cpu_environment, run_guarded
 from moe_rl.config import Config, ConfigError, load_recipe
@@ -84,18 +83,17 @@ def _fitted(source, hw: Hardware, prompt_tokens: int, sw: Switches):  # -> Plan 
 
 def best_plan(source, hw: Hardware, prompt_tokens: int):  # -> Plan | None
     """The fastest plan that fits over `layouts`, with and without the optimizer offloaded to
-    host memory; without recompute (which the learner does not run yet) when any fits, else
-    the fastest with full recompute, for what recompute would buy."""
-    best: dict[bool, Any] = {False: None, True: None}
+    host memory and with and without full recompute (whose extra forward the step time counts)."""
+    best = None
     for tp, ep, pp in layouts(source.cfg, hw.gpus, hw.gpus_per_node):
         cfg = _with(source.cfg, "parallel", tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                     pipeline_model_parallel_size=pp, micro_batch_size=1)
         for recompute, offload in itertools.product((False, True), (0.0, 1.0)):
             sw = Switches(distributed_optimizer=True, offload_fraction=offload, recompute=recompute, sleep=True)
             plan = _fitted(dataclasses.replace(source, cfg=cfg), hw, prompt_tokens, sw)
-            if plan and (best[recompute] is None or plan.times["total"] < best[recompute].times["total"]):
-                best[recompute] = plan
-    return best[False] or best[True]
+            if plan and (best is None or plan.times["total"] < best.times["total"]):
+                best = plan
+    return best
 
 
 def cell(plan) -> str:
@@ -105,7 +103,7 @@ def cell(plan) -> str:
     layout = f"TP{lay.tp}·EP{lay.ep}" + (f"·PP{lay.pp}" if lay.pp > 1 else "")
     parts = sorted(((v, k) for k, v in plan.times.items() if k != "total"), reverse=True)
     top = parts[0][1].replace("rollout_decode", "decode").replace("update_compute", "update")
-    extra = (", recompute (not run yet)" if plan.switches.recompute else "") + (", offload" if plan.switches.offload_fraction else "")
+    extra = (", recompute" if plan.switches.recompute else "") + (", offload" if plan.switches.offload_fraction else "")
     return (f"{layout}, rollout TP{w.rollout_tp}{extra}: update {plan.update_peak / GIB:.0f} GiB, "
             f"KV for {plan.sampler.concurrency:.0%}; ~{plan.times['total']:.0f} s/step "
             f"({top} {parts[0][0] / plan.times['total']:.0%})")

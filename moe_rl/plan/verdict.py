@@ -137,13 +137,9 @@ def _more_gpus(plan: Plan) -> list[Change]:
     return out
 
 
-RECOMPUTE = _switch_group("recompute", "model.recompute=full", recompute=True)
-"""Planned for what it would buy; the learner refuses it yet, so it is suggested only where
-nothing else fits."""
-
 GROUPS: tuple[Group, ...] = (
     _switch_group("distributed_optimizer", "optimizer.distributed=true", distributed_optimizer=True),
-    RECOMPUTE,
+    _switch_group("recompute", "model.recompute=full", recompute=True),
     _switch_group("sleep", "sampler.sleep_between_steps=true", sleep=True),
     _micro_batch,
     _tensor_parallel,
@@ -208,21 +204,18 @@ def _combined(plan: Plan, groups: tuple[Group, ...]) -> Suggestion | None:
 
 
 def suggest(plan: Plan, limit: int = 4) -> list[Suggestion]:
-    """Changes that make `plan` fit (empty when it fits): single changes that suffice, else
-    the smallest combination found; without recompute (which the learner refuses yet) when
-    that can fit, else with it."""
+    """Changes that make `plan` fit (empty when it fits): the single changes that suffice (at
+    most `limit`, in `GROUPS` order, each with its own step time: recompute fits where a wider
+    layout also would, at the cost of a forward per layer), else the smallest combination found."""
     if plan.fits:
         return []
-    for groups in (tuple(g for g in GROUPS if g is not RECOMPUTE), GROUPS):
-        singles = []
-        for group in groups[:-2]:
-            for change in group(plan)[:1]:
-                p = _replan(plan, [change])
-                if p and p.fits:
-                    singles.append(Suggestion((change.text,), p))
-        if singles:
-            return singles[:limit]
-        found = _combined(plan, groups)
-        if found:
-            return [found]
-    return []
+    singles = []
+    for group in GROUPS[:-2]:
+        for change in group(plan)[:1]:
+            p = _replan(plan, [change])
+            if p and p.fits:
+                singles.append(Suggestion((change.text,), p))
+    if singles:
+        return singles[:limit]
+    found = _combined(plan, GROUPS)
+    return [found] if found else []
