@@ -151,6 +151,70 @@ def test_replay_routes_exactly_the_recorded_ids_and_fresh_routing_differs(layout
     assert not torch.allclose(replayed.logp_RSLK, old.logp_RSLK)
 
 
+def test_a_replay_megatron_does_not_take_stops_the_pass_naming_the_layer(layout, monkeypatch):
+    """If megatron's router ignored the replayed ids (here: its RouterReplay computes its own
+    top-k whatever the action), the micro-batch's check raises, naming the first MoE layer and
+    how many replayed tokens it routed elsewhere: in layer 0 (whose input replay cannot change)
+    the tokens of the first micro-batch whose fresh top-k differs from the record's."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moe_rl.learner import RoutingPlan
+    from moe_rl.learner.routing import ReplayError
+    from moe_rl.routing.record import ReplayIds
+
+    learner = make_learner(layout)
+    batch, _ = fixed_batch()
+    old = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
+    perturb_routers(learner)
+    fresh = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
+    rows = torch.arange(4)  # the first micro-batch (micro_batch_size 4)
+    real_RS = torch.arange(batch.seq_len)[None, :] < batch.total_lens_B[rows, None]
+    moved = (fresh.ids_RSLK[rows, :, 0] != old.ids_RSLK[rows, :, 0]).any(-1) & real_RS
+    assert int(moved.sum()) > 0
+    monkeypatch.setattr(RouterReplay, "get_replay_topk",
+                        lambda self, scores, topk, num_groups, group_topk, default: default(scores, topk,
+                                                                                           num_groups, group_topk))
+    with pytest.raises(ReplayError, match=f"MoE layer 0 used other experts than the replayed ones on "
+                                          f"{int(moved.sum())} of {int(real_RS.sum())} replayed tokens"):
+        learner.score_whole(batch, routing=RoutingPlan(replay=ReplayIds.from_record(old)))
+
+
+HOST_READS = ("__bool__", "__int__", "__float__", "item", "tolist", "cpu", "nonzero")
+
+
+def test_a_router_call_reads_nothing_back_from_the_device(layout, monkeypatch):
+    """Each tap runs inside every MoE layer's forward (and, under recompute, its backward): a
+    value read back to the host there would make a GPU drain its queue at every layer. Under
+    the busiest plan (capture, router shift, R2 replay, padding spread, full recompute) no
+    tensor is read back inside any router call; what the pass needs is read once per
+    micro-batch (`after_forward`). (Mask indexing, another hidden wait, is not caught here.)"""
+    from learner_utils import replayed_updates
+
+    learner = make_learner(layout, "model.recompute=full")
+    reads: list[str] = []
+    real = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def reading(name):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return real[name](self, *args, **kwargs)
+        return read
+
+    calls = {"n": 0}
+    for router in learner.taps.routers:
+        def watched(*args, _tap=router.routing, **kwargs):
+            calls["n"] += 1
+            with monkeypatch.context() as m:
+                for name in HOST_READS:
+                    m.setattr(torch.Tensor, name, reading(name))
+                return _tap(*args, **kwargs)
+        router.routing = watched
+    replayed_updates(learner)
+    # 4 layers x (the scoring pass's 3 micro-batches + 2 updates of 3, each routed twice)
+    assert calls["n"] == 4 * (3 + 2 * 3 * 2)
+    assert reads == []
+
+
 def fixed_id_routing(ids_NK):
     """An independent router for the gradient check: Qwen3 gate weights (softmax over the
     logits of the given experts), scattered to [N, E], no top-k."""

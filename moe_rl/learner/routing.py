@@ -44,7 +44,12 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from moe_rl.collectives import all_gather_object
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
 from moe_rl.learner.parallel import all_reduce_, comm_device
-from moe_rl.learner.routing_checks import ReplayError, check_replay_covers, check_replay_took
+from moe_rl.learner.routing_checks import (
+    ReplayError,
+    check_replay_covers,
+    check_replay_took,
+    replay_misses,
+)
 from moe_rl.learner.routing_tokens import rows_to_slots, slot_shard, slots_to_rows, spread_topk
 from moe_rl.routing.record import ReplayIds, RoutingRecord, ids_dtype
 from moe_rl.routing.shift import router_shift_from_partial
@@ -73,7 +78,7 @@ class _MicroBatchState:
     shard: slice
     mask_N: torch.Tensor  # [n_local] slots that score a response token
     real_N: torch.Tensor  # [n_local] slots that hold a real token
-    spread_NK: torch.Tensor | None = None  # [n_local, K] ids forced on slots without a real token
+    spread_NK: torch.Tensor | None = None  # [n_local, K] `spread_topk` ids, forced where no real token is
     replay_NLK: torch.Tensor | None = None
     replay_valid_N: torch.Tensor | None = None
     old_ids_NLK: torch.Tensor | None = None
@@ -82,6 +87,8 @@ class _MicroBatchState:
     captured_logp: list[torch.Tensor] = field(default_factory=list)
     captured_fresh: list[torch.Tensor] = field(default_factory=list)
     shift_sum_N: torch.Tensor | None = None
+    replayed: int = 0  # replayed slots of this shard
+    replay_misses: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (MoE layer, device count)
     stat_sums: torch.Tensor | None = None  # [3, L_stage]: flips, |dlog r|, token count
 
     def on(self, device: torch.device, name: str) -> torch.Tensor:
@@ -213,7 +220,7 @@ class RouterTaps(ForwardHooks):
         real_N = inp.real_N[shard]
         spread = None
         if not bool(real_N.all()):  # padding never loads an expert more than another
-            spread = spread_topk(torch.arange(shard.start, shard.stop)[~real_N], self.num_experts, self.topk)
+            spread = spread_topk(torch.arange(shard.start, shard.stop), self.num_experts, self.topk)
         if self.plan is None:
             self._state = _MicroBatchState(mb=mb, shard=shard, mask_N=real_N, real_N=real_N, spread_NK=spread)
             return
@@ -227,6 +234,7 @@ class RouterTaps(ForwardHooks):
             valid = r.valid_RS[..., None, None] if r.valid_RS is not None else torch.ones(
                 *r.ids_RSLK.shape[:2], 1, 1, dtype=torch.bool)
             st.replay_valid_N = rows_to_slots(r.rows, valid, mb.rows_B, inp, shard, missing_ok=True).reshape(-1) & real_N
+            st.replayed = int(st.replay_valid_N.sum())  # (a host tensor here)
             check_replay_covers(mb, inp, r, st.replay_valid_N, shard)
         if self.plan.old is not None:
             o = self.plan.old
@@ -238,6 +246,7 @@ class RouterTaps(ForwardHooks):
         st = self._state
         if st is None or self.plan is None:
             return
+        check_replay_took(st.replay_misses, st.replayed)
         if st.stat_sums is not None:
             self._stat_sums += st.stat_sums.cpu()
         rows, S = mb.batch.batch_size, mb.batch.seq_len
@@ -319,7 +328,8 @@ class RouterTaps(ForwardHooks):
             if self.plan is not None:
                 with torch.no_grad():
                     if st.replay_valid_N is not None:
-                        check_replay_took(out[1], used_NK, st.on(dev, "replay_valid_N"), self.layers[i])
+                        st.replay_misses.append(
+                            (self.layers[i], replay_misses(out[1], used_NK, st.on(dev, "replay_valid_N"))))
                     self._record(st, i, dev, logr_NE, fresh_NK, used_NK)
             return out
 
@@ -333,9 +343,9 @@ class RouterTaps(ForwardHooks):
         if st.replay_NLK is not None:
             target = torch.where(st.on(dev, "replay_valid_N")[:, None], st.on(dev, "replay_NLK")[:, i].long(),
                                  fresh_NK)
-        if st.spread_NK is not None:
-            target = fresh_NK.clone() if target is None else target
-            target[~st.on(dev, "real_N")] = st.on(dev, "spread_NK")
+        if st.spread_NK is not None:  # (a where, not mask indexing, which waits for a GPU at every layer)
+            target = torch.where(st.on(dev, "real_N")[:, None], fresh_NK if target is None else target,
+                                 st.on(dev, "spread_NK"))
         return target
 
     def _record(self, st: _MicroBatchState, i: int, dev: torch.device, logr_NE: torch.Tensor,

@@ -15,15 +15,24 @@ class ReplayError(RuntimeError):
     """Routing replay did not do what the plan asked: never a silent fallback."""
 
 
-def check_replay_took(routing_map_NE: torch.Tensor, used_NK: torch.Tensor, replayed_N: torch.Tensor,
-                       layer: int) -> None:
-    """The experts megatron's router actually selected equal the replayed ids on every
-    replayed slot (the loud check behind R2 and R3)."""
+def replay_misses(routing_map_NE: torch.Tensor, used_NK: torch.Tensor, replayed_N: torch.Tensor) -> torch.Tensor:
+    """How many replayed slots megatron's router sent to other experts than the replayed ids
+    (a 0-dim count on the router's device: read once per micro-batch, `check_replay_took`,
+    not once per layer, which would stall a GPU's queue at every MoE layer)."""
     chosen_NK = routing_map_NE.gather(1, used_NK.to(routing_map_NE.device))
-    wrong = replayed_N & ~(chosen_NK.all(dim=1) & (routing_map_NE.sum(dim=1) == used_NK.shape[1]))
-    if bool(wrong.any()):
-        raise ReplayError(f"routing replay: MoE layer {layer} used other experts than the replayed ones on "
-                          f"{int(wrong.sum())} of {int(replayed_N.sum())} replayed tokens")
+    return (replayed_N & ~(chosen_NK.all(dim=1) & (routing_map_NE.sum(dim=1) == used_NK.shape[1]))).sum()
+
+
+def check_replay_took(misses: list[tuple[int, torch.Tensor]], replayed: int) -> None:
+    """Every MoE layer of the micro-batch routed every replayed slot to the replayed ids (the
+    loud check behind R2 and R3); `misses`: (MoE layer, `replay_misses`) of each layer."""
+    if not misses:
+        return
+    counts = torch.stack([m for _, m in misses]).cpu().tolist()
+    for (layer, _), wrong in zip(misses, counts):
+        if wrong:
+            raise ReplayError(f"routing replay: MoE layer {layer} used other experts than the replayed ones on "
+                              f"{wrong} of {replayed} replayed tokens")
 
 
 def check_replay_covers(mb: MicroBatch, inp: Any, replay: ReplayIds, replayed_N: torch.Tensor,
