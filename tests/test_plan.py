@@ -393,3 +393,11 @@ def test_full_recompute_keeps_layer_inputs_the_routed_ids_and_one_layer():
                                           stage=0, layers=6, moe_layers=4, micro_batches=8, recompute=True)
     assert more_experts - layer_bytes(ModelConfig(**{**vars(m), "num_experts": 512}), tokens, tp, True) == \
         inputs + 2 * ids  # int16 ids beyond 256 experts
+
+
+@pytest.mark.parametrize("experts", [8, 256, 257, 32768])
+def test_the_planner_counts_expert_ids_at_the_learners_width(experts):
+    from moe_rl.plan.activations import expert_id_bytes
+    from moe_rl.routing.record import ids_dtype
+
+    assert expert_id_bytes(experts) == ids_dtype(experts).itemsize

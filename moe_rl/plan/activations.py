@@ -74,8 +74,14 @@ def stage_activation_bytes(m: ModelConfig, *, tokens: int, tp: int, pp: int, sta
         return in_flight * (moe_layers * per_moe + dense * per_dense)
     e = DTYPE_BYTES[m.dtype_on(True)]
     inputs = in_flight * layers * tokens * e * m.hidden_size // tp
-    routed_ids = in_flight * moe_layers * tokens * m.moe_router_topk * (1 if m.num_experts <= 256 else 2) // tp
+    routed_ids = in_flight * moe_layers * tokens * m.moe_router_topk * expert_id_bytes(m.num_experts) // tp
     return inputs + routed_ids + max(per_moe if moe_layers else 0, per_dense if dense else 0)
+
+
+def expert_id_bytes(num_experts: int) -> int:
+    """Bytes of one expert id as the learner keeps it (`moe_rl.routing.record.ids_dtype`:
+    uint8 up to 256 experts, else int16), for the routing record and recompute's kept ids."""
+    return 1 if num_experts <= 256 else 2
 
 
 def logits_bytes(m: ModelConfig, *, micro_batch: int, seq_len: int, response_tokens: int, tp: int,

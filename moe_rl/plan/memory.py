@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moe_rl.config import Config
-from moe_rl.plan.activations import DTYPE_BYTES, logits_bytes, stage_activation_bytes
+from moe_rl.plan.activations import (
+    DTYPE_BYTES,
+    expert_id_bytes,
+    logits_bytes,
+    stage_activation_bytes,
+)
 from moe_rl.plan.critic import (
     critic_state,
     value_head_activation_bytes,
@@ -70,7 +75,7 @@ def routing_record_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, wor
     rl = cfg.rl
     if not getattr(rl, "records_routing", rl.capture_routing):
         return 0
-    ids = 1 if cfg.model.num_experts <= 256 else 2
+    ids = expert_id_bytes(cfg.model.num_experts)
     per = ids + 4 + (ids if rl.replay != "none" else 0)
     rows = -(-work.sequences // layout.dp)
     return rows * work.seq_len * rank.num_moe_layers * cfg.model.moe_router_topk * per

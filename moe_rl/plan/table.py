@@ -1,8 +1,8 @@
 """What fits on N H100s: for each published model and GPU count, every layout the planner
 can build is planned (distributed optimizer and a sleeping sampler on; with and without the
 optimizer offloaded; every rollout TP, with vLLM's budget sized to what the learner leaves),
-and the fastest one that fits is reported: without recompute when any fits (the learner does
-not run recompute yet), else the fastest with full recompute, marked so. This is how docs/plan.md's table is made:
+with and without full recompute (its extra forward is in the step time), and the fastest one
+that fits is reported. This is how docs/plan.md's table is made:
 
     python -m moe_rl.plan.table --config examples/gpu/qwen3_30b_a3b.yaml --gpus 8 16 64 \\
         --models-dir /tmp/plan_models > /tmp/table.md
