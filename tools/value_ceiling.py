@@ -18,11 +18,22 @@ by three values, each read at the state before the token, as PPO's critic is:
     length     the success rate by position and operand length alone.
 
 A measured critic's explained variance is read against `exact` (docs/ppo_dpo.md).
+
+    python tools/value_ceiling.py --policy runs/tiny_ppo/hf --critic runs/tiny_ppo/checkpoints/step_000200
+
+`--critic` also scores the same rollouts with a PPO run's critic (the checkpoint's
+`critic.*` weights, on one process; `--policy` should be the same step's policy, e.g. the
+run's `hf` export beside its last checkpoint) and prints its explained variance, then where
+its error is: the states still on the answer, and those that have left it, by the token
+that left it (a prompt token out of place, a token not in the prompt, a token where the
+answer had ended), each with its share of the tokens, the mean value and return, its share
+of the squared error, and the explained variance if those states were valued 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections import defaultdict
@@ -61,6 +72,67 @@ def exact_values(answer_ids: list[int], answer_p: list[float], response_ids: lis
     token of `answer_ids`, EOS included) while the response is on track, and 0 from the
     token after the first one that leaves it."""
     return [math.prod(answer_p[t:]) if ok else 0.0 for t, ok in enumerate(on_track(answer_ids, response_ids))]
+
+
+ON_TRACK = "on track"
+OFF_KINDS = ("a prompt token out of place", "a token not in the prompt", "past the answer's end")
+"""How a response leaves the answer: by the first token that differs from the answer's."""
+OFF_TRACK = "off track (every kind)"
+
+
+def state_kinds(prompt_ids: list[int], answer_ids: list[int], response_ids: list[int]) -> list[str]:
+    """Per response token, the state before it: `ON_TRACK`, or once the response has left
+    the answer, how it left (`OFF_KINDS`, by the first differing token: one of the prompt's,
+    one absent from it, or any token where the answer's EOS was due)."""
+    tracked = on_track(answer_ids, response_ids)
+    first_off = next((t for t, ok in enumerate(tracked) if not ok), len(response_ids))
+    k = first_off - 1  # (the first token that differs: the state after it is the first off track)
+    if k < 0 or first_off == len(response_ids):
+        return [ON_TRACK] * len(response_ids)
+    kind = (OFF_KINDS[2] if k >= len(answer_ids) - 1 else
+            OFF_KINDS[0] if response_ids[k] in prompt_ids else OFF_KINDS[1])
+    return [ON_TRACK if ok else kind for ok in tracked]
+
+
+def critic_values(checkpoint: Path, rollouts: list[Rollout], rows_per_pass: int = 256) -> list[list[float]]:
+    """The values of a PPO run's critic (`checkpoint`: one of the run's checkpoints, read
+    with its own config.yaml, on one process) at every response token of `rollouts`."""
+    from moe_rl.batch import TokenBatch
+    from moe_rl.config import ParallelConfig, load_config
+    from moe_rl.learner import Learner, init_distributed, load_checkpoint, parallel_layout
+    from moe_rl.learner.critic import Critic
+    from moe_rl.step_batch import StepBatch
+
+    cfg = load_config(checkpoint / "config.yaml")
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(micro_batch_size=cfg.parallel.micro_batch_size))
+    init_distributed()
+    out: list[list[float]] = []
+    with parallel_layout(cfg.parallel, seed=cfg.run.seed) as layout:
+        actor, critic = Learner(cfg, layout, total_updates=1), Critic(cfg, layout, total_updates=1)
+        load_checkpoint(actor, checkpoint, load_optimizer=False, critic=critic, restore_rng=False)
+        for i in range(0, len(rollouts), rows_per_pass):
+            part = rollouts[i:i + rows_per_pass]
+            tokens = TokenBatch.from_lists([r.prompt for r in part], [r.response for r in part])
+            values_BT = critic.values(StepBatch.whole(tokens))
+            out += [values_BT[b, :len(r.response)].tolist() for b, r in enumerate(part)]
+    return out
+
+
+def critic_report(rollouts: list[Rollout], values: list[list[float]]) -> dict[str, dict[str, float]]:
+    """The critic's explained variance of the Monte-Carlo returns (`"all"`) and, per kind of
+    state (`state_kinds`), its share of the tokens, mean value and return, share of the
+    squared error, and the explained variance with those states valued 0."""
+    kinds = np.array([k for r in rollouts for k in state_kinds(r.prompt, r.answer, r.response)])
+    v = np.array([x for row in values for x in row])
+    r = np.array([ro.reward for ro in rollouts for _ in ro.response])
+    err = (r - v) ** 2
+    report = {"all": {"tokens": float(len(r)), "explained_variance": _ev(r, v)}}
+    for kind, m in [(k, kinds == k) for k in (ON_TRACK, *OFF_KINDS)] + [(OFF_TRACK, kinds != ON_TRACK)]:
+        if m.any():
+            report[kind] = {"share": float(m.mean()), "value": float(v[m].mean()), "return": float(r[m].mean()),
+                            "error_share": float(err[m].sum() / max(err.sum(), 1e-30)),
+                            "valued_0": _ev(r, np.where(m, 0.0, v)) if kind != ON_TRACK else float("nan")}
+    return report
 
 
 def _ev(returns: np.ndarray, values: np.ndarray) -> float:
@@ -108,9 +180,9 @@ def sample_rollouts(policy: Path, task_name: str, prompts: int, samples: int, se
                 yield Rollout(prompt, answer, answer_p, response, reward)
 
 
-def measure(policy: Path, task_name: str, prompts: int, samples: int, seed: int) -> dict[str, float]:
+def measure(rollouts: list[Rollout]) -> dict[str, float]:
     returns, exact, keys, tracked = [], [], [], []
-    for ro in sample_rollouts(policy, task_name, prompts, samples, seed):
+    for ro in rollouts:
         returns += [ro.reward] * len(ro.response)
         exact += exact_values(ro.answer, ro.answer_p, ro.response)
         keys += [(len(ro.answer), t) for t in range(len(ro.response))]
@@ -129,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=192)
     ap.add_argument("--samples", type=int, default=8, help="responses per prompt")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--critic", type=Path, help="a PPO run's checkpoint: score its critic on the same rollouts")
     args = ap.parse_args(argv)
     for flag in ("prompts", "samples"):
         if getattr(args, flag) < 1:
@@ -138,11 +211,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"value_ceiling: --policy {args.policy} is not a Hugging Face directory (no config.json); "
               "export one with tools/convert_checkpoint.py --to hf", file=sys.stderr)
         return 2
-    m = measure(args.policy, args.task, args.prompts, args.samples, args.seed)
+    if args.critic is not None and (why := _not_a_critic(args.critic)):
+        print(f"value_ceiling: --critic {args.critic} {why}; give one of a PPO run's <run>/checkpoints/step_N",
+              file=sys.stderr)
+        return 2
+    rollouts = list(sample_rollouts(args.policy, args.task, args.prompts, args.samples, args.seed))
+    m = measure(rollouts)
     print(f"{args.policy}: reward (token-weighted) {m['reward']:.3f} over {int(m['tokens'])} response tokens")
     print(f"explained variance of Monte-Carlo returns: exact {m['exact']:.3f} | prefix {m['prefix']:.3f} | "
           f"length {m['length']:.3f}")
+    if args.critic is not None:
+        from moe_rl.checkpoints.errors import CheckpointError
+        from moe_rl.config import ConfigError
+
+        try:
+            values = critic_values(args.critic, rollouts)
+        except (CheckpointError, ConfigError) as e:
+            print(f"value_ceiling: --critic {args.critic}: {e}", file=sys.stderr)
+            return 2
+        _print_report(args.critic, critic_report(rollouts, values))
     return 0
+
+
+def _not_a_critic(checkpoint: Path) -> str:
+    """Why `checkpoint` holds no PPO critic ("" when it does)."""
+    from moe_rl.checkpoints import CONFIG_FILE
+    from moe_rl.checkpoints.directories import is_checkpoint, read_meta
+
+    if not is_checkpoint(checkpoint) or not (checkpoint / CONFIG_FILE).is_file():
+        return "is not a moe_rl checkpoint"
+    return "" if "critic" in read_meta(checkpoint) else "holds no critic (it was saved by a run without rl.advantage=gae)"
+
+
+def _print_report(checkpoint: Path, report: dict[str, dict[str, float]]) -> None:
+    print(f"critic {checkpoint}: explained variance {report['all']['explained_variance']:.3f}")
+    print("| state | share of tokens | mean value | mean return | share of squared error | EV if valued 0 |")
+    print("|---|---|---|---|---|---|")
+    for kind, row in report.items():
+        if kind != "all":
+            zeroed = "-" if kind == ON_TRACK else f"{row['valued_0']:.3f}"
+            print(f"| {kind} | {row['share']:.3f} | {row['value']:.2f} | {row['return']:.2f} | "
+                  f"{row['error_share']:.2f} | {zeroed} |")
 
 
 if __name__ == "__main__":
