@@ -9,6 +9,10 @@ conventions:
 - rewards (`token_rewards`): the sequence's scalar score sits on its last response token;
   with `kl_coef > 0`, every response token also gets -kl_coef * k1, k1 = log pi_old - log
   pi_ref (the KL-in-reward penalty).
+- the adaptive KL controller (`adaptive_kl_coef`, Ziegler et al. 2019, "Fine-Tuning
+  Language Models from Human Preferences", section 2.2; PPO's "adaptive KL scheduler" in
+  the design documents): beta <- beta (1 + clip(KL / KL_target - 1, -0.2, 0.2) B / horizon)
+  after a step of B responses whose mean KL (summed k1 per response) was KL.
 - GAE (`gae`): over the response tokens of a row in order (masked positions are skipped:
   the value and advantage of the next valid token pass through them),
       delta_t = r_t + gamma V_{t+1} - V_t     (V after the last token is 0)
@@ -29,6 +33,19 @@ from __future__ import annotations
 import torch
 
 WHITEN_EPS = 1e-8
+
+
+KL_ERROR_CLIP = 0.2
+"""The adaptive controller's proportional error is clipped to [-0.2, 0.2] (Ziegler et al.)."""
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, responses: int, horizon: int) -> float:
+    """The KL weight after a step of `responses` responses whose mean KL to the reference
+    was `kl` (nats per response): coef * (1 + clip(kl / target - 1, -0.2, 0.2) * responses /
+    horizon). Above the target the weight grows, below it shrinks, at most 0.2 B / horizon
+    of itself a step."""
+    error = min(max(kl / target - 1.0, -KL_ERROR_CLIP), KL_ERROR_CLIP)
+    return coef * (1.0 + error * responses / horizon)
 
 
 def token_rewards(score_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None = None,

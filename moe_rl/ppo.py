@@ -7,7 +7,10 @@
 
 Rewards and advantages (`moe_rl.gae`, the documents' formulas): the row's verifier score
 (after overlong shaping) sits on its last response token; with `rl.kl_in_reward` every
-response token also gets -kl_coef * k1, k1 = log pi_old - log pi_ref; GAE over the row's
+response token also gets -beta * k1, k1 = log pi_old - log pi_ref, where beta is
+`rl.kl_coef`, or with `rl.kl_target` > 0 the adaptive controller's weight, updated after
+each step's rewards from the step's mean KL per response and kept in the checkpoints
+(`state` / `restore`); GAE over the row's
 response tokens with `rl.gae_gamma` and `rl.gae_lambda`; returns = advantages + values;
 advantages whitened over every valid token of the step (all data-parallel ranks) when
 `rl.whiten_advantages`. Values are the critic's at the weights that start the step (the
@@ -28,7 +31,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moe_rl.config import Config
-from moe_rl.gae import clipped_value_loss, gae, token_rewards, unbiased_variance, whiten_by_moments
+from moe_rl.gae import (
+    adaptive_kl_coef,
+    clipped_value_loss,
+    gae,
+    token_rewards,
+    unbiased_variance,
+    whiten_by_moments,
+)
 from moe_rl.metrics import combine
 from moe_rl.step_batch import StepBatch
 
@@ -78,6 +88,18 @@ class CriticStage:
         self.cfg = cfg
         self.critic = Critic(cfg, layout, total_updates=updates)
         self.loss_fn = ValueLossFn(cfg)
+        self.kl_coef = cfg.rl.kl_coef
+        """beta, the KL weight in the reward of the next step (rl.kl_in_reward)."""
+
+    def state(self) -> dict[str, float]:
+        """What a checkpoint keeps of the stage besides the critic: the adaptive KL weight."""
+        return {"kl_coef": self.kl_coef} if self.cfg.rl.kl_target > 0 else {}
+
+    def restore(self, meta: dict[str, Any]) -> None:
+        """Resume `state` from a checkpoint's metadata (a checkpoint saved without the
+        adaptive controller leaves it at rl.kl_coef)."""
+        if self.cfg.rl.kl_target > 0 and "kl_coef" in meta:
+            self.kl_coef = float(meta["kl_coef"])
 
     def advantages(self, batch: StepBatch, gather: Callable[[Any], list[Any]]) -> tuple[StepBatch, dict[str, float]]:
         """`batch` with [b, T] token advantages in `adv_B` and the critic's old values and
@@ -89,15 +111,27 @@ class CriticStage:
         kl_BT = None
         if rl.kl_in_reward:
             kl_BT = (batch.old_logp_BT.double() - batch.ref_logp_BT.double()) * mask_BT
-        rewards_BT = token_rewards(batch.extras[SCORE], mask_BT, kl_BT, rl.kl_coef if rl.kl_in_reward else 0.0)
+        rewards_BT = token_rewards(batch.extras[SCORE], mask_BT, kl_BT, self.kl_coef if rl.kl_in_reward else 0.0)
         adv_BT, returns_BT = gae(rewards_BT, values_BT, mask_BT, rl.gae_gamma, rl.gae_lambda)
         sums = gather(_moments(mask_BT, adv_BT, returns_BT, values_BT, kl_BT))
         moments = torch.stack(sums).sum(dim=0)
         metrics = _step_metrics(moments)
+        if rl.kl_in_reward:
+            metrics |= self._control_kl(float(moments[9]), int(moments[10]))
         if rl.whiten_advantages:
             adv_BT = whiten_by_moments(adv_BT, mask_BT, moments[0], moments[1], moments[2])
         extras = {**batch.extras, OLD_VALUES: values_BT.float(), RETURNS: returns_BT.float()}
         return dataclasses.replace(batch, adv_B=adv_BT.float(), extras=extras), metrics
+
+    def _control_kl(self, kl_sum: float, responses: int) -> dict[str, float]:
+        """The step's KL weight and mean KL per response; with rl.kl_target, the next step's
+        weight (every data-parallel rank computes the same one from the gathered sums)."""
+        rl = self.cfg.rl
+        kl = kl_sum / responses if responses else 0.0
+        used = self.kl_coef
+        if rl.kl_target > 0 and responses:
+            self.kl_coef = adaptive_kl_coef(used, kl, rl.kl_target, responses, rl.kl_horizon)
+        return {"critic/kl_coef": used, "critic/kl_per_response": kl}
 
     def update(self, batch: StepBatch, minibatches: list[torch.Tensor]) -> dict[str, float]:
         """One critic update per mini-batch (this rank's rows of each); its metrics, with
@@ -113,13 +147,15 @@ class CriticStage:
 
 def _moments(mask_BT: torch.Tensor, adv_BT: torch.Tensor, returns_BT: torch.Tensor, values_BT: torch.Tensor,
              kl_BT: torch.Tensor | None) -> torch.Tensor:
-    """[10] fp64 sums over this rank's valid tokens: n, sum and sum of squares of the
-    advantages, the returns and the returns minus values, the sum of |adv| and of k1."""
+    """[11] fp64 sums over this rank's valid tokens: n, sum and sum of squares of the
+    advantages, the returns and the returns minus values, the sum of |adv| and of k1; and
+    the number of responses (rows with a valid token)."""
     m = mask_BT.to(torch.bool)
     a, r, d = adv_BT[m], returns_BT[m], (returns_BT - values_BT)[m]
     kl = kl_BT[m].sum() if kl_BT is not None else torch.zeros((), dtype=torch.float64)
     return torch.stack([torch.tensor(float(m.sum()), dtype=torch.float64), a.sum(), (a * a).sum(),
-                        r.sum(), (r * r).sum(), d.sum(), (d * d).sum(), a.abs().sum(), values_BT[m].sum(), kl])
+                        r.sum(), (r * r).sum(), d.sum(), (d * d).sum(), a.abs().sum(), values_BT[m].sum(), kl,
+                        m.any(dim=1).sum().double()])
 
 
 def _step_metrics(moments: torch.Tensor) -> dict[str, float]:

@@ -81,6 +81,8 @@ class Trainer:
         if resume_from is not None:
             meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint, critic=critic)
             self.start_step = int(meta.get("trainer_step", meta["step"]))
+            if self.ppo is not None:
+                self.ppo.restore(meta)
             log.info("resumed from %s at step %d", resume_from, self.start_step)
         else:
             if init:
@@ -362,8 +364,9 @@ class Trainer:
     def _save(self, step: int) -> None:
         from moe_rl.learner import save_checkpoint
 
+        stage = self.ppo.state() if self.ppo is not None else {}
         save_checkpoint(self.learner, self.run_dir.checkpoints / f"step_{step:06d}",
-                        extra_meta={"trainer_step": step, "run_id": self.run_dir.run_id},
+                        extra_meta={"trainer_step": step, "run_id": self.run_dir.run_id, **stage},
                         critic=self.ppo.critic if self.ppo is not None else None)
         if self.rank == 0:
             self.run_dir.rotate_checkpoints()

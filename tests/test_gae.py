@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from moe_rl.gae import clipped_value_loss, explained_variance, gae, masked_whiten, token_rewards
+from moe_rl.gae import (
+    adaptive_kl_coef,
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    masked_whiten,
+    token_rewards,
+)
 
 
 def _random_grid(seed: int, B: int = 7, T: int = 9):
@@ -109,3 +116,13 @@ def test_explained_variance():
     mean = returns[mask].mean()
     assert explained_variance(torch.full_like(returns, float(mean)), returns, mask) == pytest.approx(0.0, abs=1e-12)
     assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask))
+
+
+@pytest.mark.parametrize("kl,want", [
+    (0.11, 0.1 * (1 + 0.1 * 64 / 1000)),   # 10% above the target: the weight grows by 0.1 B / horizon
+    (0.095, 0.1 * (1 - 0.05 * 64 / 1000)),  # 5% below: it shrinks
+    (5.0, 0.1 * (1 + 0.2 * 64 / 1000)),    # far above: the error is clipped at 0.2
+    (0.0, 0.1 * (1 - 0.2 * 64 / 1000)),    # no KL at all: clipped at -0.2
+])
+def test_adaptive_kl_coef_by_hand(kl, want):
+    assert adaptive_kl_coef(0.1, kl, target=0.1, responses=64, horizon=1000) == pytest.approx(want, rel=1e-12)

@@ -121,6 +121,45 @@ def test_step_advantages_follow_the_documents_formulas(critic_factory, kl_in_rew
     assert metrics["critic/values_mean"] == pytest.approx(float(values_BT[mask_BT].mean()), abs=1e-6)
 
 
+def test_the_adaptive_kl_weight_follows_the_controller_and_is_kept(critic_factory):
+    """With rl.kl_target the step's rewards use the current weight, then the weight becomes
+    beta (1 + clip(KL / target - 1, -0.2, 0.2) B / horizon), KL the step's mean summed k1
+    per response; the next step's rewards use it, and a checkpoint's metadata carries it."""
+    tokens, _ = fixed_batch()
+    g = torch.Generator().manual_seed(9)
+    mask_BT = tokens.response_mask()
+    ref_BT = -torch.rand(tokens.batch_size, tokens.response_width, generator=g)
+    old_BT = ref_BT + 0.1 * torch.rand(ref_BT.shape, generator=g)  # (k1 > 0 on every token)
+    kl_BT = (old_BT.double() - ref_BT.double()) * mask_BT  # (in fp64, as the stage takes it)
+    responses = int(mask_BT.any(dim=1).sum())
+    kl = float(kl_BT.sum()) / responses
+    target = kl / 1.1  # an error of 0.1: inside the clip
+    stage = critic_factory("rl.kl_in_reward=true", "rl.kl_coef=0.05", f"rl.kl_target={target!r}",
+                           "rl.kl_horizon=20", "rl.whiten_advantages=false")
+    set_head(stage.critic, 3)
+    score_B = torch.rand(tokens.batch_size, generator=g)
+    batch = stage.critic.own_rows(tokens, {SCORE: score_B})
+    batch = dataclasses.replace(batch, old_logp_BT=old_BT * mask_BT, ref_logp_BT=ref_BT * mask_BT)
+    values_BT = plain_values(stage.critic, tokens).double()
+    beta = 0.05
+    for _ in range(2):
+        out, metrics = stage.advantages(batch, lambda x: [x])
+        _, returns_BT = gae(token_rewards(score_B, mask_BT, kl_BT, beta), values_BT, mask_BT, 1.0, 0.95)
+        assert (out.extras[RETURNS] - returns_BT).abs().max() <= 1e-5
+        assert metrics["critic/kl_coef"] == beta
+        assert metrics["critic/kl_per_response"] == pytest.approx(kl, rel=1e-12)
+        beta *= 1 + (kl / target - 1) * responses / 20
+        assert stage.kl_coef == pytest.approx(beta, rel=1e-12)
+    assert stage.state() == {"kl_coef": stage.kl_coef}
+    stage.restore({"kl_coef": 0.125})
+    assert stage.kl_coef == 0.125
+    fixed = critic_factory("rl.kl_in_reward=true", "rl.kl_coef=0.05")
+    fixed.restore({"kl_coef": 0.125})  # (a fixed weight is the recipe's, whatever a checkpoint says)
+    assert fixed.state() == {} and fixed.kl_coef == 0.05
+    fixed.advantages(batch, lambda x: [x])
+    assert fixed.kl_coef == 0.05
+
+
 def test_first_value_gradient_has_its_closed_form(critic_factory):
     """With the value head at zero and V_old = 0: L = coef/N sum_t 0.5 R_t^2 at V = 0, so
     dL/dw = -coef/N sum_t R_t h_t, dL/db = -coef/N sum_t R_t, and the transformer gets none."""
@@ -170,6 +209,9 @@ def test_preflight_refuses_a_ppo_recipe_that_cannot_run(overrides, needle):
     (["critic.value_clip=0"], "critic.value_clip must be > 0"),
     (["critic.epochs=0"], "critic.epochs must be >= 1"),
     (["critic.num_minibatches=-1"], "critic.num_minibatches must be >= 0 (0: rl.num_minibatches)"),
+    (["rl.kl_target=0.1"], "rl.kl_target adapts the weight of the KL in GAE's per-token reward: it needs "
+                           "rl.kl_in_reward=true"),
+    (["rl.kl_horizon=0"], "rl.kl_target must be >= 0 and rl.kl_horizon >= 1, got 0.0 and 0"),
 ])
 def test_recipe_checks_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
@@ -219,13 +261,15 @@ def test_killed_ppo_run_resumes_bit_exactly(tmp_path):
     from moe_rl.convert.dcp import DcpCheckpoint
 
     env = child_env(OMP_NUM_THREADS="1")
-    ref = subprocess.run(_ppo_cmd(tmp_path, "ref", "run.steps=4"), cwd=ROOT, env=env, capture_output=True,
+    # (with the adaptive KL weight in the reward: its value is part of what a checkpoint keeps)
+    kl = ("run.steps=4", "rl.kl_in_reward=true", "rl.kl_coef=0.05", "rl.kl_target=0.001", "rl.kl_horizon=10")
+    ref = subprocess.run(_ppo_cmd(tmp_path, "ref", *kl), cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    cut = subprocess.run(_ppo_cmd(tmp_path, "cut", "run.steps=4"), cwd=ROOT, capture_output=True, text=True,
+    cut = subprocess.run(_ppo_cmd(tmp_path, "cut", *kl), cwd=ROOT, capture_output=True, text=True,
                          timeout=900, env={**env, "MOE_RL_TEST_KILL_AT": "save.begin#3"})
     assert cut.returncode != 0
-    resumed = subprocess.run(_ppo_cmd(tmp_path, "cut", "run.steps=4", "run.resume=true"), cwd=ROOT, env=env,
+    resumed = subprocess.run(_ppo_cmd(tmp_path, "cut", *kl, "run.resume=true"), cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
@@ -245,6 +289,9 @@ def test_killed_ppo_run_resumes_bit_exactly(tmp_path):
     meta_a, meta_b = (json.loads((c.path / "moe_rl.json").read_text()) for c in (a, b))
     assert meta_a["critic"] == meta_b["critic"] and meta_a["critic"]["step"] == 24  # 4 steps x 2 epochs x 3 batches
     assert meta_a["scheduler"] == meta_b["scheduler"]
+    # the KL weight moved every step (16 responses a step, horizon 10: x(1 +- 0.32) at a clipped error)
+    weights = [r["critic/kl_coef"] for r in rows]
+    assert weights[0] == 0.05 and len(set(weights)) == 4 and meta_a["kl_coef"] == meta_b["kl_coef"] != weights[-1]
 
 
 def test_value_loss_gradient_reaches_the_transformer_as_autograd_says(critic_factory):

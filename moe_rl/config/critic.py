@@ -68,6 +68,11 @@ def validate_critic(cfg: Any) -> None:
         raise ConfigError("critic.warmup_steps and critic.lr_warmup_steps must be >= 0")
     if not 0 <= rl.gae_gamma <= 1 or not 0 <= rl.gae_lambda <= 1:
         raise ConfigError(f"rl.gae_gamma and rl.gae_lambda must be in [0, 1], got {rl.gae_gamma} and {rl.gae_lambda}")
+    if rl.kl_target < 0 or rl.kl_horizon < 1:
+        raise ConfigError(f"rl.kl_target must be >= 0 and rl.kl_horizon >= 1, got {rl.kl_target} and {rl.kl_horizon}")
+    if rl.kl_target > 0 and not rl.kl_in_reward:
+        raise ConfigError("rl.kl_target adapts the weight of the KL in GAE's per-token reward: it needs "
+                          "rl.kl_in_reward=true (the KL penalty in the loss keeps rl.kl_coef)")
     if rl.advantage != "gae":
         if rl.kl_in_reward:
             raise ConfigError("rl.kl_in_reward puts the KL penalty in GAE's per-token reward: it needs "

@@ -124,6 +124,13 @@ class RLConfig:
     """rl.advantage=gae: put the KL to the reference in the per-token reward, -kl_coef * k1
     (k1 = log pi_old - log pi_ref, as the design documents write it; rl.kl_estimator is the
     loss's penalty and is not read then), instead of in the loss."""
+    kl_target: float = 0.0
+    """rl.kl_in_reward: PPO's adaptive KL controller (Ziegler et al. 2019): after each step
+    the reward's KL weight (starting at rl.kl_coef) is multiplied by
+    1 + clip(KL / kl_target - 1, -0.2, 0.2) * B / kl_horizon, KL being the step's mean over
+    its B responses of each one's summed k1 (nats per response). 0: a fixed weight."""
+    kl_horizon: int = 10000
+    """The adaptive KL controller's horizon, in responses (rl.kl_target > 0)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_step: int = 16
