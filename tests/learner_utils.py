@@ -1,4 +1,5 @@
-"""Shared by the learner tests and their torchrun workers: a fixed batch and a loss."""
+"""Shared by the learner tests and their torchrun workers: a fixed batch, a loss, and the
+critic's values by a plain forward."""
 
 from __future__ import annotations
 
@@ -74,3 +75,17 @@ def counting_router_reruns() -> Iterator[dict[str, int]]:
         yield count
     finally:
         routing._in_backward = real
+
+
+@torch.no_grad()
+def plain_values(critic, tokens) -> torch.Tensor:
+    """Reference: the final hidden state at each response token's scoring position, h . w + b."""
+    pos = torch.arange(tokens.seq_len).expand_as(tokens.tokens_BS)
+    hidden_BSH = critic.gpt(input_ids=tokens.tokens_BS, position_ids=pos, attention_mask=None).float()
+    head = critic.gpt.value_head
+    out = torch.zeros(tokens.batch_size, tokens.response_width)
+    for b in range(tokens.batch_size):
+        p0 = int(tokens.prompt_lens_B[b])
+        for j in range(int(tokens.response_lens_B[b])):
+            out[b, j] = hidden_BSH[b, p0 + j - 1] @ head.weight.float() + head.bias.float()
+    return out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_utils import fixed_batch
+from learner_utils import fixed_batch, plain_values
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.gae import gae, masked_whiten, token_rewards, whiten_by_moments
@@ -42,20 +42,6 @@ def critic_factory(megatron_world):
     yield make
     for ctx, _ in stack:
         ctx.__exit__(None, None, None)
-
-
-@torch.no_grad()
-def plain_values(critic, tokens) -> torch.Tensor:
-    """Reference: the final hidden state at each response token's scoring position, h . w + b."""
-    pos = torch.arange(tokens.seq_len).expand_as(tokens.tokens_BS)
-    hidden_BSH = critic.gpt(input_ids=tokens.tokens_BS, position_ids=pos, attention_mask=None).float()
-    head = critic.gpt.value_head
-    out = torch.zeros(tokens.batch_size, tokens.response_width)
-    for b in range(tokens.batch_size):
-        p0 = int(tokens.prompt_lens_B[b])
-        for j in range(int(tokens.response_lens_B[b])):
-            out[b, j] = hidden_BSH[b, p0 + j - 1] @ head.weight.float() + head.bias.float()
-    return out
 
 
 def set_head(critic, seed: int) -> None:

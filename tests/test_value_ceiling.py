@@ -82,6 +82,7 @@ def test_critic_values_read_a_ppo_checkpoints_critic(megatron_world, tmp_path) -
     """The tool's values (a checkpoint saved with a critic, loaded on one process) equal the
     saved critic's own: h . w + b of the final hidden state at each scoring slot."""
     import torch
+    from learner_utils import plain_values
 
     from moe_rl.batch import TokenBatch
     from moe_rl.config import load_config
@@ -98,16 +99,11 @@ def test_critic_values_read_a_ppo_checkpoints_critic(megatron_world, tmp_path) -
         critic.init_value_head(0.5, seed=11)  # (a head that is not zero, as after training)
         save_checkpoint(actor, tmp_path / "ckpt", critic=critic)
         tokens = TokenBatch.from_lists([r.prompt for r in rollouts], [r.response for r in rollouts])
-        with torch.no_grad():
-            pos = torch.arange(tokens.seq_len).expand_as(tokens.tokens_BS)
-            hidden_BSH = critic.gpt(input_ids=tokens.tokens_BS, position_ids=pos, attention_mask=None).float()
-            head = critic.gpt.value_head
-            expected = [[float(hidden_BSH[b, len(r.prompt) + j - 1] @ head.weight.float() + head.bias.float())
-                         for j in range(len(r.response))] for b, r in enumerate(rollouts)]
+        expected_BT = plain_values(critic, tokens)
     got = value_ceiling.critic_values(tmp_path / "ckpt", rollouts, rows_per_pass=2)
-    assert max(abs(x) for row in expected for x in row) > 0.1
-    for g_row, e_row in zip(got, expected):
-        assert g_row == pytest.approx(e_row, abs=1e-5)
+    assert expected_BT.abs().max() > 0.1
+    for b, (g_row, r) in enumerate(zip(got, rollouts)):
+        assert g_row == pytest.approx(expected_BT[b, :len(r.response)].tolist(), abs=1e-5)
 
 
 def test_a_critic_that_is_no_ppo_checkpoint_is_one_line_and_exit_2(tmp_path, capsys) -> None:
