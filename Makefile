@@ -29,12 +29,13 @@ export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo bench lint ablations ablations-report ablations-sweep clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo bench lint ablations ablations-report ablations-sweep clean-runs
 
 help:
 	@echo "make demo       RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
 	@echo "make dpo-demo   DPO on the shipped tiny MoE from preference pairs (CPU, held-out accuracy >= 0.9)"
 	@echo "make rm-demo    a reward model on the same pairs, the starting point of PPO's critic (CPU)"
+	@echo "make ppo-demo   PPO with a critic pretrained on the base's rollouts (CPU, ~17 min once + ~4 min)"
 	@echo "make test       the full test suite (what CI runs)"
 	@echo "make bench      benchmarks -> bench/results/"
 	@echo "make ablations  off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/"
@@ -95,6 +96,15 @@ dpo-demo: install
 # checkpoint can start PPO's critic (critic.init_checkpoint, docs/ppo_dpo.md).
 rm-demo: install
 	$(PY) -m moe_rl.reward_model --config examples/tiny_rm.yaml run.overwrite=true
+
+# PPO with a value-pretrained critic (docs/ppo_dpo.md): the critic alone on the shipped base's
+# rollouts (examples/tiny_value.yaml, ~17 min on 2 cores; resumable, skipped once finished),
+# then examples/tiny_ppo.yaml from its last checkpoint (~4 min).
+VALUE_CKPT := runs/tiny_value/checkpoints/step_001500
+ppo-demo: install
+	$(PY) -m moe_rl.train --config examples/tiny_value.yaml run.resume=true
+	$(PY) -m moe_rl.train --config examples/tiny_ppo.yaml critic.init_checkpoint=$(VALUE_CKPT) critic.lr=5e-4 \
+		run.name=tiny_ppo_pretrained run.overwrite=true
 
 bench: install
 	$(PY) -m bench.run_all

@@ -2,7 +2,7 @@
 rollouts, measured as held-out explained variance (why `examples/tiny_ppo.yaml`'s critic
 stays near 0.2, docs/ppo_dpo.md).
 
-    python -m bench.run_all critic            # about 15 minutes on 2 CPUs
+    python -m bench.run_all critic            # about 18 minutes on 2 CPUs
     python -m bench.run_all critic --quick    # smoke-sized
 
 Rollouts: the shipped base policy (`moe_rl/assets/tiny_base`, exported to Hugging Face by
@@ -23,13 +23,21 @@ response token) is measured. The variants:
                 return's Gaussian histogram (sigma 0.75 bins; Farebrother et al. 2024);
     on_track    mse against whether the prefix is still the answer's (exact 0/1 labels
                 instead of the noisy return): how fast the architecture learns to spot a
-                wrong digit at all; its explained variance is of the best affine map of V.
+                wrong digit at all; its explained variance is of the best affine map of V;
+    one more layer  mse with a fifth decoder layer on top (a copy of the last one whose
+                attention output and expert down-projections start at zero, so the critic
+                starts as the base): is checking the digit just written one layer deeper
+                than writing it?
+    likelihood  mse, the head also reading the log-probability the trunk's own output
+                layer (kept, trainable) gave the token at that slot and its gap to the most
+                likely token: the policy's own surprise at the digit just written.
 
 Each variant runs in its own process at one torch thread, two at a time.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import multiprocessing
@@ -56,6 +64,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bce (sigmoid head)": {"loss": "bce", "lr": 1e-3, "batch": 128},
     "hl_gauss (51 bins)": {"loss": "hl_gauss", "lr": 1e-3, "batch": 128},
     "on_track labels (exact 0/1)": {"loss": "mse", "lr": 1e-3, "batch": 128, "labels": "on_track"},
+    "mse, one more layer (identity at the start)": {"loss": "mse", "lr": 1e-3, "batch": 128, "extra_layer": True},
+    "mse, head also reads the trunk's log-prob of the token": {"loss": "mse", "lr": 1e-3, "batch": 128,
+                                                              "likelihood": True},
 }
 
 
@@ -88,14 +99,43 @@ def batchify(rows: list, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return ids, mask, ret, track
 
 
+def append_identity_layer(trunk: torch.nn.Module) -> None:
+    """A copy of the trunk's last decoder layer on top, its residual branches' output
+    projections zeroed so that the deeper trunk computes what the base's does."""
+    layer = copy.deepcopy(trunk.layers[-1])
+    layer.self_attn.layer_idx = len(trunk.layers)
+    torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+    for name, param in layer.mlp.named_parameters():
+        if "down" in name:
+            torch.nn.init.zeros_(param)
+    trunk.layers.append(layer)
+    trunk.config.num_hidden_layers += 1
+
+
+def token_surprise(logits_BLV: torch.Tensor, ids_BL: torch.Tensor) -> torch.Tensor:
+    """[B, L, 2]: at each position, the log-probability the previous position's logits gave
+    this token, and its gap to the most likely token (0 at the first position)."""
+    logp = logits_BLV[:, :-1].log_softmax(-1)
+    token_lp = logp.gather(-1, ids_BL[:, 1:, None])[..., 0]
+    out = torch.zeros(*ids_BL.shape, 2)
+    out[:, 1:, 0] = token_lp
+    out[:, 1:, 1] = token_lp - logp.max(-1).values
+    return out
+
+
 class ProbeCritic(torch.nn.Module):
-    def __init__(self, policy: Path, loss: str) -> None:
+    def __init__(self, policy: Path, loss: str, extra_layer: bool = False, likelihood: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         super().__init__()
-        self.trunk = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).model
+        lm = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+        self.trunk = lm.model
+        self.output_layer = lm.lm_head if likelihood else None
+        if extra_layer:
+            append_identity_layer(self.trunk)
         self.loss = loss
-        self.head = torch.nn.Linear(self.trunk.config.hidden_size, HL_BINS if loss == "hl_gauss" else 1)
+        features = self.trunk.config.hidden_size + (2 if likelihood else 0)
+        self.head = torch.nn.Linear(features, HL_BINS if loss == "hl_gauss" else 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
         self.centers = torch.linspace(HL_LOW, HL_HIGH, HL_BINS)
@@ -104,7 +144,10 @@ class ProbeCritic(torch.nn.Module):
         self.sigma = 0.75 * width
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.trunk(input_ids=ids).last_hidden_state)
+        hidden = self.trunk(input_ids=ids).last_hidden_state
+        if self.output_layer is not None:
+            hidden = torch.cat([hidden, token_surprise(self.output_layer(hidden), ids)], -1)
+        return self.head(hidden)
 
     def value(self, out: torch.Tensor) -> torch.Tensor:
         if self.loss == "hl_gauss":
@@ -140,7 +183,7 @@ def fit(name: str, spec: dict[str, Any], policy: str, data: tuple, updates: int,
     torch.manual_seed(0)
     train, held, pad = data
     held_t = batchify(held, pad)
-    critic = ProbeCritic(Path(policy), spec["loss"])
+    critic = ProbeCritic(Path(policy), spec["loss"], spec.get("extra_layer", False), spec.get("likelihood", False))
     opt = torch.optim.Adam(critic.parameters(), lr=spec["lr"])
     rng = np.random.default_rng(0)
     scale = spec.get("scale", 1)
@@ -190,10 +233,11 @@ def main(quick: bool = False) -> None:
                      round(res["curve"][-1]["ev"], 3), res["curve"][-1]["updates"], round(res["seconds"])])
     header = ["variant", *[f"EV after {m * 128} rollouts" for m in marks], "EV at the end", "updates", "seconds"]
     long = next(r for r in results if r.get("long"))
+    labelled = next(r for r in results if r.get("labels") == "on_track")
     notes = (f"Base-policy rollouts: {len(train)} training (reward {reward:.3f}), {len(held)} held out; sampled in "
              f"{sampled_s:.0f} s. EV: held-out explained variance of the Monte-Carlo returns "
              "(on_track: of the best affine map of V; its held-out accuracy at the end "
-             f"{results[-1]['curve'][-1].get('on_track_accuracy', float('nan')):.3f}). The long mse run: "
+             f"{labelled['curve'][-1]['on_track_accuracy']:.3f}). The long mse run: "
              + ", ".join(f"{p['updates']} -> {p['ev']:.3f}" for p in long["curve"][2::3]))
     write_results("critic", {"rollouts": len(train), "held_out": len(held), "reward": reward,
                              "sample_seconds": sampled_s, "results": results}, markdown_table(header, rows), notes)

@@ -88,11 +88,11 @@ class Trainer:
             if init:
                 self._load_init(self.learner, init)
             if critic is not None and (cfg.critic.init_checkpoint or init):
-                from moe_rl.learner.critic import VALUE_HEAD_KEYS
+                from moe_rl.learner.start import load_critic_start
 
-                # (no starting weights hold the value head: it stays at zero)
-                self._load_init(critic, cfg.critic.init_checkpoint or init, optional=(VALUE_HEAD_KEYS,),
-                                key="critic.init_checkpoint" if cfg.critic.init_checkpoint else "run.init_checkpoint")
+                # (a PPO checkpoint's saved critic, value head included; other weights: head at zero)
+                load_critic_start(critic, cfg.critic.init_checkpoint or init, cfg.run.trust_checkpoint,
+                                  key="critic.init_checkpoint" if cfg.critic.init_checkpoint else "run.init_checkpoint")
         trained = [self.learner] + ([critic] if critic is not None else [])
         self._offload = [HostOffload(m) for m in trained] if cfg.optimizer.offload_during_rollout else None
         self.ref = None
@@ -117,13 +117,11 @@ class Trainer:
         cfg = self.cfg
         return CriticStage(cfg, self.layout, updates=cfg.run.steps * cfg.critic.epochs * critic_minibatches(cfg))
 
-    def _load_init(self, learner: Any, path: str, optional: tuple[str, ...] = (),
-                   key: str = "run.init_checkpoint") -> None:
-        """Starting weights from a moe_rl checkpoint or a Hugging Face directory (`optional`:
-        parameter-name prefixes they may lack)."""
+    def _load_init(self, learner: Any, path: str) -> None:
+        """Starting weights from a moe_rl checkpoint or a Hugging Face directory."""
         from moe_rl.learner import load_start
 
-        load_start(learner, path, self.cfg.run.trust_checkpoint, optional=optional, key=key)
+        load_start(learner, path, self.cfg.run.trust_checkpoint)
 
     # ------------------------------------------------------------------ one step
 

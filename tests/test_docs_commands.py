@@ -46,6 +46,7 @@ STAND_INS = {
     # docs/ppo_dpo.md: what `make rm-demo` writes (a checkpoint of the same model; --check
     # reads where it is and what model it holds, not its value head)
     "runs/tiny_rm/checkpoints/step_000300": "moe_rl/assets/tiny_base",
+    "runs/tiny_value/checkpoints/step_001500": "moe_rl/assets/tiny_base",  # what tiny_value.yaml writes
     "train.jsonl": "{prompts}", "/data/math/train.jsonl": "{prompts}", "test.jsonl": "{prompts}",
     "/tmp/plan_models": "{plan_models}",      # docs/plan.md: what the table command writes
     "/models/GLM-4.5-Air": "{plan_models}/GLM-4.5-Air",

@@ -173,6 +173,35 @@ def test_first_value_gradient_has_its_closed_form(critic_factory):
     assert max(body) == 0
 
 
+def test_a_ppo_checkpoint_starts_the_next_critic_with_its_value_head(critic_factory, tmp_path):
+    """critic.init_checkpoint: a PPO run's checkpoint (a value-pretraining run's) gives the
+    critic saved in it, transformer and value head, so the next run's first values are the
+    saved critic's; a policy checkpoint gives its transformer with the head at zero."""
+    from moe_rl.learner import Learner, save_checkpoint
+    from moe_rl.learner.start import load_critic_start
+
+    saved = critic_factory().critic
+    set_head(saved, 3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # (a transformer unlike the actor's, so that the body is seen to load too)
+        for param in saved.gpt.decoder.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * 0.05)
+    tokens, _ = fixed_batch()
+    want_BT = plain_values(saved, tokens)
+    actor = Learner(saved.cfg, saved.layout, trainable=False)
+    save_checkpoint(actor, tmp_path / "ppo", include_optimizer=False, critic=saved)
+    save_checkpoint(actor, tmp_path / "policy", include_optimizer=False)
+
+    fresh = critic_factory().critic
+    assert plain_values(fresh, tokens).abs().max() == 0
+    load_critic_start(fresh, str(tmp_path / "ppo"), trust=False)
+    assert fresh.step == 0
+    assert (plain_values(fresh, tokens) - want_BT).abs().max() <= 1e-6 * want_BT.abs().max()
+    load_critic_start(fresh, str(tmp_path / "policy"), trust=False)
+    assert plain_values(fresh, tokens).abs().max() == 0  # the head: not in a policy's weights, so zero
+    assert float(fresh.gpt.value_head.weight.abs().max()) == 0
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (["rl.advantage=gae", "rl.objective=rspo"], "rl.objective=rspo is sequence-level"),
     (["rl.advantage=gae", "rl.objective=grpo", "critic.init_checkpoint=/nonexistent"],
@@ -190,7 +219,7 @@ def test_preflight_refuses_a_ppo_recipe_that_cannot_run(overrides, needle):
     (["rl.kl_in_reward=true", "rl.advantage=grpo"], "rl.kl_in_reward puts the KL penalty"),
     (["rl.kl_in_reward=true"], "rl.kl_in_reward=true needs rl.kl_coef > 0"),
     (["rl.dynamic_sampling=true"], "rl.dynamic_sampling drops groups"),
-    (["critic.warmup_steps=200"], "critic.warmup_steps=200 leaves no actor update"),
+    (["critic.warmup_steps=201"], "critic.warmup_steps=201 is more than run.steps=200 (equal: a value-pretraining"),
     (["rl.gae_lambda=1.5"], "rl.gae_gamma and rl.gae_lambda must be in [0, 1]"),
     (["critic.value_clip=0"], "critic.value_clip must be > 0"),
     (["critic.epochs=0"], "critic.epochs must be >= 1"),
@@ -278,6 +307,35 @@ def test_killed_ppo_run_resumes_bit_exactly(tmp_path):
     # the KL weight moved every step (16 responses a step, horizon 10: x(1 +- 0.32) at a clipped error)
     weights = [r["critic/kl_coef"] for r in rows]
     assert weights[0] == 0.05 and len(set(weights)) == 4 and meta_a["kl_coef"] == meta_b["kl_coef"] != weights[-1]
+
+
+@pytest.mark.slow
+def test_a_value_pretraining_run_trains_the_critic_alone_and_starts_the_next_one(tmp_path):
+    """critic.warmup_steps = run.steps: every step trains the critic only (the saved actor
+    is the starting policy, tensor for tensor); a run started from its checkpoint
+    (critic.init_checkpoint) values its first rollouts with that critic, not a zero head."""
+    from test_checkpoint_safety import child_env
+
+    from moe_rl.convert.dcp import DcpCheckpoint
+
+    env = child_env(OMP_NUM_THREADS="1")
+    value = subprocess.run(_ppo_cmd(tmp_path, "value", "run.steps=2", "critic.warmup_steps=2"), cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=900)
+    assert value.returncode == 0, value.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "value" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy/updates"] for r in rows] == [0, 0] and all(r["critic/updates"] == 6 for r in rows)
+    assert rows[0]["critic/values_mean"] == 0  # (the run's own critic starts at a zero head)
+    saved = DcpCheckpoint(tmp_path / "value" / "checkpoints" / "step_000002")
+    start = DcpCheckpoint(ROOT / "moe_rl" / "assets" / "tiny_base")
+    weights = [k for k in start.tensors if k.startswith(("decoder.", "embedding.", "output_layer."))]
+    assert weights and all(torch.equal(saved.read(k), start.read(k)) for k in weights)
+    assert not torch.equal(saved.read("critic.decoder.final_layernorm.weight"), start.read("decoder.final_layernorm.weight"))
+
+    ppo = subprocess.run(_ppo_cmd(tmp_path, "ppo", "run.steps=1", f"critic.init_checkpoint={saved.path}"),
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert ppo.returncode == 0, ppo.stderr[-3000:]
+    first = json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["critic/values_mean"] != 0
 
 
 def test_value_loss_gradient_reaches_the_transformer_as_autograd_says(critic_factory):

@@ -24,12 +24,15 @@ class CriticConfig:
     """Linear warm-up of the critic's learning rate, in critic updates."""
     warmup_steps: int = 0
     """Critic warm-up: the first N RL steps train the critic only (the actor is not
-    updated, so its rollouts stay on-policy while the values catch up)."""
+    updated, so its rollouts stay on-policy while the values catch up). N = run.steps is
+    value pretraining: a run of the critic alone, whose checkpoints start another run's
+    critic (critic.init_checkpoint)."""
     init_checkpoint: str = ""
-    """The critic's starting transformer (a moe_rl checkpoint, a reward model's from
-    `python -m moe_rl.reward_model` included, or a Hugging Face directory); empty: the
-    actor's starting checkpoint (run.init_checkpoint). The value head starts at
-    zero either way, so the first values are 0 and the first advantages are the returns."""
+    """The critic's starting weights; empty: the actor's starting checkpoint
+    (run.init_checkpoint). A PPO run's checkpoint (a value-pretraining run's) gives the
+    critic saved in it, value head included. Any other (a policy, a reward model's from
+    `python -m moe_rl.reward_model`, a Hugging Face directory) gives its transformer, with
+    the value head at zero, so the first values are 0 and the first advantages the returns."""
     value_clip: float = 0.2
     """c of the clipped value loss 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)."""
     epochs: int = 1
@@ -83,5 +86,6 @@ def validate_critic(cfg: Any) -> None:
     if rl.dynamic_sampling:
         raise ConfigError("rl.dynamic_sampling drops groups with equal rewards, a GRPO-family fix for zero group "
                           "advantages; with rl.advantage=gae every row has a signal: set rl.dynamic_sampling=false")
-    if c.warmup_steps >= cfg.run.steps:
-        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} leaves no actor update in run.steps={cfg.run.steps}")
+    if c.warmup_steps > cfg.run.steps:
+        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} is more than run.steps={cfg.run.steps} (equal: "
+                          "a value-pretraining run, the critic alone on the starting policy's rollouts)")

@@ -75,6 +75,7 @@ __all__ = [
     "is_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_saved_critic",
     "read_meta",
     "save_checkpoint",
 ]
@@ -397,6 +398,25 @@ def load_checkpoint(
     if restore_rng:
         _restore_rng(loaded, same_layout, path, meta, learner)
     learner.step = int(meta.get("step", 0))
+    return meta
+
+
+def load_saved_critic(critic: Any, path: str | os.PathLike, *, trust: bool = False) -> dict[str, Any]:
+    """Collective. Load the PPO critic saved beside a run's actor in `path` (its transformer
+    and value head; not its optimizer, schedule or RNG) into `critic`, at any layout: the
+    starting critic of another run (a value-pretraining run's, `critic.init_checkpoint`).
+    Returns the checkpoint's metadata."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        read_meta(path)  # raises the one-line error naming what is missing
+    restricted = _verify(path, trust)
+    meta = read_meta(path)
+    if "critic" not in meta:
+        raise CheckpointError(f"checkpoint {path} holds no critic (it was saved by a run without rl.advantage=gae)")
+    loaded = _load_files(critic, path, {"critic": critic.gpt.sharded_state_dict(prefix=CRITIC_PREFIX)}, restricted)
+    _load_weights(critic, {k.removeprefix(CRITIC_PREFIX): v for k, v in loaded["critic"].items()}, path, True, ())
+    _load_optimizer(critic, None, None, wanted=False)  # (fp32 master copies follow the weights)
+    critic.step = 0
     return meta
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.config import ConfigError
-from moe_rl.learner.checkpoint import is_checkpoint, load_checkpoint
+from moe_rl.learner.checkpoint import is_checkpoint, load_checkpoint, load_saved_critic, read_meta
+from moe_rl.learner.critic import VALUE_HEAD_KEYS
 from moe_rl.learner.hf_import import load_hf_weights
 
 
@@ -26,3 +27,16 @@ def load_start(learner: Any, path: str, trust: bool, optional: tuple[str, ...] =
     else:
         raise ConfigError(f"{key}={path} is neither a moe_rl checkpoint nor a Hugging Face directory")
     learner.step = 0
+
+
+def load_critic_start(critic: Any, path: str, trust: bool, key: str = "critic.init_checkpoint") -> None:
+    """Collective. PPO's starting critic: from a PPO run's checkpoint, the critic saved in it
+    (transformer and value head: a value-pretraining run's product); from any other weights
+    (a policy, a reward model, a Hugging Face directory), their transformer, with the value
+    head at zero. Weights only, step 0."""
+    p = Path(path)
+    if is_checkpoint(p) and "critic" in read_meta(p):
+        load_saved_critic(critic, p, trust=trust)
+    else:
+        load_start(critic, path, trust, optional=(VALUE_HEAD_KEYS,), key=key)
+        critic.init_value_head(0.0, seed=0)
