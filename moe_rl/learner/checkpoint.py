@@ -373,13 +373,8 @@ def load_checkpoint(
     checkpoint may lack (a critic started from the actor's weights has no value head in
     them). Returns the checkpoint's metadata."""
     path = Path(path)
-    if not is_checkpoint(path):
-        read_meta(path)  # raises the one-line error naming what is missing
-    restricted = _verify(path, trust)
-    meta = read_meta(path)
-    if critic is not None and "critic" not in meta:
-        raise CheckpointError(f"checkpoint {path} holds no critic (it was saved by a run without rl.advantage=gae); "
-                              "resume a PPO run from its own checkpoints")
+    restricted, meta = _checked_meta(path, trust, critic_fix="resume a PPO run from its own checkpoints"
+                                     if critic is not None else None)
     same_layout = meta.get("layout") == _layout_tag(learner)
     with_rng = restore_rng and same_layout
     want_opt = load_optimizer and learner.optimizer is not None and meta.get("has_optimizer", False)
@@ -391,8 +386,7 @@ def load_checkpoint(
     _load_weights(learner, loaded["model"], path, strict, optional)
     _load_optimizer(learner, loaded.get("optimizer"), meta.get("scheduler") if want_opt else None, want_opt)
     if critic is not None:
-        critic_sd = {k.removeprefix(CRITIC_PREFIX): v for k, v in loaded["critic"].items()}  # (keys carry it)
-        _load_weights(critic, critic_sd, path, strict, optional)
+        _load_weights(critic, _saved_critic_weights(loaded), path, strict, optional)
         _load_optimizer(critic, loaded.get("critic_optimizer"), meta["critic"].get("scheduler"), critic_opt)
         critic.step = int(meta["critic"].get("step", 0))
     if restore_rng:
@@ -401,23 +395,34 @@ def load_checkpoint(
     return meta
 
 
-def load_saved_critic(critic: Any, path: str | os.PathLike, *, trust: bool = False) -> dict[str, Any]:
+def load_saved_critic(critic: Any, path: str | os.PathLike, *, trust: bool = False) -> None:
     """Collective. Load the PPO critic saved beside a run's actor in `path` (its transformer
     and value head; not its optimizer, schedule or RNG) into `critic`, at any layout: the
-    starting critic of another run (a value-pretraining run's, `critic.init_checkpoint`).
-    Returns the checkpoint's metadata."""
+    starting critic of another run (a value-pretraining run's, `critic.init_checkpoint`)."""
     path = Path(path)
+    restricted, _ = _checked_meta(path, trust, critic_fix="")
+    loaded = _load_files(critic, path, {"critic": critic.gpt.sharded_state_dict(prefix=CRITIC_PREFIX)}, restricted)
+    _load_weights(critic, _saved_critic_weights(loaded), path, True, ())
+    _load_optimizer(critic, None, None, wanted=False)  # (fp32 master copies follow the weights)
+    critic.step = 0
+
+
+def _checked_meta(path: Path, trust: bool, critic_fix: str | None) -> tuple[bool, dict[str, Any]]:
+    """Collective. (read restricted?, metadata) of a checkpoint whose manifest checks out;
+    `critic_fix` not None: it must hold PPO's critic, else a one-line error ending with it."""
     if not is_checkpoint(path):
         read_meta(path)  # raises the one-line error naming what is missing
     restricted = _verify(path, trust)
     meta = read_meta(path)
-    if "critic" not in meta:
-        raise CheckpointError(f"checkpoint {path} holds no critic (it was saved by a run without rl.advantage=gae)")
-    loaded = _load_files(critic, path, {"critic": critic.gpt.sharded_state_dict(prefix=CRITIC_PREFIX)}, restricted)
-    _load_weights(critic, {k.removeprefix(CRITIC_PREFIX): v for k, v in loaded["critic"].items()}, path, True, ())
-    _load_optimizer(critic, None, None, wanted=False)  # (fp32 master copies follow the weights)
-    critic.step = 0
-    return meta
+    if critic_fix is not None and "critic" not in meta:
+        raise CheckpointError(f"checkpoint {path} holds no critic (it was saved by a run without rl.advantage=gae)"
+                              + (f"; {critic_fix}" if critic_fix else ""))
+    return restricted, meta
+
+
+def _saved_critic_weights(loaded: dict) -> dict:
+    """The critic's model state dict from loaded files (its keys carry CRITIC_PREFIX)."""
+    return {k.removeprefix(CRITIC_PREFIX): v for k, v in loaded["critic"].items()}
 
 
 def _load_weights(learner: Any, model_sd: dict, path: Path, strict: bool, optional: tuple[str, ...]) -> None:
