@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from bench.common import markdown_table, write_results
-from moe_rl.gae import explained_variance
+from moe_rl.programs.ppo.gae import explained_variance
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "moe_rl" / "assets" / "tiny_base"

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moe_rl.config.advantage_kinds import register_advantage_kind
 from moe_rl.registry import Registry, build_hparams
 
 
@@ -28,12 +29,16 @@ class AdvantageSpec:
 
     name: str
     """Registry name (what RLConfig.advantage holds)."""
-    fn: Callable[[Tensor, Any], Tensor]
-    """rewards [n_groups, G] (float, validated) and hparams -> advantages [n_groups, G]."""
+    fn: Callable[[Tensor, Any], Tensor] | None
+    """rewards [n_groups, G] (float, validated) and hparams -> advantages [n_groups, G];
+    None for an estimator that needs a critic (its advantages are computed on the learner)."""
     hparams: type
     """Frozen dataclass type of its hyperparameters (defaults + attribute docstrings)."""
     min_group_size: int
     """Smallest G the estimator is defined for."""
+    needs_critic: bool = False
+    """Per-token advantages from a learned value model, once the step is scored (PPO's GAE,
+    `moe_rl.programs.ppo.critic_stage`): the rollout leaves every row's advantage at 0."""
 
 
 ADVANTAGES: Registry[AdvantageSpec] = Registry("advantage estimator")
@@ -42,9 +47,20 @@ ADVANTAGES: Registry[AdvantageSpec] = Registry("advantage estimator")
 def _register(name: str, hparams: type, min_group_size: int = 1) -> Callable:
     def deco(fn: Callable[[Tensor, Any], Tensor]) -> Callable[[Tensor, Any], Tensor]:
         ADVANTAGES.register(name, AdvantageSpec(name, fn, hparams, min_group_size))
+        register_advantage_kind(name)
         return fn
 
     return deco
+
+
+def group_estimators() -> list[str]:
+    """The estimators computed from a step's group rewards (every one without a critic)."""
+    return [name for name, spec in ADVANTAGES.items() if not spec.needs_critic]
+
+
+@dataclass(frozen=True)
+class NoHParams:
+    """This estimator has no hyperparameters."""
 
 
 def _all_equal(rewards_NG: Tensor) -> Tensor:
@@ -80,11 +96,6 @@ class StdNormHParams:
     def __post_init__(self) -> None:
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
-
-
-@dataclass(frozen=True)
-class NoHParams:
-    """This estimator has no hyperparameters."""
 
 
 @_register("grpo", StdNormHParams)
@@ -134,6 +145,9 @@ def compute_advantages(name: str, rewards_NG: Tensor, **hparams: Any) -> Tensor:
     An unknown name or hyperparameter, rewards that are not a finite [n_groups, G] tensor,
     or a G the estimator is not defined for (rloo with G = 1) raise ValueError."""
     spec = ADVANTAGES[name]
+    if spec.fn is None:
+        raise ValueError(f"advantage {name!r} comes from a critic on the learner once the step is scored "
+                         "(moe_rl.programs.ppo.critic_stage), not from group rewards")
     hp = build_hparams(spec.hparams, hparams, f"advantage {name!r}")
     rewards_NG = _check_rewards(rewards_NG)
     G = rewards_NG.shape[1]
@@ -142,6 +156,11 @@ def compute_advantages(name: str, rewards_NG: Tensor, **hparams: Any) -> Tensor:
             f"advantage {name!r} needs group size G >= {spec.min_group_size}, got G={G}"
         )
     return spec.fn(rewards_NG, hp)
+
+
+# PPO's GAE: token advantages from the critic (moe_rl.programs.ppo.critic_stage), computed after the step is scored.
+ADVANTAGES.register("gae", AdvantageSpec("gae", None, NoHParams, 1, needs_critic=True))
+register_advantage_kind("gae", needs_critic=True)
 
 
 def filter_groups(rewards_NG: Tensor) -> Tensor:

@@ -54,10 +54,10 @@ def tensorboard_command(logdir: Path) -> str:
 
 def _run(overrides: list[str]) -> int:
     from moe_rl.config import load_config
-    from moe_rl.trainer import Trainer
+    from moe_rl.programs.rl import train
 
     cfg = load_config(RECIPE, overrides)
-    summary = Trainer(cfg).fit()
+    summary = train(cfg)
     gain = summary["reward_last10"] - summary["reward_first10"]
     print(json.dumps({k: v for k, v in summary.items() if k != "median_timings"}, indent=2))
     print(f"\nsummary:     {cfg.run_dir / 'summary.json'}")

@@ -45,6 +45,9 @@ def check_run(cfg: Config, world: int, *, sft: bool = False) -> None:
     dp = validate_layout(cfg, world)
     if not sft:
         validate_minibatches(cfg, dp)
+        if cfg.run.eval_every and not cfg.task.eval_data_path:
+            raise ConfigError(f"run.eval_every={cfg.run.eval_every} needs task.eval_data_path (the held-out "
+                              "prompts); set it, or run.eval_every=0")
     check_init_weights(cfg, sft=sft)
     check_task_inputs(cfg, completions=sft)
     check_init_model(cfg)
@@ -68,20 +71,20 @@ def check_init_weights(cfg: Config, *, sft: bool = False) -> None:
 
 
 def check_advantage(cfg: Config) -> None:
-    """The advantage estimator exists; PPO's token advantages (`rl.advantage=gae`) go to a
-    token-level objective, and the critic's starting weights exist."""
+    """The advantage estimator exists; a critic's token advantages (PPO's `rl.advantage=gae`)
+    go to a token-level objective, and the critic's starting weights exist."""
     from moe_rl.advantages import ADVANTAGES
     from moe_rl.objectives import OBJECTIVES
 
     rl = cfg.rl
-    if rl.advantage != "gae" and rl.advantage not in ADVANTAGES:
-        raise ConfigError(f"rl.advantage={rl.advantage!r} is unknown; valid: {', '.join([*ADVANTAGES, 'gae'])}")
-    if rl.advantage != "gae":
+    if rl.advantage not in ADVANTAGES:
+        raise ConfigError(f"rl.advantage={rl.advantage!r} is unknown; valid: {', '.join(ADVANTAGES)}")
+    if not rl.uses_critic:
         return
     if OBJECTIVES[rl.objective].level == "sequence":
         token_level = [n for n in OBJECTIVES if OBJECTIVES[n].level == "token"]
         raise ConfigError(f"rl.objective={rl.objective} is sequence-level (one advantage per sequence) and cannot "
-                          f"take GAE's per-token advantages; use a token-level one: {', '.join(token_level)}")
+                          f"take {rl.advantage}'s per-token advantages; use a token-level one: {', '.join(token_level)}")
     init = cfg.critic.init_checkpoint
     if init and not Path(init).exists():
         raise ConfigError(f"critic.init_checkpoint={init} does not exist (empty: the actor's run.init_checkpoint)")
@@ -181,7 +184,7 @@ def check_init_model(cfg: Config) -> None:
     import dataclasses
     from pathlib import Path
 
-    from moe_rl.config import ModelConfig, load_config
+    from moe_rl.config import ModelConfig, load_saved_config
     from moe_rl.convert.megatron_keys import megatron_specs
 
     init = Path(cfg.run.init_checkpoint) if cfg.run.init_checkpoint else None
@@ -191,7 +194,7 @@ def check_init_model(cfg: Config) -> None:
     if init is None or not (init / "config.yaml").is_file() or not (init / "moe_rl.json").is_file():
         return
     try:
-        saved = load_config(init / "config.yaml").model
+        saved = load_saved_config(init / "config.yaml").model
     except ConfigError as e:
         raise ConfigError(f"run.init_checkpoint={init}: its config.yaml: {e}") from e
     if megatron_specs(saved) == megatron_specs(cfg.model):

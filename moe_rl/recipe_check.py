@@ -23,7 +23,7 @@ def summary(cfg: Config, world: int, *, sft: bool = False) -> str:
     model = f"model {m.num_layers} layers x {m.num_experts} experts (top-{m.moe_router_topk}) from {start}"
     if sft:
         out = cfg.sft.output or cfg.run_dir / "base"
-        return f"sft, {layout}, {model}, up to {cfg.sft.steps} steps -> {out}"
+        return f"sft, {layout}, {model}, up to {cfg.run.steps} steps -> {out}"
     return f"{cfg.rl.objective}, {layout}, {model}, {cfg.run.steps} steps -> {cfg.run_dir}"
 
 

@@ -27,13 +27,9 @@ PROG = "python -m moe_rl.train"
 
 
 def _train(cfg: Any) -> int:
-    from moe_rl.preflight import check_init_model, check_reward, check_task_inputs
-    from moe_rl.trainer import Trainer
+    from moe_rl.programs.rl import train
 
-    check_task_inputs(cfg)
-    check_init_model(cfg)
-    check_reward(cfg)
-    summary = Trainer(cfg).fit()
+    summary = train(cfg)  # (its every input check runs once, before anything is built)
     if summary:
         print(json.dumps({k: v for k, v in summary.items() if k != "median_timings"}, indent=2))
     return 0

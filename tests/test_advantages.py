@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_rl.advantages import ADVANTAGES, compute_advantages, filter_groups, overlong_penalty
+from moe_rl.advantages import ADVANTAGES, compute_advantages, filter_groups, group_estimators, overlong_penalty
 
 EPS = 1e-6
 
@@ -84,8 +84,8 @@ def test_overlong_penalty():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="valid names: grpo, dr_grpo, rloo, batch_std"):
-        compute_advantages("gae", torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="valid names: grpo, dr_grpo, rloo, batch_std, gae"):
+        compute_advantages("vtrace", torch.zeros(2, 2))
     with pytest.raises(ValueError, match="'std' for advantage 'grpo'; valid: eps, unbiased"):
         compute_advantages("grpo", torch.zeros(2, 2), std=True)
     with pytest.raises(ValueError, match="'eps' for advantage 'rloo'; valid: \\(none\\)"):
@@ -111,7 +111,7 @@ rewards = st.integers(1, 5).flatmap(
 
 
 @settings(max_examples=100, deadline=None)
-@given(r=rewards, name=st.sampled_from(list(ADVANTAGES)))
+@given(r=rewards, name=st.sampled_from(group_estimators()))
 def test_advantage_invariants(r, name):
     r = torch.tensor(r)
     G = r.shape[1]
@@ -130,3 +130,16 @@ def test_advantage_invariants(r, name):
     assert (adv.double().mean(1).abs() <= 1e-6 * scale + 1e-9).all()
     # and ordered like the rewards
     assert ((adv[:, :, None] > adv[:, None, :]) == (r[:, :, None] > r[:, None, :])).all()
+
+
+def test_the_registry_knows_which_estimator_needs_a_critic():
+    """PPO's gae is a registered estimator that needs a critic (the RL program runs the
+    critic component for it, the config's uses_critic says so); it has no group formula."""
+    from moe_rl.config import load_config
+
+    assert group_estimators() == ["grpo", "dr_grpo", "rloo", "batch_std"]
+    assert ADVANTAGES["gae"].needs_critic and not any(ADVANTAGES[n].needs_critic for n in group_estimators())
+    assert load_config(None, ["rl.advantage=gae", "rl.objective=grpo"]).rl.uses_critic
+    assert not load_config(None, ["rl.advantage=rloo"]).rl.uses_critic
+    with pytest.raises(ValueError, match="critic"):
+        compute_advantages("gae", torch.ones(2, 4))

@@ -31,7 +31,7 @@ from moe_rl.checkpoints.manifest import digest_files, list_files, verify_share, 
 from moe_rl.checkpoints.temps import remove_temps
 from moe_rl.checkpoints.trust import ensure_verified
 from moe_rl.config import ConfigError, load_config
-from moe_rl.rundir import RunDirectory
+from moe_rl.loop.rundir import RunDirectory
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
@@ -313,7 +313,7 @@ def test_resume_in_an_empty_directory_starts_fresh_and_says_so(tmp_path, caplog)
 def test_a_second_process_in_the_same_run_directory_is_refused(tmp_path):
     first = RunDirectory(make_cfg(tmp_path))
     first.prepare(resume=False)
-    code = ("import sys; from moe_rl.config import load_config; from moe_rl.rundir import RunDirectory\n"
+    code = ("import sys; from moe_rl.config import load_config; from moe_rl.loop.rundir import RunDirectory\n"
             f"cfg = load_config({str(RECIPE)!r}, {[*SMALL, f'run.output_dir={tmp_path}', 'run.name=r']!r})\n"
             "try:\n    RunDirectory(cfg).prepare(resume=True)\nexcept Exception as e:\n    print(e); sys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,

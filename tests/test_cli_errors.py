@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -371,7 +372,7 @@ OUT_OF_RANGE = [
     "model.rotary_percent=0", "model.rotary_percent=1.5", "model.moe_router_topk_scaling_factor=0",
     "sampler.temperature=.nan", "sampler.temperature=.inf", "sampler.gpu_memory_utilization=2",
     "sampler.vllm_kv_cache_gib=0", "rl.overlong_cache=-1", "task.min_digits=0", "task.max_digits=-1",
-    "sft.steps=0", "sft.batch_size=0", "sft.eval_every=0", "sft.eval_problems=0", "logging.heatmap_every=-1",
+    "run.steps=0", "sft.batch_size=0", "run.eval_every=-1", "sft.eval_problems=0", "logging.heatmap_every=-1",
     "logging.rollouts_every=-1",
 ]
 
@@ -381,6 +382,34 @@ def test_out_of_range_values_are_refused(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(RECIPE, [override])
+
+
+@pytest.mark.parametrize(("old", "new"), [("sft.steps", "run.steps"), ("sft.eval_every", "run.eval_every"),
+                                          ("dpo.eval_every", "run.eval_every"), ("rm.eval_every", "run.eval_every")])
+def test_a_moved_key_names_its_new_place(tmp_path, old, new):
+    """The run loop's settings moved to `run` for every program: the old key, in a recipe or
+    on the command line, is one line naming the new one."""
+    with pytest.raises(ConfigError, match=rf"^{old.replace('.', r'[.]')} moved to {new.replace('.', r'[.]')} .*{new}=<value>"):
+        load_config(RECIPE, [f"{old}=7"])
+    section, key = old.split(".")
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"{section}:\n  {key}: 7\n")
+    with pytest.raises(ConfigError, match=rf"^{old.replace('.', r'[.]')} moved to {new.replace('.', r'[.]')}"):
+        load_config(recipe)
+
+
+def test_a_saved_config_of_an_older_version_still_loads(tmp_path):
+    """A run's or checkpoint's config.yaml written before the keys moved (the shipped base's
+    own, which holds sft.steps and sft.eval_every) loads: the moved keys are dropped, the
+    run's own run.* values kept."""
+    from moe_rl.config import load_saved_config
+
+    shipped = ROOT / "moe_rl" / "assets" / "tiny_base" / "config.yaml"
+    assert "sft" in yaml.safe_load(shipped.read_text()) and "steps" in yaml.safe_load(shipped.read_text())["sft"]
+    cfg = load_saved_config(shipped)
+    assert cfg.run.steps == yaml.safe_load(shipped.read_text())["run"]["steps"]
+    with pytest.raises(ConfigError, match=r"sft\.steps moved to run\.steps"):
+        load_config(shipped)
 
 
 def test_saved_config_round_trips(tmp_path):

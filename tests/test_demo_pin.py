@@ -29,11 +29,11 @@ PINNED = [
 @pytest.mark.slow
 def test_demo_first_five_steps_are_pinned(megatron_world, tmp_path):
     from moe_rl.demo import BASE, RECIPE
-    from moe_rl.trainer import Trainer
+    from moe_rl.programs.rl import train
 
     cfg = load_config(RECIPE, ["run.name=demo", f"run.output_dir={tmp_path}", f"run.init_checkpoint={BASE}",
                                "run.steps=5", "logging.progress=false"])
-    Trainer(cfg).fit()
+    train(cfg)
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward/mean"] for r in rows] == [p[0] for p in PINNED]
     assert [r["learner/loss"] for r in rows] == pytest.approx([p[1] for p in PINNED], abs=1e-6)

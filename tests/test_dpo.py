@@ -212,11 +212,13 @@ def test_bad_row_is_one_line_from_the_command_line(tmp_path):
 
 def _fit(overrides: list[str], recipe: Path | None = RECIPE):
     from moe_rl.dpo.trainer import DPOTrainer
+    from moe_rl.loop import RunLoop
     from moe_rl.recipe_source import load_resolved
 
-    trainer = DPOTrainer(load_resolved(recipe, overrides))
-    trainer.fit()
-    return trainer
+    cfg = load_resolved(recipe, overrides)
+    program = DPOTrainer(cfg)
+    RunLoop(cfg, program).run()
+    return program
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -224,9 +226,9 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 
 def test_eval_every_zero_evaluates_nothing(megatron_world, tmp_path):
-    """dpo.eval_every=0 means no held-out evaluation, the start's included (summary.json
+    """run.eval_every=0 means no held-out evaluation, the start's included (summary.json
     used to report the untrained policy's 0.0 as the final accuracy)."""
-    _fit([f"run.output_dir={tmp_path}", "run.name=quiet", "run.steps=1", "dpo.batch_size=4", "dpo.eval_every=0",
+    _fit([f"run.output_dir={tmp_path}", "run.name=quiet", "run.steps=1", "dpo.batch_size=4", "run.eval_every=0",
           "run.export_hf=false", "logging.progress=false"])
     summary = json.loads((tmp_path / "quiet" / "summary.json").read_text())
     assert summary["eval_accuracy"] == [] and summary["final_eval_accuracy"] is None
@@ -238,7 +240,7 @@ def test_run_learns_and_resumes_bit_exactly(megatron_world, tmp_path):
     """A run of 2 steps resumed to 4 equals a 4-step run (a constant lr: under the recipe's
     cosine decay the resume would keep the 2-step schedule it saved; the Ctrl-C test keeps
     run.steps)."""
-    base = [f"run.output_dir={tmp_path}", "dpo.batch_size=8", "dpo.eval_every=2", "dpo.eval_max_pairs=32",
+    base = [f"run.output_dir={tmp_path}", "dpo.batch_size=8", "run.eval_every=2", "dpo.eval_max_pairs=32",
             "optimizer.lr_warmup_steps=0", "optimizer.lr_decay_style=constant", "run.export_hf=false", "logging.progress=false", "run.save_every=2"]
     whole = _fit([*base, "run.name=whole", "run.steps=4"])
     _fit([*base, "run.name=resumed", "run.steps=2"])
@@ -272,7 +274,7 @@ def test_dpo_on_a_hugging_face_qwen3_moe_directory_exports_back(megatron_world, 
     data = _write(tmp_path / "prefs.jsonl", rows)
     trainer = _fit([f"run.init_checkpoint={src}", f"task.data_path={data}", f"task.eval_data_path={data}",
                     f"run.output_dir={tmp_path}", "run.name=hf_dpo", "run.steps=2", "dpo.batch_size=4",
-                    "dpo.eval_every=2", "optimizer.lr=1e-3", "logging.progress=false"], recipe=None)
+                    "run.eval_every=2", "optimizer.lr=1e-3", "logging.progress=false"], recipe=None)
     out = tmp_path / "hf_dpo" / "hf"
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
@@ -321,7 +323,7 @@ def test_ctrl_c_saves_and_resume_continues_the_same_run(tmp_path):
     import signal
     import time
 
-    small = ["dpo.batch_size=8", "dpo.eval_every=2", "dpo.eval_max_pairs=16", "optimizer.lr_warmup_steps=0",
+    small = ["dpo.batch_size=8", "run.eval_every=2", "dpo.eval_max_pairs=16", "optimizer.lr_warmup_steps=0",
              "run.export_hf=false", "logging.progress=false", "logging.tensorboard=false", "run.steps=5",
              f"run.output_dir={tmp_path}"]
     cmd = [sys.executable, "-m", "moe_rl.dpo", "--config", str(RECIPE), *small]

@@ -1,5 +1,5 @@
 """GAE, rewards on the last token (with k1 KL-in-reward), whitening and the clipped value loss
-(moe_rl.gae) against plain-Python loops of the formulas, for any gamma, lambda, lengths and
+(moe_rl.programs.ppo.gae) against plain-Python loops of the formulas, for any gamma, lambda, lengths and
 masks (holes included)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moe_rl.gae import (
+from moe_rl.programs.ppo.gae import (
     adaptive_kl_coef,
     clipped_value_loss,
     explained_variance,

@@ -185,7 +185,7 @@ def test_ppo_critic_on_the_te_spec_starts_at_zero_and_fits_returns(make_learner)
     """PPO's critic on the GPU (TE spec, bf16), from the CPU-made base like the actor: the
     value head starts at zero, and updates toward fixed returns (old values refreshed each
     step, as the trainer's mini-batches do) lower the clipped value loss."""
-    from moe_rl.ppo import OLD_VALUES, RETURNS, CriticStage, ValueLossFn
+    from moe_rl.programs.ppo.critic_stage import OLD_VALUES, RETURNS, CriticStage, ValueLossFn
 
     cfg = load_config(ROOT / "examples" / "tiny_ppo.yaml", ["parallel.micro_batch_size=4", "model.layer_spec=te",
                                                             "model.params_dtype=bf16"])

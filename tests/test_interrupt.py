@@ -3,13 +3,13 @@ is written, the process exits 130 / 143, and `run.resume=true` continues the sam
 without losing a metrics row; a second signal stops at once; the progress bar shows the
 step it counts.
 
-The first tests drive the real loop (`Trainer.fit`) around scripted steps, in-process; the
+The first tests drive the one run loop (`moe_rl.loop.RunLoop`) around a scripted program,
+in-process; the
 last ones send the signal to a `python -m moe_rl.train` subprocess after it has logged a
 step, as a user pressing Ctrl-C would."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import json
@@ -20,14 +20,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from moe_rl import interrupt
 from moe_rl.config import load_config
-from moe_rl.interrupt import StoppedBySignal
-from moe_rl.trainer import Trainer
+from moe_rl.loop import Program, RunLoop, interrupt
+from moe_rl.loop.interrupt import StoppedBySignal
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
@@ -36,86 +34,97 @@ SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8",
          "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false", f"run.init_checkpoint={BASE}"]
 
 
-class ScriptedTrainer(Trainer):
-    """`Trainer.fit`'s loop around scripted steps (step k's reward is k/100); `signals`
+class ScriptedProgram(Program):
+    """A program whose step k reports reward k/100 and whose saves are recorded; `signals`
     maps a step to the signals this process sends itself during that step."""
 
-    def __init__(self, *overrides: str, signals: dict[int, list[int]] | None = None) -> None:
-        self.cfg = load_config(RECIPE, [*SMALL, "run.save_every=4", "run.steps=10", *overrides])
-        self.rank, self.world, self.start_step = 0, 1, 0
-        self._stack = contextlib.ExitStack()
-        self.collector = SimpleNamespace(placement=SimpleNamespace(trains=True))
-        self.run_dir = SimpleNamespace(log=lambda step, metrics: None, checkpoints=Path("ckpt"),
-                                       write_summary=lambda *args: {"finished": True})
-        self.layout = SimpleNamespace(name="scripted")
+    name = "scripted"
+
+    def __init__(self, signals: dict[int, list[int]] | None = None) -> None:
         self.signals = signals or {}
         self.saved: list[int] = []
 
-    def setup(self) -> None:
-        pass
+    def setup(self, resume_from: Path | None) -> int:
+        return 0
 
     def step(self, step: int) -> dict[str, float]:
         for sig in self.signals.get(step, []):
             os.kill(os.getpid(), sig)
-        return {"step": step, "reward/mean": step / 100}
+        return {"reward/mean": step / 100}
 
-    def _save(self, step: int) -> None:
-        self.saved.append(step)
+    def save(self, path: Path, meta: dict) -> None:
+        self.saved.append(meta["trainer_step"])
+
+    def summary(self, history: list[dict]) -> dict:
+        return {"finished": True}
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"reward": f"{metrics['reward/mean']:.3g}"}
 
 
-def test_without_a_signal_the_loop_saves_on_its_cadence():
-    trainer = ScriptedTrainer()
-    assert trainer.fit() == {"finished": True}
-    assert trainer.saved == [4, 8, 10]
+def scripted_run(tmp_path: Path, *overrides: str, signals: dict[int, list[int]] | None = None):
+    """The one run loop around a ScriptedProgram, in a fresh run directory: (program, summary)."""
+    cfg = load_config(RECIPE, [*SMALL, "run.save_every=4", "run.steps=10", f"run.output_dir={tmp_path}",
+                               "run.name=scripted", "run.overwrite=true", *overrides])
+    program = ScriptedProgram(signals)
+    try:
+        return program, RunLoop(cfg, program).run()
+    except BaseException as e:
+        e.program = program
+        raise
+
+
+def test_without_a_signal_the_loop_saves_on_its_cadence(tmp_path):
+    program, summary = scripted_run(tmp_path)
+    assert summary["finished"] is True and summary["steps"] == 10
+    assert program.saved == [4, 8, 10]
+    rows = _rows(tmp_path / "scripted")
+    assert [r["step"] for r in rows] == list(range(1, 11)) and rows[3]["reward/mean"] == 0.04
 
 
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_finishes_the_step_saves_and_exits_with_its_status(sig, status, caplog):
+def test_a_signal_finishes_the_step_saves_and_exits_with_its_status(tmp_path, sig, status, caplog):
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
-    trainer = ScriptedTrainer(signals={6: [sig]})
     with pytest.raises(StoppedBySignal) as stopped:
-        trainer.fit()
+        scripted_run(tmp_path, signals={6: [sig]})
     assert stopped.value.code == status
-    assert trainer.saved == [4, 6]  # the periodic one, then the step the signal came in
+    assert stopped.value.program.saved == [4, 6]  # the periodic one, then the step the signal came in
     assert f"stopped by {sig.name} after step 6 of 10" in caplog.text and "run.resume=true" in caplog.text
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # restored
 
 
-def test_the_same_signal_again_at_once_is_the_same_request_another_is_not():
-    trainer = ScriptedTrainer(signals={3: [signal.SIGTERM, signal.SIGTERM]})  # a launcher forwarding it
-    with pytest.raises(StoppedBySignal):
-        trainer.fit()
-    assert trainer.saved == [3]
-    trainer = ScriptedTrainer(signals={3: [signal.SIGINT, signal.SIGTERM]})
+def test_the_same_signal_again_at_once_is_the_same_request_another_is_not(tmp_path):
+    with pytest.raises(StoppedBySignal) as stopped:  # a launcher forwarding it
+        scripted_run(tmp_path, signals={3: [signal.SIGTERM, signal.SIGTERM]})
+    assert stopped.value.program.saved == [3]
     with pytest.raises(SystemExit) as stopped:
-        trainer.fit()
-    assert stopped.value.code == 143 and not isinstance(stopped.value, StoppedBySignal) and trainer.saved == []
+        scripted_run(tmp_path, signals={3: [signal.SIGINT, signal.SIGTERM]})
+    assert stopped.value.code == 143 and not isinstance(stopped.value, StoppedBySignal)
+    assert stopped.value.program.saved == []
 
 
-def test_a_second_signal_stops_at_once_without_saving(monkeypatch):
+def test_a_second_signal_stops_at_once_without_saving(tmp_path, monkeypatch):
     monkeypatch.setattr(interrupt, "REPEAT_WINDOW_S", 0.0)
-    trainer = ScriptedTrainer(signals={3: [signal.SIGINT, signal.SIGINT]})
-    with pytest.raises(KeyboardInterrupt):
-        trainer.fit()
-    assert trainer.saved == []
-    trainer = ScriptedTrainer(signals={3: [signal.SIGTERM, signal.SIGTERM]})
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        scripted_run(tmp_path, signals={3: [signal.SIGINT, signal.SIGINT]})
+    assert stopped.value.program.saved == []
     with pytest.raises(SystemExit) as stopped:
-        trainer.fit()
-    assert stopped.value.code == 143 and not isinstance(stopped.value, StoppedBySignal) and trainer.saved == []
+        scripted_run(tmp_path, signals={3: [signal.SIGTERM, signal.SIGTERM]})
+    assert stopped.value.code == 143 and not isinstance(stopped.value, StoppedBySignal)
+    assert stopped.value.program.saved == []
 
 
-def test_a_signal_during_the_last_step_lets_the_run_finish():
-    trainer = ScriptedTrainer(signals={10: [signal.SIGINT]})
-    assert trainer.fit() == {"finished": True}
-    assert trainer.saved == [4, 8, 10]
+def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path):
+    program, summary = scripted_run(tmp_path, signals={10: [signal.SIGINT]})
+    assert summary["finished"] is True and program.saved == [4, 8, 10]
 
 
-def test_the_progress_bar_shows_the_step_it_counts(monkeypatch):
+def test_the_progress_bar_shows_the_step_it_counts(tmp_path, monkeypatch):
     import tqdm.auto
 
     monkeypatch.setattr(tqdm.auto, "tqdm", functools.partial(tqdm.auto.tqdm, mininterval=0, miniters=1))  # draw all
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    ScriptedTrainer("logging.progress=true").fit()
+    scripted_run(tmp_path, "logging.progress=true")
     drawn = re.findall(r"(\d+)/10 \[[^\]]*reward=([0-9.]+)", sys.stderr.getvalue())
     assert [int(k) for k, _ in drawn if k != "0"][:10] == list(range(1, 11))
     assert all(float(reward) == int(k) / 100 for k, reward in drawn if k != "0"), drawn
@@ -215,10 +224,13 @@ def test_a_second_signal_stops_at_once_and_leaves_nothing_half_written(tmp_path)
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_sft_after_the_step_and_saves_the_model_so_far(tmp_path):
+def test_ctrl_c_stops_sft_after_the_step_and_a_resume_finishes_it(tmp_path):
+    """SFT runs in the one loop: Ctrl-C saves the step in progress (a resumable checkpoint,
+    exit 130, the loop's line); `run.resume=true` continues from it, logging every step once,
+    and the finished run writes the model-only base."""
     cmd = [sys.executable, "-m", "moe_rl.sft", "--config", str(ROOT / "examples" / "tiny_sft.yaml"),
-           f"run.output_dir={tmp_path}", "run.name=s", "sft.steps=200", "sft.batch_size=8", "sft.eval_every=1",
-           "sft.eval_problems=8", "sft.target_reward=0"]
+           f"run.output_dir={tmp_path}", "run.name=s", "run.steps=200", "sft.batch_size=8", "run.eval_every=1",
+           "sft.eval_problems=8", "sft.target_reward=0", "logging.progress=false", "logging.tensorboard=false"]
     err = (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
     t0 = time.time()
@@ -228,13 +240,19 @@ def test_ctrl_c_stops_sft_after_the_step_and_saves_the_model_so_far(tmp_path):
     proc.wait(timeout=240)
     err.seek(0)
     text = err.read()
-    found = re.search(r"sft stopped by SIGINT after step (\d+) of 200; the model so far is saved in (\S+) ", text)
+    found = re.search(r"stopped by SIGINT after step (\d+) of 200, saved in (\S+);", text)
     assert proc.returncode == 130 and found, text[-3000:]
-    out = Path(found.group(2))
-    assert out == tmp_path / "s" / "base" and (out / "manifest.json").is_file()
-    meta = json.loads((out / "moe_rl.json").read_text())
-    summary = json.loads((tmp_path / "s" / "sft_summary.json").read_text())
-    assert meta["sft"]["step"] == summary["steps"] == int(found.group(1)) and summary["stopped_by"] == "SIGINT"
+    step = int(found.group(1))
+    assert Path(found.group(2)) == tmp_path / "s" / "checkpoints" / f"step_{step:06d}"
+    assert (Path(found.group(2)) / "manifest.json").is_file() and not (tmp_path / "s" / "base").exists()
+    assert [r["step"] for r in _rows(tmp_path / "s")] == list(range(step + 1))  # (step 0: the start's evaluation)
+    done = subprocess.run([*cmd, "run.resume=true", f"run.steps={step + 2}"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in _rows(tmp_path / "s")] == list(range(step + 3))
+    meta = json.loads((tmp_path / "s" / "base" / "moe_rl.json").read_text())
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert meta["sft"]["step"] == summary["steps"] == step + 2 and meta["has_optimizer"] is False
 
 
 @pytest.mark.multiproc

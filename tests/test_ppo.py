@@ -1,5 +1,5 @@
 """PPO with a learned critic (issue 25): the critic's values against a plain forward, the
-step's token advantages against `moe_rl.gae`'s formulas, the value head's gradient against
+step's token advantages against `moe_rl.programs.ppo.gae`'s formulas, the value head's gradient against
 its closed form, the critic's layout parity (TP2, EP2, PP2), the recipe checks, and a
 killed PPO run that resumes bit-exactly (actor, critic, both optimizers)."""
 
@@ -16,8 +16,9 @@ import torch
 from learner_utils import fixed_batch, plain_values
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.gae import gae, masked_whiten, token_rewards, whiten_by_moments
-from moe_rl.ppo import OLD_VALUES, RETURNS, SCORE, ValueLossFn
+from moe_rl.programs.ppo.critic_stage import OLD_VALUES, RETURNS, ValueLossFn
+from moe_rl.programs.ppo.gae import gae, masked_whiten, token_rewards, whiten_by_moments
+from moe_rl.rollout.types import SCORE
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_ppo.yaml"
@@ -27,7 +28,7 @@ PPO = ["rl.advantage=gae", "rl.objective=grpo", "parallel.micro_batch_size=4"]
 @pytest.fixture(scope="module")
 def critic_factory(megatron_world):
     from moe_rl.learner import parallel_layout
-    from moe_rl.ppo import CriticStage
+    from moe_rl.programs.ppo.critic_stage import CriticStage
 
     stack = []
 
@@ -189,7 +190,7 @@ def test_a_ppo_checkpoint_starts_the_next_critic_with_its_value_head(critic_fact
     tokens, _ = fixed_batch()
     want_BT = plain_values(saved, tokens)
     actor = Learner(saved.cfg, saved.layout, trainable=False)
-    save_checkpoint(actor, tmp_path / "ppo", include_optimizer=False, critic=saved)
+    save_checkpoint(actor, tmp_path / "ppo", include_optimizer=False, components={"critic": saved})
     save_checkpoint(actor, tmp_path / "policy", include_optimizer=False)
 
     fresh = critic_factory().critic
@@ -352,7 +353,7 @@ def test_value_loss_gradient_reaches_the_transformer_as_autograd_says(critic_fac
     critic.forward_backward(tokens, ValueLossFn(stage.cfg), extras={OLD_VALUES: old_BT, RETURNS: returns_BT})
     got = {n: p.main_grad.clone() for n, p in critic.gpt.named_parameters() if p.requires_grad}
 
-    from moe_rl.gae import clipped_value_loss
+    from moe_rl.programs.ppo.gae import clipped_value_loss
 
     critic.model.zero_grad_buffer()  # (DDP's hooks accumulate the plain backward there too)
     pos = torch.arange(tokens.seq_len).expand_as(tokens.tokens_BS)

@@ -99,16 +99,16 @@ def test_a_step_with_fewer_rows_than_minibatches_says_so_once(caplog):
     fewer updates than configured, which the log says (once) instead of hiding."""
     from types import SimpleNamespace
 
-    from moe_rl.trainer import Trainer
+    from moe_rl.programs.rl.update_phase import UpdatePhase
 
     cfg = load_config(RECIPE, [BASE, "rl.num_minibatches=4", "rl.epochs=2"])
-    me = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(dp=2), rank=0, _said_fewer_updates=False)
+    phase = UpdatePhase(cfg, learner=None, components=[], dp=2, rank=0)
     full, short = SimpleNamespace(step_rows=16), SimpleNamespace(step_rows=6)
     with caplog.at_level("WARNING", logger="moe_rl.trainer"):
-        assert len(Trainer._minibatches(me, 3, full, 2, 4)) == 8
+        assert len(phase.minibatches(3, full, 2, 4)) == 8
         assert caplog.text == ""
-        assert len(Trainer._minibatches(me, 4, short, 2, 4)) == 6  # 3 rows a rank: 3 mini-batches a pass
-        assert len(Trainer._minibatches(me, 5, short, 2, 4)) == 6
+        assert len(phase.minibatches(4, short, 2, 4)) == 6  # 3 rows a rank: 3 mini-batches a pass
+        assert len(phase.minibatches(5, short, 2, 4)) == 6
     assert caplog.text.count("step 4: 6 rows make 3 of the 4 mini-batches a pass asks for") == 1
 
 
@@ -131,13 +131,15 @@ def test_the_mismatched_model_lists_only_real_differences():
 
 @pytest.mark.slow
 def test_a_run_checks_its_inputs_once(megatron_world, tmp_path, monkeypatch):
-    """Every rank runs the preflight once (no second pass in the run directory or the
-    trainer), so a dataset's rows are tokenized once per rank, not twice."""
+    """`python -m moe_rl.train`'s body runs every input check once per rank (no second pass
+    in the entry point, the run directory or the program), so a dataset's rows are
+    tokenized once per rank, not twice."""
     import moe_rl.preflight as preflight
-    from moe_rl.trainer import Trainer
+    from moe_rl.train import _train
 
-    calls = {"check_run": 0, "check_task_inputs": 0}
-    for name in calls:
+    names = ["check_run", "check_task_inputs", "check_init_model", "check_reward", "check_sampler"]
+    calls = dict.fromkeys(names, 0)
+    for name in names:
         real = getattr(preflight, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -145,11 +147,8 @@ def test_a_run_checks_its_inputs_once(megatron_world, tmp_path, monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(preflight, name, counted)
-    import moe_rl.trainer as trainer_module
-
-    monkeypatch.setattr(trainer_module, "check_run", preflight.check_run)
     cfg = load_config(RECIPE, [BASE, "run.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
                                "sampler.max_new_tokens=4", "sampler.backend=transformers",
                                "logging.progress=false", f"run.output_dir={tmp_path}"])
-    Trainer(cfg).fit()
-    assert calls == {"check_run": 1, "check_task_inputs": 1}
+    assert _train(cfg) == 0
+    assert calls == dict.fromkeys(names, 1)

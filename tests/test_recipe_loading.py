@@ -97,7 +97,7 @@ def test_malformed_yaml_is_one_line_naming_file_line_and_column(tmp_path, module
 
 
 def test_a_malformed_config_yaml_read_back_on_resume_names_its_line(tmp_path):
-    from moe_rl.rundir import read_saved_config
+    from moe_rl.loop.rundir import read_saved_config
 
     saved = tmp_path / "config.yaml"
     saved.write_text(BROKEN_YAML)

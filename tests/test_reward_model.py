@@ -133,12 +133,14 @@ def test_config_errors():
 
 
 def _fit(overrides: list[str]):
+    from moe_rl.loop import RunLoop
     from moe_rl.recipe_source import load_resolved
     from moe_rl.reward_model.trainer import RewardModelTrainer
 
-    trainer = RewardModelTrainer(load_resolved(RECIPE, overrides))
-    trainer.fit()
-    return trainer
+    cfg = load_resolved(RECIPE, overrides)
+    program = RewardModelTrainer(cfg)
+    RunLoop(cfg, program).run()
+    return program
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -153,13 +155,13 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
     started from the final checkpoint has the reward model's transformer, a zero value head
     and the RNG state it had before the load. (That the model learns: `make rm-demo` in
     docs/ppo_dpo.md, held-out accuracy 0.969 after 300 steps, too many for a test.)"""
-    base = [f"run.output_dir={tmp_path}", "rm.batch_size=16", "rm.eval_every=2", "rm.eval_max_pairs=32",
+    base = [f"run.output_dir={tmp_path}", "rm.batch_size=16", "run.eval_every=2", "rm.eval_max_pairs=32",
             "optimizer.lr_warmup_steps=0", "optimizer.lr_decay_style=constant", "logging.progress=false",
             "run.save_every=2"]
     whole = _fit([*base, "run.name=whole", "run.steps=4"])
     _fit([*base, "run.name=resumed", "run.steps=2"])
     # (a resume may change how often it evaluates: every 3 steps from here, so step 3 has held-out rows)
-    resumed = _fit([*base, "run.name=resumed", "run.steps=4", "run.resume=true", "rm.eval_every=3"])
+    resumed = _fit([*base, "run.name=resumed", "run.steps=4", "run.resume=true", "run.eval_every=3"])
     a, b = _rows(tmp_path / "whole"), _rows(tmp_path / "resumed")
     assert sorted(a) == sorted(b) == list(range(5))
     assert "eval/loss" not in a[3] and "eval/loss" in b[3]
@@ -171,7 +173,7 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
     sa, sb = whole.model.gpt.state_dict(), resumed.model.gpt.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
     assert a[0]["eval/loss"] != pytest.approx(math.log(2), abs=1e-6)  # (the random head already ranks)
-    zero = _rows(_fit([*base, "run.name=zero_head", "run.steps=1", "rm.head_init_scale=0"]).run_dir.path)
+    zero = _rows(_fit([*base, "run.name=zero_head", "run.steps=1", "rm.head_init_scale=0"]).cfg.run_dir)
     assert zero[0]["eval/rewards/slot_accuracies"] == 0.0
     assert zero[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-12)
     assert a[4]["eval/loss"] != a[0]["eval/loss"] and a[4]["rewards/margins"] != 0

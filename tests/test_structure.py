@@ -5,7 +5,7 @@ imports, so this runs in `make test-fast` in well under a second).
 - the engine-free libraries (objectives/, advantages.py, routing/, diagnostics/metrics.py,
   diagnostics/report.py) import neither the learner nor the sampler, not even through
   another moe_rl module;
-- nothing under moe_rl/ imports the trainer but the two programs that run it;
+- nothing under moe_rl/ imports the RL program but the two entry points that run it;
 - no import cycle among moe_rl modules, lazy (function-level) imports included;
 - the config package is a leaf: it imports nothing of moe_rl but LEAF_UTILITIES;
 - no function in moe_rl/ is longer than MAX_FUNCTION_LINES.
@@ -23,7 +23,7 @@ PKG = Path(__file__).resolve().parents[1] / "moe_rl"
 MAX_FUNCTION_LINES = 80
 ENGINE_FREE = ["moe_rl.objectives", "moe_rl.advantages", "moe_rl.routing", "moe_rl.diagnostics.metrics",
                "moe_rl.diagnostics.report"]
-TRAINER_RUNNERS = {"moe_rl.train", "moe_rl.demo"}  # the CLIs whose job is to run it
+TRAINER_RUNNERS = {"moe_rl.train", "moe_rl.demo"}  # the CLIs whose job is to run the RL program
 LEAF_UTILITIES = {"moe_rl.atomic", "moe_rl.registry"}  # import nothing of moe_rl themselves
 
 
@@ -74,7 +74,7 @@ def under(module: str, prefix: str) -> bool:
 def test_the_rule_reader_sees_real_imports():
     assert "megatron.core" in {n.rsplit(".", 1)[0] for n in imports("moe_rl.learner.engine")} | imports(
         "moe_rl.learner.engine")
-    assert "moe_rl.learner.engine" in closure("moe_rl.trainer")
+    assert "moe_rl.learner.engine" in closure("moe_rl.programs.rl.learner_role")
     assert len(MODULES) > 60
 
 
@@ -94,8 +94,8 @@ def test_engine_free_libraries_reach_neither_learner_nor_sampler(library):
         assert not bad, f"{m} reaches {bad}"
 
 
-def test_nothing_imports_the_trainer():
-    importers = {m for m in MODULES if "moe_rl.trainer" in imports(m) and m != "moe_rl.trainer"}
+def test_nothing_imports_the_rl_program():
+    importers = {m for m in MODULES if "moe_rl.programs.rl" in imports(m) and not under(m, "moe_rl.programs.rl")}
     assert importers <= TRAINER_RUNNERS, importers - TRAINER_RUNNERS
 
 

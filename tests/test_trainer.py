@@ -18,10 +18,10 @@ SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8",
 
 
 def run_trainer(tmp_path, *overrides):
-    from moe_rl.trainer import Trainer
+    from moe_rl.programs.rl import train
 
     cfg = load_config(RECIPE, [*SMALL, f"run.output_dir={tmp_path}", *overrides])
-    summary = Trainer(cfg).fit()
+    summary = train(cfg)
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     return cfg, summary, rows
 

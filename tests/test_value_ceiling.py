@@ -97,7 +97,7 @@ def test_critic_values_read_a_ppo_checkpoints_critic(megatron_world, tmp_path) -
     with parallel_layout(cfg.parallel, seed=5) as layout:
         actor, critic = Learner(cfg, layout, total_updates=1), Critic(cfg, layout, total_updates=1)
         critic.init_value_head(0.5, seed=11)  # (a head that is not zero, as after training)
-        save_checkpoint(actor, tmp_path / "ckpt", critic=critic)
+        save_checkpoint(actor, tmp_path / "ckpt", components={"critic": critic})
         tokens = TokenBatch.from_lists([r.prompt for r in rollouts], [r.response for r in rollouts])
         expected_BT = plain_values(critic, tokens)
     got = value_ceiling.critic_values(tmp_path / "ckpt", rollouts, rows_per_pass=2)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import TaskConfig
-from moe_rl.gae import explained_variance
+from moe_rl.programs.ppo.gae import explained_variance
 from moe_rl.tasks import make_task
 
 
@@ -109,7 +109,7 @@ def critic_values(checkpoint: Path, rollouts: list[Rollout], rows_per_pass: int 
     out: list[list[float]] = []
     with parallel_layout(cfg.parallel, seed=cfg.run.seed) as layout:
         actor, critic = Learner(cfg, layout, total_updates=1), Critic(cfg, layout, total_updates=1)
-        load_checkpoint(actor, checkpoint, load_optimizer=False, critic=critic, restore_rng=False)
+        load_checkpoint(actor, checkpoint, load_optimizer=False, components={"critic": critic}, restore_rng=False)
         for i in range(0, len(rollouts), rows_per_pass):
             part = rollouts[i:i + rows_per_pass]
             tokens = TokenBatch.from_lists([r.prompt for r in part], [r.response for r in part])

@@ -18,6 +18,11 @@ from moe_rl.checkpoints.errors import CheckpointError
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+def step_dir_name(step: int) -> str:
+    """The name of step `step`'s checkpoint directory, `step_<n>` (six digits at least)."""
+    return f"step_{step:06d}"
+
+
 def is_checkpoint(path: str | os.PathLike) -> bool:
     """A megatron checkpoint directory written by this package (complete or not)."""
     p = Path(path)

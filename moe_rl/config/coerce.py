@@ -72,8 +72,22 @@ def key_text(name: str) -> str:
     return name if name.isprintable() else repr(name)
 
 
+MOVED_KEYS = {
+    "sft.steps": "run.steps",
+    "sft.eval_every": "run.eval_every",
+    "dpo.eval_every": "run.eval_every",
+    "rm.eval_every": "run.eval_every",
+}
+"""Keys that moved (old -> new): the run loop's settings live in `run` for every program."""
+
+
 def unknown_key(prefix: str, key: str, valid: list[str], owner: str) -> ConfigError:
-    """`unknown key a.b; did you mean a.c?`, or the valid keys when none is near."""
+    """`unknown key a.b; did you mean a.c?`, or the valid keys when none is near; a key that
+    moved names its new place."""
+    if f"{prefix}{key}" in MOVED_KEYS:
+        new = MOVED_KEYS[f"{prefix}{key}"]
+        return ConfigError(f"{prefix}{key} moved to {new} (the run loop's settings are in the run section for "
+                           f"every program); write {new}: <value> in the recipe or {new}=<value> on the command line")
     hint = did_you_mean(key, valid, prefix)
     key = key_text(key)
     if hint:  # the dotted key says where; an owner that is not a section (an objective) is named

@@ -53,6 +53,11 @@ def critic_minibatches(cfg: Any) -> int:
     return cfg.critic.num_minibatches or cfg.rl.num_minibatches
 
 
+def critic_warmup_steps(cfg: Any) -> int:
+    """The run's first steps that train the critic alone, the actor waiting (0 without one)."""
+    return cfg.critic.warmup_steps if cfg.rl.uses_critic else 0
+
+
 def validate_critic(cfg: Any) -> None:
     """The critic section's ranges, and the PPO settings of the rl section (`Any`: sections.py
     imports this module, so it cannot import `Config`)."""
@@ -76,7 +81,7 @@ def validate_critic(cfg: Any) -> None:
     if rl.kl_target > 0 and not rl.kl_in_reward:
         raise ConfigError("rl.kl_target adapts the weight of the KL in GAE's per-token reward: it needs "
                           "rl.kl_in_reward=true (the KL penalty in the loss keeps rl.kl_coef)")
-    if rl.advantage != "gae":
+    if not rl.uses_critic:
         if rl.kl_in_reward:
             raise ConfigError("rl.kl_in_reward puts the KL penalty in GAE's per-token reward: it needs "
                               "rl.advantage=gae (with group advantages the penalty goes in the loss: rl.kl_coef)")

@@ -30,9 +30,6 @@ class DPOConfig:
     the loss becomes -(1-eps) log sigmoid(beta h) - eps log sigmoid(-beta h). In [0, 0.5)."""
     batch_size: int = 32
     """Preference pairs per optimizer step (2x as many sequences go through the model)."""
-    eval_every: int = 10
-    """Steps between held-out evaluations on task.eval_data_path (preference accuracy,
-    margin, loss) and at the last step; 0: none."""
     eval_max_pairs: int = 0
     """Evaluate on the first N held-out pairs (0: all of them)."""
 
@@ -52,10 +49,8 @@ def validate_dpo(cfg: Any) -> None:
 
 
 def validate_pair_batches(name: str, section: Any) -> None:
-    """batch_size, eval_every and eval_max_pairs of a preference trainer's section `name`."""
+    """batch_size and eval_max_pairs of a preference program's section `name`."""
     if section.batch_size < 1:
         raise ConfigError(f"{name}.batch_size must be >= 1, got {section.batch_size}")
-    if section.eval_every < 0:
-        raise ConfigError(f"{name}.eval_every must be >= 0 (0 disables it), got {section.eval_every}")
     if section.eval_max_pairs < 0:
         raise ConfigError(f"{name}.eval_max_pairs must be >= 0 (0: all), got {section.eval_max_pairs}")

@@ -20,14 +20,15 @@ from typing import Any
 import yaml
 
 from moe_rl.atomic import atomic_write_text
-from moe_rl.config.coerce import build_section, to_plain
+from moe_rl.config.coerce import MOVED_KEYS, build_section, to_plain
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.sections import Config
 from moe_rl.config.shipped import resolve_shipped_paths
 from moe_rl.config.validate import validate
 from moe_rl.config.yaml_text import yaml_load, yaml_value
 
-__all__ = ["apply_overrides", "build_config", "config_from_dict", "load_config", "load_recipe", "parse_overrides",
+__all__ = ["apply_overrides", "build_config", "config_from_dict", "load_config", "load_recipe", "load_saved_config",
+           "parse_overrides",
            "read_recipe_file", "save_config", "to_dict", "yaml_load"]
 
 
@@ -126,6 +127,20 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     """Load and validate a complete config: a run's config.yaml, or a recipe whose model
     section is its own (an entry point resolves `run.init_checkpoint` first, module doc)."""
     cfg = load_recipe(path, overrides)[0]
+    validate(cfg)
+    return cfg
+
+
+def load_saved_config(path: str | os.PathLike) -> Config:
+    """A config.yaml that a run or a checkpoint saved, possibly by an older version: keys
+    that have since moved (`coerce.MOVED_KEYS`) are dropped, not refused (their new place
+    holds the run's own value already), and the rest is loaded and validated strictly."""
+    data = read_recipe_file(path)
+    for old in MOVED_KEYS:
+        section, key = old.split(".", 1)
+        if isinstance(data.get(section), dict):
+            data[section].pop(key, None)
+    cfg = build_config(data)
     validate(cfg)
     return cfg
 

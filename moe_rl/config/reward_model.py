@@ -29,8 +29,6 @@ class RewardModelConfig:
     mean over those slots of -log sigmoid(r_chosen - r_rejected)."""
     batch_size: int = 32
     """Preference pairs per optimizer step (2x as many sequences go through the model)."""
-    eval_every: int = 10
-    """Steps between held-out evaluations on task.eval_data_path and at the last step; 0: none."""
     eval_max_pairs: int = 0
     """Evaluate on the first N held-out pairs (0: all of them)."""
     head_init_scale: float = 1.0

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from moe_rl.config.advantage_kinds import ADVANTAGE_KINDS
 from moe_rl.config.coerce import build_section, choices_hint, key_text
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS
@@ -112,7 +113,7 @@ class RLConfig:
     advantage: str = "grpo"
     """Advantage estimator: a group estimator from moe_rl.advantages (grpo, dr_grpo, rloo,
     batch_std), or gae: PPO's per-token advantages from a learned critic (the `critic`
-    section; moe_rl.gae)."""
+    section; moe_rl.programs.ppo.critic_stage, moe_rl.programs.ppo.gae): an estimator registered as needing a critic."""
     gae_gamma: float = 1.0
     """GAE's discount gamma over response tokens (rl.advantage=gae)."""
     gae_lambda: float = 0.95
@@ -188,6 +189,12 @@ class RLConfig:
     @property
     def scores_in_update(self) -> bool:
         """The on-policy shortcut applies: one update per rollout, no routing replay, and no
-        KL in GAE's reward (that needs the old logprobs before the update)."""
+        KL in a critic's reward (that needs the old logprobs before the update)."""
+
+    @property
+    def uses_critic(self) -> bool:
+        """The advantage estimator needs a learned critic (the registry says so: PPO's GAE);
+        False for a name nobody registered (the preflight refuses it)."""
+        return self.advantage in ADVANTAGE_KINDS and ADVANTAGE_KINDS[self.advantage].needs_critic
         return (self.on_policy_shortcut and self.epochs * self.num_minibatches == 1 and self.replay == "none"
-                and not (self.advantage == "gae" and self.kl_in_reward))
+                and not self.kl_in_reward)

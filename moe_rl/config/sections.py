@@ -173,14 +173,11 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """Supervised warm start (`python -m moe_rl.sft`): a random model -> a base policy."""
+    """Supervised warm start (`python -m moe_rl.sft`): a random model -> a base policy. Its
+    length and evaluation cadence are run.steps and run.eval_every, as for every program."""
 
-    steps: int = 400
-    """Most optimizer steps."""
     batch_size: int = 64
     """Problems per step."""
-    eval_every: int = 25
-    """Steps between evaluations of the expected reward on a fixed held-out set."""
     eval_problems: int = 256
     """Held-out problems for the evaluation."""
     target_reward: float = 0.35
@@ -219,7 +216,8 @@ class RunConfig:
     seed: int = 1234
     """Seed for prompts, sampling and initialisation."""
     steps: int = 50
-    """RL steps (rollout + updates)."""
+    """Steps of the run (an RL step: rollout + updates; DPO, reward model, SFT: one optimizer
+    update)."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     resume: bool = False
@@ -240,8 +238,11 @@ class RunConfig:
     """At the end, write the final model as a Hugging Face directory <run>/hf (the starting
     directory's config.json, generation config and tokenizer files when there is one)."""
     eval_every: int = 0
-    """Steps between evaluations on task.eval_data_path (0: none): greedy accuracy and
-    pass@k logged as eval/* metrics."""
+    """Steps between evaluations (and at the last step; 0: none), logged as eval/* metrics.
+    RL: greedy accuracy and pass@k on task.eval_data_path; DPO and the reward model:
+    preference accuracy, margin and loss on the held-out pairs (task.eval_data_path), also
+    before step 1; SFT: the expected exact-match reward on sft.eval_problems held-out
+    problems, also before step 1 (and its sft.target_reward stop)."""
     eval_k: int = 4
     """Samples per held-out prompt for pass@k (at sampler.temperature)."""
     eval_max_problems: int = 0

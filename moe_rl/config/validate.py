@@ -210,9 +210,7 @@ def validate_ranges(cfg: Config) -> None:
         "rl.kl_coef": (rl.kl_coef >= 0, f">= 0, got {rl.kl_coef}"),
         "task.min_digits": (t.min_digits >= 1, f">= 1, got {t.min_digits}"),
         "task.max_digits": (t.max_digits >= t.min_digits, f">= task.min_digits={t.min_digits}, got {t.max_digits}"),
-        "sft.steps": (sft.steps >= 1, f">= 1, got {sft.steps}"),
         "sft.batch_size": (sft.batch_size >= 1, f">= 1, got {sft.batch_size}"),
-        "sft.eval_every": (sft.eval_every >= 1, f">= 1, got {sft.eval_every}"),
         "sft.eval_problems": (sft.eval_problems >= 1, f">= 1, got {sft.eval_problems}"),
         "sft.target_reward": (0 <= sft.target_reward <= 1, f"in [0, 1] (0 disables early stopping), got "
                                                           f"{sft.target_reward}"),
@@ -224,17 +222,15 @@ def validate_ranges(cfg: Config) -> None:
         "parallel.logprob_chunk_tokens": (cfg.parallel.logprob_chunk_tokens >= 0,
                                           f">= 0 (0: full logits), got {cfg.parallel.logprob_chunk_tokens}"),
     })
-    validate_task(t, cfg.run)
+    validate_task(t)
 
 
-def validate_task(t: Any, run: Any) -> None:
-    """The task's text settings: reward spec, chat template, evaluation data."""
+def validate_task(t: Any) -> None:
+    """The task's text settings: reward spec, chat template, column names."""
     if t.reward != "math" and (t.reward.count(":") != 1 or not all(t.reward.split(":"))):
         raise ConfigError(f"task.reward={t.reward!r}: expected 'math' or a function 'module.path:function'")
     if t.chat_template not in ("auto", "none") and not t.chat_template.endswith(".jinja"):
         raise ConfigError(f"task.chat_template={t.chat_template!r}: expected auto, none or a .jinja file")
-    if run.eval_every and not t.eval_data_path:
-        raise ConfigError(f"run.eval_every={run.eval_every} needs task.eval_data_path (the held-out prompts)")
     for key in ("prompt_key", "messages_key", "answer_key", "metadata_key"):
         if not getattr(t, key):
             raise ConfigError(f"task.{key} must not be empty")
@@ -294,7 +290,7 @@ def validate_minibatches(cfg: Config, dp: int) -> None:
     rows = cfg.rl.prompts_per_step * cfg.rl.group_size
     per_rank = -(-rows // max(dp, 1))
     counts = {"rl.num_minibatches": cfg.rl.num_minibatches}
-    if cfg.rl.advantage == "gae":
+    if cfg.rl.uses_critic:
         counts["critic.num_minibatches"] = cfg.critic.num_minibatches
     for key, k in counts.items():
         if k > per_rank:

@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from moe_rl.atomic import atomic_output_dir, check_distinct
-from moe_rl.config import Config, ConfigError, ModelConfig, load_config
+from moe_rl.config import Config, ConfigError, ModelConfig, load_saved_config
 from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
 from moe_rl.convert.hf_files import find_hf_source, source_dtype, write_from_source, write_own
 from moe_rl.convert.hf_layout import HFArchitecture
@@ -55,7 +55,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 def checkpoint_config(path: Path) -> Config:
     """The run config stored beside the weights, errors naming the file."""
     try:
-        return load_config(path / CONFIG_FILE)
+        return load_saved_config(path / CONFIG_FILE)
     except ConfigError as e:
         raise ConvertError(f"{path / CONFIG_FILE}: {e}") from e
     except (yaml.YAMLError, UnicodeDecodeError) as e:

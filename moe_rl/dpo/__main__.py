@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
 def run(cfg: Config) -> int:
     """The whole run (every rank); StoppedBySignal leaves with the signal's status."""
     from moe_rl.dpo.trainer import DPOTrainer
+    from moe_rl.loop import RunLoop
 
-    DPOTrainer(cfg).fit()
+    RunLoop(cfg, DPOTrainer(cfg)).run()
     return 0
 
 

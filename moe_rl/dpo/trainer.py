@@ -1,13 +1,13 @@
 """The DPO trainer: pairs -> reference and policy log-probs -> one update, on the loop that
-every preference trainer shares (`moe_rl.preference.loop`: run directory, evaluation,
-checkpoints, resume, signals).
+every preference program shares (`moe_rl.preference.loop`), in the one run loop
+(`moe_rl.loop`: run directory, evaluation, checkpoints, resume, signals).
 
 Per step, on every rank: the step's `dpo.batch_size` pairs (a pure function of run.seed and
 the step, `data.pairs_of_step`) become 2P rows; the frozen reference (run.init_checkpoint,
 loaded once) scores them once, the policy scores them without gradients, and one optimizer
 update runs the surrogate whose gradient is DPO's (`surrogate`). Metrics use TRL's names
 (`learner/loss`, `rewards/*`, `logps/*`) and the held-out ones `eval/*`, every
-`dpo.eval_every` steps and at the end, against reference log-probs computed once at start.
+`run.eval_every` steps and at the end, against reference log-probs computed once at start.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from moe_rl.config import Config
 from moe_rl.dpo.loss import PairLogps, pair_metrics
 from moe_rl.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
 from moe_rl.preference.data import encode_pairs, pair_rows
-from moe_rl.preference.loop import PreferenceTrainer
+from moe_rl.preference.loop import PreferenceProgram
 
 
 def sequence_logps(learner: Any, tokens: TokenBatch) -> torch.Tensor:
@@ -30,7 +30,7 @@ def sequence_logps(learner: Any, tokens: TokenBatch) -> torch.Tensor:
     return (learner.logprobs(tokens).double() * tokens.response_mask()).sum(-1)
 
 
-class DPOTrainer(PreferenceTrainer):
+class DPOTrainer(PreferenceProgram):
     """Owns the policy, the frozen reference and the run directory of one DPO run."""
 
     name = "dpo"
@@ -64,15 +64,14 @@ class DPOTrainer(PreferenceTrainer):
         logps = PairLogps(*pair_rows(sequence_logps(self.model, self.eval_tokens)), *pair_rows(self.eval_ref))
         return pair_metrics(logps, d.beta, d.loss, d.label_smoothing)
 
-    def _finish(self) -> None:
+    def finish(self, last_step: int, final: Path) -> None:
         """The final checkpoint as a Hugging Face directory `<run>/hf` (the starting
         directory's config.json and tokenizer files when it was one: `moe_rl.convert`)."""
         from moe_rl.convert import megatron_to_hf
 
-        if not self.cfg.run.export_hf:
+        if self.rank != 0 or not self.cfg.run.export_hf:
             return
-        final = self.checkpoint_path(self.cfg.run.steps)
-        self.log.info("exported the final model to %s", megatron_to_hf(final, self.run_dir.path / "hf", force=True))
+        self.log.info("exported the final model to %s", megatron_to_hf(final, self.cfg.run_dir / "hf", force=True))
 
     def _summary_fields(self) -> dict[str, Any]:
         return {"algorithm": "dpo", "loss": self.cfg.dpo.loss, "beta": self.cfg.dpo.beta}

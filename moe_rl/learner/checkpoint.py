@@ -31,7 +31,7 @@ import os
 import queue
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -67,15 +67,15 @@ from moe_rl.learner.optimizer import schedule_kept_note
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-CRITIC_PREFIX = "critic."
-"""Checkpoint keys of PPO's critic start so (the actor's are megatron's own)."""
+RESERVED_NAMES = frozenset({"model", "optimizer", "rng_state"})
+"""The actor's own parts of a checkpoint: no component may take these names."""
 __all__ = [
     "META_FILE",
     "CheckpointError",
     "is_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
-    "load_saved_critic",
+    "load_saved_component",
     "read_meta",
     "save_checkpoint",
 ]
@@ -143,24 +143,26 @@ def _rng_object(learner: Any) -> ShardedObject:
 
 
 def _sharded_state(learner: Any, *, with_optimizer: bool, with_rng: bool, loading: bool,
-                   critic: Any = None, critic_optimizer: bool = False) -> dict:
+                   components: Mapping[str, Any] | None = None, optimizers: frozenset[str] = frozenset()) -> dict:
     model_sd = learner.gpt.sharded_state_dict()
     sd: dict[str, Any] = {"model": model_sd}
     if with_optimizer and learner.optimizer is not None:
         sd["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=loading)
     if with_rng:
         sd["rng_state"] = _rng_object(learner)
-    if critic is not None:  # PPO's critic, under keys of its own (`critic.`): the converters skip them
-        critic_sd = critic.gpt.sharded_state_dict(prefix=CRITIC_PREFIX)
-        sd["critic"] = critic_sd
-        if critic_optimizer:
-            sd["critic_optimizer"] = critic.optimizer.sharded_state_dict(critic_sd, is_loading=loading)
+    for name, model in (components or {}).items():  # (`<name>.` keys of its own: the converters skip them)
+        if name in RESERVED_NAMES:
+            raise ValueError(f"a checkpoint component may not be named {name!r} (the actor's own part)")
+        part_sd = model.gpt.sharded_state_dict(prefix=f"{name}.")
+        sd[name] = part_sd
+        if name in optimizers:
+            sd[f"{name}_optimizer"] = model.optimizer.sharded_state_dict(part_sd, is_loading=loading)
     return sd
 
 
-def _critic_meta(critic: Any, with_optimizer: bool) -> dict[str, Any]:
-    return {"step": critic.step, "has_optimizer": with_optimizer,
-            "scheduler": critic.scheduler.state_dict() if with_optimizer else None}
+def _component_meta(model: Any, with_optimizer: bool) -> dict[str, Any]:
+    return {"step": model.step, "has_optimizer": with_optimizer,
+            "scheduler": model.scheduler.state_dict() if with_optimizer else None}
 
 
 # --------------------------------------------------------------------------- save
@@ -254,11 +256,11 @@ def _finish(learner: Any, tmp: Path, path: Path, meta: dict[str, Any], digests: 
 
 
 def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_meta: dict[str, Any] | None,
-           critic: Any = None) -> None:
+           components: Mapping[str, Any]) -> None:
     with_opt = include_optimizer and _has_optimizer_state(learner)
-    critic_opt = critic is not None and include_optimizer and _has_optimizer_state(critic)
-    sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False, critic=critic,
-                        critic_optimizer=critic_opt)
+    optimizers = frozenset(n for n, m in components.items() if include_optimizer and _has_optimizer_state(m))
+    sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False, components=components,
+                        optimizers=optimizers)
     with _in_process_writes(), _one_openmp_thread():
         dist_checkpointing.save(sd, str(tmp))
     kill_point("save.dcp")
@@ -275,8 +277,8 @@ def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_m
         "scheduler": learner.scheduler.state_dict() if with_opt else None,
         **(extra_meta or {}),
     }
-    if critic is not None:
-        meta["critic"] = _critic_meta(critic, critic_opt)
+    for name, model in components.items():
+        meta[name] = _component_meta(model, name in optimizers)
     _on_rank0(lambda: _finish(learner, tmp, path, meta, digests))
 
 
@@ -287,20 +289,22 @@ def save_checkpoint(
     include_optimizer: bool = True,
     *,
     replace_foreign: bool = False,
-    critic: Any = None,
+    components: Mapping[str, Any] | None = None,
 ) -> Path:
     """Collective. Write model, optimizer, LR schedule, RNG and config to `path` atomically
     (`include_optimizer=False`: model and RNG only, e.g. a shipped base model). An existing
     checkpoint at `path` is replaced once the new one is complete; an existing directory
     that is not a checkpoint is refused unless `replace_foreign` (the converter's --force).
-    `critic`: PPO's critic (a `Critic`), saved beside the actor with its optimizer. A full disk, an unwritable directory or a file in the way is a one-line CheckpointError."""
+    `components`: named models trained beside the actor (PPO's `{"critic": Critic}`), each
+    saved under keys of its own with its optimizer, schedule and step. A full disk, an
+    unwritable directory or a file in the way is a one-line CheckpointError."""
     path = Path(path)
     tmp = Path(broadcast_object(f"{path}.tmp-{uuid.uuid4().hex[:8]}", src=0))
     _on_rank0(lambda: _prepare_target(path, tmp, replace_foreign))
     _barrier()
     kill_point("save.begin")
     try:
-        _write(learner, tmp, path, include_optimizer, extra_meta, critic)
+        _write(learner, tmp, path, include_optimizer, extra_meta, dict(components or {}))
     except CheckpointError:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -360,7 +364,8 @@ def load_checkpoint(
     load_optimizer: bool = True,
     strict: bool = True,
     trust: bool = False,
-    critic: Any = None,
+    components: Mapping[str, Any] | None = None,
+    missing_hint: str = "",
     optional: tuple[str, ...] = (),
     restore_rng: bool = True,
 ) -> dict[str, Any]:
@@ -368,61 +373,63 @@ def load_checkpoint(
     manifest (`trust=True` accepts a checkpoint without one). Optimizer state and LR
     schedule are restored when present and asked for; RNG states when `restore_rng` and the
     layout is the one the checkpoint was saved at (a resume; starting weights leave the
-    run's own seeded RNG alone). `critic`: also PPO's critic saved beside the actor
-    (its weights, optimizer and schedule). `optional`: parameter-name prefixes the
-    checkpoint may lack (a critic started from the actor's weights has no value head in
-    them). Returns the checkpoint's metadata."""
+    run's own seeded RNG alone). `components`: the named models saved beside the actor
+    (PPO's `{"critic": Critic}`: weights, optimizer, schedule and step); a checkpoint that
+    lacks one is a one-line error ending with `missing_hint`. `optional`: parameter-name
+    prefixes the checkpoint may lack (a critic started from the actor's weights has no value
+    head in them). Returns the checkpoint's metadata."""
     path = Path(path)
-    restricted, meta = _checked_meta(path, trust, critic_fix="resume a PPO run from its own checkpoints"
-                                     if critic is not None else None)
+    components = dict(components or {})
+    restricted, meta = _checked_meta(path, trust, list(components), missing_hint)
     same_layout = meta.get("layout") == _layout_tag(learner)
     with_rng = restore_rng and same_layout
     want_opt = load_optimizer and learner.optimizer is not None and meta.get("has_optimizer", False)
-    critic_opt = critic is not None and load_optimizer and meta["critic"].get("has_optimizer", False)
-    sd = _sharded_state(learner, with_optimizer=want_opt, with_rng=with_rng, loading=True, critic=critic,
-                        critic_optimizer=critic_opt)
+    optimizers = frozenset(n for n in components if load_optimizer and meta[n].get("has_optimizer", False))
+    sd = _sharded_state(learner, with_optimizer=want_opt, with_rng=with_rng, loading=True, components=components,
+                        optimizers=optimizers)
     sd["model"] = {k: v for k, v in sd["model"].items() if not k.startswith(optional)}  # (not asked of the files)
     loaded = _load_files(learner, path, sd, restricted)
     _load_weights(learner, loaded["model"], path, strict, optional)
     _load_optimizer(learner, loaded.get("optimizer"), meta.get("scheduler") if want_opt else None, want_opt)
-    if critic is not None:
-        _load_weights(critic, _saved_critic_weights(loaded), path, strict, optional)
-        _load_optimizer(critic, loaded.get("critic_optimizer"), meta["critic"].get("scheduler"), critic_opt)
-        critic.step = int(meta["critic"].get("step", 0))
+    for name, model in components.items():
+        _load_weights(model, _saved_weights(loaded, name), path, strict, optional)
+        _load_optimizer(model, loaded.get(f"{name}_optimizer"), meta[name].get("scheduler"), name in optimizers)
+        model.step = int(meta[name].get("step", 0))
     if restore_rng:
         _restore_rng(loaded, same_layout, path, meta, learner)
     learner.step = int(meta.get("step", 0))
     return meta
 
 
-def load_saved_critic(critic: Any, path: str | os.PathLike, *, trust: bool = False) -> None:
-    """Collective. Load the PPO critic saved beside a run's actor in `path` (its transformer
-    and value head; not its optimizer, schedule or RNG) into `critic`, at any layout: the
+def load_saved_component(model: Any, path: str | os.PathLike, name: str, *, trust: bool = False,
+                         missing_hint: str = "") -> None:
+    """Collective. Load the component `name` saved beside a run's actor in `path` (its
+    weights; not its optimizer, schedule or RNG) into `model`, at any layout: e.g. the
     starting critic of another run (a value-pretraining run's, `critic.init_checkpoint`)."""
     path = Path(path)
-    restricted, _ = _checked_meta(path, trust, critic_fix="")
-    loaded = _load_files(critic, path, {"critic": critic.gpt.sharded_state_dict(prefix=CRITIC_PREFIX)}, restricted)
-    _load_weights(critic, _saved_critic_weights(loaded), path, True, ())
-    _load_optimizer(critic, None, None, wanted=False)  # (fp32 master copies follow the weights)
-    critic.step = 0
+    restricted, _ = _checked_meta(path, trust, [name], missing_hint)
+    loaded = _load_files(model, path, {name: model.gpt.sharded_state_dict(prefix=f"{name}.")}, restricted)
+    _load_weights(model, _saved_weights(loaded, name), path, True, ())
+    _load_optimizer(model, None, None, wanted=False)  # (fp32 master copies follow the weights)
+    model.step = 0
 
 
-def _checked_meta(path: Path, trust: bool, critic_fix: str | None) -> tuple[bool, dict[str, Any]]:
+def _checked_meta(path: Path, trust: bool, needed: list[str], hint: str) -> tuple[bool, dict[str, Any]]:
     """Collective. (read restricted?, metadata) of a checkpoint whose manifest checks out;
-    `critic_fix` not None: it must hold PPO's critic, else a one-line error ending with it."""
+    each component in `needed` must be in it, else a one-line error ending with `hint`."""
     if not is_checkpoint(path):
         read_meta(path)  # raises the one-line error naming what is missing
     restricted = _verify(path, trust)
     meta = read_meta(path)
-    if critic_fix is not None and "critic" not in meta:
-        raise CheckpointError(f"checkpoint {path} holds no critic (it was saved by a run without rl.advantage=gae)"
-                              + (f"; {critic_fix}" if critic_fix else ""))
+    for name in needed:
+        if name not in meta:
+            raise CheckpointError(f"checkpoint {path} holds no {name}" + (f" ({hint})" if hint else ""))
     return restricted, meta
 
 
-def _saved_critic_weights(loaded: dict) -> dict:
-    """The critic's model state dict from loaded files (its keys carry CRITIC_PREFIX)."""
-    return {k.removeprefix(CRITIC_PREFIX): v for k, v in loaded["critic"].items()}
+def _saved_weights(loaded: dict, name: str) -> dict:
+    """Component `name`'s model state dict from loaded files (its keys carry `<name>.`)."""
+    return {k.removeprefix(f"{name}."): v for k, v in loaded[name].items()}
 
 
 def _load_weights(learner: Any, model_sd: dict, path: Path, strict: bool, optional: tuple[str, ...]) -> None:

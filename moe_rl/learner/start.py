@@ -6,7 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.config import ConfigError
-from moe_rl.learner.checkpoint import is_checkpoint, load_checkpoint, load_saved_critic, read_meta
+from moe_rl.learner.checkpoint import (
+    is_checkpoint,
+    load_checkpoint,
+    load_saved_component,
+    read_meta,
+)
 from moe_rl.learner.critic import VALUE_HEAD_KEYS
 from moe_rl.learner.hf_import import load_hf_weights
 
@@ -36,7 +41,7 @@ def load_critic_start(critic: Any, path: str, trust: bool, key: str = "critic.in
     head at zero. Weights only, step 0."""
     p = Path(path)
     if is_checkpoint(p) and "critic" in read_meta(p):
-        load_saved_critic(critic, p, trust=trust)
+        load_saved_component(critic, p, "critic", trust=trust)
     else:
         load_start(critic, path, trust, optional=(VALUE_HEAD_KEYS,), key=key)
         critic.init_value_head(0.0, seed=0)

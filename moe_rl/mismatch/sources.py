@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from moe_rl.config import Config, ConfigError, RunConfig, load_config, validate
+from moe_rl.config import Config, ConfigError, RunConfig, load_saved_config, validate
 from moe_rl.mismatch.settings import MeasureError, ScoringLayout
 
 SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "tiny_base"
@@ -62,7 +62,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Checkpoint:
             "Hugging Face directory (no config.json)"
         )
     try:
-        cfg = load_config(p / "config.yaml")
+        cfg = load_saved_config(p / "config.yaml")
     except ConfigError as e:
         raise MeasureError(f"checkpoint {p}: config.yaml: {e}") from e
     return Checkpoint(p.resolve(), "megatron", cfg)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # the meta-device build imports megatron; this module needs o
 
 def has_critic(cfg: Config) -> bool:
     """PPO with a learned value model: the recipe asks for GAE advantages."""
-    return cfg.rl.advantage == "gae"
+    return cfg.rl.uses_critic
 
 
 def value_head_numel(cfg: Config, rank: MetaRank, pp: int) -> int:

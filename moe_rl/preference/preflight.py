@@ -81,10 +81,10 @@ def check_pairs_run(cfg: Config, world: int, section: str = "dpo") -> tuple[list
     check_init_model(cfg)
     check_learner_device(cfg)
     train, held_out, encoder = load_inputs(cfg, section)
-    every = getattr(cfg, section).eval_every
+    every = cfg.run.eval_every
     if every and not held_out:
-        raise ConfigError(f"{section}.eval_every={every} needs task.eval_data_path (held-out pairs); "
-                          f"set it, or {section}.eval_every=0")
+        raise ConfigError(f"run.eval_every={every} needs task.eval_data_path (held-out pairs); "
+                          "set it, or run.eval_every=0")
     check_lengths(train + held_out, encoder, cfg.model.max_position_embeddings)
     return train, held_out, encoder
 

@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(cfg: Config) -> int:
     """The whole run (every rank); StoppedBySignal leaves with the signal's status."""
+    from moe_rl.loop import RunLoop
     from moe_rl.reward_model.trainer import RewardModelTrainer
 
-    RewardModelTrainer(cfg).fit()
+    RunLoop(cfg, RewardModelTrainer(cfg)).run()
     return 0
 
 

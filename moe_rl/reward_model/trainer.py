@@ -1,5 +1,5 @@
 """The reward-model trainer: pairs -> the value model's scores -> one Bradley-Terry update, on
-the loop every preference trainer shares (`moe_rl.preference.loop`).
+what every preference program shares (`moe_rl.preference.loop`), in the one run loop.
 
 Per step, on every rank: the step's `rm.batch_size` pairs (`moe_rl.preference.data.pairs_of_step`)
 become 2P rows; the value model (`moe_rl.learner.critic.ValueModel`: the policy's
@@ -26,7 +26,7 @@ from typing import Any
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config
 from moe_rl.preference.data import encode_pairs
-from moe_rl.preference.loop import PreferenceTrainer
+from moe_rl.preference.loop import PreferenceProgram
 from moe_rl.reward_model.loss import (
     COEF_KEY,
     compared_slots,
@@ -36,7 +36,7 @@ from moe_rl.reward_model.loss import (
 )
 
 
-class RewardModelTrainer(PreferenceTrainer):
+class RewardModelTrainer(PreferenceProgram):
     """Owns the value model and the run directory of one reward-model run."""
 
     name = "reward model"
@@ -71,9 +71,9 @@ class RewardModelTrainer(PreferenceTrainer):
         scores_BT = self.model.logprobs(self.eval_tokens)
         return pair_metrics(scores_BT, self.eval_tokens, chosen_PT, rejected_PT)
 
-    def _finish(self) -> None:
-        final = self.checkpoint_path(self.cfg.run.steps)
-        self.log.info("reward model in %s; start PPO's critic from it with critic.init_checkpoint=%s", final, final)
+    def finish(self, last_step: int, final: Path) -> None:
+        if self.rank == 0:
+            self.log.info("reward model in %s; start PPO's critic from it with critic.init_checkpoint=%s", final, final)
 
     def _summary_fields(self) -> dict[str, Any]:
         return {"algorithm": "reward_model", "compare": self.cfg.rm.compare}

@@ -3,7 +3,7 @@
     collector = RolloutCollector(cfg)                  # task, tokenizer, engine placement
     collector.start_sampler(run_dir, weights_source)   # one engine per rollout group
     collector.assign_rows(dp_rank)                     # where each step's rows are trained on
-    rollout = collector.collect(step, timer, version)  # collective: each rank gets its rows
+    rollout = collector.collect(step, timer)  # collective: each rank gets its rows
     collector.weight_sync.push(learner, version)       # after the learner's update (weight_sync.py)
 
 Every rank of the torchrun world belongs to a rollout group with one engine
@@ -68,7 +68,7 @@ class RolloutCollector:
         self.last_eval_examples: list[dict[str, Any]] = []
         self._row_owners: list[int | None] = [0] * self.placement.world  # (until assign_rows: all rows everywhere)
         self._dp = 1
-        self._signal = LearningSignalWatch(cfg.rl.dynamic_sampling, group_advantages=cfg.rl.advantage != "gae")
+        self._signal = LearningSignalWatch(cfg.rl.dynamic_sampling, group_advantages=not cfg.rl.uses_critic)
 
     @property
     def pad_id(self) -> int:

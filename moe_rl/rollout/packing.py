@@ -11,8 +11,7 @@ import torch
 from moe_rl.advantages import compute_advantages, filter_groups, overlong_penalty
 from moe_rl.batch import TokenBatch, ragged_rows
 from moe_rl.config import Config
-from moe_rl.ppo import SCORE
-from moe_rl.rollout.types import GroupSummary, RowSample
+from moe_rl.rollout.types import SCORE, GroupSummary, RowSample
 from moe_rl.routing.record import ReplayIds, align_sampler_routing
 from moe_rl.step_batch import StepBatch
 
@@ -25,7 +24,7 @@ class StepPlan:
     """[N, G] verifier rewards of the kept groups."""
     adv_NG: torch.Tensor
     """[N, G] group advantages (from the shaped rewards); zeros under rl.advantage=gae,
-    whose token advantages the critic gives after the rollout (`moe_rl.ppo`)."""
+    whose token advantages the critic gives after the rollout (`moe_rl.programs.ppo.critic_stage`)."""
     scores_NG: torch.Tensor
     """[N, G] the shaped rewards (verifier reward plus overlong shaping)."""
     seq_len: int
@@ -46,11 +45,11 @@ def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, c
     shaped_NG = rewards_NG
     if cfg.rl.overlong_max_len:
         shaped_NG = rewards_NG + overlong_penalty(lengths_NG, cfg.rl.overlong_max_len, cfg.rl.overlong_cache)
-    gae = cfg.rl.advantage == "gae"
-    adv_NG = torch.zeros_like(shaped_NG) if gae else compute_advantages(cfg.rl.advantage, shaped_NG)
+    critic = cfg.rl.uses_critic  # (its token advantages come once the step is scored)
+    adv_NG = torch.zeros_like(shaped_NG) if critic else compute_advantages(cfg.rl.advantage, shaped_NG)
     longest = max(g.prompt_len + max(g.response_lens, default=0) for g in kept)
     tp = cfg.parallel.tensor_model_parallel_size
-    stats = rollout_stats(kept, drawn, draws, rewards_NG, lengths_NG, None if gae else adv_NG)
+    stats = rollout_stats(kept, drawn, draws, rewards_NG, lengths_NG, None if critic else adv_NG)
     return StepPlan(rewards_NG, adv_NG, shaped_NG, -(-longest // tp) * tp, stats)
 
 
@@ -68,7 +67,7 @@ def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -
         sampler_logp_BT=ragged_rows([r.logprobs for r in rows], T),
         sampler_routing=sampler_routing(rows, tokens, row_ids, cfg),
         version_B=torch.tensor([r.version for r in rows], dtype=torch.long),
-        extras={SCORE: plan.scores_NG.flatten()[row_ids]} if cfg.rl.advantage == "gae" else {},
+        extras={SCORE: plan.scores_NG.flatten()[row_ids]},
     )
     return batch, plan.rewards_NG.flatten()[row_ids], [r.text for r in rows]
 

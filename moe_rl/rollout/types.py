@@ -10,6 +10,10 @@ import torch
 
 from moe_rl.step_batch import StepBatch
 
+SCORE = "score_B"
+"""StepBatch.extras key: each row's sequence score (its reward after overlong shaping),
+which a critic's per-token rewards start from (`moe_rl.programs.ppo.critic_stage`)."""
+
 
 @dataclass
 class ScoredGroup:

@@ -39,7 +39,7 @@ def set_head(gpt) -> None:
 
 
 def critic_step(critic, cfg) -> dict:
-    from moe_rl.ppo import OLD_VALUES, RETURNS, ValueLossFn
+    from moe_rl.programs.ppo.critic_stage import OLD_VALUES, RETURNS, ValueLossFn
 
     tokens, _ = fixed_batch()
     values = critic.score_whole(tokens).logp_BT  # (the critic's per-token output: its values)

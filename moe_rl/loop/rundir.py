@@ -7,7 +7,7 @@ routing heat map, checkpoint rotation and summary.json (written by global rank 0
       config.yaml        resolved recipe, written once a start succeeded (what resume checks)
       metrics.jsonl      one JSON object per step
       tb/                TensorBoard events (scalars, routing flip-rate heat map)
-      rollouts/step_*.jsonl  whole rollouts, every `logging.rollouts_every` steps
+      rollouts/step_*.jsonl  whole rollouts, every `logging.rollouts_every` steps (the RL program's)
       checkpoints/step_* megatron checkpoints, this run's newest KEEP_CHECKPOINTS kept
       summary.json       first/last rewards, median timings, where the logs are
 
@@ -33,7 +33,6 @@ import logging
 import math
 import os
 import shutil
-import statistics
 import uuid
 import weakref
 from pathlib import Path
@@ -52,26 +51,26 @@ from moe_rl.checkpoints.directories import (
 )
 from moe_rl.checkpoints.errors import TRUST_HINT, CheckpointError
 from moe_rl.checkpoints.temps import remove_file_temps, remove_temps
-from moe_rl.config import Config, ConfigError, config_from_dict, save_config, to_dict
-from moe_rl.config.loading import yaml_load
+from moe_rl.config import Config, ConfigError, load_saved_config, save_config, to_dict
 
-log = logging.getLogger("moe_rl.trainer")
+log = logging.getLogger("moe_rl.loop")
 
 KEEP_CHECKPOINTS = 2
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = ".lock"
-# What a resume may change: run length and checkpoint cadence, where the directory is, the
-# trust flags, the logging, SFT/eval settings (unused by RL), the learner layout (a
-# checkpoint loads at any layout) and the sampler's resources (per-prompt seeds make the
-# rollouts independent of the number of engines). Everything else changes the run itself.
+# What a resume may change: run length, checkpoint and evaluation cadence, where the
+# directory is, the trust flags, the logging, the evaluation's size, SFT's stopping rule and
+# output, the learner layout (a checkpoint loads at any layout) and the sampler's resources
+# (per-prompt seeds make the rollouts independent of the number of engines). Everything
+# else changes the run itself.
 RESUME_MAY_CHANGE = (
-    "run.steps", "run.save_every", "run.resume", "run.overwrite", "run.trust_checkpoint", "run.name",
-    "run.output_dir", "logging.", "sft.", "eval.", "dpo.eval_every", "dpo.eval_max_pairs",
-    "rm.eval_every", "rm.eval_max_pairs", "parallel.", "sampler.vllm_kv_cache_gib",
-    "sampler.gpu_memory_utilization", "sampler.in_process", "sampler.tensor_parallel_size",
-    "sampler.expert_parallel", "sampler.sleep_between_steps", "sampler.placement", "sampler.engine_ranks",
-    "sampler.weight_sync_bucket_mib",
+    "run.steps", "run.save_every", "run.eval_every", "run.eval_k", "run.eval_max_problems", "run.resume",
+    "run.overwrite", "run.trust_checkpoint", "run.name", "run.output_dir", "logging.", "sft.eval_problems",
+    "sft.target_reward", "sft.output", "eval.", "dpo.eval_max_pairs", "rm.eval_max_pairs", "parallel.",
+    "sampler.vllm_kv_cache_gib", "sampler.gpu_memory_utilization", "sampler.in_process",
+    "sampler.tensor_parallel_size", "sampler.expert_parallel", "sampler.sleep_between_steps", "sampler.placement",
+    "sampler.engine_ranks", "sampler.weight_sync_bucket_mib",
 )
 
 
@@ -97,7 +96,7 @@ def read_saved_config(path: Path) -> Config:
     import yaml
 
     try:
-        return config_from_dict(yaml_load(path.read_text(), str(path)) or {})
+        return load_saved_config(path)
     except (ConfigError, ValueError, OSError, yaml.YAMLError) as e:
         raise ConfigError(f"{path} cannot be read back ({' '.join(str(e).split())}); "
                           "restore it, or start a new run under another run.name") from e
@@ -135,12 +134,14 @@ class RunDirectory:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
-    def prepare(self, resume: bool, rank: int = 0) -> Path | None:
+    def prepare(self, resume: bool, rank: int = 0, *, needs_init: bool = True) -> Path | None:
         """Before any model is built, on every rank: claim the directory for this run
         (refusing another run's, and a fresh start or a resume that would lose logged steps),
         and return the checkpoint to resume from (None: a fresh start). Rank 0 alone changes
         files (moves an old run aside when asked, removes stale temps, takes the lock);
-        config.yaml and run.json are written by `start_logging`, once the start succeeded."""
+        config.yaml and run.json are written by `start_logging`, once the start succeeded.
+        `needs_init`: a fresh start needs run.init_checkpoint (false for a program that starts
+        from random weights, SFT)."""
         run = self.cfg.run
         if not resume and (self._old_checkpoints() or self.logged_steps()):
             if not run.overwrite:
@@ -151,7 +152,7 @@ class RunDirectory:
         if resume_from is not None:
             self._check_resume_config(resume_from)
         elif resume:
-            self._check_nothing_to_resume(rank)
+            self._check_nothing_to_resume(rank, needs_init)
         owner = self._owner() if resume else None
         self.run_id = owner or (read_meta(resume_from).get("run_id") if resume_from else None) or uuid.uuid4().hex
         if rank == 0:
@@ -177,7 +178,7 @@ class RunDirectory:
         return (f"{self.path} holds an earlier run ({len(steps)} steps in {METRICS_FILE}, no checkpoint); start "
                 f"over with {aside}, or choose another run.name")
 
-    def _check_nothing_to_resume(self, rank: int) -> None:
+    def _check_nothing_to_resume(self, rank: int, needs_init: bool) -> None:
         """run.resume=true without a checkpoint: a fresh start, unless that would lose logged
         steps or there are no starting weights."""
         steps = self.logged_steps()
@@ -187,12 +188,12 @@ class RunDirectory:
                 f"steps (up to step {max(steps)} in {METRICS_FILE}; run.save_every=0 saves only at the end); "
                 f"start over with run.resume=false run.overwrite=true (moves them aside to "
                 f"{self.path.name}.overwritten-<time>, deleting nothing), or choose another run.name")
-        if not self.cfg.run.init_checkpoint:
+        if needs_init and not self.cfg.run.init_checkpoint:
             raise ConfigError(f"run.resume=true but {self.path} has no checkpoint yet, and run.init_checkpoint is "
                               "empty; name the starting weights with run.init_checkpoint")
         if rank == 0:
             log.info("run.resume=true: nothing to resume in %s yet; starting a fresh run from %s", self.path,
-                     self.cfg.run.init_checkpoint)
+                     self.cfg.run.init_checkpoint or "random weights")
 
     def _owner(self) -> str | None:
         try:
@@ -344,12 +345,6 @@ class RunDirectory:
                                 stat_label="flip rate")
             self._writer.add_image("routing/flip_rate_heatmap", img, step, dataformats="HWC")
 
-    def save_rollout(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """One JSON line per sequence of the step's training batch (`Rollout.dump_rows` of
-        every data-parallel rank; the trainer decides when a dump is due)."""
-        atomic_write_text(self.path / "rollouts" / f"step_{step:06d}.jsonl",
-                          "".join(json.dumps(r) + "\n" for r in rows))
-
     def rotate_checkpoints(self) -> None:
         """Keep this run's newest KEEP_CHECKPOINTS complete checkpoints; never touch another
         run's (or one whose run id cannot be read)."""
@@ -363,26 +358,8 @@ class RunDirectory:
             os.replace(old, doomed)  # invisible at once; a kill during the removal leaves only this
             shutil.rmtree(doomed, ignore_errors=True)
 
-    def write_summary(self, wall_seconds: float, world_size: int, layout_name: str) -> dict[str, Any]:
-        rewards = [h["reward/mean"] for h in self.history]
-        step_times = [h["time/step"] for h in self.history if "time/step" in h]
-        timing_keys = sorted({k for h in self.history for k in h if k.startswith("time/")})
-        rl = self.cfg.rl
-        summary = {
-            "steps": len(rewards),
-            "reward_first10": statistics.fmean(rewards[:10]) if rewards else float("nan"),
-            "reward_last10": statistics.fmean(rewards[-10:]) if rewards else float("nan"),
-            "wall_seconds": wall_seconds,
-            "objective": rl.objective,
-            "replay": rl.replay,
-            "rollout_correction": rl.rollout_correction,
-            "num_minibatches": rl.num_minibatches,
-            "world_size": world_size,
-            "layout": layout_name,
-            "median_step_seconds": statistics.median(step_times) if step_times else float("nan"),
-            "median_timings": {k: statistics.median(h[k] for h in self.history if k in h) for k in timing_keys},
-            "tensorboard": str(self.path / "tb"),
-        }
+    def write_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """summary.json (atomically): what the program reports about the finished run."""
         atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 

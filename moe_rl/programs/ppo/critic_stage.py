@@ -1,11 +1,11 @@
 """PPO with a learned critic (`rl.advantage: gae`): the critic's part of an RL step.
 
-    stage = CriticStage(cfg, layout, updates)            # the critic learner (moe_rl.learner.critic)
+    stage = CriticStage(cfg, layout)                    # the critic learner (moe_rl.learner.critic)
     batch, metrics = stage.advantages(batch)            # values -> token rewards -> GAE -> whitening
     ...                                                 # the actor's update reads batch.adv_B: [b, T]
     metrics |= stage.update(batch, minibatches)         # the clipped value loss, the critic's own Adam
 
-Rewards and advantages (`moe_rl.gae`, the documents' formulas): the row's verifier score
+Rewards and advantages (`moe_rl.programs.ppo.gae`, the documents' formulas): the row's verifier score
 (after overlong shaping) sits on its last response token; with `rl.kl_in_reward` every
 response token also gets -beta * k1, k1 = log pi_old - log pi_ref, where beta is
 `rl.kl_coef`, or with `rl.kl_target` > 0 the adaptive controller's weight, updated after
@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moe_rl.config import Config
-from moe_rl.gae import (
+from moe_rl.config.critic import critic_minibatches
+from moe_rl.metrics import combine
+from moe_rl.programs.ppo.gae import (
     adaptive_kl_coef,
     clipped_value_loss,
     gae,
@@ -39,15 +41,14 @@ from moe_rl.gae import (
     unbiased_variance,
     whiten_by_moments,
 )
-from moe_rl.metrics import combine
+from moe_rl.programs.rl.component import StepComponent
+from moe_rl.rollout.types import SCORE
 from moe_rl.step_batch import StepBatch
 
 if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)
     from moe_rl.learner import MicroBatch, MicroBatchLoss
     from moe_rl.learner.parallel import Layout
 
-SCORE = "score_B"
-"""StepBatch.extras key: each row's sequence score (shaped reward), set by the rollout."""
 OLD_VALUES = "old_values_BT"
 """StepBatch.extras key: the critic's values at the start of the step."""
 RETURNS = "returns_BT"
@@ -79,17 +80,37 @@ class ValueLossFn:
         return self._result(self.coef * loss, metrics, n_mb)
 
 
-class CriticStage:
-    """PPO's critic within an RL step: its values, the step's token advantages, its update."""
+class CriticStage(StepComponent):
+    """PPO's critic within an RL step: its values, the step's token advantages, its update
+    (a `StepComponent`: the RL program runs it without knowing it by name)."""
 
-    def __init__(self, cfg: Config, layout: Layout, updates: int) -> None:
+    missing_hint = "it was saved by a run without rl.advantage=gae; resume a PPO run from its own checkpoints"
+
+    def __init__(self, cfg: Config, layout: Layout, updates: int | None = None) -> None:
         from moe_rl.learner.critic import Critic
 
         self.cfg = cfg
+        self.passes = (cfg.critic.epochs, critic_minibatches(cfg))
+        self.actor_warmup_steps = cfg.critic.warmup_steps
+        if updates is None:  # (the whole run's: every step trains the critic, warm-up included)
+            updates = cfg.run.steps * self.passes[0] * self.passes[1]
         self.critic = Critic(cfg, layout, total_updates=updates)
         self.loss_fn = ValueLossFn(cfg)
         self.kl_coef = cfg.rl.kl_coef
         """beta, the KL weight in the reward of the next step (rl.kl_in_reward)."""
+
+    def models(self) -> dict[str, Any]:
+        return {"critic": self.critic}
+
+    def start(self, init: str, trust: bool) -> None:
+        """critic.init_checkpoint, else the actor's starting weights: a PPO checkpoint's saved
+        critic, value head included; other weights: their transformer, head at zero."""
+        from moe_rl.learner.start import load_critic_start
+
+        own = self.cfg.critic.init_checkpoint
+        if own or init:
+            load_critic_start(self.critic, own or init, trust,
+                              key="critic.init_checkpoint" if own else "run.init_checkpoint")
 
     def state(self) -> dict[str, float]:
         """What a checkpoint keeps of the stage besides the critic: the adaptive KL weight."""

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from moe_rl.collectives import all_gather_object
 from moe_rl.worlds import bridge
 
-log = logging.getLogger("moe_rl.interrupt")
+log = logging.getLogger("moe_rl.loop.interrupt")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_WINDOW_S = 1.0

@@ -24,7 +24,7 @@ conventions:
   R)^2), token-mean over the valid tokens; `vf_clipfrac` is the fraction of tokens where
   the clipped term is the larger.
 
-The critic that supplies the values is `moe_rl.learner.critic`; `moe_rl.ppo` puts these
+The critic that supplies the values is `moe_rl.learner.critic`; `moe_rl.programs.ppo.critic_stage` puts these
 together within an RL step (`rl.advantage: gae`, docs/ppo_dpo.md).
 """
 

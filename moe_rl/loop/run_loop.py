@@ -1,0 +1,172 @@
+"""The one run loop: every program (RL, PPO, DPO, the reward model, SFT, and the engine-only
+role of a separate placement) runs through it.
+
+    summary = RunLoop(cfg, program).run()
+
+What the loop owns, the same for every program:
+  - resume or fresh start: the run directory (`moe_rl.loop.rundir`) claims the directory and
+    names the checkpoint to resume from; the program restores it in `setup`;
+  - stepping from the resumed step to run.steps, evaluation every run.eval_every steps and
+    at the last (and once before step 1 for the programs that ask);
+  - metrics: metrics.jsonl, TensorBoard, the progress bar, `time/step` and `time/other`;
+  - the agreed stop: SIGINT / SIGTERM on any rank stop every rank after the same step, which
+    is saved; the process leaves with 130 / 143 and a line saying how to go on;
+  - checkpoints every run.save_every steps and at the last, rotation, the program's finish
+    (an export) and summary.json.
+Every rank runs the same sequence of collective calls (a step, an evaluation when due, one
+agreed-stop gather, a save when due), whatever its role, so the roles cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from typing import Any, NoReturn
+
+from moe_rl.checkpoints.directories import step_dir_name
+from moe_rl.config import Config
+from moe_rl.loop.interrupt import StopOnSignal, StoppedBySignal
+from moe_rl.loop.program import Program
+from moe_rl.loop.rundir import RunDirectory
+
+log = logging.getLogger("moe_rl.loop")
+
+
+class RunLoop:
+    """Drives one program over the run's steps (see the module docstring)."""
+
+    def __init__(self, cfg: Config, program: Program) -> None:
+        self.cfg = cfg
+        self.program = program
+        self.run_dir = RunDirectory(cfg)
+        self._bar: Any = None
+
+    @property
+    def _writes(self) -> bool:
+        """This rank writes the run's files: global rank 0 of a program that trains."""
+        return self.program.trains and self.program.rank == 0
+
+    def run(self) -> dict[str, Any]:
+        """The whole run on this rank; rank 0 returns the summary, the others {}."""
+        prog = self.program
+        with contextlib.ExitStack() as stack:
+            stack.callback(prog.close)
+            resume_from = (self.run_dir.prepare(self.cfg.run.resume, rank=prog.rank, needs_init=prog.needs_init_weights)
+                           if prog.trains else None)
+            start = prog.setup(resume_from)
+            if self._writes:
+                stack.callback(self.run_dir.close)
+                self.run_dir.start_logging(start)
+            t0 = time.perf_counter()
+            self._evaluate_at_start(start)
+            self._bar = self._progress_bar(stack, start)
+            last = self._steps(start)
+            if self._bar is not None:
+                self._bar.close()  # its last line before the summary's (the stack's close is then a no-op)
+            final = self.run_dir.checkpoints / step_dir_name(last)
+            prog.finish(last, final)
+            if not self._writes:
+                return {}
+            fields = {"steps": last, "wall_seconds": time.perf_counter() - t0, "world_size": prog.world,
+                      "layout": prog.layout_name, "final_checkpoint": str(final),
+                      "tensorboard": str(self.run_dir.path / "tb")}
+            return self.run_dir.write_summary({**fields, **prog.summary(self.run_dir.history)})
+
+    def _evaluate_at_start(self, start: int) -> None:
+        if start == 0 and self.program.evaluates_at_start and self.cfg.run.eval_every:
+            metrics = self.program.evaluate(0)  # (collective: every rank takes part)
+            if metrics and self._writes:
+                self.run_dir.log(0, {**metrics, "step": 0})
+
+    def _steps(self, start: int) -> int:
+        """Steps start+1 .. run.steps (or until the program is done); returns the last."""
+        prog, steps, last = self.program, self.cfg.run.steps, start
+        with StopOnSignal() as stop:
+            for step in range(start + 1, steps + 1):
+                metrics = self._one_step(step)
+                last = step
+                if self._writes:
+                    self._log(step, metrics)
+                done = prog.done(step, metrics)
+                signum = stop.agreed()  # collective over every rank, every step
+                signum = signum if signum and step < steps else None  # (during the last step: finish)
+                if signum or done or self._save_due(step):
+                    self._save(step)
+                if signum:
+                    self._stop(step, signum)
+                if done:
+                    break
+        return last
+
+    def _one_step(self, step: int) -> dict[str, float]:
+        """The program's step, its evaluation when due, and the step's timings."""
+        t0 = time.perf_counter()
+        metrics = self.program.step(step)
+        if self._eval_due(step):
+            t_eval = time.perf_counter()
+            metrics.update(self.program.evaluate(step))
+            metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t_eval
+        phases = sum(v for k, v in metrics.items() if k.startswith("time/"))
+        metrics["time/step"] = time.perf_counter() - t0
+        metrics["time/other"] = metrics["time/step"] - phases
+        metrics["step"] = step
+        return metrics
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        """metrics.jsonl and TensorBoard, the program's log line, the progress bar (rank 0)."""
+        self.run_dir.log(step, metrics)
+        line = self.program.log_line(step, metrics)
+        if line is not None:
+            self._say(line)
+        if self._bar is not None:  # postfix first: the line drawn at k/N shows step k's values
+            self._bar.set_postfix(self.program.postfix(metrics), refresh=False)
+            self._bar.update(1)
+
+    def _say(self, line: str) -> None:
+        """A log line that does not break the progress bar."""
+        if self._bar is None:
+            log.info("%s", line)
+            return
+        with self._bar.external_write_mode():
+            log.info("%s", line)
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.run.eval_every
+        return bool(every) and (step % every == 0 or step == self.cfg.run.steps)
+
+    def _save_due(self, step: int) -> bool:
+        every = self.cfg.run.save_every
+        return (bool(every) and step % every == 0) or step == self.cfg.run.steps
+
+    def _save(self, step: int) -> None:
+        """Collective over the training ranks: the program's state at `step`; rank 0 then
+        rotates out this run's older checkpoints."""
+        if not self.program.trains:
+            return
+        self.program.save(self.run_dir.checkpoints / step_dir_name(step),
+                          {"trainer_step": step, "run_id": self.run_dir.run_id})
+        if self.program.rank == 0:
+            self.run_dir.rotate_checkpoints()
+
+    def _stop(self, step: int, signum: int) -> NoReturn:
+        """After `step`'s checkpoint: say what happened and how to go on, and leave with the
+        signal's exit status (130 for SIGINT, 143 for SIGTERM)."""
+        if self._bar is not None:
+            self._bar.close()
+        if self._writes:
+            log.warning("stopped by %s after step %d of %d, saved in %s; to continue, run the same command with "
+                        "run.resume=true", signal.Signals(signum).name, step, self.cfg.run.steps,
+                        self.run_dir.checkpoints / step_dir_name(step))
+        raise StoppedBySignal(signum)
+
+    def _progress_bar(self, stack: contextlib.ExitStack, start: int) -> Any:
+        if not self._writes or not self.cfg.logging.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.cfg.run.steps, initial=start, desc=self.cfg.run.name, unit="step", dynamic_ncols=True)
+        stack.callback(bar.close)
+        return bar
+

@@ -1,0 +1,209 @@
+"""The RL program on the ranks that train: collect -> score -> update -> sync, one step.
+
+One step, on every training rank (docs/step.md):
+  1. collect (`moe_rl.rollout`): every rollout group's engine samples its block of the
+     problems, G responses each; rewards, dynamic sampling, advantages; each data-parallel
+     rank receives only its rows, as a `StepBatch`;
+  2. score: the learner recomputes old logprobs and records routing for those rows (R3:
+     replaying the sampler's); a reference model scores them when `kl_coef > 0`; the step
+     components (`component.StepComponent`: PPO's critic) give their advantages;
+  3. update: `epochs x num_minibatches` optimizer steps with the objective's loss
+     (`moe_rl.update`), under the learner's routing plan (router shift, R2/R3 replay), then
+     each step component's (PPO's critic) on the same mini-batches;
+  4. sync: `collector.weight_sync` pushes the weights to the engines, whatever the placement.
+The run loop (`moe_rl.loop`) does the rest: evaluation, logging, checkpoints, signals.
+Determinism: problems, sampler seeds and mini-batch shuffles derive from (run.seed, step)
+and the data-parallel size alone, so a run resumed from a checkpoint at the same layout replays
+the steps an uninterrupted run takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from moe_rl.atomic import atomic_write_text
+from moe_rl.checkpoints.directories import step_dir_name
+from moe_rl.config import Config
+from moe_rl.config.critic import critic_warmup_steps
+from moe_rl.loop import Program
+from moe_rl.programs.rl.component import StepComponent, models_of
+from moe_rl.programs.rl.step_metrics import mismatch_metrics
+from moe_rl.programs.rl.update_phase import UpdatePhase
+from moe_rl.rollout import Rollout, RolloutCollector
+from moe_rl.timing import StepTimer
+
+log = logging.getLogger("moe_rl.trainer")
+
+
+class LearnerRole(Program):
+    """Sequences the rollout collector and the learner(s); owns nothing they own."""
+
+    name = "rl"
+
+    def __init__(self, cfg: Config, collector: RolloutCollector, rank: int, world: int) -> None:
+        self.cfg, self.collector, self.rank, self.world = cfg, collector, rank, world
+        self._stack = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, resume_from: Path | None) -> int:
+        from moe_rl.learner import Learner, load_checkpoint, load_start, parallel_layout
+        from moe_rl.learner.offload import HostOffload
+
+        cfg, init = self.cfg, self.cfg.run.init_checkpoint
+        self.layout = self._stack.enter_context(parallel_layout(cfg.parallel, seed=cfg.run.seed))
+        self.layout_name = self.layout.name
+        actor_steps = cfg.run.steps - critic_warmup_steps(cfg)
+        self.learner = Learner(cfg, self.layout, total_updates=actor_steps * cfg.rl.epochs * cfg.rl.num_minibatches)
+        self.components = step_components(cfg, self.layout)
+        start = 0
+        if resume_from is not None:
+            meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint,
+                                   components=models_of(self.components),
+                                   missing_hint="; ".join(c.missing_hint for c in self.components))
+            start = int(meta.get("trainer_step", meta["step"]))
+            for component in self.components:
+                component.restore(meta)
+            log.info("resumed from %s at step %d", resume_from, start)
+        else:
+            if init:
+                load_start(self.learner, init, cfg.run.trust_checkpoint)
+            for component in self.components:
+                component.start(init, cfg.run.trust_checkpoint)
+        trained = [self.learner, *models_of(self.components).values()]
+        self._offload = [HostOffload(m) for m in trained] if cfg.optimizer.offload_during_rollout else None
+        self.ref = None
+        if cfg.rl.kl_coef > 0:  # (the preflight made sure there is an init checkpoint)
+            self.ref = Learner(cfg, self.layout, trainable=False)
+            load_start(self.ref, init, cfg.run.trust_checkpoint)
+        self.collector.start_sampler(cfg.run_dir, resume_from or (Path(init) if init else None))
+        start = self.collector.placement.from_rank0(start)  # (to engine-only ranks)
+        self.collector.weight_sync.held_version = start
+        self.collector.assign_rows(self.layout.dp_rank)
+        self.updates = UpdatePhase(cfg, self.learner, self.components, self.layout.dp, self.rank)
+        return start
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg, timer = self.cfg, StepTimer()
+        with self._learner_on_host(timer) as offloaded:
+            rollout = self.collector.collect(step, timer)
+        self._save_rollout(step, rollout)
+        batch = rollout.batch
+        with timer.phase("old_logprob"):
+            if not cfg.rl.scores_in_update or not self.updates.actor_trains(step):
+                plan = self.learner.routing_plan(cfg.rl.replay, batch, capture=cfg.rl.records_routing)
+                score = self.learner.score(batch, plan, cfg.sampler.temperature)
+                batch = batch.scored(score.logp_BT, score.record)
+            if self.ref is not None:
+                batch = batch.with_reference(self.ref.score(batch, temperature=cfg.sampler.temperature).logp_BT)
+        component_metrics: dict[str, float] = {}
+        for component in self.components:  # (PPO's critic: values -> token advantages)
+            with timer.phase("values"):
+                batch, more = component.advantages(batch, self.learner.dp_gather_object)
+            component_metrics.update(more)
+        with timer.phase("update"):
+            metrics, batch = self.updates.run(step, batch)
+        metrics.update(component_metrics)
+        metrics.update(rollout.stats)
+        if offloaded is not None:
+            metrics["learner/offloaded_gib"] = offloaded / 2**30
+        metrics.update(mismatch_metrics(self.learner, batch, step, cfg.rl.max_staleness))
+        with timer.phase("sync"):
+            metrics.update(self.collector.weight_sync.push(self.learner, version=step))
+        metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.collector.evaluate(step)
+
+    @contextlib.contextmanager
+    def _learner_on_host(self, timer: StepTimer) -> Iterator[int | None]:
+        """`optimizer.offload_during_rollout`: the learner's (and PPO's critic's) grads and
+        optimizer states wait on the host while the engines sample (yields the bytes moved;
+        None when off)."""
+        if self._offload is None:
+            yield None
+            return
+        with timer.phase("offload"):
+            moved = sum(part.offload() for part in self._offload)
+        try:
+            yield moved
+        finally:
+            with timer.phase("offload"):
+                for part in self._offload:
+                    part.reload()
+
+    def _save_rollout(self, step: int, rollout: Rollout) -> None:
+        """Every data-parallel rank's rows to rank 0, as `<run>/rollouts/step_<n>.jsonl`, when
+        a dump is due (a debugging aid: the only time rows travel to one rank)."""
+        import json
+
+        every = self.cfg.logging.rollouts_every
+        if not every or step % every:
+            return
+        rows = [r for part in self.learner.dp_gather_object(rollout.dump_rows()) for r in part]
+        if self.rank == 0:
+            atomic_write_text(self.cfg.run_dir / "rollouts" / f"{step_dir_name(step)}.jsonl",
+                              "".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["row"])))
+
+    # ------------------------------------------------------------------ state and the end
+
+    def save(self, path: Path, meta: dict[str, Any]) -> None:
+        from moe_rl.learner import save_checkpoint
+
+        state = {k: v for component in self.components for k, v in component.state().items()}
+        save_checkpoint(self.learner, path, extra_meta={**meta, **state}, components=models_of(self.components))
+
+    def finish(self, last_step: int, final: Path) -> None:
+        """The final checkpoint as a Hugging Face directory, `<run>/hf` (rank 0): the source
+        checkpoint's config.json, generation config and tokenizer files when the run started
+        from one (`moe_rl.convert.hf_files`)."""
+        if self.rank != 0 or not self.cfg.run.export_hf:
+            return
+        from moe_rl.convert import megatron_to_hf
+
+        log.info("exported the final model to %s", megatron_to_hf(final, self.cfg.run_dir / "hf", force=True))
+
+    def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """First and last rewards, the run's settings, median timings."""
+        rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
+        step_times = [h["time/step"] for h in history if "time/step" in h]
+        timing_keys = sorted({k for h in history for k in h if k.startswith("time/")})
+        rl = self.cfg.rl
+        return {
+            "reward_first10": statistics.fmean(rewards[:10]) if rewards else float("nan"),
+            "reward_last10": statistics.fmean(rewards[-10:]) if rewards else float("nan"),
+            "objective": rl.objective, "replay": rl.replay, "rollout_correction": rl.rollout_correction,
+            "num_minibatches": rl.num_minibatches,
+            "median_step_seconds": statistics.median(step_times) if step_times else float("nan"),
+            "median_timings": {k: statistics.median(h[k] for h in history if k in h) for k in timing_keys},
+        }
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        keys = [("reward", "reward/mean"), ("gamma", "routing/gamma_mean"), ("flip", "routing/flip_rate_mean"),
+                ("clip", "policy/clip_frac"), ("k3", "mismatch/k3"), ("s/step", "time/step")]
+        # (the learner's own metrics are logged as learner/loss, learner/grad_norm, learner/lr)
+        return {short: f"{metrics[k]:.3g}" for short, k in keys if k in metrics}
+
+    def close(self) -> None:
+        """Release the sampler and the layout."""
+        with self._stack:
+            self.collector.close()
+
+
+def step_components(cfg: Config, layout: Any) -> list[StepComponent]:
+    """The models the recipe trains beside the actor: PPO's critic when the advantage
+    estimator needs one (the registry says so), else none."""
+    if not cfg.rl.uses_critic:
+        return []
+    from moe_rl.programs.ppo.critic_stage import CriticStage
+
+    return [CriticStage(cfg, layout)]
+

@@ -1,0 +1,75 @@
+"""The update phase of an RL step: the actor's `epochs x num_minibatches` optimizer steps on
+the step's rows, then each step component's (PPO's critic) on the same mini-batches.
+
+    phase = UpdatePhase(cfg, learner, components, dp, rank)
+    metrics, batch = phase.run(step, batch)
+
+Each rank updates on its own rows of every mini-batch (`moe_rl.update.minibatch_rows`). An
+unscored batch (the on-policy shortcut: one update, no replay) takes its old logprobs and
+routing record from the update's own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from moe_rl.config import Config
+from moe_rl.metrics import combine
+from moe_rl.step_batch import StepBatch
+from moe_rl.update import PolicyLossFn, minibatch_rows, shuffle_seed
+
+log = logging.getLogger("moe_rl.trainer")
+
+
+class UpdatePhase:
+    """The optimizer steps of one RL step, for the actor and the step components."""
+
+    def __init__(self, cfg: Config, learner: Any, components: list[Any], dp: int, rank: int) -> None:
+        self.cfg, self.learner, self.components, self.dp, self.rank = cfg, learner, components, dp, rank
+        self._said_fewer_updates = False
+
+    def actor_trains(self, step: int) -> bool:
+        """False during a component's warm-up (PPO's critic: the first `critic.warmup_steps`)."""
+        return step > max((c.actor_warmup_steps for c in self.components), default=0)
+
+    def run(self, step: int, batch: StepBatch) -> tuple[dict[str, float], StepBatch]:
+        """The actor's updates (none during a component's warm-up), then each component's
+        (its own passes: epochs after the actor's reuse their shuffles)."""
+        rl = self.cfg.rl
+        metrics: dict[str, float] = {"policy/updates": 0.0}
+        if self.actor_trains(step):
+            metrics, batch = self._update_actor(batch, self.minibatches(step, batch, rl.epochs, rl.num_minibatches))
+        for component in self.components:
+            epochs, count = component.passes
+            metrics.update(component.update(batch, self.minibatches(step, batch, epochs, count)))
+        return metrics, batch
+
+    def minibatches(self, step: int, batch: StepBatch, epochs: int, count: int) -> list[Any]:
+        """`epochs` passes of `count` shuffled mini-batches (global row ids), a shuffle per
+        (step, pass); a component's passes reuse the actor's shuffles."""
+        most = max([self.cfg.rl.epochs, *(c.passes[0] for c in self.components)])
+        out = [rows for epoch in range(epochs)
+               for rows in minibatch_rows(batch.step_rows, count, self.dp,
+                                          seed=shuffle_seed(self.cfg.run.seed, step, epoch, most))]
+        if len(out) < epochs * count and not self._said_fewer_updates and self.rank == 0:
+            self._said_fewer_updates = True  # (said once: policy/updates and critic/updates count every step's)
+            log.warning("step %d: %d rows make %d of the %d mini-batches a pass asks for (dynamic sampling kept "
+                        "fewer groups than rl.prompts_per_step): fewer optimizer updates this step, and the "
+                        "learning-rate schedule runs behind", step, batch.step_rows, len(out) // epochs, count)
+        return out
+
+    def _update_actor(self, batch: StepBatch, minibatches: list[Any]) -> tuple[dict[str, float], StepBatch]:
+        cfg = self.cfg
+        loss_fn = PolicyLossFn(cfg, on_policy=batch.old_logp_BT is None)
+        plan = self.learner.routing_plan(cfg.rl.replay if batch.old_logp_BT is not None else "none", batch,
+                                         capture=cfg.rl.records_routing)
+        updates = []
+        for rows in minibatches:
+            result = self.learner.update(batch.take(rows), loss_fn, plan, cfg.sampler.temperature)
+            if batch.old_logp_BT is None:
+                batch = batch.scored(result.logp_BT, result.record)
+            updates.append({k if "/" in k else f"learner/{k}": v for k, v in result.metrics.items()})
+        metrics = combine(updates)
+        metrics["policy/updates"] = float(len(updates))
+        return metrics, batch

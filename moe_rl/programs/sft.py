@@ -1,0 +1,173 @@
+"""The supervised warm start as a program of the run loop: a random (or given) tiny MoE ->
+a base policy with partial success.
+
+Each step draws `sft.batch_size` problems from the task (a pure function of run.seed and
+the step, so a resumed run draws what the uninterrupted one would) and minimises the
+token-mean negative log-likelihood of the reference completion (+ EOS) given the prompt,
+on the same megatron learner the RL program uses. Every `run.eval_every` steps (and before
+step 1) it measures the expected exact-match reward of sampling at temperature 1 on a
+fixed held-out set, mean_i exp(sum_t log pi(answer_it)), which is exactly the reward RL
+starts from (`eval/expected_reward`), and stops once it reaches `sft.target_reward`. The
+run directory is every program's (metrics.jsonl, TensorBoard, checkpoints with the
+optimizer, `run.resume=true`, Ctrl-C saves); at the end the model alone (no optimizer
+state) is written to `sft.output` (default `<run>/base`; an existing checkpoint there is
+replaced once the new one is complete; any other existing directory is refused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_rl.batch import TokenBatch
+from moe_rl.config import Config, ConfigError
+from moe_rl.loop import Program
+from moe_rl.tasks import make_task
+from moe_rl.tasks.base import Problem, Task
+from moe_rl.tasks.tokenizer import Tokenizer
+from moe_rl.tokenization import load_tokenizer
+
+log = logging.getLogger("moe_rl.sft")
+EVAL_SEED_OFFSET = 1_000_003
+"""The held-out problems are drawn from run.seed + this (apart from every step's draw)."""
+
+
+def encode_problems(problems: list[Problem], task: Task, tok: Tokenizer, seq_multiple: int) -> TokenBatch:
+    """Prompt ids + reference completion ids (ending in EOS) for each problem."""
+    pairs = [tok.encode_example(p.prompt, task.completion(p)) for p in problems]
+    return TokenBatch.from_lists([a for a, _ in pairs], [b for _, b in pairs], pad_id=tok.pad_id,
+                                 seq_multiple=seq_multiple)
+
+
+def nll_loss(batch: TokenBatch):
+    """Token-mean NLL with the whole batch's token count as normaliser (micro-batch sums
+    add up to the whole-batch loss)."""
+    from moe_rl.learner import MicroBatchLoss
+
+    total = batch.response_lens_B.sum().clamp(min=1)
+
+    def loss_fn(logp_BT: torch.Tensor, mb) -> MicroBatchLoss:
+        mask = mb.batch.response_mask()
+        nll = -(logp_BT * mask).sum()
+        n = mask.sum()
+        return MicroBatchLoss(nll / total, {"nll": nll / n.clamp(min=1)}, weight=n)
+
+    return loss_fn
+
+
+def expected_reward(learner: Any, batch: TokenBatch) -> float:
+    """mean_i exp(sum_t log pi(y_it)) at temperature 1: the exact-match reward of sampling."""
+    logp = learner.logprobs(batch)
+    seq = (logp * batch.response_mask()).sum(-1)
+    return float(torch.exp(seq).mean())
+
+
+def sft_output(cfg: Config) -> Path:
+    """Where the finished run's model-only checkpoint goes."""
+    return Path(cfg.sft.output) if cfg.sft.output else cfg.run_dir / "base"
+
+
+def check_output(cfg: Config) -> None:
+    """sft.output is replaced at the end only when it is a checkpoint (or absent / empty):
+    refuse anything else before training rather than after."""
+    from moe_rl.checkpoints.directories import is_checkpoint
+
+    out = sft_output(cfg)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"sft.output={out} is a file; choose a directory path")
+    if out.is_dir() and any(out.iterdir()) and not is_checkpoint(out):
+        raise ConfigError(f"sft.output={out} exists and is not a moe_rl checkpoint (it would be replaced); "
+                          "choose another path")
+
+
+class SFTProgram(Program):
+    """One supervised run: the learner, the task, the held-out problems."""
+
+    name = "sft"
+    evaluates_at_start = True
+    needs_init_weights = False
+
+    def __init__(self, cfg: Config) -> None:
+        from moe_rl.learner import init_distributed
+        from moe_rl.preflight import check_run
+
+        check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")), sft=True)  # once, before anything is built
+        check_output(cfg)
+        self.cfg = cfg
+        self.rank, self.world = init_distributed(cfg.parallel.distributed_backend)
+        self.task = make_task(cfg.task)
+        self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint or None)
+        self._stack = contextlib.ExitStack()
+
+    def setup(self, resume_from: Path | None) -> int:
+        from moe_rl.learner import Learner, load_checkpoint, load_start, parallel_layout
+
+        cfg = self.cfg
+        self.layout = self._stack.enter_context(parallel_layout(cfg.parallel, seed=cfg.run.seed))
+        self.layout_name = self.layout.name
+        torch.manual_seed(cfg.run.seed)
+        self.learner = Learner(cfg, self.layout, total_updates=cfg.run.steps)
+        held_out = self.task.sample(cfg.sft.eval_problems, np.random.default_rng(cfg.run.seed + EVAL_SEED_OFFSET))
+        self.eval_batch = encode_problems(held_out, self.task, self.tok, self.layout.tp)
+        if resume_from is not None:
+            meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint)
+            log.info("resumed from %s at step %d", resume_from, int(meta["trainer_step"]))
+            return int(meta["trainer_step"])
+        if cfg.run.init_checkpoint:
+            load_start(self.learner, cfg.run.init_checkpoint, cfg.run.trust_checkpoint)
+        return 0
+
+    def step(self, step: int) -> dict[str, float]:
+        rng = np.random.default_rng([self.cfg.run.seed, step])
+        batch = encode_problems(self.task.sample(self.cfg.sft.batch_size, rng), self.task, self.tok, self.layout.tp)
+        update = self.learner.train_step(batch, nll_loss(batch))
+        out = {"learner/loss": update["nll"]}
+        out.update({f"learner/{k}": update[k] for k in ("grad_norm", "lr", "update_skipped") if k in update})
+        return out
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return {"eval/expected_reward": expected_reward(self.learner, self.eval_batch)}
+
+    def done(self, step: int, metrics: dict[str, float]) -> bool:
+        """sft.target_reward reached at an evaluation (the same number on every rank)."""
+        target = self.cfg.sft.target_reward
+        return bool(target) and metrics.get("eval/expected_reward", -1.0) >= target
+
+    def save(self, path: Path, meta: dict[str, Any]) -> None:
+        from moe_rl.learner import save_checkpoint
+
+        save_checkpoint(self.learner, path, extra_meta=meta)
+
+    def finish(self, last_step: int, final: Path) -> None:
+        """Collective: the model alone (no optimizer state) to sft.output."""
+        from moe_rl.learner import save_checkpoint
+
+        reward = expected_reward(self.learner, self.eval_batch)
+        save_checkpoint(self.learner, sft_output(self.cfg), include_optimizer=False,
+                        extra_meta={"sft": {"step": last_step, "expected_reward": reward}})
+        if self.rank == 0:
+            log.info("sft done: %d steps, expected reward %.3f, base model in %s", last_step, reward,
+                     sft_output(self.cfg))
+
+    def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        evals = [(int(h["step"]), h["eval/expected_reward"]) for h in history if "eval/expected_reward" in h]
+        return {"algorithm": "sft", "expected_reward": evals[-1][1] if evals else None,
+                "eval_expected_reward": [{"step": s, "expected_reward": r} for s, r in evals],
+                "checkpoint": str(sft_output(self.cfg))}
+
+    def log_line(self, step: int, m: dict[str, float]) -> str | None:
+        if "eval/expected_reward" not in m:
+            return None
+        return f"sft step {step}: nll {m['learner/loss']:.3f}, expected reward {m['eval/expected_reward']:.3f}"
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"nll": f"{metrics['learner/loss']:.3g}"} if "learner/loss" in metrics else {}
+
+    def close(self) -> None:
+        self._stack.close()
