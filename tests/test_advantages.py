@@ -10,7 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_rl.advantages import ADVANTAGES, compute_advantages, filter_groups, group_estimators, overlong_penalty
+from moe_rl.advantages import (
+    ADVANTAGES,
+    compute_advantages,
+    filter_groups,
+    group_estimators,
+    overlong_penalty,
+)
 
 EPS = 1e-6
 

@@ -399,17 +399,22 @@ def test_a_moved_key_names_its_new_place(tmp_path, old, new):
 
 
 def test_a_saved_config_of_an_older_version_still_loads(tmp_path):
-    """A run's or checkpoint's config.yaml written before the keys moved (the shipped base's
-    own, which holds sft.steps and sft.eval_every) loads: the moved keys are dropped, the
-    run's own run.* values kept."""
+    """A run's or checkpoint's config.yaml written before the keys moved (sft.steps,
+    sft.eval_every, dpo.eval_every, rm.eval_every) loads: the moved keys are dropped, the
+    run's own run.* values kept; as a recipe the same file is refused with the new places."""
     from moe_rl.config import load_saved_config
 
-    shipped = ROOT / "moe_rl" / "assets" / "tiny_base" / "config.yaml"
-    assert "sft" in yaml.safe_load(shipped.read_text()) and "steps" in yaml.safe_load(shipped.read_text())["sft"]
-    cfg = load_saved_config(shipped)
-    assert cfg.run.steps == yaml.safe_load(shipped.read_text())["run"]["steps"]
-    with pytest.raises(ConfigError, match=r"sft\.steps moved to run\.steps"):
-        load_config(shipped)
+    data = yaml.safe_load((ROOT / "moe_rl" / "assets" / "tiny_base" / "config.yaml").read_text())
+    data["sft"].update(steps=600, eval_every=5)
+    data.setdefault("dpo", {})["eval_every"] = 10
+    data.setdefault("rm", {})["eval_every"] = 10
+    data["run"].update(steps=50, eval_every=0)
+    old = tmp_path / "config.yaml"
+    old.write_text(yaml.safe_dump(data))
+    cfg = load_saved_config(old)
+    assert (cfg.run.steps, cfg.run.eval_every, cfg.sft.batch_size) == (50, 0, data["sft"]["batch_size"])
+    with pytest.raises(ConfigError, match=r"eval_every moved to run\.eval_every"):
+        load_config(old)
 
 
 def test_saved_config_round_trips(tmp_path):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.dpo.loss import PairLogps, margin_grad, pair_losses, pair_metrics
-from moe_rl.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
-from moe_rl.preference.data import encode_pairs, load_pairs, pair_rows, pairs_of_step
+from moe_rl.programs.dpo.loss import PairLogps, margin_grad, pair_losses, pair_metrics
+from moe_rl.programs.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
+from moe_rl.programs.preference.data import encode_pairs, load_pairs, pair_rows, pairs_of_step
 from moe_rl.tasks.dataset import DatasetError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ RECIPE = ROOT / "examples" / "tiny_dpo.yaml"
 
 
 def _closed_form(h: float, beta: float, loss: str, eps: float) -> tuple[float, float]:
-    """(L, dL/dh) written out with math, independently of moe_rl.dpo.loss."""
+    """(L, dL/dh) written out with math, independently of moe_rl.programs.dpo.loss."""
     if loss == "ipo":
         return (h - 1 / (2 * beta)) ** 2, 2 * (h - 1 / (2 * beta))
     sig = 1 / (1 + math.exp(-beta * h))
@@ -211,12 +211,12 @@ def test_bad_row_is_one_line_from_the_command_line(tmp_path):
 
 
 def _fit(overrides: list[str], recipe: Path | None = RECIPE):
-    from moe_rl.dpo.trainer import DPOTrainer
     from moe_rl.loop import RunLoop
+    from moe_rl.programs.dpo.program import DPOProgram
     from moe_rl.recipe_source import load_resolved
 
     cfg = load_resolved(recipe, overrides)
-    program = DPOTrainer(cfg)
+    program = DPOProgram(cfg)
     RunLoop(cfg, program).run()
     return program
 

@@ -90,7 +90,7 @@ def test_push_staging_is_ordered_before_the_next_update_on_the_stream():
     """What `broadcast_buckets` hands to an asynchronous NCCL broadcast is a copy queued on the
     current stream: an in-place update queued after it (the learner's next step) leaves the
     staged tensor as it was at the push."""
-    from moe_rl.rollout.weight_sync import _metas, _packed, _unpacked
+    from moe_rl.weights.sync import _metas, _packed, _unpacked
 
     dev = torch.device("cuda", torch.cuda.current_device())
     weight = torch.randn(4096, 1024, device=dev)

@@ -14,7 +14,7 @@ import torch
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import ConfigError, load_config
-from moe_rl.reward_model.loss import (
+from moe_rl.programs.reward_model.loss import (
     COEF_KEY,
     compared_slots,
     pair_loss,
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_rm.yaml"
 EOS = 2
 
-# 3 pairs: chosen rows 0-2, rejected rows 3-5 (the layout of moe_rl.preference.data.encode_pairs)
+# 3 pairs: chosen rows 0-2, rejected rows 3-5 (the layout of moe_rl.programs.preference.data.encode_pairs)
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18]]
 CHOSEN = [[5, 6, 7, 8, EOS], [5, 6, 7, EOS], [1, 2, EOS]]
 REJECTED = [[5, 6, 9, 8, EOS], [5, 6, 7, 8, EOS], [1, 3, EOS]]
@@ -134,11 +134,11 @@ def test_config_errors():
 
 def _fit(overrides: list[str]):
     from moe_rl.loop import RunLoop
+    from moe_rl.programs.reward_model.program import RewardModelProgram
     from moe_rl.recipe_source import load_resolved
-    from moe_rl.reward_model.trainer import RewardModelTrainer
 
     cfg = load_resolved(RECIPE, overrides)
-    program = RewardModelTrainer(cfg)
+    program = RewardModelProgram(cfg)
     RunLoop(cfg, program).run()
     return program
 

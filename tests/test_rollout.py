@@ -36,7 +36,7 @@ def test_per_prompt_seeds_make_a_split_batch_sample_like_a_whole_one():
 def test_a_weight_sync_never_depends_on_the_consumer():
     """The learner's full-tensor stream is drained by the trainer in buckets; a bucket is
     handed to the engine whole, so a consumer that stops early changes nothing upstream."""
-    from moe_rl.rollout.weight_sync import layer_buckets, stream_in_buckets
+    from moe_rl.weights.sync import layer_buckets, stream_in_buckets
 
     names = ["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a",
              "model.layers.10.a", "model.norm.weight", "lm_head.weight"]

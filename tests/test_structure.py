@@ -226,3 +226,30 @@ def test_no_function_is_longer_than_the_limit():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, "\n".join(long)
+
+
+def test_the_rollout_reaches_neither_a_program_nor_the_learner():
+    """The rollout package samples, scores and packs; the weight transport that sees the
+    learner lives above it (`moe_rl.weights`), and what a program (PPO) needs of a step's
+    rows comes through the rows, not through an import of the program."""
+    for m in (m for m in MODULES if under(m, "moe_rl.rollout")):
+        bad = sorted(d for d in closure(m) if under(d, "moe_rl.learner") or under(d, "moe_rl.programs")
+                     or under(d, "moe_rl.weights"))
+        assert not bad, f"{m} reaches {bad}"
+
+
+def test_the_loop_knows_no_program():
+    """The one run loop drives programs through `Program`; it imports none of them."""
+    for m in (m for m in MODULES if under(m, "moe_rl.loop")):
+        bad = sorted(d for d in closure(m) if under(d, "moe_rl.programs") or under(d, "moe_rl.learner"))
+        assert not bad, f"{m} reaches {bad}"
+
+
+def test_no_program_compares_advantage_names():
+    """PPO is a registered component: which estimator needs a critic is the advantage
+    registry's word (`RLConfig.uses_critic`), never a comparison with the name `gae`."""
+    import re
+
+    pattern = re.compile(r"""(==|!=)\s*["']gae["']|["']gae["']\s*(==|!=)""")
+    offenders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []

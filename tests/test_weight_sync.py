@@ -40,7 +40,7 @@ def test_colocated_sync_loads_whole_layers_and_remembers_the_version(monkeypatch
     import moe_rl.learner.export as export
     from moe_rl.config import Config
     from moe_rl.rollout.placement import EnginePlacement
-    from moe_rl.rollout.weight_sync import ColocatedSync, make_weight_synchronizer
+    from moe_rl.weights.sync import ColocatedSync, make_weight_synchronizer
 
     names = ["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a", "lm_head.weight"]
     asked = {}
@@ -81,9 +81,9 @@ def test_weight_sync_keeps_vllm_and_the_learner_in_agreement(megatron_world, tmp
     from moe_rl.convert import megatron_to_hf
     from moe_rl.learner import Learner, load_checkpoint, parallel_layout
     from moe_rl.rollout.placement import EnginePlacement
-    from moe_rl.rollout.weight_sync import make_weight_synchronizer
     from moe_rl.sampler import VLLMEngineConfig, make_sampler
     from moe_rl.tasks.tokenizer import load_tokenizer
+    from moe_rl.weights.sync import make_weight_synchronizer
 
     cfg = load_config(BASE / "config.yaml")
     tok = load_tokenizer()
@@ -146,7 +146,7 @@ def test_push_returns_before_the_engine_receives_and_sends_what_it_staged(tmp_pa
 def test_a_packed_bucket_unpacks_to_the_same_tensors():
     """One flat buffer per bucket (one collective, not one per tensor): every dtype and shape,
     odd byte counts included, comes back bit-exact, each view aligned for its dtype."""
-    from moe_rl.rollout.weight_sync import _metas, _packed, _spans, _unpacked
+    from moe_rl.weights.sync import _metas, _packed, _spans, _unpacked
 
     g = torch.Generator().manual_seed(3)
     bucket = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),

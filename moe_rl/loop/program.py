@@ -10,7 +10,7 @@ rest, the same for every program.
 
 The programs: RL (GRPO family and PPO, `moe_rl.programs.rl`), the engine-only role of a
 separate placement (`moe_rl.programs.rl.engine_role`), DPO and the reward model
-(`moe_rl.preference.loop`), SFT (`moe_rl.sft`).
+(`moe_rl.programs.preference.program`), SFT (`moe_rl.sft`).
 """
 
 from __future__ import annotations

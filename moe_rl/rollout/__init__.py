@@ -5,10 +5,10 @@
 Modules: `types` (ScoredGroup, GroupSummary, RowSample, Rollout), `collector`
 (RolloutCollector: problems, sampling, rewards, dynamic sampling, rows to their ranks),
 `packing` (reward shaping, group advantages, statistics, a rank's rows as a `StepBatch`),
-`placement` (where the engines sit, the collectives between ranks), `weight_sync` (the
-learner's weights to the engines), `sampler_start` (the sampler's starting weights and
-engine), `learning_signal` (the no-signal warning). The trainer only sequences a collector
-with the learner; nothing here imports megatron.
+`placement` (where the engines sit, the collectives between ranks), `sampler_start` (the
+sampler's starting weights and engine), `learning_signal` (the no-signal warning). The RL
+program sequences a collector with the learner and hands it the weight transport
+(`moe_rl.weights`); nothing here imports megatron or knows a program.
 """
 
 from moe_rl.rollout.collector import RolloutCollector

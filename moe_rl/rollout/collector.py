@@ -1,10 +1,10 @@
 """One step's rollout: problems -> engines -> rewards -> (dynamic sampling) -> batch.
 
-    collector = RolloutCollector(cfg)                  # task, tokenizer, engine placement
+    collector = RolloutCollector(cfg, make_sync)       # task, tokenizer, engine placement, weight sync
     collector.start_sampler(run_dir, weights_source)   # one engine per rollout group
     collector.assign_rows(dp_rank)                     # where each step's rows are trained on
     rollout = collector.collect(step, timer)  # collective: each rank gets its rows
-    collector.weight_sync.push(learner, version)       # after the learner's update (weight_sync.py)
+    collector.weight_sync.push(learner, version)       # after the learner's update (moe_rl.weights)
 
 Every rank of the torchrun world belongs to a rollout group with one engine
 (`placement.EnginePlacement`); each engine samples its block of the step's prompts. Every
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,6 @@ from moe_rl.rollout.packing import pack_rows, plan_step, staleness_stats
 from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.rollout.types import GroupSummary, Rollout, RowSample, Sampled, ScoredGroup
-from moe_rl.rollout.weight_sync import make_weight_synchronizer
 from moe_rl.sampler import Sampler
 from moe_rl.sampler.base import base_seeds
 from moe_rl.tasks import make_task
@@ -47,12 +47,16 @@ log = logging.getLogger("moe_rl.rollout")
 class RolloutCollector:
     """Owns the task, the tokenizer and this rank's engine (shard)."""
 
-    def __init__(self, cfg: Config, placement: EnginePlacement | None = None) -> None:
+    def __init__(self, cfg: Config, make_sync: Callable[[Config, EnginePlacement], Any] | None = None,
+                 placement: EnginePlacement | None = None) -> None:
+        """`make_sync(cfg, placement)`: the weight transport the engines receive updates
+        through (`moe_rl.weights.make_weight_synchronizer`, collective: every rank, here);
+        None: the engines keep their starting weights (an evaluation)."""
         self.cfg = cfg
         separate = cfg.sampler.placement == "separate"
         self.placement = placement or EnginePlacement.current(cfg.sampler.tensor_parallel_size,
                                                               cfg.sampler.engine_ranks if separate else 0)
-        self.weight_sync = make_weight_synchronizer(cfg, self.placement)  # collective: every rank, here
+        self.weight_sync = make_sync(cfg, self.placement) if make_sync is not None else FixedWeights()
         self._engines_group = self.placement.engines_group()  # collective too
         self.task = make_task(cfg.task)
         self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)  # (checked by the preflight)
@@ -288,3 +292,15 @@ class RolloutCollector:
             self.sampler.close()
             self.sampler = None
             self.weight_sync.attach(None)
+
+
+class FixedWeights:
+    """The weight transport of a collector whose engines keep their starting weights."""
+
+    held_version: int | None = None
+
+    def attach(self, engine: Sampler | None) -> None:
+        """(nothing to deliver to it)"""
+
+    def finish(self) -> None:
+        """(nothing in flight)"""

@@ -52,7 +52,7 @@ def critic_step(critic, cfg) -> dict:
 def reward_model_step(model, tp: int) -> dict:
     from dpo_layouts import pairs_batch
 
-    from moe_rl.reward_model.loss import (
+    from moe_rl.programs.reward_model.loss import (
         COEF_KEY,
         compared_slots,
         score_coefficients,

@@ -28,7 +28,7 @@ BASE = ["parallel.micro_batch_size=4", "optimizer.lr=1e-2", "optimizer.adam_eps=
 
 
 def pairs_batch(tp: int):
-    from moe_rl.preference.data import encode_pairs, load_pairs
+    from moe_rl.programs.preference.data import encode_pairs, load_pairs
     from moe_rl.tasks.tokenizer import load_tokenizer
     from moe_rl.tokenization import PromptEncoder
 
@@ -37,11 +37,11 @@ def pairs_batch(tp: int):
 
 
 def dpo_step(learner, tokens) -> dict:
-    from moe_rl.dpo.loss import PairLogps, pair_metrics
-    from moe_rl.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
-    from moe_rl.dpo.trainer import sequence_logps
     from moe_rl.learner.gather import iter_full_tensors
-    from moe_rl.preference.data import pair_rows
+    from moe_rl.programs.dpo.loss import PairLogps, pair_metrics
+    from moe_rl.programs.dpo.program import sequence_logps
+    from moe_rl.programs.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
+    from moe_rl.programs.preference.data import pair_rows
 
     logp_BT = learner.logprobs(tokens)
     ref_B = torch.linspace(-30, -10, tokens.batch_size, dtype=torch.float64)

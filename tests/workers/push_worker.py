@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_rl.rollout.weight_sync import InFlight, broadcast_buckets, receive_buckets
+from moe_rl.weights.sync import InFlight, broadcast_buckets, receive_buckets
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:

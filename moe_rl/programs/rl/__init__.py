@@ -24,12 +24,13 @@ def rl_program(cfg: Config) -> Program:
     from moe_rl.programs.rl.engine_role import EngineRole
     from moe_rl.programs.rl.learner_role import LearnerRole
     from moe_rl.rollout import RolloutCollector
+    from moe_rl.weights import make_weight_synchronizer
 
     check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     separate = cfg.sampler.placement == "separate"
     rank, world = init_distributed(cfg.parallel.distributed_backend,
                                    engine_ranks=cfg.sampler.engine_ranks if separate else 0)
-    collector = RolloutCollector(cfg)
+    collector = RolloutCollector(cfg, make_weight_synchronizer)
     role = LearnerRole if collector.placement.trains else EngineRole
     return role(cfg, collector, rank, world)
 

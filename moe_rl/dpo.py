@@ -6,7 +6,7 @@
 Reads `{prompt | messages, chosen, rejected}` rows from task.data_path (held-out pairs from
 task.eval_data_path), encodes them with the checkpoint's tokenizer and chat template as the
 RL path encodes prompts, and trains run.init_checkpoint for run.steps steps of
-dpo.batch_size pairs (`moe_rl.dpo.trainer`). The run directory is the RL trainer's:
+dpo.batch_size pairs (`moe_rl.programs.dpo.program`). The run directory is the RL trainer's:
 config.yaml, metrics.jsonl and TensorBoard (learner/loss, rewards/chosen, rewards/rejected,
 rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, eval/*), checkpoints
 (run.save_every; run.resume=true continues), summary.json, and <run>/hf at the end
@@ -26,7 +26,7 @@ PROG = "python -m moe_rl.dpo"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moe_rl.preference.preflight import check_recipe
+    from moe_rl.programs.preference.preflight import check_recipe
 
     cpu_environment()
     args, cfg = parse(argv, PROG, __doc__, check=check_recipe)
@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(cfg: Config) -> int:
     """The whole run (every rank); StoppedBySignal leaves with the signal's status."""
-    from moe_rl.dpo.trainer import DPOTrainer
     from moe_rl.loop import RunLoop
+    from moe_rl.programs.dpo.program import DPOProgram
 
-    RunLoop(cfg, DPOTrainer(cfg)).run()
+    RunLoop(cfg, DPOProgram(cfg)).run()
     return 0
 
 

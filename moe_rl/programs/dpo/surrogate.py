@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.dpo.loss import margin_grad
+from moe_rl.programs.dpo.loss import margin_grad
 
 COEF_KEY = "dpo_coef"
 """`StepBatch.extras` key of the per-row surrogate coefficients."""

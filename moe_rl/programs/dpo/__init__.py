@@ -2,11 +2,11 @@
 
 Modules: `loss` (the sigmoid / IPO pair losses, their closed-form gradients, TRL's
 statistics), `surrogate` (the per-row loss whose gradient is DPO's, at any layout),
-`trainer` (the policy and its frozen reference on the preference loop, the export),
-`__main__` (the command line). The pairs, their checks and the loop are
-`moe_rl.preference`'s, shared with the reward model.
+`program` (the policy and its frozen reference as a program of the one run loop, the
+export). The pairs and their checks are `moe_rl.programs.preference`'s, shared with the
+reward model.
 """
 
-from moe_rl.dpo.loss import PairLogps, margin_grad, pair_losses, pair_metrics
+from moe_rl.programs.dpo.loss import PairLogps, margin_grad, pair_losses, pair_metrics
 
 __all__ = ["PairLogps", "margin_grad", "pair_losses", "pair_metrics"]

@@ -33,8 +33,8 @@ PROGRAMS = {
 
 def load_inputs(cfg: Config, section: str = "dpo") -> tuple[list[Any], list[Any], Any]:
     """(training pairs, held-out pairs, PromptEncoder), or a one-line ConfigError."""
-    from moe_rl.preference.data import load_pairs
     from moe_rl.preflight import load_prompt_encoder
+    from moe_rl.programs.preference.data import load_pairs
     from moe_rl.tasks.dataset import DatasetKeys
 
     t = cfg.task

@@ -1,5 +1,5 @@
 """The DPO trainer: pairs -> reference and policy log-probs -> one update, on the loop that
-every preference program shares (`moe_rl.preference.loop`), in the one run loop
+every preference program shares (`moe_rl.programs.preference.program`), in the one run loop
 (`moe_rl.loop`: run directory, evaluation, checkpoints, resume, signals).
 
 Per step, on every rank: the step's `dpo.batch_size` pairs (a pure function of run.seed and
@@ -19,10 +19,10 @@ import torch
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config
-from moe_rl.dpo.loss import PairLogps, pair_metrics
-from moe_rl.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
-from moe_rl.preference.data import encode_pairs, pair_rows
-from moe_rl.preference.loop import PreferenceProgram
+from moe_rl.programs.dpo.loss import PairLogps, pair_metrics
+from moe_rl.programs.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
+from moe_rl.programs.preference.data import encode_pairs, pair_rows
+from moe_rl.programs.preference.program import PreferenceProgram
 
 
 def sequence_logps(learner: Any, tokens: TokenBatch) -> torch.Tensor:
@@ -30,7 +30,7 @@ def sequence_logps(learner: Any, tokens: TokenBatch) -> torch.Tensor:
     return (learner.logprobs(tokens).double() * tokens.response_mask()).sum(-1)
 
 
-class DPOTrainer(PreferenceProgram):
+class DPOProgram(PreferenceProgram):
     """Owns the policy, the frozen reference and the run directory of one DPO run."""
 
     name = "dpo"

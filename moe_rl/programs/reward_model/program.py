@@ -1,7 +1,7 @@
 """The reward-model trainer: pairs -> the value model's scores -> one Bradley-Terry update, on
-what every preference program shares (`moe_rl.preference.loop`), in the one run loop.
+what every preference program shares (`moe_rl.programs.preference.program`), in the one run loop.
 
-Per step, on every rank: the step's `rm.batch_size` pairs (`moe_rl.preference.data.pairs_of_step`)
+Per step, on every rank: the step's `rm.batch_size` pairs (`moe_rl.programs.preference.data.pairs_of_step`)
 become 2P rows; the value model (`moe_rl.learner.critic.ValueModel`: the policy's
 architecture and layout with a scalar head, started from run.init_checkpoint with a small
 random head, `rm.head_init_scale`) scores them without gradients, which gives dL/dr in
@@ -25,9 +25,9 @@ from typing import Any
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import Config
-from moe_rl.preference.data import encode_pairs
-from moe_rl.preference.loop import PreferenceProgram
-from moe_rl.reward_model.loss import (
+from moe_rl.programs.preference.data import encode_pairs
+from moe_rl.programs.preference.program import PreferenceProgram
+from moe_rl.programs.reward_model.loss import (
     COEF_KEY,
     compared_slots,
     pair_metrics,
@@ -36,7 +36,7 @@ from moe_rl.reward_model.loss import (
 )
 
 
-class RewardModelTrainer(PreferenceProgram):
+class RewardModelProgram(PreferenceProgram):
     """Owns the value model and the run directory of one reward-model run."""
 
     name = "reward model"

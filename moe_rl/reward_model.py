@@ -7,7 +7,7 @@ Reads the DPO trainer's `{prompt | messages, chosen, rejected}` rows (task.data_
 out: task.eval_data_path), encodes them with the checkpoint's tokenizer and chat template,
 and trains a value model (run.init_checkpoint's transformer with a scalar head that starts
 small and random: rm.head_init_scale, 0 for a zero head) for run.steps steps of
-rm.batch_size pairs so that chosen responses score higher (`moe_rl.reward_model.trainer`).
+rm.batch_size pairs so that chosen responses score higher (`moe_rl.programs.reward_model.program`).
 The run directory is the RL trainer's: config.yaml, metrics.jsonl and TensorBoard
 (learner/loss, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
 rewards/slot_accuracies, eval/*), checkpoints
@@ -28,7 +28,7 @@ PROG = "python -m moe_rl.reward_model"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moe_rl.preference.preflight import check_reward_model_recipe
+    from moe_rl.programs.preference.preflight import check_reward_model_recipe
 
     cpu_environment()
     args, cfg = parse(argv, PROG, __doc__, check=check_reward_model_recipe)
@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> None:
 def run(cfg: Config) -> int:
     """The whole run (every rank); StoppedBySignal leaves with the signal's status."""
     from moe_rl.loop import RunLoop
-    from moe_rl.reward_model.trainer import RewardModelTrainer
+    from moe_rl.programs.reward_model.program import RewardModelProgram
 
-    RunLoop(cfg, RewardModelTrainer(cfg)).run()
+    RunLoop(cfg, RewardModelProgram(cfg)).run()
     return 0
 
 

@@ -5,7 +5,7 @@ step's pairs -> one update, the held-out statistics, their summary; the run loop
 A subclass builds its models (`_build`), makes one update on a step's pairs (`_train_on`),
 gives the held-out statistics (`_held_out`), and says what a finished run leaves
 (`finish`, `_summary_fields`). The pairs of a step are a pure function of run.seed and the
-step (`moe_rl.preference.data.pairs_of_step`), so checkpoints resume bit-exactly with the
+step (`moe_rl.programs.preference.data.pairs_of_step`), so checkpoints resume bit-exactly with the
 model, optimizer, schedule and RNG they hold.
 """
 
@@ -32,7 +32,7 @@ class PreferenceProgram(Program):
 
     def __init__(self, cfg: Config, section: str) -> None:
         from moe_rl.learner import init_distributed
-        from moe_rl.preference.preflight import check_pairs_run
+        from moe_rl.programs.preference.preflight import check_pairs_run
 
         self.cfg, self.pairs_cfg = cfg, getattr(cfg, section)
         self.train_pairs, self.eval_pairs, self.encoder = check_pairs_run(cfg, int(os.environ.get("WORLD_SIZE", "1")),
@@ -81,7 +81,7 @@ class PreferenceProgram(Program):
     def step(self, step: int) -> dict[str, float]:
         """One optimizer step on the step's pairs: the loss as `learner/loss`, the
         statistics under their own names (TRL's)."""
-        from moe_rl.preference.data import encode_pairs, pairs_of_step
+        from moe_rl.programs.preference.data import encode_pairs, pairs_of_step
 
         pairs = pairs_of_step(self.train_pairs, step - 1, self.pairs_cfg.batch_size, self.cfg.run.seed,
                               self.cfg.task.shuffle)

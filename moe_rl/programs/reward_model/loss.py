@@ -1,7 +1,7 @@
 """The reward model's Bradley-Terry loss over a pair's compared slots, its closed-form
 gradient with respect to the scores, and the statistics a run logs.
 
-A batch holds P pairs as 2P rows (`moe_rl.preference.data.encode_pairs`: chosen rows 0..P-1,
+A batch holds P pairs as 2P rows (`moe_rl.programs.preference.data.encode_pairs`: chosen rows 0..P-1,
 rejected rows P..2P-1). The value model scores every response token's slot t: r_t is the
 score of the prefix before response token t, so the last slot (t = L-1, before EOS) scores
 the whole answer. Pair p compares n_p slot pairs (c_k, r_k) (`compared_slots`), and
@@ -12,7 +12,7 @@ the whole answer. Pair p compares n_p slot pairs (c_k, r_k) (`compared_slots`), 
 The learner trains on the row-local surrogate sum_rows sum_t coef_t r_t with those
 derivatives held fixed (`score_coefficients`): its gradient is the pair loss's, whichever
 micro-batch, pipeline pass or data-parallel rank a pair's two rows land on (the argument of
-`moe_rl.dpo.surrogate`).
+`moe_rl.programs.dpo.surrogate`).
 """
 
 from __future__ import annotations
