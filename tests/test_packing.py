@@ -135,15 +135,22 @@ def test_replay_that_does_not_cover_the_rows_is_an_error(megatron_world):
 LAYOUTS = {"one": 1, "tp2": 2, "pp2": 2, "ep2": 2, "tp2ep2": 4, "tp2pp2": 4}
 
 
+MODELS = ("qwen3", "glm4")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Each (layout, model)'s worst differences; the first request for a world size runs
+    every layout and model of that size in one torchrun launch."""
     out = tmp_path_factory.mktemp("packing")
     cache = {}
 
     def run(layout: str, model: str) -> dict:
         if (layout, model) not in cache:
-            torchrun("packing_worker.py", LAYOUTS[layout], layout, model, str(out), timeout=900)
-            cache[layout, model] = torch.load(out / f"{layout}-{model}.pt")
+            nproc = LAYOUTS[layout]
+            combos = [f"{name}:{m}" for name, n in LAYOUTS.items() if n == nproc for m in MODELS]
+            torchrun("packing_worker.py", nproc, str(out), *combos, timeout=900)
+            cache.update({tuple(c.split(":")): torch.load(out / f"{c.replace(':', '-')}.pt") for c in combos})
         return cache[layout, model]
 
     return run
@@ -151,7 +158,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["qwen3", "glm4"])
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_equals_padded(results, layout, model):
     r = results(layout, model)

@@ -143,11 +143,8 @@ def compare_balancing(learner, batch, adv_B):
     return out
 
 
-def main() -> None:
-    layout_name, model_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    init_distributed()
-    torch.manual_seed(11)
-    batch, adv_B = fixed_batch()
+def run_one(layout_name: str, model_name: str, out: str, batch, adv_B) -> None:
+    """One (layout, model): every comparison, the worst over the ranks saved by rank 0."""
     from moe_rl.learner.engine import Learner
 
     cfg = load_config(None, BASE + MODELS[model_name] + LAYOUTS[layout_name])
@@ -162,6 +159,17 @@ def main() -> None:
     if dist.get_rank() == 0:
         worst = {k: (min if k.endswith("_min") else max)(m[k] for m in everyone) for k in mine}
         torch.save(worst, f"{out}/{layout_name}-{model_name}.pt")
+
+
+def main() -> None:
+    """argv: OUT LAYOUT:MODEL [LAYOUT:MODEL ...], every layout of this world's size: one
+    launch for all of them (a torchrun start costs more than a comparison)."""
+    out, combos = sys.argv[1], [c.split(":") for c in sys.argv[2:]]
+    init_distributed()
+    for layout_name, model_name in combos:
+        torch.manual_seed(11)
+        batch, adv_B = fixed_batch()
+        run_one(layout_name, model_name, out, batch, adv_B)
     dist.destroy_process_group()  # (exiting with gloo's threads alive can abort: "terminate called ...")
 
 
