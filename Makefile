@@ -104,7 +104,7 @@ rm-demo: install
 VALUE_CKPT := runs/tiny_value/checkpoints/step_001500
 ppo-demo: install
 	$(PY) -m moe_rl.train --config examples/tiny_value.yaml run.resume=true
-	$(PY) -m moe_rl.train --config examples/tiny_ppo.yaml critic.init_checkpoint=$(VALUE_CKPT) critic.lr=5e-4 \
+	$(PY) -m moe_rl.train --config examples/tiny_ppo.yaml critic.init_checkpoint=$(VALUE_CKPT) critic.optimizer.lr=5e-4 \
 		run.name=tiny_ppo_pretrained run.overwrite=true
 
 bench: install

@@ -421,3 +421,29 @@ def test_saved_config_round_trips(tmp_path):
     cfg = load_config(RECIPE, ["run.overwrite=true", "run.trust_checkpoint=true"])
     save_config(cfg, tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml") == cfg
+
+
+def test_the_critic_optimizer_is_an_optimizer_section():
+    """One section type serves the actor and the critic: critic.optimizer.* takes every
+    optimizer key and is checked as `optimizer` is; the old critic.lr names its new place,
+    and a saved config that has it carries its value there."""
+    from moe_rl.config.optimizer import OptimizerConfig
+
+    cfg = load_config(RECIPE, ["critic.optimizer.lr=5e-4", "critic.optimizer.adam_beta2=0.95"])
+    assert isinstance(cfg.critic.optimizer, OptimizerConfig) and type(cfg.optimizer) is type(cfg.critic.optimizer)
+    assert (cfg.critic.optimizer.lr, cfg.critic.optimizer.adam_beta2) == (5e-4, 0.95)
+    with pytest.raises(ConfigError, match=r"^critic\.optimizer\.adam_beta1 must be in \[0, 1\)"):
+        load_config(RECIPE, ["critic.optimizer.adam_beta1=1.5"])
+    with pytest.raises(ConfigError, match=r"^critic\.lr moved to critic\.optimizer\.lr"):
+        load_config(RECIPE, ["critic.lr=1e-3"])
+
+
+def test_a_saved_config_carries_the_critics_old_learning_rate(tmp_path):
+    from moe_rl.config import load_saved_config, to_dict
+
+    data = to_dict(load_config(RECIPE))
+    data["critic"].pop("optimizer")
+    data["critic"].update(lr=2e-3, lr_warmup_steps=7)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    saved = load_saved_config(tmp_path / "config.yaml")
+    assert (saved.critic.optimizer.lr, saved.critic.optimizer.lr_warmup_steps) == (2e-3, 7)

@@ -76,7 +76,7 @@ def test_critic_starts_at_zero_with_a_frozen_output_layer(critic_factory):
     assert "output_layer.weight" not in trained  # bypassed: no gradient, no optimizer state
     params = {id(p) for group in critic.optimizer.param_groups for p in group["params"]}
     assert id(critic.gpt.output_layer.weight) not in params
-    assert float(critic.optimizer.param_groups[0]["lr"]) == pytest.approx(stage.cfg.critic.lr)
+    assert float(critic.optimizer.param_groups[0]["lr"]) == pytest.approx(stage.cfg.critic.optimizer.lr)
 
 
 @pytest.mark.parametrize("kl_in_reward,whiten", [(False, True), (True, False)])

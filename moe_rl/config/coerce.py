@@ -77,8 +77,14 @@ MOVED_KEYS = {
     "sft.eval_every": "run.eval_every",
     "dpo.eval_every": "run.eval_every",
     "rm.eval_every": "run.eval_every",
+    "critic.lr": "critic.optimizer.lr",
+    "critic.lr_warmup_steps": "critic.optimizer.lr_warmup_steps",
 }
-"""Keys that moved (old -> new): the run loop's settings live in `run` for every program."""
+"""Keys that moved (old -> new): the run loop's settings live in `run` for every program, and
+the critic's optimizer is a section of the actor's type."""
+MOVED_WITH_VALUE = frozenset({"critic.lr", "critic.lr_warmup_steps"})
+"""Moved keys whose value a saved config carries to the new place (the others' new place holds
+the run's own value)."""
 
 
 def unknown_key(prefix: str, key: str, valid: list[str], owner: str) -> ConfigError:
@@ -86,8 +92,10 @@ def unknown_key(prefix: str, key: str, valid: list[str], owner: str) -> ConfigEr
     moved names its new place."""
     if f"{prefix}{key}" in MOVED_KEYS:
         new = MOVED_KEYS[f"{prefix}{key}"]
-        return ConfigError(f"{prefix}{key} moved to {new} (the run loop's settings are in the run section for "
-                           f"every program); write {new}: <value> in the recipe or {new}=<value> on the command line")
+        why = ("the critic's optimizer is a section of the optimizer's type" if new.startswith("critic.")
+               else "the run loop's settings are in the run section for every program")
+        return ConfigError(f"{prefix}{key} moved to {new} ({why}); write {new}: <value> in the recipe (nested) "
+                           f"or {new}=<value> on the command line")
     hint = did_you_mean(key, valid, prefix)
     key = key_text(key)
     if hint:  # the dotted key says where; an owner that is not a section (an objective) is named

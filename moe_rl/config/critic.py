@@ -1,27 +1,30 @@
 """The `critic` section: PPO's learned value function (read when `rl.advantage: gae`).
 
 The critic is the actor's architecture at the actor's parallel layout with a scalar value
-head in place of the output layer (`moe_rl.learner.critic`). It shares the `optimizer`
-section's Adam settings (betas, eps, weight decay, gradient clip) and has its own learning
-rate; its schedule is constant after `lr_warmup_steps`.
+head in place of the output layer (`moe_rl.learner.critic`). Its optimizer is a section of
+the actor's type, `critic.optimizer` (its own Adam, learning rate and schedule).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moe_rl.config.errors import ConfigError
+from moe_rl.config.optimizer import OptimizerConfig
+
+
+def _critic_optimizer() -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-5)
 
 
 @dataclass(frozen=True)
 class CriticConfig:
-    """PPO's value model: learning rate, warm-up, starting weights and value clip."""
+    """PPO's value model: its optimizer, warm-up, starting weights and value clip."""
 
-    lr: float = 1e-5
-    """The critic's learning rate (its own Adam; the other Adam knobs are optimizer.*)."""
-    lr_warmup_steps: int = 0
-    """Linear warm-up of the critic's learning rate, in critic updates."""
+    optimizer: OptimizerConfig = field(default_factory=_critic_optimizer)
+    """The critic's own Adam and schedule, the actor's section type (lr 1e-5 by default:
+    critic.optimizer.lr; its warm-up critic.optimizer.lr_warmup_steps counts critic updates)."""
     warmup_steps: int = 0
     """Critic warm-up: the first N RL steps train the critic only (the actor is not
     updated, so its rollouts stay on-policy while the values catch up). N = run.steps is
@@ -62,8 +65,6 @@ def validate_critic(cfg: Any) -> None:
     """The critic section's ranges, and the PPO settings of the rl section (`Any`: sections.py
     imports this module, so it cannot import `Config`)."""
     c, rl = cfg.critic, cfg.rl
-    if c.lr <= 0:
-        raise ConfigError(f"critic.lr must be > 0, got {c.lr}")
     if c.value_clip <= 0:
         raise ConfigError(f"critic.value_clip must be > 0, got {c.value_clip}")
     if c.value_loss_coef <= 0:
@@ -72,8 +73,8 @@ def validate_critic(cfg: Any) -> None:
         raise ConfigError(f"critic.epochs must be >= 1, got {c.epochs}")
     if c.num_minibatches < 0:
         raise ConfigError(f"critic.num_minibatches must be >= 0 (0: rl.num_minibatches), got {c.num_minibatches}")
-    if c.warmup_steps < 0 or c.lr_warmup_steps < 0:
-        raise ConfigError("critic.warmup_steps and critic.lr_warmup_steps must be >= 0")
+    if c.warmup_steps < 0:
+        raise ConfigError(f"critic.warmup_steps must be >= 0, got {c.warmup_steps}")
     if not 0 <= rl.gae_gamma <= 1 or not 0 <= rl.gae_lambda <= 1:
         raise ConfigError(f"rl.gae_gamma and rl.gae_lambda must be in [0, 1], got {rl.gae_gamma} and {rl.gae_lambda}")
     if rl.kl_target < 0 or rl.kl_horizon < 1:

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from moe_rl.atomic import atomic_write_text
-from moe_rl.config.coerce import MOVED_KEYS, build_section, to_plain
+from moe_rl.config.coerce import MOVED_KEYS, MOVED_WITH_VALUE, build_section, to_plain
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.sections import Config
 from moe_rl.config.shipped import resolve_shipped_paths
@@ -136,10 +136,17 @@ def load_saved_config(path: str | os.PathLike) -> Config:
     that have since moved (`coerce.MOVED_KEYS`) are dropped, not refused (their new place
     holds the run's own value already), and the rest is loaded and validated strictly."""
     data = read_recipe_file(path)
-    for old in MOVED_KEYS:
+    for old, new in MOVED_KEYS.items():
         section, key = old.split(".", 1)
-        if isinstance(data.get(section), dict):
-            data[section].pop(key, None)
+        if not isinstance(data.get(section), dict) or key not in data[section]:
+            continue
+        value = data[section].pop(key)
+        if old in MOVED_WITH_VALUE:
+            *parents, leaf = new.split(".")
+            place = data
+            for name in parents:
+                place = place.setdefault(name, {})
+            place.setdefault(leaf, value)
     cfg = build_config(data)
     validate(cfg)
     return cfg

@@ -127,16 +127,27 @@ def validate_sampler(cfg: Config) -> None:
 
 
 def validate_optimizer(cfg: Config) -> None:
-    o = cfg.optimizer
-    if not 0 <= o.offload_fraction <= 1:
-        raise ConfigError(f"optimizer.offload_fraction must be in [0, 1], got {o.offload_fraction}")
+    """Every optimizer section: the actor's and PPO's critic's (one section type)."""
+    check_optimizer_section(cfg.optimizer, "optimizer")
+    check_optimizer_section(cfg.critic.optimizer, "critic.optimizer")
+
+
+def check_optimizer_section(o: Any, key: str) -> None:
+    """One optimizer section's values, errors naming `key.<field>`."""
+    _require({
+        f"{key}.weight_decay": (o.weight_decay >= 0, f">= 0, got {o.weight_decay}"),
+        f"{key}.adam_beta1": (0 <= o.adam_beta1 < 1, f"in [0, 1), got {o.adam_beta1}"),
+        f"{key}.adam_beta2": (0 <= o.adam_beta2 < 1, f"in [0, 1), got {o.adam_beta2}"),
+        f"{key}.adam_eps": (o.adam_eps > 0, f"> 0, got {o.adam_eps}"),
+        f"{key}.clip_grad": (o.clip_grad >= 0, f">= 0 (0 disables clipping), got {o.clip_grad}"),
+        f"{key}.lr_warmup_steps": (o.lr_warmup_steps >= 0, f">= 0, got {o.lr_warmup_steps}"),
+        f"{key}.offload_fraction": (0 <= o.offload_fraction <= 1, f"in [0, 1], got {o.offload_fraction}"),
+        f"{key}.lr": (o.lr > 0, f"> 0, got {o.lr}"),
+        f"{key}.min_lr": (0 <= o.min_lr <= o.lr, f"in [0, {key}.lr={o.lr}], got {o.min_lr}"),
+    })
     if o.offload_fraction and not o.distributed:
-        raise ConfigError("optimizer.offload_fraction needs optimizer.distributed=true (megatron offloads "
+        raise ConfigError(f"{key}.offload_fraction needs {key}.distributed=true (megatron offloads "
                           "the distributed optimizer's shards)")
-    if o.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
-    if not 0 <= o.min_lr <= o.lr:
-        raise ConfigError(f"optimizer.min_lr must be in [0, optimizer.lr={o.lr}], got {o.min_lr}")
 
 
 def validate_run(cfg: Config) -> None:
@@ -170,26 +181,22 @@ def _require(checks: dict[str, tuple[bool, str]]) -> None:
 
 def validate_finite(cfg: Config) -> None:
     """No NaN or infinity in any number of the recipe (YAML reads .nan and .inf)."""
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        if not dataclasses.is_dataclass(values):
-            continue
-        for f in dataclasses.fields(values):
-            v = getattr(values, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {v}")
+    _finite(cfg, "")
+
+
+def _finite(values: Any, prefix: str) -> None:
+    for f in dataclasses.fields(values):
+        v = getattr(values, f.name)
+        if dataclasses.is_dataclass(v):
+            _finite(v, f"{prefix}{f.name}.")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{prefix}{f.name} must be a finite number, got {v}")
 
 
 def validate_ranges(cfg: Config) -> None:
     """Ranges the sections' own checks do not cover."""
-    m, o, s, rl, t, sft, lg = cfg.model, cfg.optimizer, cfg.sampler, cfg.rl, cfg.task, cfg.sft, cfg.logging
+    m, s, rl, t, sft, lg = cfg.model, cfg.sampler, cfg.rl, cfg.task, cfg.sft, cfg.logging
     _require({
-        "optimizer.weight_decay": (o.weight_decay >= 0, f">= 0, got {o.weight_decay}"),
-        "optimizer.adam_beta1": (0 <= o.adam_beta1 < 1, f"in [0, 1), got {o.adam_beta1}"),
-        "optimizer.adam_beta2": (0 <= o.adam_beta2 < 1, f"in [0, 1), got {o.adam_beta2}"),
-        "optimizer.adam_eps": (o.adam_eps > 0, f"> 0, got {o.adam_eps}"),
-        "optimizer.clip_grad": (o.clip_grad >= 0, f">= 0 (0 disables clipping), got {o.clip_grad}"),
-        "optimizer.lr_warmup_steps": (o.lr_warmup_steps >= 0, f">= 0, got {o.lr_warmup_steps}"),
         "model.max_position_embeddings": (m.max_position_embeddings >= 1, f">= 1, got {m.max_position_embeddings}"),
         "model.ffn_hidden_size": (m.ffn_hidden_size >= 1, f">= 1, got {m.ffn_hidden_size}"),
         "model.norm_epsilon": (m.norm_epsilon > 0, f"> 0, got {m.norm_epsilon}"),

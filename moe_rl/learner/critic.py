@@ -17,8 +17,7 @@ whole value from the gathered hidden states, so its gradient needs no TP reducti
 `ValueModel` is that learner with the run's optimizer settings (the reward model of
 `moe_rl.reward_model` is one); `Critic` is PPO's, with the critic section's. Everything
 else is the learner's: micro-batching, packing, the pipeline schedule, its own
-megatron optimizer (learning rate `critic.lr`, constant after `critic.lr_warmup_steps`; the
-other Adam settings are `optimizer.*`). Its MoE routers route on their own (the trainer
+megatron optimizer (the `critic.optimizer` section, of the actor's `optimizer` type). Its MoE routers route on their own (the trainer
 passes no routing plan). It is never converted for the sampler.
 """
 
@@ -80,12 +79,9 @@ class _ValueOutput:
 
 
 def critic_config(cfg: Config) -> Config:
-    """The run config as the critic's learner reads it: the critic's learning rate, constant
-    after its own warm-up; every other optimizer setting is the actor's."""
-    c = cfg.critic
-    opt = dataclasses.replace(cfg.optimizer, lr=c.lr, min_lr=c.lr, lr_warmup_steps=c.lr_warmup_steps,
-                              lr_decay_style="constant")
-    return dataclasses.replace(cfg, optimizer=opt)
+    """The run config as the critic's learner reads it: its optimizer section is
+    critic.optimizer (the critic's own Adam and schedule)."""
+    return dataclasses.replace(cfg, optimizer=cfg.critic.optimizer)
 
 
 class ValueModel(Learner):

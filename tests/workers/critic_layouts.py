@@ -24,7 +24,7 @@ LAYOUTS = {
     "pp2": ["parallel.pipeline_model_parallel_size=2"],
 }
 # (as tests/workers/learner_layouts.py: a larger Adam eps keeps the first step a smooth function of g)
-BASE = ["rl.advantage=gae", "rl.objective=grpo", "parallel.micro_batch_size=4", "critic.lr=1e-2",
+BASE = ["rl.advantage=gae", "rl.objective=grpo", "parallel.micro_batch_size=4", "critic.optimizer.lr=1e-2",
         "optimizer.adam_eps=1e-3", "optimizer.clip_grad=0.5"]
 
 
