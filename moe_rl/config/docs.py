@@ -13,6 +13,7 @@ import itertools
 import textwrap
 import typing
 from functools import cache
+from typing import Any
 
 from moe_rl.config.coerce import is_config_value, type_name
 from moe_rl.config.sections import Config
@@ -54,10 +55,13 @@ def _describe_parts(hint: type, key: str, doc: str) -> list[str]:
     return lines
 
 
-def describe(cls: type = Config, prefix: str = "") -> str:
-    """Every key with its type, default and docstring, one per line (for --help-config)."""
+def describe(cls: type = Config, prefix: str = "", defaults: Any = None) -> str:
+    """Every key with its type, default and docstring, one per line (for --help-config).
+    `defaults`: the section's default value as its parent builds it (a nested section's
+    factory may set other defaults than its type's, e.g. critic.optimizer's learning rate)."""
     lines = []
     hints = typing.get_type_hints(cls)
+    defaults = defaults if defaults is not None else cls()
     for f in dataclasses.fields(cls):
         key, hint, doc = f"{prefix}{f.name}", hints[f.name], field_docs(cls).get(f.name, "")
         if is_config_value(hint):
@@ -65,8 +69,7 @@ def describe(cls: type = Config, prefix: str = "") -> str:
             continue
         if dataclasses.is_dataclass(hint):
             lines.append(f"[{key}]  {doc}")
-            lines.append(describe(hint, prefix=key + "."))
+            lines.append(describe(hint, prefix=key + ".", defaults=getattr(defaults, f.name)))
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  {key} = {default!r}  ({type_name(hint)})  {doc}")
+        lines.append(f"  {key} = {getattr(defaults, f.name)!r}  ({type_name(hint)})  {doc}")
     return "\n".join(lines)
