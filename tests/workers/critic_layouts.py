@@ -23,9 +23,11 @@ LAYOUTS = {
     "ep2": ["parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"],
     "pp2": ["parallel.pipeline_model_parallel_size=2"],
 }
-# (as tests/workers/learner_layouts.py: a larger Adam eps keeps the first step a smooth function of g)
+# (as tests/workers/learner_layouts.py: a larger Adam eps keeps the first step a smooth function of g;
+# the critic's optimizer section and the reward model's, `optimizer`, alike)
 BASE = ["rl.advantage=gae", "rl.objective=grpo", "parallel.micro_batch_size=4", "critic.optimizer.lr=1e-2",
-        "optimizer.adam_eps=1e-3", "optimizer.clip_grad=0.5"]
+        "critic.optimizer.adam_eps=1e-3", "critic.optimizer.clip_grad=0.5", "optimizer.adam_eps=1e-3",
+        "optimizer.clip_grad=0.5"]
 
 
 def set_head(gpt) -> None:
