@@ -72,17 +72,19 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(name: str, data: dict[str, Any], table_md: str, notes: str = "") -> Path:
-    """Write <name>.json and <name>.md under bench/results (atomically)."""
+def write_results(name: str, data: dict[str, Any], table_md: str, notes: str = "",
+                  results_dir: Path | None = None) -> Path:
+    """Write <name>.json and <name>.md under bench/results (or `results_dir`), atomically."""
     from moe_rl.atomic import atomic_write_text
 
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = results_dir or RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
     payload = {"name": name, "machine": machine(), **data}
-    atomic_write_text(RESULTS_DIR / f"{name}.json", json.dumps(payload, indent=2) + "\n")
+    atomic_write_text(out / f"{name}.json", json.dumps(payload, indent=2) + "\n")
     m = payload["machine"]
     header = f"# {name}\n\nMachine: {m['cpus']} CPUs, torch {m['torch']}, {m['cuda'] or 'no GPU'}, {m['date']}\n\n"
-    atomic_write_text(RESULTS_DIR / f"{name}.md", header + table_md + ("\n" + notes + "\n" if notes else ""))
-    return RESULTS_DIR / f"{name}.md"
+    atomic_write_text(out / f"{name}.md", header + table_md + ("\n" + notes + "\n" if notes else ""))
+    return out / f"{name}.md"
 
 
 def run_module_worker(module: str, *args: str, threads: int = 2, timeout: float = 3600) -> Any:

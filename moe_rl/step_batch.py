@@ -34,6 +34,18 @@ def dp_rank_of_row(row_ids: torch.Tensor, dp: int) -> torch.Tensor:
     return row_ids % dp
 
 
+def _tokens_on(tokens: TokenBatch, device: torch.device | str) -> TokenBatch:
+    """`tokens.to(device)` without `TokenBatch`'s checks, which held on the host and would each
+    read a value back from the device (a wait for a GPU's queue in every micro-batch)."""
+    moved = object.__new__(TokenBatch)
+    for f in dataclasses.fields(TokenBatch):
+        value = getattr(tokens, f.name)
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, non_blocking=True)
+        object.__setattr__(moved, f.name, value)
+    return moved
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """This rank's rows of a step: tokens, advantages, the logprobs every pass needs, and
@@ -92,7 +104,7 @@ class StepBatch:
             return None if t is None else t.to(device, non_blocking=True)
 
         return dataclasses.replace(
-            self, tokens=self.tokens.to(device), adv_B=move(self.adv_B), sampler_logp_BT=move(self.sampler_logp_BT),
+            self, tokens=_tokens_on(self.tokens, device), adv_B=move(self.adv_B), sampler_logp_BT=move(self.sampler_logp_BT),
             old_logp_BT=move(self.old_logp_BT), ref_logp_BT=move(self.ref_logp_BT),
             extras={k: v.to(device, non_blocking=True) for k, v in self.extras.items()})
 

@@ -81,7 +81,8 @@ class PolicyLossFn:
             logprobs=logp_BT,
             old_logprobs=old_BT,
             advantages=rows.adv_B,
-            response_mask=rows.response_mask(),
+            # (the learner's copy, built on the host: no mask to make on the device)
+            response_mask=mb.scored.mask_BT if mb.scored is not None else rows.response_mask(),
             rollout_logprobs=rows.sampler_logp_BT if self.uses_rollout_logp else None,
             ref_logprobs=rows.ref_logp_BT,
             router_shift=shift_BT,
@@ -91,12 +92,20 @@ class PolicyLossFn:
         out = policy_loss_from_hparams(self.name, pb, common, self.own)
         weight = out.num_sequences if self.spec.level == "sequence" else out.num_tokens
         metrics = {f"policy/{k}": v for k, v in out.metrics.items()}
-        metrics["policy/token_ratio_std"] = token_ratio_std(logp_BT.detach(), old_BT, pb.response_mask)
+        metrics["policy/token_ratio_std"] = token_ratio_std(logp_BT.detach(), old_BT, pb.response_mask,
+                                                            mb.scored.at_N if mb.scored is not None else None)
         return self._result(out.loss, metrics, weight)
 
 
-def token_ratio_std(logp_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+def token_ratio_std(logp_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch.Tensor,
+                    at_N: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Std over valid tokens of the token-level ratio exp(logp - old): 0 on-policy, the
-    spread the clip and the router shift act on off-policy."""
-    r = torch.exp((logp_BT - old_BT).clamp(-20, 20))[mask_BT]
-    return r.std(unbiased=False) if r.numel() else r.new_zeros(())
+    spread the clip and the router shift act on off-policy (0 without a valid token).
+    `at_N`: the valid tokens' (rows, positions), found on the host (`ScoredTokens`); without
+    it they are found from the mask, which makes a GPU's host wait for its queue."""
+    if at_N is None:
+        at_N = mask_BT.nonzero(as_tuple=True)
+    if not at_N[0].numel():
+        return logp_BT.new_zeros(())
+    r_N = torch.exp((logp_BT - old_BT)[at_N].clamp(-20, 20))
+    return r_N.std(unbiased=False)

@@ -153,9 +153,10 @@ def test_replay_routes_exactly_the_recorded_ids_and_fresh_routing_differs(layout
 
 def test_a_replay_megatron_does_not_take_stops_the_pass_naming_the_layer(layout, monkeypatch):
     """If megatron's router ignored the replayed ids (here: its RouterReplay computes its own
-    top-k whatever the action), the micro-batch's check raises, naming the first MoE layer and
-    how many replayed tokens it routed elsewhere: in layer 0 (whose input replay cannot change)
-    the tokens of the first micro-batch whose fresh top-k differs from the record's."""
+    top-k whatever the action), the pass's check (its device counters, read once the pass is
+    over) raises, naming the first MoE layer and how many replayed tokens it routed elsewhere:
+    in layer 0 (whose input replay cannot change) the tokens whose fresh top-k differs from
+    the record's."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from moe_rl.learner import RoutingPlan
@@ -167,9 +168,8 @@ def test_a_replay_megatron_does_not_take_stops_the_pass_naming_the_layer(layout,
     old = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
     perturb_routers(learner)
     fresh = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
-    rows = torch.arange(4)  # the first micro-batch (micro_batch_size 4)
-    real_RS = torch.arange(batch.seq_len)[None, :] < batch.total_lens_B[rows, None]
-    moved = (fresh.ids_RSLK[rows, :, 0] != old.ids_RSLK[rows, :, 0]).any(-1) & real_RS
+    real_RS = torch.arange(batch.seq_len)[None, :] < batch.total_lens_B[:, None]
+    moved = (fresh.ids_RSLK[:, :, 0] != old.ids_RSLK[:, :, 0]).any(-1) & real_RS
     assert int(moved.sum()) > 0
     monkeypatch.setattr(RouterReplay, "get_replay_topk",
                         lambda self, scores, topk, num_groups, group_topk, default: default(scores, topk,
@@ -186,8 +186,9 @@ def test_a_router_call_reads_nothing_back_from_the_device(layout, monkeypatch):
     """Each tap runs inside every MoE layer's forward (and, under recompute, its backward): a
     value read back to the host there would make a GPU drain its queue at every layer. Under
     the busiest plan (capture, router shift, R2 replay, padding spread, full recompute) no
-    tensor is read back inside any router call; what the pass needs is read once per
-    micro-batch (`after_forward`). (Mask indexing, another hidden wait, is not caught here.)"""
+    tensor is read back inside any router call; what the pass needs is read once the pass
+    is over. (Mask indexing, another hidden wait, is not caught here: test_host_overhead
+    counts every kind of wait in a whole micro-batch.)"""
     from learner_utils import replayed_updates
 
     learner = make_learner(layout, "model.recompute=full")

@@ -37,6 +37,7 @@ def chunked_token_logprobs(
     tp_group: _ProcessGroup = None,
     vocab_start: int = 0,
     with_entropy: bool = True,
+    check_owners: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log pi(target) [N], entropy [N] or None) under softmax(hidden @ W^T / temperature).
 
@@ -63,11 +64,14 @@ def chunked_token_logprobs(
     targets): the per-chunk all-reduces must line up. Under pipeline parallel only the last
     stage calls it. Padded vocabulary rows (megatron pads V to a multiple) take part in the
     softmax, as they do in megatron's own cross entropy.
+    `check_owners`: count, per token, the shards that hold its target and refuse anything but
+    one (a read of a device value, so a GPU waits for its queue); the learner checks its
+    targets against the vocabulary on the host instead and turns this off.
     """
     _check_inputs(hidden_NH, weight_VH, targets_N, temperature, chunk_tokens)
     logp_N, entropy_N = _ChunkedLogprobs.apply(
         hidden_NH, weight_VH, targets_N, float(temperature), int(chunk_tokens), tp_group,
-        int(vocab_start), bool(with_entropy),
+        int(vocab_start), (bool(with_entropy), bool(check_owners)),
     )
     return logp_N, (entropy_N if with_entropy else None)
 
@@ -95,6 +99,10 @@ def _check_inputs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: t
 
 def _rank(group: _ProcessGroup) -> int:
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def _world(group: _ProcessGroup) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: _ProcessGroup) -> torch.Tensor:
@@ -148,9 +156,14 @@ def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float) ->
     return z_CV.div_(temperature) if temperature != 1.0 else z_CV
 
 
-def _owned(targets_C: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _owned(targets_C: torch.Tensor, vocab_start: int, local_vocab: int,
+           whole: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(whether this rank holds each row's target [c] bool, its local column [c, 1], clamped
-    into the shard for the rows it does not hold). Masks, not indices: no host sync on GPU."""
+    into the shard for the rows it does not hold). Masks, not indices: no host sync on GPU.
+    `whole`: one shard holds the whole vocabulary and the caller checked the targets: every
+    row is owned (None) and its column is the target itself."""
+    if whole:
+        return None, targets_C[:, None]
     local_C = targets_C - vocab_start
     owned_C = (local_C >= 0) & (local_C < local_vocab)
     return owned_C, local_C.clamp(0, local_vocab - 1)[:, None]
@@ -159,58 +172,43 @@ def _owned(targets_C: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_tokens, tp_group,
-                vocab_start, with_entropy):
+                vocab_start, flags):
+        check_owners = flags[1]
         dtype = _compute_dtype(hidden_NH)
         h_NH, w_VH = _operands(hidden_NH, weight_VH, dtype)
         N, V_local = hidden_NH.shape[0], weight_VH.shape[0]
-        lse_N = hidden_NH.new_empty(N, dtype=dtype)
-        logp_N, entropy_N = torch.empty_like(lse_N), torch.zeros_like(lse_N)
-        owners_N = torch.empty_like(lse_N)
-        for lo in range(0, N, chunk_tokens):
-            hi = min(lo + chunk_tokens, N)
-            z_CV = _chunk_logits(h_NH[lo:hi], w_VH, temperature)
-            max_C = _all_reduce(z_CV.amax(dim=1), dist.ReduceOp.MAX, tp_group)
-            z_CV.sub_(max_C[:, None])  # z - max <= 0: exp cannot overflow, log-probs stay <= 0
-            owned_C, col_C1 = _owned(targets_N[lo:hi], vocab_start, V_local)
-            sums_KC = z_CV.new_empty((4 if with_entropy else 3, hi - lo))
-            sums_KC[0] = torch.where(owned_C, z_CV.gather(1, col_C1).squeeze(1), 0.0)  # shifted target logit
-            sums_KC[1] = owned_C  # owner count: must come out exactly 1 per token
-            exp_CV = torch.exp(z_CV)
-            sums_KC[2] = exp_CV.sum(dim=1)
-            if with_entropy:
-                sums_KC[3] = torch.einsum("cv,cv->c", exp_CV, z_CV)  # no [c, V] temporary
-            del exp_CV, z_CV
-            _all_reduce(sums_KC, dist.ReduceOp.SUM, tp_group)
-            log_sum_C = sums_KC[2].log()  # >= 0: the max itself contributes exp(0) = 1
-            logp_N[lo:hi] = sums_KC[0] - log_sum_C
-            lse_N[lo:hi] = max_C + log_sum_C
-            owners_N[lo:hi] = sums_KC[1]
-            if with_entropy:  # H = log sum e^(z-m) - E_p[z - m]; both terms >= 0
-                entropy_N[lo:hi] = log_sum_C - sums_KC[3] / sums_KC[2]
-        _check_owners(owners_N, targets_N, vocab_start, V_local)
+        whole = not check_owners and vocab_start == 0 and _world(tp_group) == 1
+        chunks = [_forward_chunk(_part(h_NH, lo, lo + chunk_tokens), w_VH, _part(targets_N, lo, lo + chunk_tokens),
+                                 temperature, tp_group, vocab_start, whole, flags)
+                  for lo in range(0, N, chunk_tokens)]
+        empty = hidden_NH.new_zeros(0, dtype=dtype)
+        logp_N, lse_N, owners_N, entropy_N = (_joined([c[k] for c in chunks], empty) for k in range(4))
+        if check_owners:
+            _check_owners(owners_N, targets_N, vocab_start, V_local)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N, entropy_N)
-        ctx.settings = (temperature, chunk_tokens, tp_group, vocab_start)
+        ctx.settings = (temperature, chunk_tokens, tp_group, vocab_start, whole)
         ctx.set_materialize_grads(False)
         return logp_N, entropy_N
 
     @staticmethod
     def backward(ctx, grad_logp_N, grad_entropy_N):
         hidden_NH, weight_VH, targets_N, lse_N, entropy_N = ctx.saved_tensors
-        temperature, chunk_tokens, tp_group, vocab_start = ctx.settings
+        temperature, chunk_tokens, tp_group, vocab_start, whole = ctx.settings
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logp_N is None and grad_entropy_N is None) or not (want_h or want_w):
             return (None,) * 8
         dtype = lse_N.dtype
         h_NH, w_VH = _operands(hidden_NH, weight_VH, dtype)
-        grad_h_NH = torch.zeros(hidden_NH.shape, dtype=dtype, device=hidden_NH.device) if want_h else None
+        N = hidden_NH.shape[0]
+        grad_h_parts = []
         grad_w_VH = torch.zeros(weight_VH.shape, dtype=dtype, device=weight_VH.device) if want_w else None
-        for lo in range(0, hidden_NH.shape[0], chunk_tokens):
-            hi = min(lo + chunk_tokens, hidden_NH.shape[0])
-            h_CH = h_NH[lo:hi]
+        for lo in range(0, N, chunk_tokens):
+            hi = min(lo + chunk_tokens, N)
+            h_CH = _part(h_NH, lo, hi)
             dz_CV = _grad_logits(
-                _chunk_logits(h_CH, w_VH, temperature), lse_N[lo:hi], entropy_N[lo:hi],
-                _slice(grad_logp_N, lo, hi), _slice(grad_entropy_N, lo, hi),
-                _owned(targets_N[lo:hi], vocab_start, w_VH.shape[0]),
+                _chunk_logits(h_CH, w_VH, temperature), _part(lse_N, lo, hi), _part(entropy_N, lo, hi),
+                _part(grad_logp_N, lo, hi), _part(grad_entropy_N, lo, hi),
+                _owned(_part(targets_N, lo, hi), vocab_start, w_VH.shape[0], whole),
             )
             if temperature != 1.0:
                 dz_CV.div_(temperature)  # z = h W^T / t
@@ -219,13 +217,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 dz_CV, h_CH = _halves(dz_CV, w_VH.dtype), torch.cat([h_CH, h_CH])
             if want_h:
                 g_KH = _mm_wide(dz_CV, w_VH)
-                grad_h_NH[lo:hi] = g_KH[: hi - lo] + g_KH[hi - lo:] if halves else g_KH
+                grad_h_parts.append(g_KH[: hi - lo] + g_KH[hi - lo:] if halves else g_KH)
             if want_w and halves:  # an fp32 product of 16-bit operands, then accumulated
                 grad_w_VH.add_(_mm_wide(dz_CV.t(), h_CH))
             elif want_w:  # accumulated in place: no [V, H] temporary
                 grad_w_VH.addmm_(dz_CV.t(), h_CH)
             del dz_CV  # before the next chunk's logits exist: two [c, V] fp32 buffers at most
+        grad_h_NH = None
         if want_h:  # each rank saw only its vocabulary shard's share of dL/dh
+            grad_h_NH = _joined(grad_h_parts, torch.zeros(hidden_NH.shape, dtype=dtype, device=hidden_NH.device))
             _all_reduce(grad_h_NH, dist.ReduceOp.SUM, tp_group)
             grad_h_NH = grad_h_NH.to(hidden_NH.dtype)
         if want_w:
@@ -233,13 +233,53 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return grad_h_NH, grad_w_VH, None, None, None, None, None, None
 
 
-def _slice(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    return None if t is None else t[lo:hi]
+def _forward_chunk(h_CH: torch.Tensor, w_VH: torch.Tensor, targets_C: torch.Tensor, temperature: float,
+                   tp_group: _ProcessGroup, vocab_start: int, whole: bool,
+                   flags: tuple[bool, bool]) -> tuple[torch.Tensor, ...]:
+    """One chunk's (log-prob, log-sum-exp, owner count or None, entropy or None), [c] each:
+    its logits exist only here. Under TP the per-token sums cross ranks in one all-reduce."""
+    with_entropy, check_owners = flags
+    z_CV = _chunk_logits(h_CH, w_VH, temperature)
+    max_C = _all_reduce(z_CV.amax(dim=1), dist.ReduceOp.MAX, tp_group)
+    z_CV.sub_(max_C[:, None])  # z - max <= 0: exp cannot overflow, log-probs stay <= 0
+    owned_C, col_C1 = _owned(targets_C, vocab_start, w_VH.shape[0], whole)
+    target_C = z_CV.gather(1, col_C1).squeeze(1)  # shifted target logit
+    rows = [target_C if owned_C is None else torch.where(owned_C, target_C, 0.0)]
+    exp_CV = torch.exp(z_CV)
+    rows.append(exp_CV.sum(dim=1))
+    if check_owners:
+        rows.append(owned_C.to(z_CV.dtype))  # owner count: must come out exactly 1 per token
+    if with_entropy:  # sum_v e^(z-m) (z-m), one row dot product each: no [c, V] temporary
+        rows.append(torch.bmm(exp_CV.unsqueeze(1), z_CV.unsqueeze(2)).view(-1))
+    del exp_CV, z_CV
+    if _world(tp_group) > 1:  # one all-reduce for every sum
+        block_KC = _all_reduce(torch.stack(rows), dist.ReduceOp.SUM, tp_group)
+        rows = block_KC.unbind(0)
+    log_sum_C = rows[1].log()  # >= 0: the max itself contributes exp(0) = 1
+    # H = log sum e^(z-m) - E_p[z - m]; both terms >= 0
+    entropy_C = log_sum_C - rows[-1] / rows[1] if with_entropy else None
+    return rows[0] - log_sum_C, max_C + log_sum_C, rows[2] if check_owners else None, entropy_C
+
+
+def _part(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """t[lo:hi] (t itself when that is all of it: a slice is an op too)."""
+    if t is None or (lo == 0 and hi >= t.shape[0]):
+        return t
+    return t[lo:hi]
+
+
+def _joined(parts: list[torch.Tensor | None], empty: torch.Tensor) -> torch.Tensor | None:
+    """The chunks' pieces as one tensor (`empty` for no chunk; None for pieces not made)."""
+    if not parts:
+        return empty
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _grad_logits(z_CV: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tensor,
                  g_logp_C: torch.Tensor | None, g_entropy_C: torch.Tensor | None,
-                 owned: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                 owned: tuple[torch.Tensor | None, torch.Tensor]) -> torch.Tensor:
     """dL/dz for one chunk, built in z's buffer plus one more [c, V] buffer:
     g_logp (onehot - p) - g_H p (log p + H)."""
     log_p_CV = z_CV.sub_(lse_C[:, None])
@@ -251,7 +291,8 @@ def _grad_logits(z_CV: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tenso
         p_CV.mul_(-g_logp_C[:, None])
         dz_CV = p_CV if dz_CV is None else dz_CV.add_(p_CV)
         owned_C, col_C1 = owned
-        dz_CV.scatter_add_(1, col_C1, torch.where(owned_C, g_logp_C, 0.0).to(dz_CV.dtype)[:, None])
+        g_C = g_logp_C if owned_C is None else torch.where(owned_C, g_logp_C, 0.0)
+        dz_CV.scatter_add_(1, col_C1, g_C.to(dz_CV.dtype)[:, None])
     return dz_CV
 
 

@@ -69,6 +69,11 @@ from moe_rl.step_batch import StepBatch, dp_rows
 log = logging.getLogger(__name__)
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """`t` without its graph (itself when it has none: a detach is an op too)."""
+    return t.detach() if t.requires_grad else t
+
+
 class Learner:
     """A megatron-core MoE policy (this rank's shard), its optimizer and LR schedule."""
 
@@ -121,8 +126,9 @@ class Learner:
     def _token_outputs(self, output: torch.Tensor, mb: MicroBatch,
                        temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([b, T] per-token values the loss callback gets, [b, T] entropy or None): the
-        policy's log-probs of the response tokens."""
-        return self.head.logprobs(output, mb.inp.logit_index_BT, mb.batch, temperature)
+        policy's log-probs of the response tokens (their entropy in scoring passes: an update
+        does not use it)."""
+        return self.head.logprobs(output, mb, temperature, entropy=self._scoring)
 
     # ------------------------------------------------------------------ batching
 
@@ -151,6 +157,7 @@ class Learner:
             valid = mb.rows_B >= 0
             mb.inp = (packed_input(mb.batch, multiple, valid) if self.packing
                       else padded_input(mb.batch, S, valid))
+            mb.padding_BS = padding_mask(mb.inp, self.layout)
         return mbs
 
     def _token_bins(self, batch: StepBatch, budget: int, multiple: int) -> list[list[int]]:
@@ -181,11 +188,12 @@ class Learner:
         mb = next(data_iterator)
         self.hooks.before_forward(mb)
         inp = mb.inp
-        tokens, positions, pad_BS = inp.tokens, inp.positions, padding_mask(inp, self.layout)
+        tokens, positions, pad_BS = inp.tokens, inp.positions, mb.padding_BS
+        mb.scored = inp.scored
         if torch.cuda.is_available():  # the loss callback then sees device tensors only
             dev = torch.device("cuda", torch.cuda.current_device())
-            mb.step = mb.step.to(dev)
-            tokens, positions, pad_BS = tokens.to(dev), positions.to(dev), pad_BS.to(dev)
+            mb.step, mb.scored = mb.step.to(dev), inp.scored.to(dev)
+            tokens, positions, pad_BS = (t.to(dev, non_blocking=True) for t in (tokens, positions, pad_BS))
         extra: dict[str, Any] = {"padding_mask": pad_BS}  # (the MoE losses count real tokens only)
         if inp.packed:
             extra["packed_seq_params"] = packed_seq_params(inp, tokens.device)
@@ -198,9 +206,9 @@ class Learner:
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         logp_BT, entropy_BT = self._token_outputs(logits, mb, temperature)
         mb.aux = self.hooks.loss_aux(mb)
-        item: dict[str, Any] = {"logp_BT": logp_BT.detach(), "batch_pos_B": mb.batch_pos_B}
+        item: dict[str, Any] = {"logp_BT": _detached(logp_BT), "batch_pos_B": mb.batch_pos_B}
         if entropy_BT is not None:
-            item["entropy_BT"] = entropy_BT.detach()
+            item["entropy_BT"] = _detached(entropy_BT)
         if loss_fn is None:  # scoring only
             if "router_shift_BT" in mb.aux:
                 item["router_shift_BT"] = mb.aux["router_shift_BT"]
@@ -209,13 +217,14 @@ class Learner:
         # Undo megatron's 1/num_microbatches (schedule) and 1/dp (DDP) averaging: the
         # callback's contributions already carry the global normalisers.
         scale = self._num_microbatches * self.layout.dp
-        item.update(loss=out.loss.detach(), metrics={k: v.detach() for k, v in out.metrics.items()},
-                    weight=torch.as_tensor(out.weight, dtype=torch.float64, device=out.loss.device))
+        item.update(loss=_detached(out.loss), metrics={k: _detached(v) for k, v in out.metrics.items()},
+                    weight=out.weight)
         return out.loss * scale, item
 
     def _run(self, batch: StepBatch, loss_fn: LossFn | None, temperature: float) -> list[dict[str, Any]]:
         mbs = self._micro_batches(batch)
         self._num_microbatches = len(mbs)
+        self._scoring = loss_fn is None
         self._slots = [sum(mb.inp.slots for mb in mbs), sum(mb.inp.real_tokens for mb in mbs)]
         forward_backward = get_forward_backward_func()
         with self.head.learner_pass():
@@ -241,10 +250,9 @@ class Learner:
         with self.taps.run(plan):
             store = self._run(batch, None, temperature)
             record = self.taps.record()
-        rows, width = batch.batch_size, batch.tokens.response_width
-        logp = self._collect(store, "logp_BT", rows, width)
-        gamma = self._collect(store, "router_shift_BT", rows, width) if plan.old is not None else None
-        entropy = self._collect(store, "entropy_BT", rows, width) if self.head.chunk_tokens else None
+        keys = ["logp_BT", "router_shift_BT" if plan.old is not None else None,
+                "entropy_BT" if self.head.chunk_tokens else None]
+        logp, gamma, entropy = self._collect(store, keys, batch.batch_size, batch.tokens.response_width)
         return ScoreResult(logp, record, gamma, entropy)
 
     def update(self, batch: StepBatch, loss_fn: LossFn, plan: RoutingPlan | None = None,
@@ -294,17 +302,22 @@ class Learner:
         metrics = reduce_metrics(store, self.layout) if self.layout.is_last_stage else {}
         metrics = self._broadcast_object(metrics)
         metrics.update(routing_metrics)
-        return metrics, self._collect(store, "logp_BT", batch.batch_size, batch.tokens.response_width), record
+        logp = self._collect(store, ["logp_BT"], batch.batch_size, batch.tokens.response_width)[0]
+        return metrics, logp, record
 
-    def _collect(self, store: list[dict[str, Any]], key: str, rows: int, width: int) -> torch.Tensor:
-        """[rows, T] from the last stage's per-micro-batch pieces, on every stage."""
-        out = torch.zeros(rows, width, dtype=torch.float32)
-        if self.layout.is_last_stage:
-            for item in store:
-                pos = item["batch_pos_B"]
-                valid = pos >= 0
-                out[pos[valid].cpu()] = item[key][valid.to(item[key].device)].float().cpu()
-        return self._from_last_stage(out)
+    def _collect(self, store: list[dict[str, Any]], keys: list[str | None], rows: int,
+                 width: int) -> list[torch.Tensor | None]:
+        """[rows, T] per key (None: skipped) from the last stage's per-micro-batch pieces, on
+        every stage: every piece comes to the host in one copy (one wait for a GPU)."""
+        wanted = [k for k in keys if k is not None]
+        outs = {k: torch.zeros(rows, width, dtype=torch.float32) for k in wanted}
+        if self.layout.is_last_stage and store:
+            pos = torch.cat([item["batch_pos_B"] for item in store])
+            valid = pos >= 0
+            pieces = torch.stack([torch.cat([item[k].float() for item in store]) for k in wanted]).cpu()
+            for k, piece in zip(wanted, pieces):
+                outs[k][pos[valid]] = piece[valid]
+        return [self._from_last_stage(outs[k]) if k is not None else None for k in keys]
 
     # ------------------------------------------------------------------ public API: whole batches
 

@@ -32,7 +32,7 @@ def response_logprobs(
     B, T = batch.batch_size, batch.response_width
     if T == 0:
         return logits_NV.new_zeros((B, 0), dtype=torch.float32)
-    logits_BTV = logits_NV[logit_index_BT.to(logits_NV.device)].float()
+    logits_BTV = logits_NV[logit_index_BT.to(logits_NV.device, non_blocking=True)].float()
     if temperature != 1.0:
         logits_BTV = logits_BTV / temperature
     target_BT = batch.response_tokens().to(logits_NV.device)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from moe_rl.batch import TokenBatch
-from moe_rl.learner.model_input import ModelInput
+from moe_rl.learner.model_input import ModelInput, ScoredTokens
 from moe_rl.routing.record import RoutingRecord
 from moe_rl.step_batch import StepBatch
 
@@ -65,6 +65,11 @@ class MicroBatch:
     """Side data produced during the forward (e.g. router-shift weights)."""
     inp: ModelInput | None = None
     """How the rows enter the model (packed or padded), set by the learner."""
+    padding_BS: torch.Tensor | None = None
+    """[b_in, s_in] True on the model input's slots without a real token (this stage's
+    shard), set by the learner with `inp`."""
+    scored: ScoredTokens | None = None
+    """`inp.scored` on the compute device, set by the learner before the forward."""
 
     @property
     def batch(self) -> TokenBatch:

@@ -12,6 +12,11 @@ s-major), slot n holds position `pos_N[n]` of micro-batch row `rows_N[n]`; `real
 the slots that hold a real token (not right padding, not alignment padding, not a padding
 row).
 
+Everything here is built on the host, once per step, from data the host holds: the head, the
+loss and the routing taps index the device's tensors with these maps (`ScoredTokens`)
+instead of building masks on the device and selecting with them, which would make a GPU's
+host wait for its queue in every micro-batch.
+
 Packed: each row's tokens are followed by alignment padding up to a multiple of
 `multiple` (sequence parallel splits the packed sequence evenly over TP ranks, so every
 segment boundary falls on a multiple of TP), rotary positions restart at 0 in every
@@ -28,6 +33,45 @@ from typing import Any
 import torch
 
 from moe_rl.batch import TokenBatch
+
+
+@dataclass(frozen=True)
+class ScoredTokens:
+    """Where a micro-batch's response tokens are, located on the host."""
+
+    mask_BT: torch.Tensor
+    """[B, T] bool: a response token exists."""
+    at_N: tuple[torch.Tensor, torch.Tensor]
+    """([n] row, [n] response position) of each response token, row-major (the mask's order)."""
+    index_N: torch.Tensor
+    """[n] int64 index into the flattened [b_in * s_in] model output of the slot that scores
+    each response token (`ModelInput.logit_index_BT` at the mask)."""
+    targets_N: torch.Tensor
+    """[n] int64 the response tokens."""
+    slot_BT: torch.Tensor
+    """[B, T] int64 the router-order (s-major) slot of each response token's scoring
+    position (meaningless where there is no token)."""
+    target_range: tuple[int, int]
+    """(smallest, largest) target id ((0, -1): none), for the head's check against the vocabulary."""
+
+    def to(self, device: torch.device) -> ScoredTokens:
+        """The same maps on `device` (copies that need not wait for the device)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return ScoredTokens(move(self.mask_BT), (move(self.at_N[0]), move(self.at_N[1])), move(self.index_N),
+                            move(self.targets_N), move(self.slot_BT), self.target_range)
+
+
+def scored_tokens(batch: TokenBatch, logit_index_BT: torch.Tensor, b_in: int, s_in: int) -> ScoredTokens:
+    """`ScoredTokens` of a micro-batch whose model input is [b_in, s_in]."""
+    mask_BT = batch.response_mask()
+    at_N = mask_BT.nonzero(as_tuple=True)
+    index_N = logit_index_BT[at_N]
+    targets_N = batch.response_tokens()[at_N]
+    slot_BT = (logit_index_BT % s_in) * b_in + logit_index_BT // s_in  # b-major output -> s-major router order
+    span = (int(targets_N.min()), int(targets_N.max())) if targets_N.numel() else (0, -1)
+    return ScoredTokens(mask_BT, at_N, index_N, targets_N, slot_BT, span)
 
 
 @dataclass(frozen=True)
@@ -51,6 +95,13 @@ class ModelInput:
     logit_index_BT: torch.Tensor
     """[B, T] index into the flattened [b_in * s_in] logits of the slot that scores each
     response token (b-major, as GPTModel returns [b, s, V])."""
+    scored: ScoredTokens
+    """The response tokens located in these maps."""
+    all_real: bool = False
+    """Every slot holds a real token (no padding anywhere)."""
+    cu_seqlens_real: torch.Tensor | None = None
+    """[segments + 1] int32 boundaries of the real tokens (each segment's at least 1), for
+    Transformer Engine's THD attention (None: padded)."""
 
     @property
     def packed(self) -> bool:
@@ -75,7 +126,8 @@ def padded_input(batch: TokenBatch, seq_len: int, row_valid_B: torch.Tensor) -> 
     rows_N = torch.arange(B).repeat(seq_len)
     real_N = (s_N < batch.total_lens_B[rows_N]) & row_valid_B[rows_N]
     logit_index_BT = torch.arange(B)[:, None] * seq_len + batch.scoring_positions()
-    return ModelInput(tokens, positions, None, seq_len, rows_N, s_N, real_N, logit_index_BT)
+    return ModelInput(tokens, positions, None, seq_len, rows_N, s_N, real_N, logit_index_BT,
+                      scored_tokens(batch, logit_index_BT, B, seq_len), bool(real_N.all()))
 
 
 def packed_input(batch: TokenBatch, multiple: int, row_valid_B: torch.Tensor) -> ModelInput:
@@ -92,7 +144,10 @@ def packed_input(batch: TokenBatch, multiple: int, row_valid_B: torch.Tensor) ->
     cu = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(seg_B, 0)
     logit_index_BT = (starts_B[:, None] + batch.scoring_positions()).clamp(max=total - 1)
-    return ModelInput(tokens[None], pos_N[None], cu, int(seg_B.max()), rows_N, pos_N, real_N, logit_index_BT)
+    cu_real = torch.zeros_like(cu)
+    cu_real[1:] = torch.cumsum(lens_B.clamp(min=1), 0)  # (real lengths, at least 1)
+    return ModelInput(tokens[None], pos_N[None], cu, int(seg_B.max()), rows_N, pos_N, real_N, logit_index_BT,
+                      scored_tokens(batch, logit_index_BT, 1, total), bool(real_N.all()), cu_real)
 
 
 def packed_seq_params(inp: ModelInput, device: torch.device) -> Any:
@@ -101,12 +156,8 @@ def packed_seq_params(inp: ModelInput, device: torch.device) -> Any:
     lengths (at least 1) as `cu_seqlens_*` for Transformer Engine's THD attention."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu_padded = inp.cu_seqlens.to(device)
-    real_B = torch.zeros(len(inp.cu_seqlens) - 1, dtype=torch.int32)
-    real_B.index_add_(0, inp.rows_N[inp.real_N], torch.ones(inp.real_tokens, dtype=torch.int32))
-    cu_real = torch.zeros_like(inp.cu_seqlens)
-    cu_real[1:] = torch.cumsum(real_B.clamp(min=1), 0)
-    cu_real = cu_real.to(device)
+    cu_padded = inp.cu_seqlens.to(device, non_blocking=True)
+    cu_real = inp.cu_seqlens_real.to(device, non_blocking=True)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
                            cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
                            max_seqlen_q=inp.max_seqlen, max_seqlen_kv=inp.max_seqlen)

@@ -21,9 +21,10 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-from moe_rl.batch import TokenBatch
 from moe_rl.learner.chunked_logprobs import chunked_token_logprobs, vocab_shard_start
 from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.microbatch import MicroBatch
+from moe_rl.learner.model_input import ScoredTokens
 
 
 class OutputHead:
@@ -59,22 +60,37 @@ class OutputHead:
             return self.gpt.shared_embedding_or_output_weight()
         return self.gpt.output_layer.weight
 
-    def logprobs(self, output: torch.Tensor, logit_index_BT: torch.Tensor, batch: TokenBatch,
-                 temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([B, T] log-probs, [B, T] entropy or None) of the response tokens; `output` is
-        GPTModel's output (logits, or hidden states when chunked), [b_in, s_in, *]."""
+    def logprobs(self, output: torch.Tensor, mb: MicroBatch, temperature: float,
+                 entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, T] log-probs, [B, T] entropy or None) of the micro-batch's response tokens;
+        `output` is GPTModel's output (logits, or hidden states when chunked), [b_in, s_in, *].
+        `entropy`: also the entropy (chunked head only; None otherwise)."""
         flat = output.reshape(-1, output.shape[-1])
         if not self.chunk_tokens:
-            return response_logprobs(flat, logit_index_BT, batch, temperature), None
-        mask_BT = batch.response_mask().to(flat.device)
-        index_N = logit_index_BT.to(flat.device)[mask_BT]
-        targets_N = batch.response_tokens().to(flat.device)[mask_BT]
+            return response_logprobs(flat, mb.inp.logit_index_BT, mb.batch, temperature), None
+        scored = mb.scored if mb.scored is not None else mb.inp.scored  # (on the device, indices built on the host)
         weight = self._weight()
-        group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        tp = ps.get_tensor_model_parallel_world_size()
+        _check_targets(mb.inp.scored, weight.shape[0] * tp)
+        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         logp_N, entropy_N = chunked_token_logprobs(
-            flat[index_N], weight, targets_N, temperature=temperature, chunk_tokens=self.chunk_tokens,
-            tp_group=group, vocab_start=vocab_shard_start(weight, group))
-        return scatter_masked(logp_N, mask_BT), scatter_masked(entropy_N, mask_BT)
+            flat[scored.index_N], weight, scored.targets_N, temperature=temperature,
+            chunk_tokens=self.chunk_tokens, tp_group=group, vocab_start=vocab_shard_start(weight, group),
+            with_entropy=entropy, check_owners=False)
+        shape = scored.mask_BT.shape
+        return (scatter_at(logp_N, scored.at_N, shape),
+                scatter_at(entropy_N, scored.at_N, shape) if entropy_N is not None else None)
+
+
+def _check_targets(scored: ScoredTokens, vocab: int) -> None:
+    """Every target is a token id of the (padded) vocabulary, checked on the host: then
+    exactly one vocabulary shard holds each (the chunked head's own per-token check would
+    read a device value back)."""
+    low, high = scored.target_range
+    if high >= vocab or low < 0:
+        bad = high if high >= vocab else low
+        raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab}): targets must be global ids "
+                         "below the vocabulary size")
 
 
 def whole_sequence(hidden_SBH: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
@@ -84,6 +100,12 @@ def whole_sequence(hidden_SBH: torch.Tensor, sequence_parallel: bool) -> torch.T
     if sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
         return gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
     return hidden_SBH
+
+
+def scatter_at(values_N: torch.Tensor, at_N: tuple[torch.Tensor, torch.Tensor], shape_BT: torch.Size) -> torch.Tensor:
+    """[B, T] with `values_N` at (row, position) `at_N`, 0 elsewhere; differentiable (its
+    backward an index: no mask selection, which would wait for a GPU's queue)."""
+    return values_N.new_zeros(shape_BT).index_put_(at_N, values_N)
 
 
 def scatter_masked(values_N: Any, mask_BT: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,13 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def wait_for_device() -> None:
+    """Wait until the device has run everything queued so far (copies to the host made
+    without waiting included): once per pass, before the host reads what those copied."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+
+
 def all_reduce_(t: torch.Tensor, op: Any = None, group: Any = None) -> torch.Tensor:
     """In-place all-reduce of a host tensor of any backend's liking (moved and back if needed)."""
     dev = comm_device()

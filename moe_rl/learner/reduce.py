@@ -13,10 +13,24 @@ from moe_rl.learner.parallel import Layout, all_reduce_
 from moe_rl.metrics import reduction
 
 
+def _on_host(store: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The items' loss, weight and metrics as float64 host tensors, in one copy from the
+    device (one wait for a GPU per pass, not one per number)."""
+    parts = [t for item in store for t in (item["loss"], *item["metrics"].values())]
+    parts += [item["weight"] for item in store if isinstance(item["weight"], torch.Tensor)]
+    flat = iter(torch.stack([t.reshape(()).double() for t in parts]).cpu() if parts else [])
+    out = [{"loss": next(flat), "metrics": {k: next(flat) for k in item["metrics"]}} for item in store]
+    for item, host in zip(store, out):
+        w = item["weight"]
+        host["weight"] = next(flat) if isinstance(w, torch.Tensor) else torch.tensor(float(w), dtype=torch.float64)
+    return out
+
+
 def reduce_metrics(store: list[dict[str, Any]], layout: Layout) -> dict[str, float]:
     """`loss` summed; mean-type metrics weighted by each micro-batch's `weight`; `_max` /
     `_min` ones by max / min. Collective over the data-parallel group (one all-reduce per
     kind), so every rank of the last stage returns the same numbers."""
+    store = _on_host(store)
     names = sorted({k for item in store for k in item["metrics"]})
     by_kind = {kind: [n for n in names if reduction(n) == kind] for kind in ("mean", "max", "min")}
     loss = torch.stack([item["loss"].double() for item in store]).sum().reshape(1)

@@ -18,6 +18,11 @@ is) over a dedicated per-pipeline process group, sent right after each stage's f
 the micro-batch, received before its loss. gamma = exp(-sum / (L*K)) is a product over
 layers, so the stage sums add up exactly.
 
+Host and device. A micro-batch's routing inputs are built on the host before its forward
+and moved to the router's device once; everything the routers leave stays on the device,
+added up over the pass, and the host reads it once per pass (`routing_state`): no read
+inside a micro-batch, which would make a GPU's host wait for its queue at every layer.
+
 State. `RouterReplay` keeps per-router state and megatron registers every instance in one
 class-level list; we take this model's instances out of that list and drive them
 directly, and `RouterTaps.run(plan)` is the context manager that sets and always clears
@@ -30,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,17 +48,25 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from moe_rl.collectives import all_gather_object
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
-from moe_rl.learner.parallel import all_reduce_, comm_device
+from moe_rl.learner.parallel import all_reduce_, comm_device, wait_for_device
 from moe_rl.learner.routing_checks import (
     ReplayError,
     check_replay_covers,
     check_replay_took,
-    replay_misses,
+    count_replay_misses,
 )
-from moe_rl.learner.routing_tokens import rows_to_slots, slot_shard, slots_to_rows, spread_topk
+from moe_rl.learner.routing_state import MicroBatchRouting, PassRouting
+from moe_rl.learner.routing_tokens import (
+    SlotSource,
+    from_rows,
+    slot_shard,
+    slot_source,
+    slots_to_rows,
+    spread_topk,
+)
 from moe_rl.routing.record import ReplayIds, RoutingRecord, ids_dtype
 from moe_rl.routing.shift import router_shift_from_partial
-from moe_rl.routing.stats import gamma_stats, topk_set_changed
+from moe_rl.routing.stats import gamma_stats
 
 __all__ = ["ReplayError", "RouterTaps", "RoutingPlan"]
 
@@ -70,34 +83,6 @@ class RoutingPlan:
     """Measure router shift against this record (update passes). The loss gets the raw
     gamma in (0, 1]; its floor is the objective's hyperparameter (rspo's gamma_min), applied
     there and only there."""
-
-
-@dataclass
-class _MicroBatchState:
-    mb: MicroBatch
-    shard: slice
-    mask_N: torch.Tensor  # [n_local] slots that score a response token
-    real_N: torch.Tensor  # [n_local] slots that hold a real token
-    spread_NK: torch.Tensor | None = None  # [n_local, K] `spread_topk` ids, forced where no real token is
-    replay_NLK: torch.Tensor | None = None
-    replay_valid_N: torch.Tensor | None = None
-    old_ids_NLK: torch.Tensor | None = None
-    old_logp_NLK: torch.Tensor | None = None
-    captured_ids: list[torch.Tensor] = field(default_factory=list)
-    captured_logp: list[torch.Tensor] = field(default_factory=list)
-    captured_fresh: list[torch.Tensor] = field(default_factory=list)
-    shift_sum_N: torch.Tensor | None = None
-    replayed: int = 0  # replayed slots of this shard
-    replay_misses: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (MoE layer, device count)
-    stat_sums: torch.Tensor | None = None  # [3, L_stage]: flips, |dlog r|, token count
-
-    def on(self, device: torch.device, name: str) -> torch.Tensor:
-        """A per-micro-batch input moved to the router's device once (no-op on CPU)."""
-        t = getattr(self, name)
-        if t is not None and t.device != device:
-            t = t.to(device, non_blocking=True)
-            setattr(self, name, t)
-        return t
 
 
 def _drop_autograd_state(dispatcher: Any) -> None:
@@ -177,10 +162,8 @@ class RouterTaps(ForwardHooks):
                 RouterReplay.global_router_replay_instances.remove(router.router_replay)
             router.routing = self._make_tap(i, router, router.routing)
         self.plan: RoutingPlan | None = None
-        self._state: _MicroBatchState | None = None
-        self._captures: list[tuple[torch.Tensor, ...]] = []
-        self._gammas: list[torch.Tensor] = []
-        self._stat_sums = torch.zeros(3, len(self.routers), dtype=torch.float64)  # flips, dlogr, count
+        self._state: MicroBatchRouting | None = None
+        self._pass = PassRouting(len(self.routers))
         self._pending_sends: list[Any] = []
         self._side_group = _pipeline_side_group(layout)
 
@@ -188,16 +171,18 @@ class RouterTaps(ForwardHooks):
 
     @contextlib.contextmanager
     def run(self, plan: RoutingPlan) -> Iterator[None]:
-        """Activate `plan` for one pass; replay state is cleared on exit, whatever happens."""
+        """Activate `plan` for one pass; replay state is cleared on exit, whatever happens.
+        The replay check reads its device counters here, once per pass."""
         self.plan = plan
-        self._captures, self._gammas = [], []
-        self._stat_sums.zero_()
+        self._pass = PassRouting(len(self.routers))
         try:
             yield
             left = sum(len(p) for p in self._for_recompute)
             if left:
                 raise RuntimeError(f"recompute: {left} routings of this pass's forwards were never re-run in a "
                                    "backward (a micro-batch's backward did not run)")
+            if self._pass.misses_L is not None:
+                check_replay_took(self.layers, self._pass.misses_L.tolist(), self._pass.replayed)
         finally:
             for pending in self._for_recompute:
                 pending.clear()
@@ -215,54 +200,60 @@ class RouterTaps(ForwardHooks):
     # ------------------------------------------------------------------ ForwardHooks
 
     def before_forward(self, mb: MicroBatch) -> None:
+        """The micro-batch's routing inputs, on the host (its tensors are still there)."""
         inp = mb.inp
         shard = slot_shard(inp, self.layout.tp, self.layout.tp_rank, self.layout.sequence_parallel)
-        real_N = inp.real_N[shard]
-        spread = None
-        if not bool(real_N.all()):  # padding never loads an expert more than another
-            spread = spread_topk(torch.arange(shard.start, shard.stop), self.num_experts, self.topk)
-        if self.plan is None:
-            self._state = _MicroBatchState(mb=mb, shard=shard, mask_N=real_N, real_N=real_N, spread_NK=spread)
-            return
-        scored_BS = mb.batch.scored_positions()
-        rows_N, pos_N = inp.rows_N[shard], inp.pos_N[shard]
-        mask_N = real_N & scored_BS[rows_N.clamp(min=0), pos_N.clamp(max=scored_BS.shape[1] - 1)]
-        st = _MicroBatchState(mb=mb, shard=shard, mask_N=mask_N, real_N=real_N, spread_NK=spread)
-        if self.plan.replay is not None:
-            r = self.plan.replay
-            st.replay_NLK = rows_to_slots(r.rows, r.ids_RSLK, mb.rows_B, inp, shard, fill_k=self.topk, missing_ok=True)
-            valid = r.valid_RS[..., None, None] if r.valid_RS is not None else torch.ones(
-                *r.ids_RSLK.shape[:2], 1, 1, dtype=torch.bool)
-            st.replay_valid_N = rows_to_slots(r.rows, valid, mb.rows_B, inp, shard, missing_ok=True).reshape(-1) & real_N
-            st.replayed = int(st.replay_valid_N.sum())  # (a host tensor here)
-            check_replay_covers(mb, inp, r, st.replay_valid_N, shard)
-        if self.plan.old is not None:
-            o = self.plan.old
-            st.old_ids_NLK = rows_to_slots(o.rows, o.ids_RSLK, mb.rows_B, inp, shard, fill_k=self.topk)
-            st.old_logp_NLK = rows_to_slots(o.rows, o.logp_RSLK, mb.rows_B, inp, shard)
+        whole = shard.stop - shard.start == inp.slots
+        real_N = inp.real_N if whole else inp.real_N[shard]
+        st = MicroBatchRouting(mb=mb, shard=shard, real_N=real_N)
+        if not (inp.all_real if whole else bool(real_N.all())):  # padding never loads an expert more than another
+            st.spread_NK = spread_topk(torch.arange(shard.start, shard.stop), self.num_experts, self.topk)
+        plan = self.plan
         self._state = st
+        if plan is None or not (plan.capture or plan.replay is not None or plan.old is not None):
+            return
+        st.active, st.capture = True, plan.capture
+        st.needs_logr = plan.capture or plan.old is not None
+        if plan.old is not None:
+            o = plan.old
+            src = slot_source(o.rows, o.ids_RSLK.shape[1], mb.rows_B, inp, shard)
+            st.old_ids_NLK = from_rows(o.ids_RSLK, src, fill_k=self.topk)
+            st.old_logp_NLK = from_rows(o.logp_RSLK, src)
+            scored_N = torch.zeros(inp.slots, dtype=torch.bool)  # slots that score a response token
+            scored_N[inp.scored.slot_BT[inp.scored.mask_BT]] = True
+            st.weight_N = scored_N[shard].float()
+        if plan.replay is not None:
+            self._replay_inputs(st, plan.replay, src if plan.old is not None and plan.replay.rows is o.rows else None)
+
+    def _replay_inputs(self, st: MicroBatchRouting, r: ReplayIds, src: SlotSource | None) -> None:
+        """The slots' replay ids, which slots take them, and the coverage check (host); `src`:
+        the slots' rows in `r`, when already found (R2 replays the old record's rows)."""
+        mb, inp, shard = st.mb, st.mb.inp, st.shard
+        if src is None:
+            src = slot_source(r.rows, r.ids_RSLK.shape[1], mb.rows_B, inp, shard, missing_ok=True)
+        st.replay_NLK = from_rows(r.ids_RSLK, src, fill_k=self.topk)
+        valid_N = src.covered_N if r.valid_RS is None else from_rows(r.valid_RS, src) & src.covered_N
+        st.replayed = int(valid_N.sum())
+        check_replay_covers(mb, inp, r, valid_N, shard)
+        st.replay_valid_N = None if st.replayed == valid_N.numel() else valid_N  # (None: every slot)
 
     def after_forward(self, mb: MicroBatch) -> None:
+        """The micro-batch's results added to the pass's, on the device; captures start
+        their way to the host (read once the pass is over)."""
         st = self._state
-        if st is None or self.plan is None:
+        if st is None or not st.active:
             return
-        check_replay_took(st.replay_misses, st.replayed)
-        if st.stat_sums is not None:
-            self._stat_sums += st.stat_sums.cpu()
-        rows, S = mb.batch.batch_size, mb.batch.seq_len
-        if self.plan.capture and st.captured_ids:  # (a stage may hold no MoE layer)
-            grids = []
-            for parts, fill_k in ((st.captured_ids, self.topk), (st.captured_logp, None),
-                                  (st.captured_fresh, self.topk)):
-                if not parts:
-                    grids.append(None)
-                    continue
-                full_N = self._gather_sp(torch.stack(parts, dim=1)).cpu()  # [N, L, K]
-                grids.append(slots_to_rows(full_N, mb.inp, rows, S, fill_k=fill_k))
-            self._captures.append((mb.rows_B, *grids))
+        if st.misses_L is not None:
+            self._pass.add_misses(st)
+        if st.layer_stats_2LN is not None:
+            self._pass.add_stats(st, st.layer_stats_2LN.device)
+        if st.capture and st.captured[0]:  # (a stage may hold no MoE layer)
+            copies = [None if not parts else self._gather_sp(torch.stack(parts, dim=1)).to("cpu", non_blocking=True)
+                      for parts in st.captured]
+            self._pass.captures.append((mb.rows_B, mb.inp, mb.batch.batch_size, mb.batch.seq_len, copies))
         if self.plan.old is not None:
             sums_N = st.shift_sum_N if st.shift_sum_N is not None else torch.zeros(
-                st.mask_N.numel(), device=comm_device())  # sent over NCCL on GPU: never a host tensor
+                st.real_N.numel(), device=comm_device())  # sent over NCCL on GPU: never a host tensor
             sums_N = self._gather_sp(sums_N)
             if not self.layout.is_last_stage:
                 self._pending_sends.append(
@@ -272,26 +263,29 @@ class RouterTaps(ForwardHooks):
                 st.shift_sum_N = sums_N  # now every slot's, over this stage's layers
 
     def loss_aux(self, mb: MicroBatch) -> dict[str, Any]:
+        """The router shift of each response token ([b, T], 1 elsewhere), on the device."""
         st = self._state
         if st is None or self.plan is None or self.plan.old is None:
             return {}
-        total_N = st.shift_sum_N.clone()
-        for src in self._earlier_stage_ranks():
+        total_N = st.shift_sum_N
+        earlier = self._earlier_stage_ranks()
+        if earlier:
+            total_N = total_N.clone()
+        for src in earlier:
             buf = torch.empty_like(total_N)
             dist.recv(buf, src=src, group=self._side_group)
             total_N += buf
         gamma_N = router_shift_from_partial(total_N, self.num_moe_layers, self.topk, gamma_min=0.0)
-        gamma_BS = slots_to_rows(gamma_N.cpu(), mb.inp, mb.batch.batch_size, mb.batch.seq_len, fill=1.0)
-        gamma_BT = gamma_BS.gather(1, mb.batch.scoring_positions()).to(gamma_N.device)
-        mask_BT = mb.batch.response_mask().to(gamma_N.device)
-        self._gammas.append(gamma_BT[mask_BT].cpu())
-        return {"router_shift_BT": torch.where(mask_BT, gamma_BT, 1.0)}
+        scored = mb.scored if mb.scored is not None else mb.inp.scored
+        gamma_BT = torch.where(scored.mask_BT, gamma_N[scored.slot_BT], 1.0)
+        self._pass.gammas.append((gamma_BT, mb.inp.scored.mask_BT))
+        return {"router_shift_BT": gamma_BT}
 
     # ------------------------------------------------------------------ the tap
 
     def _make_tap(self, i: int, router: TopKRouter, original: Any) -> Any:
         """Router i's `routing`, wrapped. Everything stays on the router's device; the
-        micro-batch's results move to the host once, in `after_forward`.
+        pass's results move to the host once, when the pass is over.
 
         Under full recompute a training micro-batch routes twice: in its forward, and again in
         its backward when megatron re-runs the layer. The forward keeps the ids it used (its
@@ -309,7 +303,7 @@ class RouterTaps(ForwardHooks):
                 return _route(router, original, logits, padding_mask, force=pending.popleft().long(), count=False)[0]
             count = torch.is_grad_enabled() or keep  # (a recomputed layer's first forward runs without grad)
             st = self._state
-            if st is None or (self.plan is None and st.spread_NK is None):
+            if st is None or (not st.needs_fresh and st.replay_NLK is None):  # nothing to force, record or measure
                 out, used = _route(router, original, logits, padding_mask, record=keep, count=count)
                 if keep:
                     pending.append(used.to(self._ids_dtype))  # (kept until the backward: 1-2 bytes per id)
@@ -317,55 +311,59 @@ class RouterTaps(ForwardHooks):
             dev = logits.device
             logits_NE = logits.reshape(-1, self.num_experts)
             with torch.no_grad():
-                logr_NE = self._log_routing_probs(router, logits_NE)
-                fresh_NK = self._fresh_topk(router, logits_NE).sort(dim=-1).values
+                fresh_NK = self._fresh_topk(router, logits_NE).sort(dim=-1).values if st.needs_fresh else None
+                logr_NE = self._log_routing_probs(router, logits_NE) if st.needs_logr else None
             target_NK = self._target_ids(st, i, dev, fresh_NK)
-            used_NK = target_NK.sort(dim=-1).values if target_NK is not None else fresh_NK
             out, ids = _route(router, original, logits, padding_mask, force=target_NK,
                               record=keep and target_NK is None, count=count)
             if keep:
                 pending.append(ids.to(self._ids_dtype))
-            if self.plan is not None:
+            if st.active:
                 with torch.no_grad():
-                    if st.replay_valid_N is not None:
-                        st.replay_misses.append(
-                            (self.layers[i], replay_misses(out[1], used_NK, st.on(dev, "replay_valid_N"))))
-                    self._record(st, i, dev, logr_NE, fresh_NK, used_NK)
+                    self._record(st, i, dev, out[1], logr_NE, fresh_NK, target_NK)
             return out
 
         return routing
 
-    def _target_ids(self, st: _MicroBatchState, i: int, dev: torch.device,
-                    fresh_NK: torch.Tensor) -> torch.Tensor | None:
+    def _target_ids(self, st: MicroBatchRouting, i: int, dev: torch.device,
+                    fresh_NK: torch.Tensor | None) -> torch.Tensor | None:
         """The ids to force through router i: replayed ids where the plan replays, the
         router's own elsewhere, `spread_topk` on slots without a real token; None: route freely."""
         target = None
         if st.replay_NLK is not None:
-            target = torch.where(st.on(dev, "replay_valid_N")[:, None], st.on(dev, "replay_NLK")[:, i].long(),
-                                 fresh_NK)
+            target = st.on(dev, "replay_NLK", long=True)[:, i]
+            if st.replay_valid_N is not None:
+                target = torch.where(st.on(dev, "replay_valid_N")[:, None], target, fresh_NK)
         if st.spread_NK is not None:  # (a where, not mask indexing, which waits for a GPU at every layer)
             target = torch.where(st.on(dev, "real_N")[:, None], fresh_NK if target is None else target,
                                  st.on(dev, "spread_NK"))
         return target
 
-    def _record(self, st: _MicroBatchState, i: int, dev: torch.device, logr_NE: torch.Tensor,
-                fresh_NK: torch.Tensor, used_NK: torch.Tensor) -> None:
-        """Capture and router-shift statistics of router i on this micro-batch shard."""
-        if self.plan.capture:
-            st.captured_ids.append(used_NK.to(ids_dtype(self.num_experts)))
-            st.captured_logp.append(logr_NE.gather(1, used_NK))
+    def _record(self, st: MicroBatchRouting, i: int, dev: torch.device, routing_map_NE: torch.Tensor,
+                logr_NE: torch.Tensor | None, fresh_NK: torch.Tensor | None, target_NK: torch.Tensor | None) -> None:
+        """Capture, router-shift statistics and the replay check of router i on this
+        micro-batch shard, all into device tensors."""
+        L = len(self.routers)
+        if st.replay_NLK is not None:
+            if st.misses_L is None:
+                st.misses_L = torch.empty(L, dtype=torch.long, device=dev)
+            count_replay_misses(routing_map_NE, target_NK, st.on(dev, "replay_valid_N"), st.misses_L[i])
+        if st.capture:
+            used_NK = fresh_NK if target_NK is None else target_NK.sort(dim=-1).values
+            st.captured[0].append(used_NK.to(self._ids_dtype))
+            st.captured[1].append(logr_NE.gather(1, used_NK))
             if st.replay_NLK is not None:
-                st.captured_fresh.append(fresh_NK.to(ids_dtype(self.num_experts)))
-        if self.plan.old is not None:
-            old_ids = st.on(dev, "old_ids_NLK")[:, i].long()
+                st.captured[2].append(fresh_NK.to(self._ids_dtype))
+        if st.old_ids_NLK is not None:
+            old_ids = st.on(dev, "old_ids_NLK", long=True)[:, i]
             dlogr_NK = (logr_NE.gather(1, old_ids) - st.on(dev, "old_logp_NLK")[:, i]).abs()
             part = dlogr_NK.sum(-1)
-            st.shift_sum_N = part if st.shift_sum_N is None else st.shift_sum_N + part
-            w = st.on(dev, "mask_N").to(dlogr_NK.dtype)
-            flips = topk_set_changed(fresh_NK[:, None], old_ids[:, None])[:, 0].to(w.dtype)
-            if st.stat_sums is None:
-                st.stat_sums = torch.zeros(3, len(self.routers), dtype=torch.float64, device=dev)
-            st.stat_sums[:, i] += torch.stack([(flips * w).sum(), (dlogr_NK.mean(-1) * w).sum(), w.sum()])
+            st.shift_sum_N = part if st.shift_sum_N is None else st.shift_sum_N.add_(part)
+            if st.layer_stats_2LN is None:
+                st.layer_stats_2LN = torch.empty(2, L, part.numel(), dtype=part.dtype, device=dev)
+            # Both id lists are sorted sets of K distinct ids: the set changed iff a place differs.
+            st.layer_stats_2LN[0, i] = (fresh_NK != old_ids).any(dim=-1)
+            torch.mean(dlogr_NK, dim=-1, out=st.layer_stats_2LN[1, i])
 
     def _log_routing_probs(self, router: TopKRouter, logits_NE: torch.Tensor) -> torch.Tensor:
         """log r over all experts: softmax routers -> log softmax; sigmoid routers -> log of
@@ -393,20 +391,26 @@ class RouterTaps(ForwardHooks):
 
     def record(self) -> RoutingRecord | None:
         """The capture of the pass that just ran: this rank's rows, this stage's layers."""
-        if not self._captures:
+        caps = self._pass.captures
+        if not caps:
             if self.plan is not None and self.plan.capture:  # a stage without MoE layers
                 z = torch.zeros(0, 0, 0, self.topk)
                 return RoutingRecord(torch.zeros(0, dtype=torch.long), [], z.to(ids_dtype(self.num_experts)), z)
             return None
-        rows = torch.cat([c[0] for c in self._captures])
+        wait_for_device()  # (the captures' copies to the host, started in each micro-batch)
+        grids: list[list[torch.Tensor]] = [[], [], []]
+        for _, inp, rows, S, copies in caps:
+            for j, (full_N, fill_k) in enumerate(zip(copies, (self.topk, None, self.topk))):
+                if full_N is not None:
+                    grids[j].append(slots_to_rows(full_N, inp, rows, S, fill_k=fill_k))
+        rows = torch.cat([c[0] for c in caps])
         keep = rows >= 0
-        cat = lambda j: torch.cat([c[j] for c in self._captures])[keep]  # noqa: E731
-        fresh = cat(3) if self._captures[0][3] is not None else None
-        return RoutingRecord(rows[keep], list(self.layers), cat(1), cat(2), fresh)
+        cat = lambda j: torch.cat(grids[j])[keep]  # noqa: E731
+        return RoutingRecord(rows[keep], list(self.layers), cat(0), cat(1), cat(2) if grids[2] else None)
 
     def shift_metrics(self) -> dict[str, float]:
         """Router-shift statistics of the pass (collective over the whole world)."""
-        sums = self._stat_sums.clone()
+        sums = self._pass.host_stat_sums()
         for group in (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()):
             if dist.get_world_size(group) > 1:
                 all_reduce_(sums, group=group)
@@ -432,10 +436,7 @@ class RouterTaps(ForwardHooks):
         return out
 
     def _gathered_gammas(self) -> torch.Tensor | None:
-        if not self.layout.is_last_stage or not self._gammas:
-            mine = torch.zeros(0)
-        else:
-            mine = torch.cat(self._gammas)
+        mine = self._pass.host_gammas() if self.layout.is_last_stage else torch.zeros(0)
         parts: list[torch.Tensor] = [mine]
         if self.layout.dp > 1 and self.layout.is_last_stage:
             parts = [None] * self.layout.dp  # type: ignore[list-item]

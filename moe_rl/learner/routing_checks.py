@@ -1,5 +1,9 @@
 """The loud checks behind routing replay (R2, R3): the router took the replayed ids, and the
-replay ids cover every real token the source routed. Never a silent fallback."""
+replay ids cover every real token the source routed. Never a silent fallback.
+
+Both cost the device nothing it must answer at once: coverage is counted on the host from
+the replay ids, and what each router did is counted on the device, per MoE layer, into a
+counter the host reads once per pass (`check_replay_took`)."""
 
 from __future__ import annotations
 
@@ -15,28 +19,29 @@ class ReplayError(RuntimeError):
     """Routing replay did not do what the plan asked: never a silent fallback."""
 
 
-def replay_misses(routing_map_NE: torch.Tensor, used_NK: torch.Tensor, replayed_N: torch.Tensor) -> torch.Tensor:
-    """How many replayed slots megatron's router sent to other experts than the replayed ids
-    (a 0-dim count on the router's device: read once per micro-batch, `check_replay_took`,
-    not once per layer, which would stall a GPU's queue at every MoE layer)."""
-    chosen_NK = routing_map_NE.gather(1, used_NK.to(routing_map_NE.device))
-    return (replayed_N & ~(chosen_NK.all(dim=1) & (routing_map_NE.sum(dim=1) == used_NK.shape[1]))).sum()
+def count_replay_misses(routing_map_NE: torch.Tensor, ids_NK: torch.Tensor, replayed_N: torch.Tensor | None,
+                        out: torch.Tensor) -> None:
+    """Into the 0-dim `out` (on the router's device): how many replayed slots megatron's
+    router did not send to all of their replayed ids (`replayed_N` None: every slot is
+    replayed). Under top-k routing each slot takes exactly K experts, so holding the K
+    replayed ones is taking exactly them."""
+    took_N = routing_map_NE.gather(1, ids_NK).all(dim=1)
+    missed_N = took_N.logical_not() if replayed_N is None else replayed_N > took_N  # (replayed and not took)
+    torch.sum(missed_N, dim=0, out=out)
 
 
-def check_replay_took(misses: list[tuple[int, torch.Tensor]], replayed: int) -> None:
-    """Every MoE layer of the micro-batch routed every replayed slot to the replayed ids (the
-    loud check behind R2 and R3); `misses`: (MoE layer, `replay_misses`) of each layer."""
-    if not misses:
-        return
-    counts = torch.stack([m for _, m in misses]).cpu().tolist()
-    for (layer, _), wrong in zip(misses, counts):
+def check_replay_took(layers: list[int], misses_L: list[int], replayed: int) -> None:
+    """Every MoE layer of the pass routed every replayed slot to the replayed ids (the loud
+    check behind R2 and R3); `misses_L`: each layer's count of slots it routed elsewhere,
+    `replayed`: the replayed slots of the pass on this rank."""
+    for layer, wrong in zip(layers, misses_L):
         if wrong:
             raise ReplayError(f"routing replay: MoE layer {layer} used other experts than the replayed ones on "
                               f"{wrong} of {replayed} replayed tokens")
 
 
 def check_replay_covers(mb: MicroBatch, inp: Any, replay: ReplayIds, replayed_N: torch.Tensor,
-                         shard: slice) -> None:
+                        shard: slice) -> None:
     """Every real token a replay source routed is replayed: R2 records every real token, the
     sampler (R3) every real token but each sequence's last. Counted on this rank's shard."""
     rows_N, pos_N = inp.rows_N[shard], inp.pos_N[shard]

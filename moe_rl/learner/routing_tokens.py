@@ -10,6 +10,8 @@ expert more than another (the reason megatron users saw padding pile onto expert
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_rl.learner.model_input import ModelInput
@@ -25,23 +27,49 @@ def slot_shard(inp: ModelInput, tp: int, tp_rank: int, sequence_parallel: bool) 
     return slice(tp_rank * per, (tp_rank + 1) * per)
 
 
-def rows_to_slots(rows: torch.Tensor, data_RS: torch.Tensor, mb_rows: torch.Tensor, inp: ModelInput,
-                  shard: slice, fill_k: int | None = None, missing_ok: bool = False) -> torch.Tensor:
-    """[n_local, ...]: each slot's entry of per-row data [R, S, ...] (rows by global id);
-    slots without a real token of a row in `rows` get distinct ids 0..K-1 (`fill_k`) or 0.
-    A micro-batch row missing from `rows` is a KeyError, or (`missing_ok`, for replay, whose
-    coverage is checked and reported separately) gets the fill."""
+@dataclass(frozen=True)
+class SlotSource:
+    """Where each slot of a micro-batch shard reads per-row routing data [R, S, ...] (rows by
+    global id): found once per micro-batch and source, then used for each of its tensors."""
+
+    index: tuple[torch.Tensor, torch.Tensor]
+    """([n_local] row in the source, [n_local] position), clamped into the data."""
+    covered_N: torch.Tensor
+    """[n_local] bool: the slot holds a real token of a row the source has."""
+    fill_N: torch.Tensor | None
+    """[m] the other slots (None: there are none)."""
+
+
+def slot_source(rows: torch.Tensor, width: int, mb_rows: torch.Tensor, inp: ModelInput, shard: slice,
+                missing_ok: bool = False) -> SlotSource:
+    """The `SlotSource` of data for global rows `rows`, `width` positions each. A micro-batch
+    row missing from `rows` is a KeyError, or (`missing_ok`, for replay, whose coverage is
+    checked and reported separately) reads the fill."""
     rows_N, pos_N, real_N = inp.rows_N[shard], inp.pos_N[shard], inp.real_N[shard]
     rec_N = row_positions(rows, torch.where(rows_N >= 0, mb_rows[rows_N.clamp(min=0)], -1), missing_ok)
     ok_N = real_N & (rec_N >= 0)
-    if bool(ok_N.any()) and int(pos_N[ok_N].max()) >= data_RS.shape[1]:
-        raise ValueError(f"routing data covers {data_RS.shape[1]} positions, the micro-batch needs "
+    if bool(ok_N.any()) and int(pos_N[ok_N].max()) >= width:
+        raise ValueError(f"routing data covers {width} positions, the micro-batch needs "
                          f"{int(pos_N[ok_N].max()) + 1}")
-    out = data_RS[rec_N.clamp(min=0), pos_N.clamp(max=data_RS.shape[1] - 1)]
-    if bool((~ok_N).any()):
-        out = out.clone()
-        out[~ok_N] = torch.arange(fill_k, dtype=out.dtype) if fill_k is not None else 0
+    fill_N = (~ok_N).nonzero().squeeze(1)
+    return SlotSource((rec_N.clamp(min=0), pos_N.clamp(max=width - 1)), ok_N, fill_N if fill_N.numel() else None)
+
+
+def from_rows(data_RS: torch.Tensor, source: SlotSource, fill_k: int | None = None) -> torch.Tensor:
+    """[n_local, ...]: each slot's entry of `data_RS`; slots without a real token of a row the
+    source has get distinct ids 0..K-1 (`fill_k`) or 0."""
+    out = data_RS[source.index]  # (advanced indexing: a copy, free to fill)
+    if source.fill_N is not None:
+        out[source.fill_N] = torch.arange(fill_k, dtype=out.dtype) if fill_k is not None else 0
     return out
+
+
+def rows_to_slots(rows: torch.Tensor, data_RS: torch.Tensor, mb_rows: torch.Tensor, inp: ModelInput,
+                  shard: slice, fill_k: int | None = None, missing_ok: bool = False) -> torch.Tensor:
+    """[n_local, ...]: each slot's entry of per-row data [R, S, ...] (rows by global id);
+    slots without a real token of a row in `rows` get distinct ids 0..K-1 (`fill_k`) or 0
+    (`slot_source` and `from_rows` in one)."""
+    return from_rows(data_RS, slot_source(rows, data_RS.shape[1], mb_rows, inp, shard, missing_ok), fill_k)
 
 
 def slots_to_rows(values_N: torch.Tensor, inp: ModelInput, rows: int, seq_len: int, fill: float = 0,

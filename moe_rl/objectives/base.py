@@ -133,6 +133,16 @@ class Context:
         self.router_shift_BT: Tensor | None = None if shift is None else shift.detach().to(self.dtype)
 
     @cached_property
+    def nonempty_B(self) -> Tensor:
+        """[B] bool: the sequences with a valid token."""
+        return self.len_B > 0
+
+    @cached_property
+    def num_nonempty(self) -> Tensor:
+        """How many sequences have a valid token (int64 scalar; computed once per call)."""
+        return self.nonempty_B.sum()
+
+    @cached_property
     def logprobs_BT(self) -> Tensor:
         """Current log-probabilities on valid tokens, 0 on padding; carries grad."""
         return torch.where(self.mask_BT, self._logprobs, 0.0)

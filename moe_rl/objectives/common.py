@@ -75,7 +75,7 @@ def sign_log_clip(
     """GMPO's token clip in log space, one bound per advantage sign: `min(lr, hi)` where
     A > 0, `max(lr, -lo)` where A < 0, `lr` where A = 0. Returns the clipped log ratios and
     the mask of clipped tokens."""
-    inf = torch.tensor(float("inf"), dtype=log_ratio_BT.dtype, device=log_ratio_BT.device)
+    inf = log_ratio_BT.new_full((), float("inf"))  # (filled on the device: torch.tensor would copy, and wait)
     low_B1 = torch.where(sign_B < 0, -log_clip_low, -inf).unsqueeze(1)
     high_B1 = torch.where(sign_B > 0, log_clip_high, inf).unsqueeze(1)
     c_BT = torch.clamp(log_ratio_BT, min=low_B1, max=high_B1)
@@ -118,7 +118,8 @@ def aggregation_weights(
         n_seq = num_sequences_total if num_sequences_total is not None else mask_f_BT.shape[0]
         l_max = max_response_length if max_response_length is not None else mask_f_BT.shape[1]
         return mask_f_BT / (_guard(n_seq) * _guard(l_max))
-    nonempty_B = len_B > 0
+    # (the non-empty mask only where it is used: each op is a kernel launch on a GPU)
+    nonempty_B = len_B > 0 if aggregation == "seq-mean" or seq_normalizer is None else None
     n_seq = seq_normalizer if seq_normalizer is not None else nonempty_B.sum()
     if aggregation == "seq-mean":
         return nonempty_B.to(len_B.dtype) / _guard(n_seq)
@@ -203,16 +204,16 @@ def rollout_correction_weights(
 # --------------------------------------------------------------------------- metrics
 
 
-def masked_aminmax(x: Tensor, valid: Tensor, nonempty_B: Tensor) -> tuple[Tensor, Tensor]:
-    """(min, max) over the valid elements of x ([B] or [B,T]; `nonempty_B` marks the rows
-    with a valid element) in one pass: invalid elements are replaced by the first valid one
-    (so they cannot win), then one aminmax. With no valid element: (+inf, -inf), the
-    identities of min and max. No host sync."""
-    if x.numel() == 0:
-        return x.new_tensor(float("inf")), x.new_tensor(float("-inf"))
-    # Locate a valid element with two small argmaxes (a non-empty row, then within it).
-    row = nonempty_B.to(torch.uint8).argmax()
-    first = x[row, valid[row].to(torch.uint8).argmax()] if x.ndim == 2 else x[row]
-    lo, hi = torch.aminmax(torch.where(valid, x, first))
-    any_valid = nonempty_B[row]
-    return torch.where(any_valid, lo, float("inf")), torch.where(any_valid, hi, float("-inf"))
+def masked_min(x: Tensor, valid: Tensor) -> Tensor:
+    """min over the valid elements of x (invalid ones read as +inf, the identity: the result
+    with no valid element). No host sync."""
+    return torch.where(valid, x, float("inf")).amin() if x.numel() else x.new_full((), float("inf"))
+
+
+def masked_aminmax(x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """(min, max) over the valid elements of x ([B] or [B,T]); with no valid element
+    (+inf, -inf), the identities. No host sync (locating a valid element by indexing would
+    read it back)."""
+    if x.numel() == 0:  # (filled on the device: new_tensor would copy from the host, and wait)
+        return x.new_full((), float("inf")), x.new_full((), float("-inf"))
+    return masked_min(x, valid), torch.where(valid, x, float("-inf")).amax()

@@ -43,6 +43,7 @@ from moe_rl.objectives.common import (
     aggregation_weights,
     kl_estimate,
     masked_aminmax,
+    masked_min,
     rollout_correction_weights,
     weighted_sum,
 )
@@ -114,7 +115,7 @@ def policy_loss_from_hparams(name: str, batch: PolicyBatch, common: CommonHParam
 
     with torch.no_grad():
         metrics = _metrics(ctx, surrogate, per_sequence, kl_BT, correction)
-    num_tokens, num_sequences = ctx.mask_BT.sum(), (ctx.len_B > 0).sum()
+    num_tokens, num_sequences = ctx.mask_BT.sum(), ctx.num_nonempty
     return LossOutput(-objective, metrics, num_tokens, num_sequences)
 
 
@@ -152,8 +153,7 @@ def _metrics(
 ) -> dict[str, Tensor]:
     """Local metrics: means over this batch's units (valid tokens; or non-empty sequences,
     per-token quantities first averaged within each sequence)."""
-    nonempty_B = ctx.len_B > 0
-    n_seq = nonempty_B.sum()
+    nonempty_B, n_seq = ctx.nonempty_B, ctx.num_nonempty
     seq_w_B = nonempty_B.to(ctx.dtype) / n_seq.clamp(min=1)
     if per_sequence:
         tok_w_BT = (seq_w_B * ctx.inv_len_B).unsqueeze(1) * ctx.mask_f_BT
@@ -166,7 +166,7 @@ def _metrics(
 
     ratio, lr_BT = surrogate.ratio, ctx.log_ratio_BT.detach()
     unit_valid = nonempty_B if ratio.ndim == 1 else ctx.mask_BT
-    ratio_min, ratio_max = masked_aminmax(ratio, unit_valid, nonempty_B)
+    ratio_min, ratio_max = masked_aminmax(ratio, unit_valid)
     metrics = {
         "clip_frac": mean(surrogate.clipped.to(ctx.dtype)),
         "ratio_mean": mean(ratio),
@@ -181,7 +181,7 @@ def _metrics(
     if ctx.router_shift_BT is not None:
         shift_BT = torch.where(ctx.mask_BT, ctx.router_shift_BT, 0.0)
         metrics["router_shift_mean"] = mean(shift_BT)
-        metrics["router_shift_min"] = masked_aminmax(shift_BT, ctx.mask_BT, nonempty_B)[0]
+        metrics["router_shift_min"] = masked_min(shift_BT, ctx.mask_BT)
     if correction is not None:
         weight, kept = correction
         metrics["rollout_weight_mean"] = mean(weight)

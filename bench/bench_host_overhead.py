@@ -1,0 +1,293 @@
+"""Host overhead of the learner, counted on a CPU: aten operations (each a kernel launch on a
+GPU, views aside) and host-device synchronisation points per micro-batch and per step, for
+this project's code and megatron-core's, under each routing setting the trainer runs.
+
+A profile of the H100 learner (gpu_h100_profile.md) found 22.3k kernel launches and 478
+stream synchronisations in two steps: the learner is host-bound. Counting needs no GPU: an
+`OpCounter` (bench/op_counter.py) follows which tensors would live on the device and
+charges every op to the Python frame that made it.
+
+    python -m bench.bench_host_overhead              # full shape -> bench/results/host_overhead.*
+    git archive ff4e69c | tar -x -C /tmp/base        # a baseline commit's tree, then
+    python -m bench.bench_host_overhead --baseline-tree /tmp/base --baseline-label ff4e69c
+    python -m bench.bench_host_overhead --quick      # tiny shape (smoke test)
+
+Shape: Qwen3-30B-A3B's routing (128 experts, top-8) at a CPU-sized width and depth; one
+step is the trainer's off-policy step: the old-logprob pass (`Learner.score`) then one
+update (`Learner.update`) with the trainer's routing plans (`Learner.routing_plan`) and
+loss (`PolicyLossFn`), after one uncounted warm-up step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import RESULTS_DIR, markdown_table, run_module_worker, write_results
+
+NAME = "host_overhead"
+TREE_ENV = "HOST_OVERHEAD_TREE"
+"""Where the worker takes moe_rl from, when counting another tree (the baseline)."""
+SETTINGS = {
+    "plain": ["rl.objective=grpo", "rl.capture_routing=false"],
+    "capture": ["rl.objective=grpo", "rl.capture_routing=true"],  # (the default)
+    "router shift (rspo)": ["rl.objective=rspo"],
+    "R2": ["rl.objective=grpo", "rl.replay=R2"],
+    "R3": ["rl.objective=grpo", "rl.replay=R3"],
+}
+FULL = {"layers": 4, "hidden": 128, "experts": 128, "topk": 8, "ffn": 64, "vocab": 512, "rows": 16, "mbs": 8,
+        "prompt": (16, 32), "response": (16, 48)}
+QUICK = {"layers": 2, "hidden": 64, "experts": 8, "topk": 2, "ffn": 32, "vocab": 128, "rows": 8, "mbs": 4,
+         "prompt": (4, 8), "response": (2, 8)}
+
+
+def model_overrides(shape: dict[str, Any]) -> list[str]:
+    return [f"model.num_layers={shape['layers']}", f"model.hidden_size={shape['hidden']}",
+            "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=32",
+            f"model.num_experts={shape['experts']}", f"model.moe_router_topk={shape['topk']}",
+            f"model.moe_ffn_hidden_size={shape['ffn']}", f"model.vocab_size={shape['vocab']}",
+            "model.max_position_embeddings=128", f"parallel.micro_batch_size={shape['mbs']}"]
+
+
+def step_batch(shape: dict[str, Any], num_layers: int, seed: int = 0) -> Any:
+    """A step's rows with advantages and the sampler's routing (R3 replays it)."""
+    from moe_rl.batch import TokenBatch
+    from moe_rl.routing.record import ReplayIds, ids_dtype
+    from moe_rl.step_batch import StepBatch
+
+    g = torch.Generator().manual_seed(seed)
+    R, V, E, K = shape["rows"], shape["vocab"], shape["experts"], shape["topk"]
+
+    def draw(lo: int, hi: int) -> list[int]:
+        return torch.randint(4, V, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+
+    prompts = [draw(*shape["prompt"]) for _ in range(R)]
+    responses = [draw(*shape["response"]) for _ in range(R)]
+    tokens = TokenBatch.from_lists(prompts, responses, response_width=shape["response"][1])
+    S = tokens.seq_len
+    ids = torch.rand(R, S, num_layers, E, generator=g).argsort(-1)[..., :K].sort(-1).values.to(ids_dtype(E))
+    valid = torch.arange(S)[None, :] < (tokens.total_lens_B - 1)[:, None]  # vLLM never routes the last token
+    sampler = ReplayIds(torch.arange(R), ids, valid)
+    return StepBatch.whole(tokens, adv_B=torch.randn(R, generator=g), sampler_routing=sampler)
+
+
+def run_step(learner: Any, cfg: Any, batch: Any, counted: bool) -> dict[str, Any]:
+    """The trainer's off-policy step: score (old logprobs, routing record), then one update."""
+    from bench.op_counter import OpCounter
+    from moe_rl.update import PolicyLossFn
+
+    out: dict[str, Any] = {}
+    rl = cfg.rl
+    plan = learner.routing_plan(rl.replay, batch, capture=rl.records_routing)
+    with OpCounter(learner) if counted else _Null() as c:
+        score = learner.score(batch, plan, cfg.sampler.temperature)
+    out["score"] = summarize(c)
+    scored = batch.scored(score.logp_BT, score.record)
+    plan = learner.routing_plan(rl.replay, scored, capture=rl.records_routing)
+    loss_fn = PolicyLossFn(cfg)
+    with OpCounter(learner) if counted else _Null() as c:
+        learner.update(scored, loss_fn, plan, cfg.sampler.temperature)
+    out["update"] = summarize(c)
+    return out
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def summarize(c: Any) -> dict[str, Any]:
+    if c is None:
+        return {}
+    return {"microbatches": c.microbatches,
+            "counts": {"|".join(k): v for k, v in sorted(c.counts.items())},
+            "syncs": [{"region": r, "who": who, "where": w, "what": what, "count": n}
+                      for (r, who, w, what), n in sorted(c.syncs.items())],
+            "mixed": [f"{op} at {w}: {n}" for (op, w), n in sorted(c.mixed.items())],
+            "project_lines": {f"{r}|{k}|{w}": n for (r, k, w), n in c.lines.most_common()}}
+
+
+def measure(shape: dict[str, Any], settings: dict[str, list[str]] = SETTINGS, warmup: bool = True) -> dict[str, Any]:
+    """Counts of one step per setting (run inside a learner process group), after an
+    uncounted step (`warmup`: the optimizer's states and megatron's caches exist by then)."""
+    from moe_rl.config import load_config
+    from moe_rl.learner import Learner, parallel_layout
+
+    base = model_overrides(shape)
+    results: dict[str, Any] = {}
+    with parallel_layout(load_config(None, base).parallel, seed=0) as layout:
+        torch.manual_seed(0)
+        learner = Learner(load_config(None, base), layout, total_updates=100)
+        batch = step_batch(shape, len(learner.taps.layers))
+        for name, overrides in settings.items():
+            cfg = load_config(None, base + overrides)
+            if warmup:
+                run_step(learner, cfg, batch, counted=False)
+            results[name] = run_step(learner, cfg, batch, counted=True)
+    return results
+
+
+# ---------------------------------------------------------------------- reading the counts
+
+def total(summary: dict[str, Any], kind: str, *, region: str | None = None, owner: str | None = None,
+          area: str | None = None, gpu_path: bool = True) -> int:
+    """Sum of the counts of one kind; `gpu_path`: without the CPU-only project areas."""
+    from bench.op_counter import CPU_ONLY_AREAS
+
+    n = 0
+    for key, v in summary["counts"].items():
+        r, o, a, k = key.split("|")
+        if k != kind or (region and r != region) or (owner and o != owner) or (area and a != area):
+            continue
+        if gpu_path and a in CPU_ONLY_AREAS:
+            continue
+        n += v
+    return n
+
+
+def per_mb(summary: dict[str, Any], kind: str, owner: str, area: str | None = None) -> float:
+    return total(summary, kind, region="mb", owner=owner, area=area) / max(summary["microbatches"], 1)
+
+
+def headline(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per setting: the update's per-micro-batch counts and the step's syncs."""
+    out = {}
+    for name, r in results.items():
+        u, s = r["update"], r["score"]
+        out[name] = {
+            "project_ops_mb": per_mb(u, "op", "project"), "project_launches_mb": per_mb(u, "launch", "project"),
+            "project_syncs_mb": per_mb(u, "sync", "project"), "megatron_ops_mb": per_mb(u, "op", "megatron"),
+            "megatron_syncs_mb": per_mb(u, "sync", "megatron"),
+            "score_project_ops_mb": per_mb(s, "op", "project"), "score_project_syncs_mb": per_mb(s, "sync", "project"),
+            "step_syncs_project": total(s, "sync", owner="project") + total(u, "sync", owner="project"),
+            "step_syncs_megatron": total(s, "sync", owner="megatron") + total(u, "sync", owner="megatron"),
+            "step_syncs_all": total(s, "sync") + total(u, "sync"),
+        }
+    return out
+
+
+def _pair(base: dict[str, Any] | None, now: dict[str, Any], key: str) -> str:
+    v = now[key]
+    text = f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
+    if base is None:
+        return text
+    b = base[key]
+    return f"{b:.0f} -> {text}" if float(b).is_integer() else f"{b:.1f} -> {text}"
+
+
+def report(current: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    from bench.op_counter import AREAS
+
+    now = headline(current["results"])
+    base = headline(baseline["results"]) if baseline else None
+    keys = [("project_ops_mb", "project ops / mb"), ("project_launches_mb", "project launches / mb"),
+            ("project_syncs_mb", "project syncs / mb"), ("megatron_ops_mb", "megatron ops / mb"),
+            ("megatron_syncs_mb", "megatron syncs / mb"), ("score_project_ops_mb", "score: project ops / mb"),
+            ("score_project_syncs_mb", "score: project syncs / mb"), ("step_syncs_project", "step syncs: project"),
+            ("step_syncs_megatron", "step syncs: megatron"), ("step_syncs_all", "step syncs: all")]
+    rows = [[label] + [_pair(base and base.get(s), now[s], k) for s in now] for k, label in keys]
+    head = f"Update micro-batch (forward, loss, backward) unless marked score; {'baseline ' + baseline['commit'] + ' -> ' if baseline else ''}{current['commit']}.\n\n"
+    text = head + markdown_table(["per update micro-batch", *now], rows)
+    areas = [a for a, _ in AREAS] + ["other"]
+    area_rows = [[a] + [_pair(None, {"v": per_mb(r["update"], "op", "project", a)}, "v")
+                        for r in current["results"].values()] for a in areas]
+    text += "\nProject ops per update micro-batch by area (CPU-only areas are not in the totals above):\n\n"
+    text += markdown_table(["area", *now], area_rows)
+    text += "\nSync points (both passes of the step; region mb = inside a micro-batch):\n\n"
+    text += markdown_table(["setting", "region", "who", "where", "what", "count"], sync_rows(current["results"]))
+    return text
+
+
+def sync_rows(results: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for name, r in results.items():
+        merged: dict[tuple, int] = {}
+        for part in ("score", "update"):
+            for s in r[part]["syncs"]:
+                key = (s["region"], s["who"], s["where"], s["what"])
+                merged[key] = merged.get(key, 0) + s["count"]
+        rows += [[name, *k, n] for k, n in sorted(merged.items())]
+    return rows
+
+
+# ---------------------------------------------------------------------- running
+
+def commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+    learner_code = ["moe_rl/learner", "moe_rl/routing", "moe_rl/objectives", "moe_rl/update.py",
+                    "moe_rl/step_batch.py", "moe_rl/batch.py"]
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *learner_code], cwd=root, capture_output=True,
+                           text=True).stdout.strip()
+    return head.strip() + ("+changes" if dirty else "")
+
+
+def worker(out: str, quick: bool) -> None:
+    tree = os.environ.get(TREE_ENV)
+    if tree:  # (the learner code of another tree, counted by this tree's counter)
+        sys.path.insert(0, tree)
+    from moe_rl.learner import init_distributed
+
+    init_distributed()
+    torch.set_num_threads(1)
+    results = measure(QUICK if quick else FULL)
+    Path(out).write_text(json.dumps(results))
+
+
+def counted(quick: bool, tree: str | None = None) -> dict[str, Any]:
+    """Every setting's counts, in a fresh one-process torchrun (of `tree`'s moe_rl if given)."""
+    env_before = os.environ.pop(TREE_ENV, None)
+    if tree:
+        os.environ[TREE_ENV] = str(Path(tree).resolve())
+    try:
+        return run_module_worker("bench.bench_host_overhead", *(["--quick"] if quick else []), threads=1)
+    finally:
+        os.environ.pop(TREE_ENV, None)
+        if env_before is not None:
+            os.environ[TREE_ENV] = env_before
+
+
+def main(quick: bool = False, baseline_tree: str | None = None, baseline_label: str = "",
+         results_dir: Path | None = None) -> None:
+    """Count this tree's learner (and, with `baseline_tree`, that tree's as the baseline rows;
+    else the baseline rows already in the results file are kept)."""
+    shape = QUICK if quick else FULL
+    current = {"commit": commit(), "shape": shape, "results": counted(quick)}
+    previous = (results_dir or RESULTS_DIR) / f"{NAME}.json"
+    kept = None
+    if baseline_tree:
+        kept = {"commit": baseline_label or str(baseline_tree), "shape": shape, "results": counted(quick, baseline_tree)}
+    elif previous.exists() and not quick:
+        kept = json.loads(previous.read_text()).get("baseline")
+    notes = ("Counted on a CPU by bench/op_counter.py (no GPU needed): ops are aten operations after "
+             "autograd (views included; 'launches' leave views out), charged to the innermost Python frame "
+             "outside torch (backward ops to the frame of their forward op). A sync is an op that would make "
+             "the host wait for the GPU's queue if its input lived on the device. megatron-core's numbers are "
+             "its CPU path (local layer spec, SequentialMLP over the experts), not Transformer Engine's. "
+             "Baseline rows: the same counter run over the baseline commit's learner (`--baseline-tree`). "
+             "On a GPU, bench/gpu_sync_check.py counts the waits torch's sync debug mode reports inside "
+             "micro-batches (results/gpu_h200_syncs.json: none from the project in any setting on an H200, "
+             "local layer spec; at the baseline commit an update that measures the router shift failed on a "
+             "GPU: the router-shift weights were gathered on the host with a device index).")
+    write_results(NAME, {"current": current, "baseline": kept}, report(current, kept), notes, results_dir)
+
+
+def _arg(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(_arg("--worker"), "--quick" in sys.argv)
+    else:
+        main(quick="--quick" in sys.argv, baseline_tree=_arg("--baseline-tree"),
+             baseline_label=_arg("--baseline-label") or "")

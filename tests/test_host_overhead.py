@@ -1,0 +1,82 @@
+"""The learner's host overhead, counted on a CPU (bench/bench_host_overhead.py,
+bench/op_counter.py): inside a micro-batch this project's code makes no operation that would
+make a GPU's host wait for its queue (an item, a nonzero, a mask selection, a copy to the
+host), under every routing setting the trainer runs (plain, capture, router shift, R2, R3);
+what a pass reads back it reads once the pass is over; and the benchmark runs end to end at
+its quick shape. (The packed attention that Transformer Engine's THD attention replaces on a
+GPU is left out: a GPU does not run it.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # (the benchmarks are not an installed package)
+    sys.path.insert(0, str(ROOT))
+
+from bench import bench_host_overhead as bench  # noqa: E402
+from bench.op_counter import CPU_ONLY_AREAS, OpCounter  # noqa: E402
+
+PASS_READS = 8
+"""At most this many reads of the device per pass by the project (logprobs and metrics, the
+routing record, statistics and replay counters): a few per step, whatever its size."""
+
+
+@pytest.fixture(scope="module")
+def counts(megatron_world):
+    return bench.measure(bench.QUICK, warmup=False)
+
+
+@pytest.mark.parametrize("setting", list(bench.SETTINGS))
+def test_the_project_never_waits_for_the_device_inside_a_micro_batch(counts, setting):
+    for part in ("score", "update"):
+        summary = counts[setting][part]
+        assert summary["microbatches"] == 2
+        waits = [s for s in summary["syncs"] if s["region"] == "mb" and s["who"].startswith("project/")
+                 and s["who"].removeprefix("project/") not in CPU_ONLY_AREAS]
+        assert waits == [], f"{setting} {part}: {waits}"
+        # (the count saw the micro-batches' work, and sees waits: megatron's CPU path has some)
+        assert bench.total(summary, "launch", region="mb", owner="project") > 0
+        assert bench.total(summary, "sync", region="mb", owner="megatron") > 0
+        assert bench.total(summary, "sync", region="step", owner="project") <= PASS_READS
+
+
+def test_routing_work_is_spent_only_where_a_setting_asks_for_it(counts):
+    taps = {name: bench.per_mb(r["update"], "launch", "project", "routing taps") for name, r in counts.items()}
+    assert taps["plain"] == 0  # (no capture, no replay, no padding: megatron routes alone)
+    assert min(taps["capture"], taps["R2"], taps["R3"]) > 0
+    checks = {name: bench.per_mb(r["update"], "launch", "project", "replay checks") for name, r in counts.items()}
+    assert checks["capture"] == checks["router shift (rspo)"] == 0 < checks["R2"]
+
+
+def test_the_counter_tells_device_reads_from_host_reads():
+    class Owner:
+        model = torch.nn.Linear(3, 3)
+        optimizer = None
+
+    with OpCounter(Owner()) as c:
+        w = Owner.model.weight
+        assert w.device == torch.device("cpu", 0)  # (what a device tensor reports while counting)
+        float(w.sum())  # a device value read back: a wait
+        host = torch.ones(3)
+        float(host.sum())  # a host value: no wait
+        moved = host.to(w.device, non_blocking=True)  # host to device: a copy, not a wait
+        host.to(w.device)  # ... unless blocking: torch waits for the copy, so for the queue before it
+        moved.cpu()  # device to host, blocking: a wait
+        moved.to("cpu", non_blocking=True)  # into pinned memory on a GPU: no wait
+        (moved > 0).nonzero()  # a data-dependent shape: a wait
+    kinds = {k[3]: v for k, v in c.counts.items() if k[3] in ("sync", "h2d", "d2h_async")}
+    assert kinds == {"sync": 4, "h2d": 2, "d2h_async": 1}, c.syncs
+
+
+def test_the_quick_benchmark_writes_its_tables(tmp_path):
+    bench.main(quick=True, results_dir=tmp_path)  # (its own process, as `python -m bench.bench_host_overhead --quick`)
+    data = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert set(data["current"]["results"]) == set(bench.SETTINGS) and data["baseline"] is None
+    table = (tmp_path / "host_overhead.md").read_text()
+    assert "| project syncs / mb | 0 | 0 | 0 | 0 | 0 |" in table
