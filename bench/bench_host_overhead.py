@@ -11,6 +11,7 @@ charges every op to the Python frame that made it.
     git archive ff4e69c | tar -x -C /tmp/base        # a baseline commit's tree, then
     python -m bench.bench_host_overhead --baseline-tree /tmp/base --baseline-label ff4e69c
     python -m bench.bench_host_overhead --quick      # tiny shape (smoke test)
+    python -m bench.bench_host_overhead --report     # the tables again from the results file
 
 Shape: Qwen3-30B-A3B's routing (128 experts, top-8) at a CPU-sized width and depth; one
 step is the trainer's off-policy step: the old-logprob pass (`Learner.score`) then one
@@ -32,6 +33,8 @@ import torch
 from bench.common import RESULTS_DIR, markdown_table, run_module_worker, write_results
 
 NAME = "host_overhead"
+LINES = 40
+"""Source lines kept per pass in the results: where the project's ops in a micro-batch are made."""
 TREE_ENV = "HOST_OVERHEAD_TREE"
 """Where the worker takes moe_rl from, when counting another tree (the baseline)."""
 SETTINGS = {
@@ -113,7 +116,7 @@ def summarize(c: Any) -> dict[str, Any]:
             "syncs": [{"region": r, "who": who, "where": w, "what": what, "count": n}
                       for (r, who, w, what), n in sorted(c.syncs.items())],
             "mixed": [f"{op} at {w}: {n}" for (op, w), n in sorted(c.mixed.items())],
-            "project_lines": {f"{r}|{k}|{w}": n for (r, k, w), n in c.lines.most_common()}}
+            "project_lines": dict([(f"{k}|{w}", n) for (r, k, w), n in c.lines.most_common() if r == "mb"][:LINES])}
 
 
 def measure(shape: dict[str, Any], settings: dict[str, list[str]] = SETTINGS, warmup: bool = True) -> dict[str, Any]:
@@ -155,7 +158,9 @@ def total(summary: dict[str, Any], kind: str, *, region: str | None = None, owne
 
 
 def per_mb(summary: dict[str, Any], kind: str, owner: str, area: str | None = None) -> float:
-    return total(summary, kind, region="mb", owner=owner, area=area) / max(summary["microbatches"], 1)
+    """Per micro-batch (one area's, or the GPU path's: without the CPU-only areas)."""
+    count = total(summary, kind, region="mb", owner=owner, area=area, gpu_path=area is None)
+    return count / max(summary["microbatches"], 1)
 
 
 def headline(results: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -198,8 +203,12 @@ def report(current: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     head = f"Update micro-batch (forward, loss, backward) unless marked score; {'baseline ' + baseline['commit'] + ' -> ' if baseline else ''}{current['commit']}.\n\n"
     text = head + markdown_table(["per update micro-batch", *now], rows)
     areas = [a for a, _ in AREAS] + ["other"]
-    area_rows = [[a] + [_pair(None, {"v": per_mb(r["update"], "op", "project", a)}, "v")
-                        for r in current["results"].values()] for a in areas]
+    def area_ops(results: dict[str, Any] | None, name: str, area: str) -> dict[str, float] | None:
+        return None if results is None else {"v": per_mb(results[name]["update"], "op", "project", area)}
+
+    base_results = baseline["results"] if baseline else None
+    area_rows = [[a] + [_pair(area_ops(base_results, s, a), area_ops(current["results"], s, a), "v") for s in now]
+                 for a in areas]
     text += "\nProject ops per update micro-batch by area (CPU-only areas are not in the totals above):\n\n"
     text += markdown_table(["area", *now], area_rows)
     text += "\nSync points (both passes of the step; region mb = inside a micro-batch):\n\n"
@@ -257,17 +266,19 @@ def counted(quick: bool, tree: str | None = None) -> dict[str, Any]:
 
 
 def main(quick: bool = False, baseline_tree: str | None = None, baseline_label: str = "",
-         results_dir: Path | None = None) -> None:
+         results_dir: Path | None = None, report_only: bool = False) -> None:
     """Count this tree's learner (and, with `baseline_tree`, that tree's as the baseline rows;
-    else the baseline rows already in the results file are kept)."""
+    else the baseline rows already in the results file are kept). `report_only`: rewrite the
+    tables from the results file, counting nothing."""
     shape = QUICK if quick else FULL
-    current = {"commit": commit(), "shape": shape, "results": counted(quick)}
     previous = (results_dir or RESULTS_DIR) / f"{NAME}.json"
-    kept = None
-    if baseline_tree:
-        kept = {"commit": baseline_label or str(baseline_tree), "shape": shape, "results": counted(quick, baseline_tree)}
-    elif previous.exists() and not quick:
-        kept = json.loads(previous.read_text()).get("baseline")
+    saved = json.loads(previous.read_text()) if previous.exists() and not quick else {}
+    if report_only:
+        current, kept = saved["current"], saved.get("baseline")
+    else:
+        current = {"commit": commit(), "shape": shape, "results": counted(quick)}
+        kept = saved.get("baseline") if not baseline_tree else {
+            "commit": baseline_label or str(baseline_tree), "shape": shape, "results": counted(quick, baseline_tree)}
     notes = ("Counted on a CPU by bench/op_counter.py (no GPU needed): ops are aten operations after "
              "autograd (views included; 'launches' leave views out), charged to the innermost Python frame "
              "outside torch (backward ops to the frame of their forward op). A sync is an op that would make "
@@ -290,4 +301,4 @@ if __name__ == "__main__":
         worker(_arg("--worker"), "--quick" in sys.argv)
     else:
         main(quick="--quick" in sys.argv, baseline_tree=_arg("--baseline-tree"),
-             baseline_label=_arg("--baseline-label") or "")
+             baseline_label=_arg("--baseline-label") or "", report_only="--report" in sys.argv)
