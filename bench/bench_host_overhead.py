@@ -83,7 +83,11 @@ def step_batch(shape: dict[str, Any], num_layers: int, seed: int = 0) -> Any:
 def run_step(learner: Any, cfg: Any, batch: Any, counted: bool) -> dict[str, Any]:
     """The trainer's off-policy step: score (old logprobs, routing record), then one update."""
     from bench.op_counter import OpCounter
-    from moe_rl.update import PolicyLossFn
+
+    try:
+        from moe_rl.programs.rl.policy_loss import PolicyLossFn
+    except ImportError:  # (a baseline tree from before round 4's layout)
+        from moe_rl.update import PolicyLossFn
 
     out: dict[str, Any] = {}
     rl = cfg.rl

@@ -75,7 +75,7 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
 def write_results(name: str, data: dict[str, Any], table_md: str, notes: str = "",
                   results_dir: Path | None = None) -> Path:
     """Write <name>.json and <name>.md under bench/results (or `results_dir`), atomically."""
-    from moe_rl.atomic import atomic_write_text
+    from moe_rl.runtime.atomic import atomic_write_text
 
     out = results_dir or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)

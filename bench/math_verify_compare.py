@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from bench.common import RESULTS_DIR, markdown_table  # noqa: E402
 from bench.handwritten_math_verifier import math_reward as handwritten_reward  # noqa: E402
-from moe_rl.atomic import atomic_write_text  # noqa: E402
+from moe_rl.runtime.atomic import atomic_write_text  # noqa: E402
 from moe_rl.tasks.answers import reference_answer  # noqa: E402
 from moe_rl.tasks.rewards import math_verify_score  # noqa: E402
 

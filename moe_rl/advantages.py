@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from moe_rl.config.advantage_kinds import register_advantage_kind
-from moe_rl.registry import Registry, build_hparams
+from moe_rl.runtime.registry import Registry, build_hparams
 
 
 @dataclass(frozen=True)

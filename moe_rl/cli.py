@@ -29,8 +29,8 @@ from typing import NoReturn, TypeVar
 
 from moe_rl.checkpoints.errors import CheckpointError
 from moe_rl.config import Config, ConfigError, describe
-from moe_rl.failures import causes, disk_full
-from moe_rl.failures import describe as describe_error
+from moe_rl.runtime.failures import causes, disk_full
+from moe_rl.runtime.failures import describe as describe_error
 
 T = TypeVar("T")
 USER_ERROR, INTERNAL_ERROR = 2, 1
@@ -112,7 +112,7 @@ def config_error_exit(prog: str, e: ConfigError) -> NoReturn:
 
 
 def add_verbose_flag(ap: argparse.ArgumentParser) -> None:
-    """`--verbose`: show the third-party warnings `moe_rl.noise` hides (MOE_RL_WARNINGS=1)."""
+    """`--verbose`: show the third-party warnings `moe_rl.runtime.noise` hides (MOE_RL_WARNINGS=1)."""
     ap.add_argument("--verbose", action=_ShowWarnings, nargs=0,
                     help="show known-harmless third-party warnings too (also MOE_RL_WARNINGS=1)")
 
@@ -121,7 +121,7 @@ class _ShowWarnings(argparse.Action):
     """Acts as soon as the flag is parsed: warnings of what runs next must not be hidden."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from moe_rl.noise import show_third_party_warnings
+        from moe_rl.runtime.noise import show_third_party_warnings
 
         setattr(namespace, self.dest, True)
         show_third_party_warnings()
@@ -207,9 +207,9 @@ def compile_off_without_gpu() -> None:
 def cpu_environment() -> None:
     """Environment the CPU path needs before torch/megatron/vLLM start (idempotent), and
     silence for the third-party warnings known to be harmless, matched by their exact text
-    (`moe_rl.noise`: every other warning still shows). MOE_RL_WARNINGS=1 or --verbose shows
+    (`moe_rl.runtime.noise`: every other warning still shows). MOE_RL_WARNINGS=1 or --verbose shows
     them all."""
-    from moe_rl.noise import silence_known_noise
+    from moe_rl.runtime.noise import silence_known_noise
 
     compile_off_without_gpu()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

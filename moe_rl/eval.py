@@ -66,8 +66,8 @@ def eval_recipe(args: argparse.Namespace) -> Any:
 
 
 def evaluate_checkpoint(args: argparse.Namespace) -> dict:
-    from moe_rl.atomic import atomic_write_text
     from moe_rl.rollout import RolloutCollector
+    from moe_rl.runtime.atomic import atomic_write_text
 
     check_inputs(args)
     cfg = eval_recipe(args)

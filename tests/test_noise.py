@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from moe_rl import noise
+from moe_rl.runtime import noise
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from moe_rl.objectives import (
     policy_loss,
     register_objective,
 )
-from moe_rl.registry import UnknownNameError
+from moe_rl.runtime.registry import UnknownNameError
 
 NAMES = list(OBJECTIVES)
 SEQ_LEVEL = [n for n in NAMES if OBJECTIVES[n].level == "sequence"]

@@ -63,7 +63,7 @@ def test_every_minibatch_gets_a_row(rows, dp, k):
     critic's, naming the key and the bound (the trainer would silently run fewer updates than
     the schedule and the planner count)."""
     from moe_rl.config import validate_minibatches
-    from moe_rl.update import minibatch_rows
+    from moe_rl.programs.rl.policy_loss import minibatch_rows
 
     assert len(minibatch_rows(rows, k, dp, seed=0)) == k
     assert len(minibatch_rows(rows, k + 1, dp, seed=0)) < k + 1
@@ -86,7 +86,7 @@ def test_every_step_and_pass_has_its_own_shuffle(max_epochs):
     """No two (step, pass) of a run share a shuffle seed, however many passes (step * 31 +
     pass collided at 31 passes: step 1's 32nd with step 2's first); below 31 passes the seeds
     are the ones every recorded run used."""
-    from moe_rl.update import shuffle_seed
+    from moe_rl.programs.rl.policy_loss import shuffle_seed
 
     seeds = [shuffle_seed(1234, step, epoch, max_epochs) for step in range(1, 201) for epoch in range(max_epochs)]
     assert len(set(seeds)) == len(seeds)

@@ -24,7 +24,7 @@ MAX_FUNCTION_LINES = 80
 ENGINE_FREE = ["moe_rl.objectives", "moe_rl.advantages", "moe_rl.routing", "moe_rl.diagnostics.metrics",
                "moe_rl.diagnostics.report"]
 TRAINER_RUNNERS = {"moe_rl.train", "moe_rl.demo"}  # the CLIs whose job is to run the RL program
-LEAF_UTILITIES = {"moe_rl.atomic", "moe_rl.registry"}  # import nothing of moe_rl themselves
+LEAF_UTILITIES = {"moe_rl.runtime.atomic", "moe_rl.runtime.registry"}  # import nothing of moe_rl themselves
 
 
 def module_name(path: Path) -> str:

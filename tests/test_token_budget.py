@@ -61,8 +61,8 @@ def learner(megatron_world):
 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
 def test_loss_and_gradient_do_not_depend_on_the_split(learner, objective):
+    from moe_rl.programs.rl.policy_loss import PolicyLossFn
     from moe_rl.step_batch import StepBatch
-    from moe_rl.update import PolicyLossFn
 
     cfg = load_config(None, [f"rl.objective={objective}", "rl.rollout_correction=tis", "rl.kl_coef=0.05"])
     tokens, adv_B = fixed_batch()

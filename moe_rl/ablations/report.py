@@ -18,7 +18,7 @@ from typing import Any
 from moe_rl.ablations import stats
 from moe_rl.ablations.runner import MARKER, RECIPE, SFT_RECIPE
 from moe_rl.ablations.settings import REFERENCE, settings
-from moe_rl.atomic import atomic_write_text
+from moe_rl.runtime.atomic import atomic_write_text
 
 TARGET_FLIP = 0.10
 TARGET_DISAGREE = 0.05

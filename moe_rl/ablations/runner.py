@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl.ablations.settings import settings
-from moe_rl.atomic import atomic_write_text
+from moe_rl.runtime.atomic import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "ablations.yaml"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from moe_rl.ablations import stats
 from moe_rl.ablations.runner import MARKER, Run, ensure_base, run_all
-from moe_rl.atomic import atomic_write_text
+from moe_rl.runtime.atomic import atomic_write_text
 
 SETTING = "grpo-off"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_rl.registry import Registry
+from moe_rl.runtime.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,13 @@ from typing import Any
 
 import yaml
 
-from moe_rl.atomic import atomic_write_text
 from moe_rl.config.coerce import MOVED_KEYS, MOVED_WITH_VALUE, build_section, to_plain
 from moe_rl.config.errors import ConfigError
 from moe_rl.config.sections import Config
 from moe_rl.config.shipped import resolve_shipped_paths
 from moe_rl.config.validate import validate
 from moe_rl.config.yaml_text import yaml_load, yaml_value
+from moe_rl.runtime.atomic import atomic_write_text
 
 __all__ = ["apply_overrides", "build_config", "config_from_dict", "load_config", "load_recipe", "load_saved_config",
            "parse_overrides",

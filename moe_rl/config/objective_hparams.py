@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moe_rl.registry import Registry
+from moe_rl.runtime.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ checkpoint is `moe_rl.learner.hf_import.hf_to_megatron` (both need megatron, so 
 in the learner package); `tools/convert_checkpoint.py` is the CLI over both directions.
 """
 
-from moe_rl.atomic import atomic_output_dir
 from moe_rl.convert.dcp import DcpCheckpoint
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors, megatron_tensors
 from moe_rl.convert.hf_export import DEFAULT_SHARD_BYTES, megatron_to_hf
@@ -27,6 +26,7 @@ from moe_rl.convert.layouts import (
 )
 from moe_rl.convert.megatron_keys import ConvertError, megatron_specs
 from moe_rl.convert.safetensors_writer import ShardedSafetensorsWriter
+from moe_rl.runtime.atomic import atomic_output_dir
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

@@ -63,7 +63,7 @@ from moe_rl.checkpoints import CONFIG_FILE, META_FILE
 from moe_rl.checkpoints.errors import TRUST_HINT, CheckpointError
 from moe_rl.checkpoints.trust import ensure_verified
 from moe_rl.convert.megatron_keys import ConvertError
-from moe_rl.failures import describe
+from moe_rl.runtime.failures import describe
 
 METADATA_FILE = ".metadata"
 # What a DCP `.metadata` of this package's checkpoints is made of (torch 2.13): the classes

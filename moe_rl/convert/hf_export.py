@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import yaml
 
-from moe_rl.atomic import atomic_output_dir, check_distinct
 from moe_rl.config import Config, ConfigError, ModelConfig, load_saved_config
 from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
 from moe_rl.convert.hf_files import find_hf_source, source_dtype, write_from_source, write_own
@@ -39,6 +38,7 @@ from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, is_model_key, megatron_specs
 from moe_rl.convert.mtp_carry import planned_mtp_tensors, write_mtp_tensors
 from moe_rl.convert.safetensors_writer import PlannedTensor, ShardedSafetensorsWriter
+from moe_rl.runtime.atomic import atomic_output_dir, check_distinct
 
 DEFAULT_SHARD_BYTES = 2 << 30  # 2 GiB
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -3,7 +3,7 @@
     write_report("runs/mm", {"bf16": res_bf16, "fp8": res_fp8}, meta={"checkpoint": ...})
 
 Several settings (a `--sweep`) share one summary table and overlaid plots. The write is
-atomic (`moe_rl.atomic.atomic_output_dir`): everything goes into a temp directory next to
+atomic (`moe_rl.runtime.atomic.atomic_output_dir`): everything goes into a temp directory next to
 `out_dir`, which replaces `out_dir` only once every file exists. On any exception the temp
 directory is removed and an older report at `out_dir` is left exactly as it was; a new
 `out_dir` is never created.
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from moe_rl.atomic import atomic_output_dir
 from moe_rl.diagnostics.buckets import BUCKET_COLUMNS, BucketTable
 from moe_rl.diagnostics.metrics import PREFIX, MismatchResult
+from moe_rl.runtime.atomic import atomic_output_dir
 
 # Rules of thumb for "look at this" (our choice, from the TIS/IcePop defaults: a token
 # whose ratio leaves [0.5, 2] is one the correction would cap or drop). Used for the

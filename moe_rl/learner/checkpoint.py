@@ -44,7 +44,6 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moe_rl.atomic import atomic_write_text
 from moe_rl.checkpoints import MANIFEST_FILE, META_FILE
 from moe_rl.checkpoints.chaos import kill_point
 from moe_rl.checkpoints.directories import is_checkpoint, latest_checkpoint, read_meta
@@ -58,11 +57,12 @@ from moe_rl.checkpoints.manifest import (
 )
 from moe_rl.checkpoints.temps import remove_temps, rename_into_place
 from moe_rl.checkpoints.trust import VERIFIED
-from moe_rl.collectives import all_gather_object, broadcast_object
 from moe_rl.config import save_config
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
-from moe_rl.failures import describe, disk_full
 from moe_rl.learner.optimizer import schedule_kept_note
+from moe_rl.runtime.atomic import atomic_write_text
+from moe_rl.runtime.collectives import all_gather_object, broadcast_object
+from moe_rl.runtime.failures import describe, disk_full
 
 log = logging.getLogger(__name__)
 

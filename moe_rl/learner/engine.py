@@ -40,7 +40,6 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moe_rl.batch import TokenBatch
-from moe_rl.collectives import all_gather_object
 from moe_rl.config import Config
 from moe_rl.learner.microbatch import (
     BatchTotals,
@@ -64,6 +63,7 @@ from moe_rl.learner.reduce import reduce_metrics
 from moe_rl.learner.routing import RouterTaps, RoutingPlan
 from moe_rl.learner.routing_compare import sampler_disagreement
 from moe_rl.routing.record import ReplayIds, RoutingRecord, row_positions
+from moe_rl.runtime.collectives import all_gather_object
 from moe_rl.step_batch import StepBatch, dp_rows
 
 log = logging.getLogger(__name__)

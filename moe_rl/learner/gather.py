@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-from moe_rl.collectives import all_gather_object
 from moe_rl.learner.parallel import comm_device
+from moe_rl.runtime.collectives import all_gather_object
 
 
 @dataclass(frozen=True)

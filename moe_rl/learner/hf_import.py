@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-from moe_rl.atomic import check_distinct
 from moe_rl.config import Config, ModelConfig, validate
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
 from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shape, megatron_specs
 from moe_rl.learner.gather import flatten_sharded, own_storages, piece_index
+from moe_rl.runtime.atomic import check_distinct
 
 
 @torch.no_grad()

@@ -28,9 +28,9 @@ from megatron.core import parallel_state as ps
 from megatron.core import rerun_state_machine as rerun
 from megatron.core import tensor_parallel
 
-from moe_rl import worlds as moe_worlds
 from moe_rl.config import ConfigError, ParallelConfig
 from moe_rl.learner import cpu_shims
+from moe_rl.runtime import worlds as moe_worlds
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, engine_ran
 
     `engine_ranks` > 0 (separate placement): the last `engine_ranks` ranks host rollout
     engines only. Every rank then joins the bridge world of all ranks
-    (`moe_rl.worlds.BRIDGE_WORLD`), and the learner ranks' default world, megatron's, holds
+    (`moe_rl.runtime.worlds.BRIDGE_WORLD`), and the learner ranks' default world, megatron's, holds
     only them; an engine-only rank has no default world."""
     cpu_shims.apply()
     if dist.is_initialized() or moe_worlds.BRIDGE_WORLD.initialized:

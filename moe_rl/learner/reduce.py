@@ -1,5 +1,5 @@
 """Per-micro-batch metrics of a pass combined on the last pipeline stage, then across
-data-parallel ranks, each by the reduction its name asks for (`moe_rl.metrics.reduction`)."""
+data-parallel ranks, each by the reduction its name asks for (`moe_rl.runtime.metrics.reduction`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from moe_rl.learner.parallel import Layout, all_reduce_
-from moe_rl.metrics import reduction
+from moe_rl.runtime.metrics import reduction
 
 
 def _on_host(store: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -46,7 +46,6 @@ from megatron.core.transformer.moe.moe_utils import group_limited_topk
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from moe_rl.collectives import all_gather_object
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
 from moe_rl.learner.parallel import all_reduce_, comm_device, wait_for_device
 from moe_rl.learner.routing_checks import (
@@ -67,6 +66,7 @@ from moe_rl.learner.routing_tokens import (
 from moe_rl.routing.record import ReplayIds, RoutingRecord, ids_dtype
 from moe_rl.routing.shift import router_shift_from_partial
 from moe_rl.routing.stats import gamma_stats
+from moe_rl.runtime.collectives import all_gather_object
 
 __all__ = ["ReplayError", "RouterTaps", "RoutingPlan"]
 

@@ -29,8 +29,8 @@ from types import FrameType, TracebackType
 
 import torch.distributed as dist
 
-from moe_rl.collectives import all_gather_object
-from moe_rl.worlds import bridge
+from moe_rl.runtime.collectives import all_gather_object
+from moe_rl.runtime.worlds import bridge
 
 log = logging.getLogger("moe_rl.loop.interrupt")
 

@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from moe_rl.atomic import atomic_write_text
 from moe_rl.checkpoints import CONFIG_FILE
 from moe_rl.checkpoints.directories import (
     is_checkpoint,
@@ -52,6 +51,7 @@ from moe_rl.checkpoints.directories import (
 from moe_rl.checkpoints.errors import TRUST_HINT, CheckpointError
 from moe_rl.checkpoints.temps import remove_file_temps, remove_temps
 from moe_rl.config import Config, ConfigError, load_saved_config, save_config, to_dict
+from moe_rl.runtime.atomic import atomic_write_text
 
 log = logging.getLogger("moe_rl.loop")
 

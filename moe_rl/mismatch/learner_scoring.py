@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from moe_rl.batch import TokenBatch
-from moe_rl.collectives import all_gather_object
 from moe_rl.config import config_from_dict, to_dict
 from moe_rl.mismatch.settings import MeasureError, ScoringLayout
 from moe_rl.mismatch.sources import Checkpoint
+from moe_rl.runtime.collectives import all_gather_object
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from moe_rl.objectives.common import (
     compute_dtype,
     masked_log_ratio,
 )
-from moe_rl.registry import Registry, build_hparams
+from moe_rl.runtime.registry import Registry, build_hparams
 
 
 def require(ok: bool, message: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moe_rl.metrics import reduction
+from moe_rl.runtime.metrics import reduction
 
 
 @dataclass

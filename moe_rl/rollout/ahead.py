@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_rl.atomic import atomic_write_text
 from moe_rl.rollout.types import GroupSummary, Sampled, ScoredGroup
+from moe_rl.runtime.atomic import atomic_write_text
 
 KEEP = 3
 """Files per engine kept (the newest); older ones are deleted as new ones are written."""

@@ -34,11 +34,11 @@ from moe_rl.rollout.packing import pack_rows, plan_step, staleness_stats
 from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.rollout.types import GroupSummary, Rollout, RowSample, Sampled, ScoredGroup
+from moe_rl.runtime.timing import StepTimer
 from moe_rl.sampler import Sampler
 from moe_rl.sampler.base import base_seeds
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem
-from moe_rl.timing import StepTimer
 from moe_rl.tokenization import PromptEncoder, load_tokenizer
 
 log = logging.getLogger("moe_rl.rollout")

@@ -10,7 +10,7 @@ that way and host engines only; the ranks before them train and host none.
 Engine e samples a contiguous block of the step's prompts (whole groups of G responses stay
 on one engine); the groups' summaries are gathered to every rank, and each training row is
 sent (`exchange`, an all-to-all) only to the ranks that train on it. At world 1 this is
-one engine sampling everything. Everything here runs in the world of all ranks (`moe_rl.worlds.bridge`).
+one engine sampling everything. Everything here runs in the world of all ranks (`moe_rl.runtime.worlds.bridge`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moe_rl.collectives import all_gather_object, broadcast_object, exchange_objects
-from moe_rl.worlds import bridge
+from moe_rl.runtime.collectives import all_gather_object, broadcast_object, exchange_objects
+from moe_rl.runtime.worlds import bridge
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ and deadlock (the other ranks are not constructing a sampler). On shutdown it ca
 `destroy_process_group()`, which tears down *every* group of the process, megatron's
 included.
 
-`moe_rl.worlds.SeparateWorlds` keeps two snapshots of c10d's global registry (default group, group
+`moe_rl.runtime.worlds.SeparateWorlds` keeps two snapshots of c10d's global registry (default group, group
 maps, naming counter) and swaps them in and out around every call into vLLM, so vLLM only
 ever sees (and creates, and destroys) its own single-rank world, and the trainer only
 ever sees its own. The swap is a handful of attribute assignments; there are no
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from moe_rl.worlds import SeparateWorlds
+from moe_rl.runtime.worlds import SeparateWorlds
 
 ENGINE_WORLD = SeparateWorlds()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from moe_rl.registry import Registry
+from moe_rl.runtime.registry import Registry
 from moe_rl.tasks.base import Problem, Task, sft_examples
 from moe_rl.tasks.dataset import DatasetTask
 from moe_rl.tasks.synthetic import AddTask, ReverseTask, SortTask

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import sentencepiece as spm
 
-from moe_rl.atomic import atomic_write_text
+from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.tasks.base import sft_examples
 from moe_rl.tasks.synthetic import AddTask, ReverseTask, SortTask
 

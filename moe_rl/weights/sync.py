@@ -50,8 +50,8 @@ import torch.distributed as dist
 
 from moe_rl.config import Config
 from moe_rl.rollout.placement import EnginePlacement
+from moe_rl.runtime.worlds import bridge
 from moe_rl.sampler import Sampler
-from moe_rl.worlds import bridge
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

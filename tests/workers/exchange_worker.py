@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moe_rl.collectives import all_gather_object, exchange_objects
+from moe_rl.runtime.collectives import all_gather_object, exchange_objects
 from moe_rl.step_batch import dp_rows
 
 dist.init_process_group("gloo")

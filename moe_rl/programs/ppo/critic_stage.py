@@ -32,7 +32,6 @@ import torch
 
 from moe_rl.config import Config
 from moe_rl.config.critic import critic_minibatches
-from moe_rl.metrics import combine
 from moe_rl.programs.ppo.gae import (
     adaptive_kl_coef,
     clipped_value_loss,
@@ -43,6 +42,7 @@ from moe_rl.programs.ppo.gae import (
 )
 from moe_rl.programs.rl.component import StepComponent
 from moe_rl.rollout.types import SCORE
+from moe_rl.runtime.metrics import combine
 from moe_rl.step_batch import StepBatch
 
 if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)

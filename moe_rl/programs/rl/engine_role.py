@@ -15,7 +15,7 @@ from pathlib import Path
 from moe_rl.config import Config
 from moe_rl.loop import Program
 from moe_rl.rollout import RolloutCollector, Sampled
-from moe_rl.timing import StepTimer
+from moe_rl.runtime.timing import StepTimer
 
 
 class EngineRole(Program):

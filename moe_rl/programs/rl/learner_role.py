@@ -8,7 +8,7 @@ One step, on every training rank (docs/step.md):
      replaying the sampler's); a reference model scores them when `kl_coef > 0`; the step
      components (`component.StepComponent`: PPO's critic) give their advantages;
   3. update: `epochs x num_minibatches` optimizer steps with the objective's loss
-     (`moe_rl.update`), under the learner's routing plan (router shift, R2/R3 replay), then
+     (`moe_rl.programs.rl.policy_loss`), under the learner's routing plan (router shift, R2/R3 replay), then
      each step component's (PPO's critic) on the same mini-batches;
   4. sync: `collector.weight_sync` pushes the weights to the engines, whatever the placement.
 The run loop (`moe_rl.loop`) does the rest: evaluation, logging, checkpoints, signals.
@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from moe_rl.atomic import atomic_write_text
 from moe_rl.checkpoints.directories import step_dir_name
 from moe_rl.config import Config
 from moe_rl.config.critic import critic_warmup_steps
@@ -35,7 +34,8 @@ from moe_rl.programs.rl.component import StepComponent, models_of
 from moe_rl.programs.rl.step_metrics import mismatch_metrics
 from moe_rl.programs.rl.update_phase import UpdatePhase
 from moe_rl.rollout import Rollout, RolloutCollector
-from moe_rl.timing import StepTimer
+from moe_rl.runtime.atomic import atomic_write_text
+from moe_rl.runtime.timing import StepTimer
 
 log = logging.getLogger("moe_rl.trainer")
 

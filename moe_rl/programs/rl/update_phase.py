@@ -4,7 +4,7 @@ the step's rows, then each step component's (PPO's critic) on the same mini-batc
     phase = UpdatePhase(cfg, learner, components, dp, rank)
     metrics, batch = phase.run(step, batch)
 
-Each rank updates on its own rows of every mini-batch (`moe_rl.update.minibatch_rows`). An
+Each rank updates on its own rows of every mini-batch (`moe_rl.programs.rl.policy_loss.minibatch_rows`). An
 unscored batch (the on-policy shortcut: one update, no replay) takes its old logprobs and
 routing record from the update's own forward.
 """
@@ -15,9 +15,9 @@ import logging
 from typing import Any
 
 from moe_rl.config import Config
-from moe_rl.metrics import combine
+from moe_rl.programs.rl.policy_loss import PolicyLossFn, minibatch_rows, shuffle_seed
+from moe_rl.runtime.metrics import combine
 from moe_rl.step_batch import StepBatch
-from moe_rl.update import PolicyLossFn, minibatch_rows, shuffle_seed
 
 log = logging.getLogger("moe_rl.trainer")
 
