@@ -190,7 +190,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         bias_activation_fusion=not on_cpu,
         bias_dropout_fusion=not on_cpu,
         apply_rope_fusion=False,
-        masked_softmax_fusion=not on_cpu,
+        # (the local spec's fused masked softmax needs apex's kernels: a GPU without them failed
+        # there, H200 2026-11-27; TE's attention does not use it)
+        masked_softmax_fusion=spec == "te",
         gradient_accumulation_fusion=False,
         # packed micro-batches differ in length: pipeline stages exchange shapes first
         variable_seq_lengths=parallel.packing,
