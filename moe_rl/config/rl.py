@@ -190,11 +190,11 @@ class RLConfig:
     def scores_in_update(self) -> bool:
         """The on-policy shortcut applies: one update per rollout, no routing replay, and no
         KL in a critic's reward (that needs the old logprobs before the update)."""
+        return (self.on_policy_shortcut and self.epochs * self.num_minibatches == 1 and self.replay == "none"
+                and not self.kl_in_reward)
 
     @property
     def uses_critic(self) -> bool:
         """The advantage estimator needs a learned critic (the registry says so: PPO's GAE);
         False for a name nobody registered (the preflight refuses it)."""
         return self.advantage in ADVANTAGE_KINDS and ADVANTAGE_KINDS[self.advantage].needs_critic
-        return (self.on_policy_shortcut and self.epochs * self.num_minibatches == 1 and self.replay == "none"
-                and not self.kl_in_reward)
