@@ -196,6 +196,17 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def run_main(prog: str, doc: str, argv: list[str] | None, body: Callable[[Config], object], *,
+             sft: bool = False, check: Callable[[Config, int], str] | None = None) -> NoReturn:
+    """A program entry point's whole `main`: the CPU environment, the recipe (`parse`, with
+    `--check`), logging for this rank, then `body(cfg)` under `run_guarded` (one line and
+    exit status 2 for the user's errors); exits with its status (0 when it returns)."""
+    cpu_environment()
+    args, cfg = parse(argv, prog, doc, sft=sft, check=check)
+    setup_logging(int(os.environ.get("RANK", "0")))
+    sys.exit(run_guarded(prog, lambda: (body(cfg), 0)[1], debug=args.debug))
+
+
 def compile_off_without_gpu() -> None:
     """torch.compile off where there is no NVIDIA GPU (slow to start, nothing to gain on the
     CPU path); left alone on a GPU machine, where vLLM compiles its model and 0.26 refuses to

@@ -18,10 +18,7 @@ traceback. `--check [--nproc N]` only checks the recipe and its inputs and print
 
 from __future__ import annotations
 
-import os
-import sys
-
-from moe_rl.cli import cpu_environment, parse, run_guarded, setup_logging
+from moe_rl.cli import run_main
 from moe_rl.config import Config
 
 PROG = "python -m moe_rl.reward_model"
@@ -30,10 +27,7 @@ PROG = "python -m moe_rl.reward_model"
 def main(argv: list[str] | None = None) -> None:
     from moe_rl.programs.preference.preflight import check_reward_model_recipe
 
-    cpu_environment()
-    args, cfg = parse(argv, PROG, __doc__, check=check_reward_model_recipe)
-    setup_logging(int(os.environ.get("RANK", "0")))
-    sys.exit(run_guarded(PROG, lambda: run(cfg), debug=args.debug))
+    run_main(PROG, __doc__, argv, run, check=check_reward_model_recipe)
 
 
 def run(cfg: Config) -> int:

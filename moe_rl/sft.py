@@ -16,11 +16,9 @@ checks the recipe and its inputs for N ranks and prints one line.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
-from moe_rl.cli import cpu_environment, parse, run_guarded, setup_logging
+from moe_rl.cli import run_main
 from moe_rl.config import Config
 
 PROG = "python -m moe_rl.sft"
@@ -35,15 +33,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cpu_environment()
-    args, cfg = parse(argv, PROG, __doc__, sft=True)
-    setup_logging(int(os.environ.get("RANK", "0")))
-    sys.exit(run_guarded(PROG, lambda: _run_cli(cfg), debug=args.debug))
-
-
-def _run_cli(cfg: Config) -> int:
-    run(cfg)
-    return 0
+    run_main(PROG, __doc__, argv, run, sft=True)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,15 @@ exit status 2; `--debug` shows the traceback; `--verbose` shows third-party warn
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Any
 
-from moe_rl.cli import cpu_environment, parse, run_guarded, setup_logging
+from moe_rl.cli import run_main
 
 PROG = "python -m moe_rl.train"
 
 
 def _train(cfg: Any) -> int:
+    """The whole run on this rank; rank 0 prints the summary."""
     from moe_rl.programs.rl import train
 
     summary = train(cfg)  # (its every input check runs once, before anything is built)
@@ -36,10 +35,7 @@ def _train(cfg: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cpu_environment()
-    args, cfg = parse(argv, PROG, __doc__)
-    setup_logging(int(os.environ.get("RANK", "0")))
-    sys.exit(run_guarded(PROG, lambda: _train(cfg), debug=args.debug))
+    run_main(PROG, __doc__, argv, _train)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def _main_in_process(module, argv: list[str], env: Env) -> str:
             mp.setenv(key, value)
         try:
             status = module.main(argv)
-        except SystemExit as e:
+        except SystemExit as e:  # argparse's errors, and mains that sys.exit
             status = e.code
     assert not status, f"{module.__name__} {' '.join(argv)}: exit {status}\n{out.getvalue()[-3000:]}\n{err.getvalue()[-3000:]}"
     return out.getvalue()
@@ -177,11 +177,7 @@ def _main_without_work(module, body: str, argv: tuple[str, ...], stand_in) -> No
     the work once the flags are parsed) replaced by `stand_in(args) -> exit status`."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, body, stand_in)
-        try:
-            status = module.main(list(argv))
-        except SystemExit as e:  # argparse's errors, and mains that sys.exit
-            status = e.code
-    assert not status, f"{module.__name__} {' '.join(argv)}: exit {status}"
+        _main_in_process(module, list(argv), ())
 
 
 def _plan_table(argv: tuple[str, ...], env: Env) -> None:

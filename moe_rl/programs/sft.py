@@ -104,6 +104,8 @@ class SFTProgram(Program):
         self.task = make_task(cfg.task)
         self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint or None)
         self._stack = contextlib.ExitStack()
+        self._evaluated: tuple[int, float] | None = None
+        """(step, expected reward) of the latest evaluation."""
 
     def setup(self, resume_from: Path | None) -> int:
         from moe_rl.learner import Learner, load_checkpoint, load_start, parallel_layout
@@ -132,7 +134,8 @@ class SFTProgram(Program):
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:
-        return {"eval/expected_reward": expected_reward(self.learner, self.eval_batch)}
+        self._evaluated = (step, expected_reward(self.learner, self.eval_batch))
+        return {"eval/expected_reward": self._evaluated[1]}
 
     def done(self, step: int, metrics: dict[str, float]) -> bool:
         """sft.target_reward reached at an evaluation (the same number on every rank)."""
@@ -148,7 +151,10 @@ class SFTProgram(Program):
         """Collective: the model alone (no optimizer state) to sft.output."""
         from moe_rl.learner import save_checkpoint
 
-        reward = expected_reward(self.learner, self.eval_batch)
+        if self._evaluated is not None and self._evaluated[0] == last_step:
+            reward = self._evaluated[1]  # (the last step was evaluated: the same weights)
+        else:
+            reward = expected_reward(self.learner, self.eval_batch)
         save_checkpoint(self.learner, sft_output(self.cfg), include_optimizer=False,
                         extra_meta={"sft": {"step": last_step, "expected_reward": reward}})
         if self.rank == 0:
