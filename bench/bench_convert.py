@@ -58,8 +58,8 @@ def _child_make(out: str, overrides: list[str]) -> dict:
     init_distributed()
     cfg = load_config(None, overrides)
     with parallel_layout(cfg.parallel, seed=0) as layout:
-        learner = Learner(cfg, layout, trainable=False)
-        save_checkpoint(learner, out)
+        learner = Learner(cfg.model, cfg.parallel, layout)
+        save_checkpoint(learner, out, config=cfg)
     return {}
 
 

@@ -113,7 +113,7 @@ def run_precision(name: str, overrides: list[str], base: Path, layout: Any, batc
     from moe_rl.learner import Learner, load_checkpoint
 
     cfg = load_config(ROOT / "examples/tiny_rspo.yaml", [*shape_overrides(_LAYERS), *overrides])
-    learner = Learner(cfg, layout, total_updates=iters + 8)
+    learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=iters + 8)
     load_checkpoint(learner, base, load_optimizer=False)
     scored = learner.score_whole(batch)
     own = learner.update(learner.own_rows(batch, {"adv_B": adv_B}), reinforce(batch))
@@ -156,7 +156,8 @@ def run_packing(base: Path, layout: Any, iters: int, quick: bool) -> list[dict[s
                      ("packed, 16384-token budget", ["parallel.packing=true", "parallel.max_tokens_per_microbatch=16384"])):
         cfg = load_config(ROOT / "examples/tiny_rspo.yaml", [*shape_overrides(_LAYERS), "model.max_position_embeddings=8192",
                                                              *ov])
-        step_s = _timed_steps(Learner(cfg, layout, total_updates=iters + 8), base, batch, adv_B, iters)
+        step_s = _timed_steps(Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=iters + 8),
+                              base, batch, adv_B, iters)
         rows.append({"layout": name, "step_s": step_s, "real_tokens": real, "tokens_per_s": real / step_s,
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
         free_gpu()
@@ -190,8 +191,8 @@ def save_base(layout: Any, path: Path, spec: str = "te") -> Any:
     from moe_rl.learner import Learner, save_checkpoint
 
     cfg = load_config(ROOT / "examples/tiny_rspo.yaml", shape_overrides(_LAYERS, spec))
-    learner = Learner(cfg, layout, trainable=False)
-    save_checkpoint(learner, path)
+    learner = Learner(cfg.model, cfg.parallel, layout)
+    save_checkpoint(learner, path, config=cfg)
     return learner
 
 

@@ -133,7 +133,8 @@ def measure(shape: dict[str, Any], settings: dict[str, list[str]] = SETTINGS, wa
     results: dict[str, Any] = {}
     with parallel_layout(load_config(None, base).parallel, seed=0) as layout:
         torch.manual_seed(0)
-        learner = Learner(load_config(None, base), layout, total_updates=100)
+        cfg0 = load_config(None, base)
+        learner = Learner(cfg0.model, cfg0.parallel, layout, optimizer=cfg0.optimizer, total_updates=100)
         batch = step_batch(shape, len(learner.taps.layers))
         for name, overrides in settings.items():
             cfg = load_config(None, base + overrides)

@@ -59,7 +59,7 @@ def worker(out: str, sequences: int, iters: int) -> None:
         learners = {}
         for name, cfg in cfgs.items():
             torch.manual_seed(1)
-            learners[name] = Learner(cfg, layout, total_updates=100)
+            learners[name] = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=100)
         for it in range(iters + 1):  # round-robin, so machine noise hits every setting alike
             for name, learner in learners.items():
                 t0 = time.perf_counter()

@@ -58,7 +58,7 @@ def worker(out: str, recompute: str, tokens: int, iters: int) -> None:
 
     cfg = load_config(None, [*MODEL, f"parallel.max_tokens_per_microbatch={tokens}", f"model.recompute={recompute}"])
     with parallel_layout(cfg.parallel, seed=0) as layout:
-        learner = Learner(cfg, layout, total_updates=iters + 1)
+        learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=iters + 1)
         params = {p.untyped_storage().data_ptr() for p in learner.gpt.parameters()}
         learner.train_step(batch.select(torch.arange(1)), loss_fn, extras={"adv_B": adv[:1]})
         base = _rss()

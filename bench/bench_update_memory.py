@@ -52,7 +52,7 @@ def worker(out: str, chunk: int, tokens: int) -> None:
 
     cfg = load_config(None, [*MODEL, f"parallel.logprob_chunk_tokens={chunk}"])
     with parallel_layout(cfg.parallel, seed=0) as layout:
-        learner = Learner(cfg, layout, total_updates=4)
+        learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=4)
         learner.train_step(small, loss_fn, extras={"adv_B": adv[:1]})  # Adam's states now exist
         base = _rss()
         t0 = time.perf_counter()

@@ -82,7 +82,8 @@ def main() -> None:
     base = bench.model_overrides(shape)
     with parallel_layout(load_config(None, base).parallel, seed=0) as layout:
         torch.manual_seed(0)
-        learner = Learner(load_config(None, base), layout, total_updates=100)
+        cfg0 = load_config(None, base)
+        learner = Learner(cfg0.model, cfg0.parallel, layout, optimizer=cfg0.optimizer, total_updates=100)
         batch = bench.step_batch(shape, len(learner.taps.layers))
         for name, overrides in bench.SETTINGS.items():
             cfg = load_config(None, base + overrides)

@@ -71,7 +71,8 @@ def main() -> None:
     result = {"layout": None, "world": world, "threads_per_rank": torch.get_num_threads(),
               "batch": {"sequences": B, "tokens": tokens, "response_tokens": int(batch.response_lens_B.sum())}}
     with parallel_layout(cfg.parallel, seed=0) as layout:
-        learner = Learner(cfg, layout)
+        learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer,
+                          total_updates=max(1, cfg.run.steps * cfg.rl.num_minibatches * cfg.rl.epochs))
         result["layout"] = layout.name
         step = lambda plan=None: learner.train_step(batch, loss_fn(batch), {"adv_B": adv}, routing=plan)  # noqa: E731
         if mode == "learner":

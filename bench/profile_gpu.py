@@ -54,7 +54,7 @@ def profile(layers: int, steps: int, spec: str) -> None:
     batch, adv_B = bench_gpu.bench_batch(8, 2048, 32768)
     cfg = load_config(ROOT / "examples/tiny_rspo.yaml", bench_gpu.shape_overrides(layers, spec))
     with parallel_layout(bench_gpu._parallel(), seed=0) as layout:
-        learner = Learner(cfg, layout, total_updates=steps + 8)
+        learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=steps + 8)
 
         def step() -> None:
             synced(learner.train_step, batch, bench_gpu.reinforce(batch), {"adv_B": adv_B})

@@ -34,7 +34,8 @@ def main() -> None:
         return MicroBatchLoss(-(mb.extras["adv_B"][:, None] * logp_BT * mask).sum() / total)
 
     with parallel_layout(cfg.parallel, seed=0) as layout:
-        learner = Learner(cfg, layout)
+        updates = max(1, cfg.run.steps * cfg.rl.num_minibatches * cfg.rl.epochs)  # (an RL run's schedule)
+        learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=updates)
         before = learner.logprobs(batch)
         metrics = learner.train_step(batch, loss_fn, extras={"adv_B": adv_B})
         after = learner.logprobs(batch)

@@ -1,5 +1,5 @@
-"""Shared by the learner tests and their torchrun workers: a fixed batch, a loss, and the
-critic's values by a plain forward."""
+"""Shared by the learner tests and their torchrun workers: a learner of a test's config, a
+fixed batch, a loss, and the critic's values by a plain forward."""
 
 from __future__ import annotations
 
@@ -9,6 +9,23 @@ from collections.abc import Iterator
 import torch
 
 from moe_rl.batch import TokenBatch
+
+
+def rl_updates(cfg) -> int:
+    """An RL run's optimizer steps, run.steps x rl.num_minibatches x rl.epochs (at least 1):
+    the schedule length the tests' learners had before the learner took an explicit count."""
+    return max(1, cfg.run.steps * cfg.rl.num_minibatches * cfg.rl.epochs)
+
+
+def learner_of(cfg, layout, *, trainable: bool = True, total_updates: int | None = None):
+    """A `Learner` from the model, parallel and (trainable: optimizer) sections of `cfg`, its
+    schedule over `total_updates` optimizer steps (default `rl_updates(cfg)`)."""
+    from moe_rl.learner import Learner
+
+    if not trainable:
+        return Learner(cfg.model, cfg.parallel, layout)
+    return Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer,
+                   total_updates=rl_updates(cfg) if total_updates is None else total_updates)
 
 
 def fixed_batch() -> tuple[TokenBatch, torch.Tensor]:

@@ -355,10 +355,10 @@ def test_save_writes_no_processes_and_load_refuses_damage(megatron_world, tmp_pa
 
     cfg = load_config(BASE / "config.yaml")
     with parallel_layout(cfg.parallel, seed=1) as layout:
-        learner = Learner(cfg, layout, trainable=False)
+        learner = Learner(cfg.model, cfg.parallel, layout)
         load_checkpoint(learner, BASE, load_optimizer=False)
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        out = save_checkpoint(learner, tmp_path / "c", include_optimizer=False)
+        out = save_checkpoint(learner, tmp_path / "c", include_optimizer=False, config=cfg)
         assert {p.pid for p in psutil.Process().children(recursive=True)} == before
         from multiprocessing import resource_tracker
 
@@ -375,7 +375,7 @@ def test_save_writes_no_processes_and_load_refuses_damage(megatron_world, tmp_pa
         (tmp_path / "notckpt").mkdir()
         (tmp_path / "notckpt" / "mine.txt").write_text("keep me")
         with pytest.raises(CheckpointError, match="exists and is not a moe_rl checkpoint"):
-            save_checkpoint(learner, tmp_path / "notckpt", include_optimizer=False)
+            save_checkpoint(learner, tmp_path / "notckpt", include_optimizer=False, config=cfg)
         assert (tmp_path / "notckpt" / "mine.txt").read_text() == "keep me"
 
 
@@ -522,9 +522,9 @@ torch.set_num_threads(2)
 init_distributed()
 cfg = load_config(sys.argv[1], ["model.num_layers=24"])  # (metadata > 32 KB: a parallel copy)
 with parallel_layout(cfg.parallel, seed=1) as layout:
-    learner = Learner(cfg, layout)
+    learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=1)  # (never steps)
     before = len(os.listdir("/proc/self/task"))
-    save_checkpoint(learner, sys.argv[2])
+    save_checkpoint(learner, sys.argv[2], config=cfg)
     print(before, len(os.listdir("/proc/self/task")), torch.get_num_threads())
 """
 

@@ -168,16 +168,21 @@ def layout(megatron_world):
         yield lay
 
 
+def config_from_hf(hf_dir: Path, overrides: tuple[str, ...] = ()):
+    """The run config of a learner started from the directory (run.init_checkpoint), its model's."""
+    cfg = load_config(None, ["parallel.micro_batch_size=4", "model.layer_spec=local",
+                             f"run.init_checkpoint={hf_dir}", *overrides])
+    with HFCheckpoint(hf_dir) as hf:
+        return dataclasses.replace(cfg, model=hf.model_config(base=cfg.model))
+
+
 def learner_from_hf(hf_dir: Path, layout, overrides: tuple[str, ...] = ()):
     """A learner of the directory's model with its weights (run.init_checkpoint's path)."""
     from moe_rl.learner import Learner
     from moe_rl.learner.hf_import import load_hf_weights
 
-    cfg = load_config(None, ["parallel.micro_batch_size=4", "model.layer_spec=local",
-                             f"run.init_checkpoint={hf_dir}", *overrides])
-    with HFCheckpoint(hf_dir) as hf:
-        m = hf.model_config(base=cfg.model)
-    learner = Learner(dataclasses.replace(cfg, model=m), layout, trainable=False)
+    cfg = config_from_hf(hf_dir, overrides)
+    learner = Learner(cfg.model, cfg.parallel, layout)
     load_hf_weights(learner, hf_dir)
     return learner
 
@@ -190,7 +195,7 @@ def test_learner_logprobs_match_transformers(name, packing, ds_dirs, layout, cap
     batch, _ = fixed_batch()
     with caplog.at_level(logging.WARNING):
         learner = learner_from_hf(ds_dirs[name], layout, (f"parallel.packing={str(packing).lower()}",))
-    m = learner.cfg.model
+    m = learner.model_cfg
     assert (m.multi_latent_attention, m.q_lora_rank, m.rope_type) == (True, 48 if name == "q_lora" else 0, "yarn")
     assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk_scaling_factor) == (4, 2, 2.5)
     assert (m.num_dense_layers, m.moe_shared_expert_intermediate_size, m.mtp_num_layers) == (1, 32, 1)
@@ -243,7 +248,7 @@ def test_learner_stream_round_trips_the_files(name, ds_dirs, layout, tmp_path):
     q = "q_a_proj" if name == "q_lora" else "q_proj"
     assert {f"model.layers.1.self_attn.{q}.weight", "model.layers.1.self_attn.kv_b_proj.weight",
             "model.layers.2.mlp.gate.e_score_correction_bias"} <= set(stream)
-    m = learner.cfg.model
+    m = learner.model_cfg
     cfg = hf_config(m, torch.float32, bos_token_id=None, eos_token_id=3, pad_token_id=0)
     assert model_config_from_hf(json.loads(json.dumps(cfg)), base=m) == dataclasses.replace(m, mtp_num_layers=0)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -268,7 +273,8 @@ def exported(ds_dirs, layout, tmp_path_factory) -> Path:
     from moe_rl.learner.checkpoint import save_checkpoint
 
     root = tmp_path_factory.mktemp("export")
-    ckpt = save_checkpoint(learner_from_hf(ds_dirs["q_lora"], layout), root / "ckpt")
+    ckpt = save_checkpoint(learner_from_hf(ds_dirs["q_lora"], layout), root / "ckpt",
+                           config=config_from_hf(ds_dirs["q_lora"]))
     return megatron_to_hf(ckpt, root / "hf")
 
 

@@ -74,10 +74,11 @@ def test_surrogate_gradient_is_the_dpo_gradient(megatron_world, loss):
     """Pairs split over micro-batches of one row: the surrogate's gradient equals autograd of
     the mean pair loss computed from a plain differentiable forward of the whole batch (to
     1e-6 of the largest gradient entry: fp32 sums in another order)."""
+    from learner_utils import learner_of
     from test_learner import main_grads, plain_logprobs
 
     from moe_rl.batch import TokenBatch
-    from moe_rl.learner import Learner, parallel_layout
+    from moe_rl.learner import parallel_layout
 
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (3, 5, 2)]
@@ -87,7 +88,7 @@ def test_surrogate_gradient_is_the_dpo_gradient(megatron_world, loss):
     cfg = load_config(None, ["parallel.micro_batch_size=1"])
     with parallel_layout(cfg.parallel, seed=5) as layout:
         torch.manual_seed(5)
-        learner = Learner(cfg, layout)
+        learner = learner_of(cfg, layout)
         seq = (learner.logprobs(tokens).double() * tokens.response_mask()).sum(-1)
         h = PairLogps(*pair_rows(seq), *pair_rows(ref_B)).margin()
         learner.forward_backward(tokens, surrogate_loss,

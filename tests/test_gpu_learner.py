@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_utils import counting_router_reruns, fixed_batch, reinforce_loss
+from learner_utils import counting_router_reruns, fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 
@@ -35,6 +35,11 @@ needs_te = pytest.mark.skipif(not torch.cuda.is_available() or not _te_available
                               reason="needs Transformer Engine's torch extension (transformer_engine.pytorch)")
 
 
+def _cfg(*overrides: str):
+    """The recipe's config at micro-batches of 4 with `overrides`."""
+    return load_config(RECIPE, ["parallel.micro_batch_size=4", *overrides])
+
+
 @pytest.fixture(scope="module")
 def make_learner(megatron_world):
     """Learners in one parallel layout (TP=PP=EP=1), loaded from the CPU-made base."""
@@ -43,8 +48,7 @@ def make_learner(megatron_world):
     cfg0 = load_config(RECIPE, ["parallel.micro_batch_size=4"])
     with parallel_layout(cfg0.parallel, seed=5) as layout:
         def make(*overrides: str, trainable: bool = True, path: Path = BASE) -> Learner:
-            cfg = load_config(RECIPE, ["parallel.micro_batch_size=4", *overrides])
-            learner = Learner(cfg, layout, trainable=trainable)
+            learner = learner_of(_cfg(*overrides), layout, trainable=trainable)
             load_checkpoint(learner, path, load_optimizer=False)
             return learner
 
@@ -78,7 +82,7 @@ def test_te_checkpoint_loads_back_into_the_local_spec(make_learner, tmp_path):
 
     te = make_learner("model.layer_spec=te", "model.params_dtype=fp32")
     want, mask = _logp(te)
-    save_checkpoint(te, tmp_path / "te")
+    save_checkpoint(te, tmp_path / "te", config=_cfg("model.layer_spec=te", "model.params_dtype=fp32"))
     back, _ = _logp(make_learner("model.layer_spec=local", "model.params_dtype=fp32", trainable=False,
                                  path=tmp_path / "te"))
     assert float((back - want).abs()[mask].max()) < 1e-2  # TF32 in TE's GEMMs, as above

@@ -48,14 +48,16 @@ def test_sleep_frees_gpu_memory_and_wakes_with_the_same_weights(tiny_dir):
 
 
 def test_rank_local_sync_assembles_on_the_gpu(megatron_world):
+    from learner_utils import learner_of
+
     from moe_rl.config import load_config
-    from moe_rl.learner import Learner, parallel_layout
+    from moe_rl.learner import parallel_layout
     from moe_rl.learner.export import hf_named_tensors
     from moe_rl.learner.gather import SyncTraffic
 
     cfg = load_config(ROOT / "examples/tiny_rspo.yaml", ["model.params_dtype=bf16"])
     with parallel_layout(cfg.parallel, seed=1) as layout:
-        learner = Learner(cfg, layout)
+        learner = learner_of(cfg, layout)
         traffic = SyncTraffic()
         devices = {t.device.type for _, t in hf_named_tensors(learner, dst=None, traffic=traffic)}
     assert devices == {"cuda"} and traffic.bytes_received == 0

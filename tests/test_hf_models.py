@@ -167,7 +167,7 @@ def _learner_from_hf(hf_dir: Path, layout, overrides: tuple[str, ...] = ()):
     cfg = load_config(None, ["parallel.micro_batch_size=4", "model.layer_spec=local", *overrides])
     with HFCheckpoint(hf_dir) as hf:
         m = hf.model_config(base=cfg.model)
-    learner = Learner(dataclasses.replace(cfg, model=m), layout, trainable=False)
+    learner = Learner(m, cfg.parallel, layout)
     load_hf_weights(learner, hf_dir)
     return learner
 
@@ -177,7 +177,7 @@ def test_learner_logprobs_match_transformers(name, hf_dirs, layout, caplog):
     batch, _ = fixed_batch()
     with caplog.at_level(logging.WARNING):
         learner = _learner_from_hf(hf_dirs[name], layout)
-    m = learner.cfg.model
+    m = learner.model_cfg
     if name == "glm4_moe":
         assert (m.rotary_percent, m.moe_router_topk_scaling_factor, m.add_qkv_bias) == (0.5, 2.5, True)
         assert (m.num_layers, m.num_dense_layers, m.moe_shared_expert_intermediate_size) == (3, 1, 32)
@@ -210,7 +210,7 @@ def test_learner_stream_round_trips_the_files(name, hf_dirs, layout, tmp_path):
     assert set(stream) == set(saved) - mtp
     for n, t in stream.items():
         assert t.dtype == saved[n].dtype and torch.equal(t, saved[n]), n
-    m = learner.cfg.model
+    m = learner.model_cfg
     cfg = hf_config(m, torch.float32, bos_token_id=2, eos_token_id=3, pad_token_id=0)
     assert model_config_from_hf(json.loads(json.dumps(cfg)), base=m) == m
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 import torch
-from learner_utils import fixed_batch, reinforce_loss
+from learner_utils import fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 
@@ -23,7 +23,7 @@ def learner_factory(megatron_world):
             ctx = parallel_layout(cfg.parallel, seed=5)
             stack.append((ctx, ctx.__enter__()))
         torch.manual_seed(5)
-        return Learner(cfg, stack[0][1])
+        return learner_of(cfg, stack[0][1])
 
     yield make
     for ctx, _ in stack:
@@ -66,6 +66,20 @@ def test_bad_temperature_is_refused(learner_factory):
     batch, _ = fixed_batch()
     with pytest.raises(ValueError, match="temperature"):
         learner.logprobs(batch, temperature=0.0)
+
+
+def test_a_trainable_learner_needs_its_schedules_length():
+    """An optimizer section makes a learner trainable, and then its schedule's length is the
+    caller's count: none (or < 1) is a one-line error, before anything is built; a frozen
+    learner (no optimizer) takes no count."""
+    from moe_rl.learner import Learner
+
+    cfg = load_config(None, [])
+    for bad in (None, 0):
+        with pytest.raises(ValueError, match="trainable learner needs total_updates >= 1"):
+            Learner(cfg.model, cfg.parallel, None, optimizer=cfg.optimizer, total_updates=bad)
+    with pytest.raises(ValueError, match="without an optimizer is frozen"):
+        Learner(cfg.model, cfg.parallel, None, total_updates=10)
 
 
 def test_gradient_equals_autograd_of_the_whole_batch_loss(learner_factory):

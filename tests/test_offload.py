@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from learner_utils import fixed_batch, reinforce_loss
+from learner_utils import fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import ConfigError, load_config
 
@@ -19,14 +19,14 @@ def test_offload_needs_a_colocated_synchronous_run():
 
 
 def test_the_round_trip_releases_the_storage_and_is_bit_exact(megatron_world):
-    from moe_rl.learner import Learner, parallel_layout
+    from moe_rl.learner import parallel_layout
     from moe_rl.learner.offload import HostOffload, offloadable_tensors
 
     cfg = load_config(None, [])
     batch, adv_B = fixed_batch()
     with parallel_layout(cfg.parallel, seed=2) as layout:
         torch.manual_seed(2)
-        moved, kept = Learner(cfg, layout), Learner(cfg, layout)
+        moved, kept = learner_of(cfg, layout), learner_of(cfg, layout)
         kept.model.load_state_dict(moved.model.state_dict())
         for learner in (moved, kept):
             learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})  # Adam states exist

@@ -181,7 +181,8 @@ def test_a_ppo_checkpoint_starts_the_next_critic_with_its_value_head(critic_fact
     from moe_rl.learner import Learner, save_checkpoint
     from moe_rl.learner.start import load_critic_start
 
-    saved = critic_factory().critic
+    stage = critic_factory()
+    saved = stage.critic
     set_head(saved, 3)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():  # (a transformer unlike the actor's, so that the body is seen to load too)
@@ -189,9 +190,9 @@ def test_a_ppo_checkpoint_starts_the_next_critic_with_its_value_head(critic_fact
             param.add_(torch.randn(param.shape, generator=g) * 0.05)
     tokens, _ = fixed_batch()
     want_BT = plain_values(saved, tokens)
-    actor = Learner(saved.cfg, saved.layout, trainable=False)
-    save_checkpoint(actor, tmp_path / "ppo", include_optimizer=False, components={"critic": saved})
-    save_checkpoint(actor, tmp_path / "policy", include_optimizer=False)
+    actor = Learner(stage.cfg.model, stage.cfg.parallel, saved.layout)
+    save_checkpoint(actor, tmp_path / "ppo", include_optimizer=False, config=stage.cfg, components={"critic": saved})
+    save_checkpoint(actor, tmp_path / "policy", include_optimizer=False, config=stage.cfg)
 
     fresh = critic_factory().critic
     assert plain_values(fresh, tokens).abs().max() == 0

@@ -11,7 +11,13 @@ expert-bias count sees each real token once, and the forward keeps only the laye
 import pytest
 import torch
 from dist_helpers import torchrun
-from learner_utils import counting_router_reruns, fixed_batch, reinforce_loss, replayed_updates
+from learner_utils import (
+    counting_router_reruns,
+    fixed_batch,
+    learner_of,
+    reinforce_loss,
+    replayed_updates,
+)
 
 from moe_rl.config import load_config
 
@@ -33,10 +39,8 @@ def reruns():
 
 
 def make_learner(layout, *overrides):
-    from moe_rl.learner import Learner
-
     torch.manual_seed(9)
-    return Learner(load_config(None, [*BASE, *overrides]), layout)
+    return learner_of(load_config(None, [*BASE, *overrides]), layout)
 
 
 def test_an_update_is_bit_identical_with_full_recompute(layout, reruns):

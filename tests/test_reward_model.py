@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from learner_utils import rl_updates
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import ConfigError, load_config
@@ -97,7 +98,7 @@ def test_the_surrogate_gradient_is_the_pair_loss_gradient(megatron_world):
     cfg = load_config(None, ["parallel.micro_batch_size=1"])
     with parallel_layout(cfg.parallel, seed=5) as layout:
         torch.manual_seed(5)
-        model = ValueModel(cfg, layout)
+        model = ValueModel(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=rl_updates(cfg))
         set_head(model, 4)
         c, r = compared_slots(tokens, "divergence")
         scores = model.logprobs(tokens)
@@ -189,7 +190,7 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
 
     cfg = load_resolved(ROOT / "examples" / "tiny_ppo.yaml", [])
     with parallel_layout(cfg.parallel, seed=1) as layout:
-        critic = Critic(cfg, layout)
+        critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=rl_updates(cfg))
         rng = torch.get_rng_state()
         load_start(critic, summary["final_checkpoint"], False, optional=(VALUE_HEAD_KEYS,))
         # (starting weights carry no RNG state into the run; a resume restores the saved one)
@@ -211,7 +212,7 @@ def test_the_value_head_starts_random_from_the_seed(megatron_world):
     heads = []
     with parallel_layout(cfg.parallel, seed=1) as layout:
         for seed in (7, 7, 8):
-            model = ValueModel(cfg, layout, total_updates=1)
+            model = ValueModel(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=1)
             model.init_value_head(0.5, seed)
             heads.append((model.gpt.value_head.weight.detach().clone(), model.gpt.value_head.bias.detach().clone()))
     (w7, b7), (w7b, _), (w8, _) = heads

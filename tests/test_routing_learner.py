@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from dist_helpers import torchrun
-from learner_utils import fixed_batch, reinforce_loss
+from learner_utils import fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 from moe_rl.routing.record import align_sampler_routing
@@ -28,10 +28,8 @@ def layout(megatron_world):
 
 
 def make_learner(layout, *overrides, trainable=True):
-    from moe_rl.learner import Learner
-
     torch.manual_seed(9)
-    return Learner(load_config(None, ["parallel.micro_batch_size=4", *overrides]), layout, trainable=trainable)
+    return learner_of(load_config(None, ["parallel.micro_batch_size=4", *overrides]), layout, trainable=trainable)
 
 
 def perturb_routers(learner, std=0.05, seed=3):

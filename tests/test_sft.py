@@ -70,7 +70,7 @@ def test_expected_reward_is_the_probability_of_sampling_the_answer(megatron_worl
     cfg = load_config("examples/tiny_model.yaml")
     batch = TokenBatch.from_lists([[5, 6], [7]], [[8, 9, 3], [10, 3]])
     with parallel_layout(cfg.parallel, seed=1) as layout:
-        learner = Learner(cfg, layout, trainable=False)
+        learner = Learner(cfg.model, cfg.parallel, layout)
         logp = learner.logprobs(batch)
         want = (torch.exp(logp[0, :3].sum()) + torch.exp(logp[1, :2].sum())) / 2
         assert expected_reward(learner, batch) == pytest.approx(float(want), rel=1e-6)

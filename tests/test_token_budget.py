@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from learner_utils import fixed_batch
+from learner_utils import fixed_batch, learner_of
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.learner.microbatch import bins_needed, token_budget_bins
@@ -44,19 +44,20 @@ SPLITS = {"mbs12": ("micro_batch_size", 12), "mbs5": ("micro_batch_size", 5),
           "budget24": ("max_tokens_per_microbatch", 24), "budget48": ("max_tokens_per_microbatch", 48)}
 
 
-def _with(cfg, field, value):
+def _parallel(cfg, field, value):
+    """`cfg`'s parallel section with micro-batches of 12 rows, no token budget, and `field` = `value`."""
     parallel = dataclasses.replace(cfg.parallel, micro_batch_size=12, max_tokens_per_microbatch=0)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(parallel, **{field: value}))
+    return dataclasses.replace(parallel, **{field: value})
 
 
 @pytest.fixture(scope="module")
 def learner(megatron_world):
-    from moe_rl.learner import Learner, parallel_layout
+    from moe_rl.learner import parallel_layout
 
     cfg = load_config(None, [])
     with parallel_layout(cfg.parallel, seed=4) as layout:
         torch.manual_seed(4)
-        yield Learner(cfg, layout)
+        yield learner_of(cfg, layout)
 
 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
@@ -70,14 +71,14 @@ def test_loss_and_gradient_do_not_depend_on_the_split(learner, objective):
     mask = tokens.response_mask()
     batch = StepBatch.whole(tokens, adv_B=adv_B)
     plan = learner.routing_plan("none", batch, capture=True)
-    learner.cfg = _with(cfg, "micro_batch_size", 12)
+    learner.parallel_cfg = _parallel(cfg, "micro_batch_size", 12)
     score = learner.score(batch, plan)
     noisy = lambda: (score.logp_BT + 0.05 * torch.randn(score.logp_BT.shape, generator=g)) * mask  # noqa: E731
     batch = dataclasses.replace(batch.scored(noisy(), score.record), sampler_logp_BT=noisy(), ref_logp_BT=noisy())
     plan = learner.routing_plan("none", batch)
     results = {}
     for name, (field, value) in SPLITS.items():
-        learner.cfg = _with(cfg, field, value)
+        learner.parallel_cfg = _parallel(cfg, field, value)
         metrics, _, _ = learner._gradients(batch, PolicyLossFn(cfg), plan, 1.0)
         grads = torch.cat([p.main_grad.flatten().clone() for p in learner.model.parameters() if p.requires_grad])
         results[name] = (metrics["loss"], grads, learner._num_microbatches)

@@ -95,9 +95,10 @@ def test_critic_values_read_a_ppo_checkpoints_critic(megatron_world, tmp_path) -
                                       torch.randint(4, 120, (m,), generator=g).tolist(), 0.0)
                 for n, m in [(7, 5), (9, 3), (6, 8)]]
     with parallel_layout(cfg.parallel, seed=5) as layout:
-        actor, critic = Learner(cfg, layout, total_updates=1), Critic(cfg, layout, total_updates=1)
+        actor = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=1)
+        critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=1)
         critic.init_value_head(0.5, seed=11)  # (a head that is not zero, as after training)
-        save_checkpoint(actor, tmp_path / "ckpt", components={"critic": critic})
+        save_checkpoint(actor, tmp_path / "ckpt", config=cfg, components={"critic": critic})
         tokens = TokenBatch.from_lists([r.prompt for r in rollouts], [r.response for r in rollouts])
         expected_BT = plain_values(critic, tokens)
     got = value_ceiling.critic_values(tmp_path / "ckpt", rollouts, rows_per_pass=2)

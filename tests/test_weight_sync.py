@@ -96,7 +96,7 @@ def test_weight_sync_keeps_vllm_and_the_learner_in_agreement(megatron_world, tmp
     sync.attach(sampler)
     try:
         with parallel_layout(cfg.parallel, seed=0) as layout:
-            learner = Learner(cfg, layout, trainable=False)
+            learner = Learner(cfg.model, cfg.parallel, layout)
             load_checkpoint(learner, BASE, load_optimizer=False)
             batch, v0, l0 = sample_and_score(sampler, learner, prompts, seed=1)
             mask = batch.response_mask()

@@ -108,7 +108,8 @@ def critic_values(checkpoint: Path, rollouts: list[Rollout], rows_per_pass: int 
     init_distributed()
     out: list[list[float]] = []
     with parallel_layout(cfg.parallel, seed=cfg.run.seed) as layout:
-        actor, critic = Learner(cfg, layout, total_updates=1), Critic(cfg, layout, total_updates=1)
+        actor = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=1)
+        critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=1)
         load_checkpoint(actor, checkpoint, load_optimizer=False, components={"critic": critic}, restore_rng=False)
         for i in range(0, len(rollouts), rows_per_pass):
             part = rollouts[i:i + rows_per_pass]

@@ -4,7 +4,7 @@ loadable at any other; complete or invisible, verified before anything is read.
 Directory layout:
     <path>/                  dist_checkpointing files (model, optimizer, per-rank RNG)
     <path>/moe_rl.json       step, the layout it was saved at, run id, format version
-    <path>/config.yaml       the resolved run config
+    <path>/config.yaml       the resolved run config (the saver's: a learner holds only its sections)
     <path>/manifest.json     size and SHA-256 of every file but config.yaml (written last)
 
 Atomicity: everything is written into `<path>.tmp-<nonce>`, the manifest last, and renamed
@@ -57,7 +57,7 @@ from moe_rl.checkpoints.manifest import (
 )
 from moe_rl.checkpoints.temps import remove_temps, rename_into_place
 from moe_rl.checkpoints.trust import VERIFIED
-from moe_rl.config import save_config
+from moe_rl.config import Config, save_config
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
 from moe_rl.learner.optimizer import schedule_kept_note
 from moe_rl.runtime.atomic import atomic_write_text
@@ -241,11 +241,11 @@ def _prepare_target(path: Path, tmp: Path, replace_foreign: bool) -> None:
     tmp.mkdir()
 
 
-def _finish(learner: Any, tmp: Path, path: Path, meta: dict[str, Any], digests: dict) -> None:
+def _finish(config: Config, tmp: Path, path: Path, meta: dict[str, Any], digests: dict) -> None:
     """Rank 0: moe_rl.json, config.yaml, the manifest (last), then the rename."""
     atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
     kill_point("save.meta")
-    save_config(learner.cfg, tmp / "config.yaml")
+    save_config(config, tmp / "config.yaml")
     kill_point("save.config")
     digests.update(digest_files(tmp, [META_FILE]))
     write_manifest(tmp, digests)
@@ -255,8 +255,8 @@ def _finish(learner: Any, tmp: Path, path: Path, meta: dict[str, Any], digests: 
     kill_point("save.renamed")
 
 
-def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_meta: dict[str, Any] | None,
-           components: Mapping[str, Any]) -> None:
+def _write(learner: Any, config: Config, tmp: Path, path: Path, include_optimizer: bool,
+           extra_meta: dict[str, Any] | None, components: Mapping[str, Any]) -> None:
     with_opt = include_optimizer and _has_optimizer_state(learner)
     optimizers = frozenset(n for n, m in components.items() if include_optimizer and _has_optimizer_state(m))
     sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False, components=components,
@@ -279,7 +279,7 @@ def _write(learner: Any, tmp: Path, path: Path, include_optimizer: bool, extra_m
     }
     for name, model in components.items():
         meta[name] = _component_meta(model, name in optimizers)
-    _on_rank0(lambda: _finish(learner, tmp, path, meta, digests))
+    _on_rank0(lambda: _finish(config, tmp, path, meta, digests))
 
 
 def save_checkpoint(
@@ -288,23 +288,29 @@ def save_checkpoint(
     extra_meta: dict[str, Any] | None = None,
     include_optimizer: bool = True,
     *,
+    config: Config,
     replace_foreign: bool = False,
     components: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Collective. Write model, optimizer, LR schedule, RNG and config to `path` atomically
+    """Collective. Write model, optimizer, LR schedule, RNG and `config` (the resolved run
+    config, config.yaml: what a resume compares and the converters read; its model section
+    is the learner's) to `path` atomically
     (`include_optimizer=False`: model and RNG only, e.g. a shipped base model). An existing
     checkpoint at `path` is replaced once the new one is complete; an existing directory
     that is not a checkpoint is refused unless `replace_foreign` (the converter's --force).
     `components`: named models trained beside the actor (PPO's `{"critic": Critic}`), each
     saved under keys of its own with its optimizer, schedule and step. A full disk, an
     unwritable directory or a file in the way is a one-line CheckpointError."""
+    if config.model != learner.model_cfg:
+        raise ValueError("save_checkpoint: config.model is not the learner's model section (config.yaml would "
+                         "describe another model than the weights)")
     path = Path(path)
     tmp = Path(broadcast_object(f"{path}.tmp-{uuid.uuid4().hex[:8]}", src=0))
     _on_rank0(lambda: _prepare_target(path, tmp, replace_foreign))
     _barrier()
     kill_point("save.begin")
     try:
-        _write(learner, tmp, path, include_optimizer, extra_meta, dict(components or {}))
+        _write(learner, config, tmp, path, include_optimizer, extra_meta, dict(components or {}))
     except CheckpointError:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,7 @@
 """PPO's critic: the actor's megatron-core architecture at the actor's layout, with a
 scalar value head in place of the output layer.
 
-    critic = Critic(cfg, layout, total_updates=n)
+    critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=n)
     values_bT = critic.values(batch)                          # [b, T], no gradients
     result = critic.update(batch, ValueLossFn(cfg), plan=None)   # one Adam step of its own
 
@@ -14,26 +14,24 @@ parameter of the module DDP wraps (the optimizer, the grad buffer and `dist_chec
 see it), on the last pipeline stage only, replicated over TP: every TP rank computes the
 whole value from the gathered hidden states, so its gradient needs no TP reduction.
 
-`ValueModel` is that learner with the run's optimizer settings (the reward model of
-`moe_rl.reward_model` is one); `Critic` is PPO's, with the critic section's. Everything
-else is the learner's: micro-batching, packing, the pipeline schedule, its own
-megatron optimizer (the `critic.optimizer` section, of the actor's `optimizer` type). Its MoE routers route on their own (the trainer
-passes no routing plan). It is never converted for the sampler.
+`ValueModel` is that learner, built like any learner from the model, parallel and
+optimizer sections it is given: the reward model of `moe_rl.reward_model` is one with the
+run's `optimizer` section; `Critic` is PPO's, given the `critic.optimizer` section (of the
+actor's `optimizer` type). Everything else is the learner's: micro-batching, packing, the
+pipeline schedule, its own megatron optimizer. Its MoE routers route on their own (the
+trainer passes no routing plan). It is never converted for the sampler.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 
 import torch
 
-from moe_rl.config import Config
 from moe_rl.learner.engine import Learner
 from moe_rl.learner.microbatch import MicroBatch
 from moe_rl.learner.output_head import scatter_masked, whole_sequence
-from moe_rl.learner.parallel import Layout
 from moe_rl.step_batch import StepBatch
 
 VALUE_HEAD = "value_head"
@@ -78,16 +76,10 @@ class _ValueOutput:
         return scatter_masked(getattr(self.gpt, VALUE_HEAD)(flat_NH[index_N]), mask_BT)
 
 
-def critic_config(cfg: Config) -> Config:
-    """The run config as the critic's learner reads it: its optimizer section is
-    critic.optimizer (the critic's own Adam and schedule)."""
-    return dataclasses.replace(cfg, optimizer=cfg.critic.optimizer)
-
-
 class ValueModel(Learner):
-    """A value model (this rank's shard), its optimizer and schedule, as the run's config
-    sets them: the reward model's learner (`moe_rl.reward_model`). PPO's critic is one with
-    the critic's own optimizer settings."""
+    """A value model (this rank's shard), its optimizer and schedule: built as a `Learner`,
+    from the model, parallel and optimizer sections it is given. The reward model's learner
+    (`moe_rl.reward_model`) is one; PPO's critic is one with the critic's own optimizer."""
 
     def _prepare_model(self, gpt: torch.nn.Module) -> None:
         layer = getattr(gpt, "output_layer", None)
@@ -96,7 +88,7 @@ class ValueModel(Learner):
         if layer.weight is not None and not gpt.share_embeddings_and_output_weights:
             layer.weight.requires_grad_(False)  # bypassed: no gradient, no optimizer state
         ref = next(p for p in gpt.parameters() if p.requires_grad)
-        gpt.add_module(VALUE_HEAD, ValueHead(self.cfg.model.hidden_size, ref.dtype, ref.device))
+        gpt.add_module(VALUE_HEAD, ValueHead(self.model_cfg.hidden_size, ref.dtype, ref.device))
 
     def _make_head(self) -> _ValueOutput:
         return _ValueOutput(self.gpt, self.layout.sequence_parallel)
@@ -126,7 +118,5 @@ class ValueModel(Learner):
 
 
 class Critic(ValueModel):
-    """PPO's critic: a value model with the critic section's learning rate and schedule."""
-
-    def __init__(self, cfg: Config, layout: Layout, *, total_updates: int | None = None) -> None:
-        super().__init__(critic_config(cfg), layout, total_updates=total_updates)
+    """PPO's critic: a value model trained by the critic section's optimizer
+    (`Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=n)`)."""

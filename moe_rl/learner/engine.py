@@ -3,7 +3,8 @@ micro-batches through megatron's pipeline schedules.
 
     init_distributed()
     with parallel_layout(cfg.parallel, seed=cfg.run.seed) as layout:
-        learner = Learner(cfg, layout)
+        learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=n)
+        ref = Learner(cfg.model, cfg.parallel, layout)      # no optimizer: frozen, scoring only
         score = learner.score(batch, plan)                  # batch: StepBatch, this rank's rows
         result = learner.update(batch.scored(score.logp_BT, score.record), loss_fn, plan)
         logp_BT = learner.logprobs(tokens)                  # a whole TokenBatch, on every rank
@@ -17,6 +18,13 @@ with the rows; only scalar metrics and the batch's global counts cross data-para
 The whole-batch helpers (`logprobs`, `score_whole`, `train_step`, `forward_backward`) take
 the same whole batch on every rank, run each rank's rows and assemble the result everywhere
 (tests, tools and SFT use them).
+
+Configuration. A learner holds the recipe sections it is built from, and no others: the
+model (`model_cfg`), the parallel layout's settings (`parallel_cfg`: micro-batching,
+packing, the log-prob chunk) and, when it trains, its optimizer section (`optimizer_cfg`,
+the actor's `optimizer` or PPO's `critic.optimizer`: one section type). `total_updates`, the
+optimizer steps its learning-rate schedule spans, is the caller's count (an RL run's
+`epochs x num_minibatches` per actor step, SFT's and DPO's run.steps, ...).
 
 Loss scaling. A loss callback returns each micro-batch's *contribution* to the whole-batch
 loss (the objectives take global token / sequence normalisers, so contributions sum to the
@@ -40,7 +48,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moe_rl.batch import TokenBatch
-from moe_rl.config import Config
+from moe_rl.config import ModelConfig, OptimizerConfig, ParallelConfig
 from moe_rl.learner.microbatch import (
     BatchTotals,
     ForwardHooks,
@@ -79,31 +87,38 @@ class Learner:
 
     def __init__(
         self,
-        cfg: Config,
+        model: ModelConfig,
+        parallel: ParallelConfig,
         layout: Layout,
         *,
-        trainable: bool = True,
+        optimizer: OptimizerConfig | None = None,
         total_updates: int | None = None,
     ) -> None:
-        self.cfg = cfg
+        """`optimizer`: the section of the optimizer that trains it (None: frozen, scoring
+        only: a reference model); `total_updates`: the optimizer steps its learning-rate
+        schedule spans (>= 1; a trainable learner needs it, a frozen one takes none)."""
+        if optimizer is not None and (total_updates is None or total_updates < 1):
+            raise ValueError(f"a trainable learner needs total_updates >= 1 (its schedule's length), got {total_updates}")
+        if optimizer is None and total_updates is not None:
+            raise ValueError("a learner without an optimizer is frozen: it takes no total_updates")
+        self.model_cfg, self.parallel_cfg, self.optimizer_cfg = model, parallel, optimizer
         self.layout = layout
-        self.tcfg = transformer_config(cfg.model, cfg.parallel)
-        self.gpt = build_gpt(cfg.model, self.tcfg)
+        self.tcfg = transformer_config(model, parallel)
+        self.gpt = build_gpt(model, self.tcfg)
         self._prepare_model(self.gpt)
-        self.trainable = trainable
-        self.packing = cfg.parallel.packing
+        self.trainable = optimizer is not None
+        self.packing = parallel.packing
         """Pack micro-batches (THD); false: the padded reference path (switchable per pass
         only on a learner built with packing on: pipeline stages then exchange shapes)."""
         self.step = 0
         self.optimizer = None
         self.scheduler = None
-        if trainable:
-            self.model = wrap_ddp(self.gpt, self.tcfg,
-                                  distributed_optimizer=cfg.optimizer.distributed)
+        if optimizer is not None:
+            self.model = wrap_ddp(self.gpt, self.tcfg, distributed_optimizer=optimizer.distributed)
             self.tcfg.finalize_model_grads_func = finalize_model_grads
             self.tcfg.grad_scale_func = None
-            updates = total_updates or max(1, cfg.run.steps * cfg.rl.num_minibatches * cfg.rl.epochs)
-            self.optimizer, self.scheduler = build_optimizer(cfg, self.model, updates)
+            bf16 = model.dtype_on(torch.cuda.is_available()) == "bf16"
+            self.optimizer, self.scheduler = build_optimizer(optimizer, self.model, total_updates, bf16=bf16)
         else:
             self.model = self.gpt
             for p in self.gpt.parameters():
@@ -121,7 +136,7 @@ class Learner:
     def _make_head(self) -> Any:
         """What turns the last stage's output into per-token values: here the log-probs
         head; it has `learner_pass()` and `chunk_tokens`."""
-        return OutputHead(self.gpt, self.cfg.parallel.logprob_chunk_tokens, self.layout.sequence_parallel)
+        return OutputHead(self.gpt, self.parallel_cfg.logprob_chunk_tokens, self.layout.sequence_parallel)
 
     def _token_outputs(self, output: torch.Tensor, mb: MicroBatch,
                        temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,14 +160,14 @@ class Learner:
             all_reduce_(counts, group=group)
             all_reduce_(most, op=dist.ReduceOp.MAX, group=group)
         totals = BatchTotals(*counts.tolist())
-        fp8 = self.cfg.model.fp8 != "none"
+        fp8 = self.model_cfg.fp8 != "none"
         S = padded_seq_len(batch.tokens.seq_len, self.layout.tp, fp8=fp8)
         multiple = padded_seq_len(1, self.layout.tp, fp8=fp8)  # what SP (and fp8) need of a segment
-        budget = self.cfg.parallel.max_tokens_per_microbatch
+        budget = self.parallel_cfg.max_tokens_per_microbatch
         if budget and self.packing:
             mbs = budget_micro_batches(batch, self._token_bins(batch, budget, multiple), S, totals)
         else:
-            mbs = split_micro_batches(batch, self.cfg.parallel.micro_batch_size, int(most), S, totals)
+            mbs = split_micro_batches(batch, self.parallel_cfg.micro_batch_size, int(most), S, totals)
         for mb in mbs:
             valid = mb.rows_B >= 0
             mb.inp = (packed_input(mb.batch, multiple, valid) if self.packing
@@ -290,7 +305,7 @@ class Learner:
         """Gradients of the summed loss contributions into the grad buffers (`main_grad`,
         reduced over data-parallel ranks), without an optimizer step."""
         if not self.trainable:
-            raise RuntimeError("this learner was built with trainable=False")
+            raise RuntimeError("this learner was built without an optimizer (frozen): it cannot train")
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -38,7 +38,7 @@ def hf_named_tensors(
     `dtype` casts on the way out (None keeps the parameter dtype; tensors whose HF dtype is
     fixed, the float32 expert bias, are never cast). Every tensor the model config implies
     is yielded exactly once; anything else is a ConvertError naming the key."""
-    m = learner.cfg.model
+    m = learner.model_cfg
     layout = layout_for(m)
     layout.check_supported(m)
     expected = megatron_specs(m)

@@ -120,7 +120,7 @@ def load_hf_weights(learner, hf_dir: str | os.PathLike, optional: tuple[str, ...
     cast to the dtype of the parameter (or buffer) they load into. `optional`: parameter
     prefixes the directory does not hold (the critic's value head)."""
     with hf_read_errors(hf_dir), HFCheckpoint(hf_dir) as hf:
-        m = learner.cfg.model
+        m = learner.model_cfg
         got = hf.model_config(base=m)
         fields = [f.name for f in dataclasses.fields(ModelConfig) if getattr(got, f.name) != getattr(m, f.name)
                   and f.name != "params_dtype"]
@@ -171,8 +171,8 @@ def hf_to_megatron(
         raise FileExistsError(f"{dst} already exists; pass --force (force=True) to replace it")
     init_distributed()
     with parallel_layout(cfg.parallel, seed=cfg.run.seed) as layout:
-        learner = Learner(cfg, layout, trainable=False)
+        learner = Learner(cfg.model, cfg.parallel, layout)
         load_hf_weights(learner, src)
         # save_checkpoint writes <dst>.tmp-<nonce> and renames it: complete or absent.
-        return save_checkpoint(learner, dst, extra_meta={"converted_from": str(Path(src).resolve())},
+        return save_checkpoint(learner, dst, config=cfg, extra_meta={"converted_from": str(Path(src).resolve())},
                                replace_foreign=force)

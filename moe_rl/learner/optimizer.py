@@ -1,4 +1,5 @@
-"""The learner's optimizer and learning-rate schedule (megatron-core's own), from the recipe.
+"""The learner's optimizer and learning-rate schedule (megatron-core's own), from an
+optimizer section (the actor's `optimizer` or PPO's `critic.optimizer`: one type).
 What this device cannot run (bf16 training or the distributed optimizer without CUDA) was
 refused by `moe_rl.preflight.check_learner_device` before anything was built."""
 
@@ -11,14 +12,14 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from moe_rl.config import Config
+from moe_rl.config import OptimizerConfig
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module, total_updates: int) -> tuple[Any, OptimizerParamScheduler]:
-    """Adam over `model`'s parameters and its schedule over `total_updates` optimizer steps
-    (linear warm-up, then `optimizer.lr_decay_style` down to `min_lr`)."""
-    o = cfg.optimizer
-    bf16 = cfg.model.dtype_on(torch.cuda.is_available()) == "bf16"
+def build_optimizer(o: OptimizerConfig, model: torch.nn.Module, total_updates: int, *,
+                    bf16: bool) -> tuple[Any, OptimizerParamScheduler]:
+    """Adam (section `o`) over `model`'s parameters and its schedule over `total_updates`
+    optimizer steps (linear warm-up, then `o.lr_decay_style` down to `o.min_lr`); `bf16`:
+    the model's parameters are bf16 (fp32 main copies in the optimizer)."""
     optimizer = get_megatron_optimizer(
         MegatronOptimizerConfig(
             optimizer="adam",

@@ -6,7 +6,7 @@ rest, the same for every program.
         name = "my"
         def setup(self, resume_from): ...build models, load resume_from...; return start_step
         def step(self, step): ...one optimizer step...; return {"learner/loss": ...}
-        def save(self, path, meta): save_checkpoint(self.model, path, extra_meta=meta)
+        def save(self, path, meta): save_checkpoint(self.model, path, config=self.cfg, extra_meta=meta)
 
 The programs: RL (GRPO family and PPO, `moe_rl.programs.rl`), the engine-only role of a
 separate placement (`moe_rl.programs.rl.engine_role`), DPO and the reward model

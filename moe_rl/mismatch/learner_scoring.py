@@ -101,8 +101,7 @@ def score_jobs(ckpt: Checkpoint, layout: ScoringLayout, jobs: list[ScoreJob], te
     precisions = list(dict.fromkeys(j.learner_precision for j in jobs))
     with parallel_layout(cfg.parallel, seed=cfg.run.seed) as lay:
         for precision in precisions:
-            run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, params_dtype=precision))
-            learner = Learner(run_cfg, lay, trainable=False)
+            learner = Learner(dataclasses.replace(m, params_dtype=precision), cfg.parallel, lay)
             _load_weights(learner, ckpt)
             for job in (j for j in jobs if j.learner_precision == precision):
                 res = learner.score_whole(job.batch, temperature, RoutingPlan(capture=job.capture_routing))

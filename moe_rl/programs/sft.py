@@ -114,7 +114,7 @@ class SFTProgram(Program):
         self.layout = self._stack.enter_context(parallel_layout(cfg.parallel, seed=cfg.run.seed))
         self.layout_name = self.layout.name
         torch.manual_seed(cfg.run.seed)
-        self.learner = Learner(cfg, self.layout, total_updates=cfg.run.steps)
+        self.learner = Learner(cfg.model, cfg.parallel, self.layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
         held_out = self.task.sample(cfg.sft.eval_problems, np.random.default_rng(cfg.run.seed + EVAL_SEED_OFFSET))
         self.eval_batch = encode_problems(held_out, self.task, self.tok, self.layout.tp)
         if resume_from is not None:
@@ -145,7 +145,7 @@ class SFTProgram(Program):
     def save(self, path: Path, meta: dict[str, Any]) -> None:
         from moe_rl.learner import save_checkpoint
 
-        save_checkpoint(self.learner, path, extra_meta=meta)
+        save_checkpoint(self.learner, path, config=self.cfg, extra_meta=meta)
 
     def finish(self, last_step: int, final: Path) -> None:
         """Collective: the model alone (no optimizer state) to sft.output."""
@@ -155,7 +155,7 @@ class SFTProgram(Program):
             reward = self._evaluated[1]  # (the last step was evaluated: the same weights)
         else:
             reward = expected_reward(self.learner, self.eval_batch)
-        save_checkpoint(self.learner, sft_output(self.cfg), include_optimizer=False,
+        save_checkpoint(self.learner, sft_output(self.cfg), include_optimizer=False, config=self.cfg,
                         extra_meta={"sft": {"step": last_step, "expected_reward": reward}})
         if self.rank == 0:
             log.info("sft done: %d steps, expected reward %.3f, base model in %s", last_step, reward,

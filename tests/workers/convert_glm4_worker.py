@@ -65,21 +65,21 @@ def main() -> None:
     if mode == "save1":
         cfg = load_config(None, DS)
         with parallel_layout(cfg.parallel, seed=5) as layout:
-            learner = Learner(cfg, layout, trainable=False)
+            learner = Learner(cfg.model, cfg.parallel, layout)
             assert set_expert_biases(learner.gpt, seed=3) == cfg.model.num_layers - cfg.model.num_dense_layers
-            save_checkpoint(learner, f"{out}/c1")
+            save_checkpoint(learner, f"{out}/c1", config=cfg)
             result["logp"] = learner.logprobs(batch)
         megatron_to_hf(f"{out}/c1", f"{out}/hf1")
         hf_to_megatron(f"{out}/hf1", f"{out}/rt1")
     elif mode == "ep2":
         cfg = load_config(None, DS + EP2)
         with parallel_layout(cfg.parallel, seed=7) as layout:
-            learner = Learner(cfg, layout, trainable=False)
+            learner = Learner(cfg.model, cfg.parallel, layout)
             load_checkpoint(learner, f"{out}/c1")
-            save_checkpoint(learner, f"{out}/c_ep2")
+            save_checkpoint(learner, f"{out}/c_ep2", config=cfg)
             result["logp"] = learner.logprobs(batch)
             result["stream"] = dict(hf_named_tensors(learner))  # empty on rank 1
-            from_hf = Learner(cfg, layout, trainable=False)
+            from_hf = Learner(cfg.model, cfg.parallel, layout)
             load_hf_weights(from_hf, f"{out}/hf1")
             result["hf1_logp"] = from_hf.logprobs(batch)
     else:

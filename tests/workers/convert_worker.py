@@ -63,6 +63,7 @@ def main() -> None:
     if mode == "vllm":
         return run_vllm(out)
     import torch.distributed as dist
+    from learner_utils import learner_of
 
     from moe_rl.config import load_config
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
@@ -78,24 +79,24 @@ def main() -> None:
     if mode == "save1":
         cfg = load_config(None, C1)
         with parallel_layout(cfg.parallel, seed=5) as layout:
-            learner = Learner(cfg, layout)
+            learner = learner_of(cfg, layout)
             one_step(learner, batch)
-            save_checkpoint(learner, f"{out}/c1")
+            save_checkpoint(learner, f"{out}/c1", config=cfg)
             result["logp"] = learner.logprobs(batch)
     elif mode == "layouts":
         for name, parallel in PARALLEL.items():
             cfg = load_config(None, BASE + parallel + MODEL[name])
             with parallel_layout(cfg.parallel, seed=7) as layout:
-                learner = Learner(cfg, layout, trainable=False)
-                save_checkpoint(learner, f"{out}/c_{name}")
+                learner = Learner(cfg.model, cfg.parallel, layout)
+                save_checkpoint(learner, f"{out}/c_{name}", config=cfg)
                 r = {"layout": layout.name, "logp": learner.logprobs(batch)}
                 r["stream"] = dict(hf_named_tensors(learner))  # empty on rank 1
                 # c1's model at this layout: from the round-tripped checkpoint, and from HF.
                 at = load_config(None, C1 + parallel)
-                reloaded = Learner(at, layout, trainable=False)
+                reloaded = Learner(at.model, at.parallel, layout)
                 load_checkpoint(reloaded, f"{out}/rt1")
                 r["rt1_logp"] = reloaded.logprobs(batch)
-                from_hf = Learner(at, layout, trainable=False)
+                from_hf = Learner(at.model, at.parallel, layout)
                 load_hf_weights(from_hf, f"{out}/hf1")
                 r["hf1_logp"] = from_hf.logprobs(batch)
                 result[name] = r

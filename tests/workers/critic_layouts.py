@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from learner_utils import fixed_batch
+from learner_utils import fixed_batch, learner_of, rl_updates
 
 from moe_rl.config import load_config
 from moe_rl.learner.parallel import init_distributed, parallel_layout
@@ -71,7 +71,6 @@ def reward_model_step(model, tp: int) -> dict:
 def main() -> None:
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
     from moe_rl.learner.critic import VALUE_HEAD_KEYS, Critic
-    from moe_rl.learner.engine import Learner
 
     mode, out = sys.argv[1], sys.argv[2]
     rank, _ = init_distributed()
@@ -80,8 +79,8 @@ def main() -> None:
         cfg = load_config(None, BASE + overrides)
         with parallel_layout(cfg.parallel, seed=3) as layout:
             if mode == "reference":
-                save_checkpoint(Learner(cfg, layout), f"{out}/ckpt0")
-            critic = Critic(cfg, layout)
+                save_checkpoint(learner_of(cfg, layout), f"{out}/ckpt0", config=cfg)
+            critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=rl_updates(cfg))
             load_checkpoint(critic, f"{out}/ckpt0", load_optimizer=False, optional=(VALUE_HEAD_KEYS,))
             set_head(critic.gpt)
             result[name] = critic_step(critic, cfg)

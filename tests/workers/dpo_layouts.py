@@ -55,8 +55,9 @@ def dpo_step(learner, tokens) -> dict:
 
 
 def main() -> None:
+    from learner_utils import learner_of
+
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.learner.engine import Learner
 
     mode, out = sys.argv[1], sys.argv[2]
     rank, _ = init_distributed()
@@ -64,9 +65,9 @@ def main() -> None:
     for name, overrides in ({"reference": []} if mode == "reference" else LAYOUTS).items():
         cfg = load_config(None, BASE + overrides)
         with parallel_layout(cfg.parallel, seed=3) as layout:
-            learner = Learner(cfg, layout)
+            learner = learner_of(cfg, layout)
             if mode == "reference":
-                save_checkpoint(learner, f"{out}/ckpt0")
+                save_checkpoint(learner, f"{out}/ckpt0", config=cfg)
             else:
                 load_checkpoint(learner, f"{out}/ckpt0")
             result[name] = dpo_step(learner, pairs_batch(layout.tp))

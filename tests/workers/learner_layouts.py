@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from learner_utils import fixed_batch, reinforce_loss
+from learner_utils import fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 from moe_rl.learner.parallel import init_distributed, parallel_layout
@@ -46,13 +46,12 @@ def main() -> None:
     batch, adv_B = fixed_batch()
     result = {}
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.learner.engine import Learner
 
     if mode == "reference":
         cfg = load_config(None, BASE)
         with parallel_layout(cfg.parallel, seed=3) as layout:
-            learner = Learner(cfg, layout)
-            save_checkpoint(learner, f"{out}/ckpt0")
+            learner = learner_of(cfg, layout)
+            save_checkpoint(learner, f"{out}/ckpt0", config=cfg)
             result["logp"] = learner.logprobs(batch)
             result["metrics"], result["params"] = step_and_gather(learner, batch, adv_B)
             result["logp_after"] = learner.logprobs(batch)
@@ -60,22 +59,22 @@ def main() -> None:
         for name, overrides in LAYOUTS.items():
             cfg = load_config(None, BASE + overrides)
             with parallel_layout(cfg.parallel, seed=3) as layout:
-                learner = Learner(cfg, layout)
+                learner = learner_of(cfg, layout)
                 load_checkpoint(learner, f"{out}/ckpt0")
                 r = {"layout": layout.name, "logp": learner.logprobs(batch)}
                 r["metrics"], r["params"] = step_and_gather(learner, batch, adv_B)
                 r["logp_after"] = learner.logprobs(batch)
                 if name == "ep2":
-                    save_checkpoint(learner, f"{out}/ckpt_ep2")
+                    save_checkpoint(learner, f"{out}/ckpt_ep2", config=cfg)
                     r["next"] = learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
-                    resumed = Learner(cfg, layout)
+                    resumed = learner_of(cfg, layout)
                     load_checkpoint(resumed, f"{out}/ckpt_ep2")
                     r["next_resumed"] = resumed.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
                 result[name] = r
     elif mode == "check":
         cfg = load_config(None, BASE)
         with parallel_layout(cfg.parallel, seed=3) as layout:
-            learner = Learner(cfg, layout)
+            learner = learner_of(cfg, layout)
             load_checkpoint(learner, f"{out}/ckpt_ep2")
             result["logp"] = learner.logprobs(batch)
     else:

@@ -12,7 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from learner_utils import fixed_batch, reinforce_loss
+from learner_utils import fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 from moe_rl.learner.parallel import init_distributed, parallel_layout
@@ -71,7 +71,7 @@ def compare(learner, batch, adv_B):
     from moe_rl.routing.record import ReplayIds
 
     out = {}
-    cfg = learner.cfg.model
+    cfg = learner.model_cfg
     learner.packing = True
     packed = learner.score_whole(batch, routing=RoutingPlan(capture=True))
     g_packed = grads(learner, batch, adv_B)
@@ -105,11 +105,10 @@ def compare(learner, batch, adv_B):
     out["chunk_grad"] = max(float((a - b).abs().max()) for a, b in zip(g_full, g_part)) / scale
     out["chunk_entropy_min"] = float(part.entropy_BT[batch.response_mask()].min())
     out["chunk_logp_max"] = float(part.logp_BT[batch.response_mask()].max())
-    cfg_budget = dataclasses.replace(learner.cfg, parallel=dataclasses.replace(learner.cfg.parallel,
-                                                                               max_tokens_per_microbatch=24))
-    full_cfg, learner.cfg = learner.cfg, cfg_budget
+    full = learner.parallel_cfg
+    learner.parallel_cfg = dataclasses.replace(full, max_tokens_per_microbatch=24)
     g_budget = grads(learner, batch, adv_B)  # the rows of each rank binned by a 24-token budget
-    learner.cfg = full_cfg
+    learner.parallel_cfg = full
     out["budget_grad"] = max(float((a - b).abs().max()) for a, b in zip(g_budget, g_part)) / scale
     out["budget_microbatches"] = out["budget_microbatches_min"] = float(learner._num_microbatches)
     return out
@@ -145,15 +144,13 @@ def compare_balancing(learner, batch, adv_B):
 
 def run_one(layout_name: str, model_name: str, out: str, batch, adv_B) -> None:
     """One (layout, model): every comparison, the worst over the ranks saved by rank 0."""
-    from moe_rl.learner.engine import Learner
-
     cfg = load_config(None, BASE + MODELS[model_name] + LAYOUTS[layout_name])
     with parallel_layout(cfg.parallel, seed=3) as layout:
-        learner = Learner(cfg, layout)
+        learner = learner_of(cfg, layout)
         mine = compare(learner, batch, adv_B)
         z_loss = Z_LOSS if "tp" not in layout_name else []
         balancing = load_config(None, BASE + MODELS[model_name] + LAYOUTS[layout_name] + AUX + z_loss)
-        mine.update(compare_balancing(Learner(balancing, layout), batch, adv_B))
+        mine.update(compare_balancing(learner_of(balancing, layout), batch, adv_B))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:

@@ -15,7 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from learner_utils import fixed_batch, reinforce_loss
+from learner_utils import fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 from moe_rl.learner.engine import Learner
@@ -56,11 +56,11 @@ def main() -> None:
         for layout_name, layout_overrides in spec["layouts"].items():
             cfg = resolve_model(load_config(None, model_overrides + layout_overrides)).cfg
             with parallel_layout(cfg.parallel, seed=1) as layout:
-                out[f"{model}/{layout_name}"] = measure(Learner(cfg, layout))
+                out[f"{model}/{layout_name}"] = measure(learner_of(cfg, layout))
     if spec.get("tiny"):
         cfg = load_config(spec["tiny"], ["parallel.micro_batch_size=4"])
         with parallel_layout(cfg.parallel, seed=1) as layout:
-            learner = Learner(cfg, layout)
+            learner = learner_of(cfg, layout)
             batch, adv_B = fixed_batch()
             learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
             out["tiny"] = {**measure(learner), "adam_bytes": adam_state_bytes(learner)}

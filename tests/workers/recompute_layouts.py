@@ -12,10 +12,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from learner_utils import counting_router_reruns, replayed_updates
+from learner_utils import counting_router_reruns, learner_of, replayed_updates
 
 from moe_rl.config import load_config
-from moe_rl.learner import Learner, init_distributed, parallel_layout
+from moe_rl.learner import init_distributed, parallel_layout
 from moe_rl.learner.gather import iter_full_tensors
 
 LAYOUTS = {
@@ -30,7 +30,7 @@ def run(overrides: list[str]) -> dict:
     cfg = load_config(None, overrides)
     with counting_router_reruns() as reruns, parallel_layout(cfg.parallel, seed=3) as layout:
         torch.manual_seed(3)
-        learner = Learner(cfg, layout)
+        learner = learner_of(cfg, layout)
         updates = replayed_updates(learner, perturb_seed=11)
         return {"metrics": [{k: v for k, v in u.metrics.items() if k != "tokens_per_s"} for u in updates],
                 "logp": [u.logp_BT for u in updates],

@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from learner_utils import fixed_batch
+from learner_utils import fixed_batch, learner_of
 
 from moe_rl.config import load_config
 from moe_rl.learner import (
@@ -51,16 +51,16 @@ def reference(out: str) -> dict:
     cfg = load_config(None, BASE)
     res: dict = {}
     with parallel_layout(cfg.parallel, seed=3) as layout:
-        learner = Learner(cfg, layout)
-        save_checkpoint(learner, f"{out}/ckpt_a")
+        learner = learner_of(cfg, layout)
+        save_checkpoint(learner, f"{out}/ckpt_a", config=cfg)
         a = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
         res["A_ids"], res["A_logp"] = a.ids_RSLK, a.logp_RSLK
         perturb_routers(learner)
-        save_checkpoint(learner, f"{out}/ckpt_b")
+        save_checkpoint(learner, f"{out}/ckpt_b", config=cfg)
         res["gamma"] = learner.score_whole(batch, routing=RoutingPlan(old=a)).router_shift_BT
         res["fresh_ids"] = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record.ids_RSLK
         for mbs in (12, 6, 3):  # 1, 2 and 4 micro-batches
-            lr = Learner(with_mbs(cfg, mbs), layout)
+            lr = learner_of(with_mbs(cfg, mbs), layout)
             load_checkpoint(lr, f"{out}/ckpt_b")
             rec = lr.score_whole(batch, routing=RoutingPlan(capture=True, replay=ReplayIds.from_record(a))).record
             res[f"replayed_ids_mbs{mbs}"] = rec.ids_RSLK
@@ -74,7 +74,7 @@ def layouts(out: str) -> dict:
     for name, overrides in LAYOUTS.items():
         cfg = load_config(None, BASE + overrides)
         with parallel_layout(cfg.parallel, seed=3) as layout:
-            learner = Learner(cfg, layout)
+            learner = learner_of(cfg, layout)
             load_checkpoint(learner, f"{out}/ckpt_a")
             a = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
 

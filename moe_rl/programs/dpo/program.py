@@ -42,8 +42,8 @@ class DPOProgram(PreferenceProgram):
         from moe_rl.learner import Learner, load_start
 
         cfg = self.cfg
-        self.model = Learner(cfg, layout, total_updates=cfg.run.steps)
-        self.ref = Learner(cfg, layout, trainable=False)
+        self.model = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
+        self.ref = Learner(cfg.model, cfg.parallel, layout)  # (frozen: no optimizer)
         load_start(self.ref, cfg.run.init_checkpoint, cfg.run.trust_checkpoint)
         if resume_from is None:
             load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint)

@@ -94,7 +94,7 @@ class CriticStage(StepComponent):
         self.actor_warmup_steps = cfg.critic.warmup_steps
         if updates is None:  # (the whole run's: every step trains the critic, warm-up included)
             updates = cfg.run.steps * self.passes[0] * self.passes[1]
-        self.critic = Critic(cfg, layout, total_updates=updates)
+        self.critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=updates)
         self.loss_fn = ValueLossFn(cfg)
         self.kl_coef = cfg.rl.kl_coef
         """beta, the KL weight in the reward of the next step (rl.kl_in_reward)."""

@@ -100,7 +100,7 @@ class PreferenceProgram(Program):
         """Collective: the model, optimizer, schedule and RNG."""
         from moe_rl.learner import save_checkpoint
 
-        save_checkpoint(self.model, path, extra_meta=meta)
+        save_checkpoint(self.model, path, config=self.cfg, extra_meta=meta)
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """The algorithm's fields and the held-out accuracy at every evaluation and the last."""

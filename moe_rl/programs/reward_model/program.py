@@ -49,7 +49,7 @@ class RewardModelProgram(PreferenceProgram):
         from moe_rl.learner.critic import VALUE_HEAD_KEYS, ValueModel
 
         cfg = self.cfg
-        self.model = ValueModel(cfg, layout, total_updates=cfg.run.steps)
+        self.model = ValueModel(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
         if resume_from is None:  # (the policy's weights hold no value head: rm.head_init_scale starts it)
             load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint, optional=(VALUE_HEAD_KEYS,))
             if cfg.rm.head_init_scale > 0:

@@ -58,8 +58,8 @@ class LearnerRole(Program):
         cfg, init = self.cfg, self.cfg.run.init_checkpoint
         self.layout = self._stack.enter_context(parallel_layout(cfg.parallel, seed=cfg.run.seed))
         self.layout_name = self.layout.name
-        actor_steps = cfg.run.steps - critic_warmup_steps(cfg)
-        self.learner = Learner(cfg, self.layout, total_updates=actor_steps * cfg.rl.epochs * cfg.rl.num_minibatches)
+        self.learner = Learner(cfg.model, cfg.parallel, self.layout, optimizer=cfg.optimizer,
+                               total_updates=actor_updates(cfg))
         self.components = step_components(cfg, self.layout)
         start = 0
         if resume_from is not None:
@@ -79,7 +79,7 @@ class LearnerRole(Program):
         self._offload = [HostOffload(m) for m in trained] if cfg.optimizer.offload_during_rollout else None
         self.ref = None
         if cfg.rl.kl_coef > 0:  # (the preflight made sure there is an init checkpoint)
-            self.ref = Learner(cfg, self.layout, trainable=False)
+            self.ref = Learner(cfg.model, cfg.parallel, self.layout)  # (frozen: no optimizer)
             load_start(self.ref, init, cfg.run.trust_checkpoint)
         self.collector.start_sampler(cfg.run_dir, resume_from or (Path(init) if init else None))
         start = self.collector.placement.from_rank0(start)  # (to engine-only ranks)
@@ -159,7 +159,8 @@ class LearnerRole(Program):
         from moe_rl.learner import save_checkpoint
 
         state = {k: v for component in self.components for k, v in component.state().items()}
-        save_checkpoint(self.learner, path, extra_meta={**meta, **state}, components=models_of(self.components))
+        save_checkpoint(self.learner, path, config=self.cfg, extra_meta={**meta, **state},
+                        components=models_of(self.components))
 
     def finish(self, last_step: int, final: Path) -> None:
         """The final checkpoint as a Hugging Face directory, `<run>/hf` (rank 0): the source
@@ -196,6 +197,15 @@ class LearnerRole(Program):
         """Release the sampler and the layout."""
         with self._stack:
             self.collector.close()
+
+
+def actor_updates(cfg: Config) -> int:
+    """The actor's optimizer steps over the run, its schedule's length: rl.epochs x
+    rl.num_minibatches per step that trains it (all but the critic's warm-up steps). A
+    value-pretraining run (warm-up = run.steps) never steps the actor: its schedule then spans
+    run.steps x those passes (the length its checkpoints have always recorded)."""
+    per_step = cfg.rl.epochs * cfg.rl.num_minibatches
+    return (cfg.run.steps - critic_warmup_steps(cfg)) * per_step or max(1, cfg.run.steps * per_step)
 
 
 def step_components(cfg: Config, layout: Any) -> list[StepComponent]:
