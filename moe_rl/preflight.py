@@ -100,6 +100,23 @@ def check_learner_device(cfg: Config) -> None:
     if cfg.optimizer.distributed and not cuda:
         raise ConfigError("optimizer.distributed=true needs CUDA: megatron-core's distributed optimizer only "
                           "takes CUDA tensors; leave it false on CPU")
+    check_gpu_only_settings(cfg, cuda)
+
+
+def check_gpu_only_settings(cfg: Config, cuda: bool) -> None:
+    """The model settings that need the Transformer Engine spec on a GPU (fused permutation,
+    gradient-accumulation fusion, CUDA graphs, expert capacity) are off on CPU and with
+    `model.layer_spec=local` (the learner checks TE itself when it builds)."""
+    from moe_rl.config.model import GPU_ONLY_DEFAULTS
+
+    if cuda and cfg.model.layer_spec != "local":
+        return
+    where = "there is no GPU here" if not cuda else "model.layer_spec=local"
+    for key, value in cfg.model.gpu_only_settings().items():
+        off = GPU_ONLY_DEFAULTS[key.removeprefix("model.")]
+        shown, off_shown = (str(v).lower() if isinstance(v, bool) else str(v) for v in (value, off))
+        raise ConfigError(f"{key}={shown} needs the Transformer Engine layer spec on a GPU, and {where}: "
+                          f"set it to {off_shown}")
 
 
 def check_sampler(cfg: Config) -> None:

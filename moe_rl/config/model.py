@@ -152,9 +152,66 @@ class ModelConfig:
     differed by up to 0.071 in log-prob at 4 layers of the Qwen3-30B-A3B shape (H100,
     2026-11-26, bench/results/gpu_h100_learner.md, 0.87x the speed there). The GPU recipes
     set it."""
+    gradient_accumulation_fusion: bool = False
+    """Weight gradients accumulated straight into megatron's fp32 `main_grad` buffers by the
+    GEMM that computes them (Transformer Engine's `fuse_wgrad_accumulation`), instead of a
+    separate gradient tensor added afterwards (GPU, TE spec only). megatron's own linears
+    (the output layer) need apex's `fused_weight_gradient_mlp_cuda` for it; without apex they
+    keep the unfused path. Written, not yet run on a GPU (`bench/gpu_learner_levers.py`)."""
+    cuda_graph_scope: str = "none"
+    """CUDA graphs over parts of every MoE layer, megatron-core's own implementation
+    (`cuda_graph_impl=local`: recorded in the first training forward-backward, replayed
+    after wherever the inputs match, scoring passes included): none; moe_router (the pre-MLP
+    norm and the router, and the combine after the experts), optionally with moe_preprocess
+    (the dispatch's preprocessing too), comma-separated; or full (whole layers, attention
+    included: needs moe_pad_expert_input_to_capacity, as the dropless dispatch syncs with the
+    host). GPU, TE spec only. A graphed router replays its kernels without the learner's
+    routing taps, so every scope is refused with routing replay (rl.replay) and routing
+    capture (rl.capture_routing, the router shift). Attention alone is not offered:
+    megatron's local graphs take attention only inside a whole layer, and Transformer
+    Engine's graphs want one fixed micro-batch shape, which packed batches do not have.
+    Written, not yet run on a GPU."""
+    moe_expert_capacity_factor: float = 0.0
+    """Expert capacity as a multiple of the even share (tokens x top-k / experts); tokens
+    routed past it are dropped (megatron's `moe_expert_capacity_factor`, lowest-probability
+    first). 0: no capacity, nothing dropped. Dropping changes the model: the learner then
+    computes other log-probs than the sampler, so it is refused with routing replay. GPU,
+    TE spec only; for throughput experiments (a sync-free dispatch with the pad below).
+    Written, not yet run on a GPU."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (megatron's
+    `moe_pad_expert_input_to_capacity`): fixed shapes, so the dispatch needs no
+    device-to-host sync (what whole-layer CUDA graphs need). Needs
+    moe_expert_capacity_factor > 0. Written, not yet run on a GPU."""
+
+    def gpu_only_settings(self) -> dict[str, object]:
+        """The settings that need the Transformer Engine layer spec on a GPU and are on, by
+        key (`model.<field>`): what the preflight and the learner refuse elsewhere."""
+        return {f"model.{name}": getattr(self, name) for name, off in GPU_ONLY_DEFAULTS.items()
+                if getattr(self, name) != off}
 
     def dtype_on(self, on_gpu: bool) -> Literal["fp32", "bf16"]:
         """`params_dtype` made concrete for a machine (auto: bf16 on a GPU, fp32 on CPU)."""
         if self.params_dtype == "auto":
             return "bf16" if on_gpu else "fp32"
         return self.params_dtype
+
+
+GPU_ONLY_DEFAULTS: dict[str, object] = {
+    "moe_permute_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "cuda_graph_scope": "none",
+    "moe_expert_capacity_factor": 0.0,
+    "moe_pad_expert_input_to_capacity": False,
+}
+"""The model settings that need the Transformer Engine spec on a GPU, at their off values
+(`ModelConfig.gpu_only_settings`; the planner's meta-device build resets them)."""
+
+CUDA_GRAPH_SCOPES = ("full", "moe_router", "moe_preprocess")
+"""What `model.cuda_graph_scope` may list (full: megatron-core's whole-layer scope; the
+others are its CudaGraphScope names)."""
+
+
+def cuda_graph_scopes(scope: str) -> list[str]:
+    """`model.cuda_graph_scope` as a list ([] for none)."""
+    return [] if scope.strip() == "none" else [s.strip() for s in scope.split(",") if s.strip()]

@@ -47,6 +47,11 @@ class ParallelConfig:
     logits block exists (vocabulary-parallel under TP). 0: the full-logits path."""
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: NCCL with CUDA, gloo without."""
+    manual_gc_interval: int = 0
+    """Manual garbage collection (megatron's manual_gc): > 0 turns Python's automatic
+    collector off at the first learner update and collects every this many updates (of any
+    learner in the process), so collections no longer land at random inside a step. 0:
+    Python's automatic collection, as usual. Any device; written, not yet timed on a GPU."""
 
 
 @dataclass(frozen=True)

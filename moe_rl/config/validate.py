@@ -11,6 +11,7 @@ from moe_rl.config.coerce import choices_hint
 from moe_rl.config.critic import validate_critic
 from moe_rl.config.dpo import validate_dpo
 from moe_rl.config.errors import ConfigError
+from moe_rl.config.model import CUDA_GRAPH_SCOPES, cuda_graph_scopes
 from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS
 from moe_rl.config.reward_model import validate_reward_model
 from moe_rl.config.sections import Config
@@ -41,6 +42,49 @@ def validate_model(cfg: Config) -> None:
                           "(at least one MoE layer)")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         raise ConfigError("model.moe_router_enable_expert_bias needs model.moe_router_score_function=sigmoid")
+    validate_throughput_settings(cfg)
+
+
+def validate_throughput_settings(cfg: Config) -> None:
+    """The learner's throughput levers against each other (their device is the preflight's):
+    capacity and its padding, the CUDA graph scopes megatron-core accepts, and the routing
+    the graphed router or dropped tokens would break."""
+    m, rl = cfg.model, cfg.rl
+    if m.moe_expert_capacity_factor < 0:
+        raise ConfigError(f"model.moe_expert_capacity_factor must be >= 0 (0: no capacity), got "
+                          f"{m.moe_expert_capacity_factor}")
+    if m.moe_pad_expert_input_to_capacity and not m.moe_expert_capacity_factor:
+        raise ConfigError("model.moe_pad_expert_input_to_capacity needs model.moe_expert_capacity_factor > 0 "
+                          "(the capacity it pads to)")
+    if m.moe_expert_capacity_factor and rl.replay != "none":
+        raise ConfigError(f"model.moe_expert_capacity_factor drops tokens the replayed routing sends to an expert "
+                          f"(rl.replay={rl.replay}): set it to 0 or rl.replay=none")
+    scopes = cuda_graph_scopes(m.cuda_graph_scope)
+    unknown = [x for x in scopes if x not in CUDA_GRAPH_SCOPES]
+    if unknown or (not scopes and m.cuda_graph_scope.strip() != "none"):
+        raise ConfigError(f"model.cuda_graph_scope={m.cuda_graph_scope!r}: expected none or a comma-separated "
+                          f"subset of {', '.join(CUDA_GRAPH_SCOPES)}")
+    rules = (
+        ("full" in scopes and len(scopes) > 1, "full (whole layers) takes no other scope"),
+        ("full" in scopes and not m.moe_pad_expert_input_to_capacity,
+         "full needs model.moe_pad_expert_input_to_capacity=true (a whole MoE layer is graphed only with the "
+         "capacity-padded dispatch: the dropless one syncs with the host)"),
+        ("moe_preprocess" in scopes and "moe_router" not in scopes,
+         "moe_preprocess needs moe_router (megatron graphs the preprocessing only after the router)"),
+        (scopes and m.recompute != "none", "CUDA graphs cannot take model.recompute=full (megatron recomputes "
+                                           "under graphs only for whole-iteration graphs); set one of them off"),
+        ("moe_preprocess" in scopes and m.moe_expert_capacity_factor and m.moe_token_dispatcher_type == "alltoall",
+         "moe_preprocess cannot take model.moe_expert_capacity_factor under the alltoall dispatcher (its "
+         "preprocessing syncs with the host there)"),
+    )
+    for broken, why in rules:
+        if broken:
+            raise ConfigError(f"model.cuda_graph_scope={m.cuda_graph_scope}: {why}")
+    if scopes and rl.objective in OBJECTIVE_HPARAMS and rl.records_routing:
+        raise ConfigError(f"model.cuda_graph_scope={m.cuda_graph_scope} graphs the router, which then replays its "
+                          "captured kernels without the learner's routing taps: set rl.capture_routing=false and "
+                          "rl.replay=none (and an objective without the router shift), or leave the router out "
+                          "of the scope")
 
 
 def validate_parallel(cfg: Config) -> None:
@@ -74,6 +118,9 @@ def validate_parallel(cfg: Config) -> None:
     if p.max_tokens_per_microbatch < 0:
         raise ConfigError(f"parallel.max_tokens_per_microbatch must be >= 0 (0: micro_batch_size sequences), "
                           f"got {p.max_tokens_per_microbatch}")
+    if p.manual_gc_interval < 0:
+        raise ConfigError(f"parallel.manual_gc_interval must be >= 0 (0: Python's automatic collection), got "
+                          f"{p.manual_gc_interval}")
     if p.max_tokens_per_microbatch and not p.packing:
         raise ConfigError("parallel.max_tokens_per_microbatch needs parallel.packing=true (a token budget bins "
                           "sequences of any length together, which only the packed layout can run)")

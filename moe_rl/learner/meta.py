@@ -34,6 +34,7 @@ from megatron.core import parallel_state as ps
 from torch.overrides import TorchFunctionMode
 
 from moe_rl.config import Config, ParallelConfig
+from moe_rl.config.model import GPU_ONLY_DEFAULTS
 from moe_rl.learner import cpu_shims
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
 from moe_rl.learner.parallel import parallel_layout
@@ -177,10 +178,10 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
 
 
 def _local_spec(cfg: Config) -> Config:
-    """The recipe with the local layer spec, no fp8 and no TE fusions: the same parameter
+    """The recipe with the local layer spec, no fp8 and no GPU-only settings: the same parameter
     shapes as the TE spec, buildable without CUDA / Transformer Engine."""
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layer_spec="local", fp8="none",
-                                                              moe_permute_fusion=False))
+                                                              **GPU_ONLY_DEFAULTS))
 
 
 @contextlib.contextmanager

@@ -17,7 +17,9 @@ local megatron-core spec otherwise; `model.layer_spec` overrides.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,11 +30,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from moe_rl.config import ConfigError, ModelConfig, ParallelConfig
+from moe_rl.config.model import GPU_ONLY_DEFAULTS, cuda_graph_scopes
 from moe_rl.learner.mla_attention import MLADotProductAttention, allow_mla_without_te
 from moe_rl.learner.packed_attention import PackedDotProductAttention
-from moe_rl.learner.parallel import sequence_parallel_for
+from moe_rl.learner.parallel import graph_safe_rng, sequence_parallel_for
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +83,17 @@ def resolve_layer_spec(model: ModelConfig) -> str:
     else:
         spec = model.layer_spec
     _check_fp8(model, spec)
-    if model.moe_permute_fusion and spec != "te":
-        raise ConfigError("model.moe_permute_fusion=true needs the Transformer Engine layer spec on a GPU "
-                          f"(the layer spec here is {spec}): set it to false")
+    if spec != "te":
+        for key, value in model.gpu_only_settings().items():
+            off = GPU_ONLY_DEFAULTS[key.removeprefix("model.")]
+            raise ConfigError(f"{key}={yaml_scalar(value)} needs the Transformer Engine layer spec on a GPU "
+                              f"(the layer spec here is {spec}): set it to {yaml_scalar(off)}")
     return spec
+
+
+def yaml_scalar(value: object) -> str:
+    """A setting's value as a recipe writes it (true/false for booleans)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def fp8_settings(model: ModelConfig) -> dict:
@@ -173,6 +185,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         moe_grouped_gemm=spec == "te",
         moe_permute_fusion=model.moe_permute_fusion,
         moe_router_fusion=False,  # the fused router bypasses RouterReplay
+        # capacity (0: none, megatron's None) and the sync-free padded dispatch
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor or None,
+        moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
         moe_enable_routing_replay=True,  # idle unless the learner sets a replay action
         # parallelism
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -193,11 +208,25 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         # (the local spec's fused masked softmax needs apex's kernels: a GPU without them failed
         # there, H200 2026-11-27; TE's attention does not use it)
         masked_softmax_fusion=spec == "te",
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=model.gradient_accumulation_fusion,  # (TE spec on a GPU only)
+        **cuda_graph_settings(model),
         # packed micro-batches differ in length: pipeline stages exchange shapes first
         variable_seq_lengths=parallel.packing,
         **recompute_settings(model),
     )
+
+
+def cuda_graph_settings(model: ModelConfig) -> dict:
+    """megatron-core's per-layer CUDA graphs (`cuda_graph_impl=local`) over
+    `model.cuda_graph_scope` ({} for none; full: megatron's empty scope, whole layers). The
+    local implementation needs no training-loop hook: megatron's schedule records the graphs
+    in the first training forward-backward and replays them after (Transformer Engine's
+    implementation wants megatron's training loop and fixed sample shapes before the first
+    step)."""
+    scopes = cuda_graph_scopes(model.cuda_graph_scope)
+    if not scopes:
+        return {}
+    return dict(cuda_graph_impl="local", cuda_graph_scope=[] if scopes == ["full"] else scopes)
 
 
 def recompute_settings(model: ModelConfig) -> dict:
@@ -212,7 +241,11 @@ def recompute_settings(model: ModelConfig) -> dict:
 def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
     """The local pipeline stage of the model (megatron's parallel state must be set up)."""
     use_te = resolve_layer_spec(model) == "te"
+    if tcfg.cuda_graph_impl != "none":
+        graph_safe_rng()
     block_spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
+    if tcfg.cuda_graph_impl != "none" and tcfg.cuda_graph_scope:
+        _partial_graphs_in_moe_layers(block_spec)
     if use_te:
         _share_checkpoint_names_with_the_local_spec(block_spec)
     else:  # TE's attention takes packed (THD) input itself; the local one needs ours
@@ -220,7 +253,26 @@ def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
         allow_mla_without_te()
         for layer in block_spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = core
-    gpt = GPTModel(
+    with _megatron_linears_unfused(tcfg):
+        gpt = _gpt_model(model, tcfg, block_spec)
+    _reduce_expert_grads_over_expert_dp(gpt, tcfg)
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt
+
+
+def _partial_graphs_in_moe_layers(block_spec: Any) -> None:
+    """The MoE layers as megatron's MoETransformerLayer, which graphs the router (and the
+    dispatch's preprocessing) and the combine in parts, the experts eager between them; the
+    plain TransformerLayer would graph its whole forward under any scope. Without CUDA graphs
+    the two compute alike, so only a partial scope swaps them."""
+    for layer in block_spec.layer_specs:
+        if layer.module is TransformerLayer and getattr(layer.submodules.mlp, "module", None) is MoELayer:
+            layer.module = MoETransformerLayer
+
+
+def _gpt_model(model: ModelConfig, tcfg: TransformerConfig, block_spec: Any) -> GPTModel:
+    return GPTModel(
         config=tcfg,
         transformer_layer_spec=block_spec,
         vocab_size=model.vocab_size,
@@ -232,10 +284,50 @@ def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
         pre_process=ps.is_pipeline_first_stage(),  # embedding only on the first stage
         post_process=ps.is_pipeline_last_stage(),  # final norm + output layer only on the last
     )
-    _reduce_expert_grads_over_expert_dp(gpt, tcfg)
-    if torch.cuda.is_available():
-        gpt.cuda(torch.cuda.current_device())
-    return gpt
+
+
+@contextlib.contextmanager
+def _megatron_linears_unfused(tcfg: TransformerConfig) -> Iterator[None]:
+    """With `gradient_accumulation_fusion`, Transformer Engine's linears accumulate their
+    weight gradients into `main_grad` themselves; megatron's own linears (the output layer)
+    need apex's `fused_weight_gradient_mlp_cuda` for it and refuse to build without it.
+    Without apex they are built anyway and keep the unfused path (the chunked head computes
+    its own logits from the output weight, so its gradient takes that path regardless)."""
+    from megatron.core.tensor_parallel import layers
+
+    if not tcfg.gradient_accumulation_fusion or layers._grad_accum_fusion_available:
+        yield
+        return
+    classes = (layers.ColumnParallelLinear, layers.RowParallelLinear)
+    real_inits = [cls.__init__ for cls in classes]
+    built: list[Any] = []
+
+    def recorded(real_init: Any) -> Any:
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            real_init(self, *args, **kwargs)
+            built.append(self)
+        return init
+
+    layers._grad_accum_fusion_available = True
+    for cls, real_init in zip(classes, real_inits):
+        cls.__init__ = recorded(real_init)
+    try:
+        yield
+    finally:
+        layers._grad_accum_fusion_available = False
+        for cls, real_init in zip(classes, real_inits):
+            cls.__init__ = real_init
+        for linear in built:
+            linear.gradient_accumulation_fusion = False
+
+
+def release_cuda_graphs() -> None:
+    """Drop every CUDA graph megatron's local implementation recorded in this process (its
+    record is global: a later learner would otherwise replay an earlier one's graphs)."""
+    from megatron.core.transformer import cuda_graphs
+
+    if cuda_graphs._CudagraphGlobalRecord.cudagraph_record or cuda_graphs._CudagraphGlobalRecord.cudagraph_created:
+        cuda_graphs.delete_cuda_graphs()
 
 
 def _share_checkpoint_names_with_the_local_spec(block_spec: Any) -> None:

@@ -167,6 +167,7 @@ def parallel_layout(cfg: ParallelConfig, seed: int = 1234) -> Iterator[Layout]:
     rerun.initialize_rerun_state_machine(mode=rerun.RerunMode.DISABLED)
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        _layout_seed[:] = [seed]
         yield Layout(
             tp=ps.get_tensor_model_parallel_world_size(),
             pp=ps.get_pipeline_model_parallel_world_size(),
@@ -180,5 +181,25 @@ def parallel_layout(cfg: ParallelConfig, seed: int = 1234) -> Iterator[Layout]:
             sequence_parallel=sequence_parallel_for(cfg),
         )
     finally:
+        _layout_seed.clear()
         ps.destroy_model_parallel()
         rerun.destroy_rerun_state_machine()
+
+
+_layout_seed: list[int] = []  # the active layout's seed
+
+
+def graph_safe_rng() -> None:
+    """megatron's CUDA RNG tracker in its graph-safe form (megatron's CUDA graphs refuse the
+    other), re-seeded with the active layout's seed; nothing when it is graph-safe already
+    (the form then stays for the process)."""
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        is_graph_safe_cuda_rng_tracker,
+    )
+
+    if is_graph_safe_cuda_rng_tracker(get_cuda_rng_tracker()):
+        return
+    if not _layout_seed:
+        raise RuntimeError("CUDA graphs need an active parallel_layout() (its seed seeds the graph-safe RNG)")
+    tensor_parallel.model_parallel_cuda_manual_seed(_layout_seed[0], use_cudagraphable_rng=True, force_reset_rng=True)
