@@ -71,6 +71,7 @@ from moe_rl.learner.reduce import reduce_metrics
 from moe_rl.learner.routing import RouterTaps, RoutingPlan
 from moe_rl.learner.routing_compare import sampler_disagreement
 from moe_rl.routing.record import ReplayIds, RoutingRecord, row_positions
+from moe_rl.runtime import manual_gc
 from moe_rl.runtime.collectives import all_gather_object
 from moe_rl.step_batch import StepBatch, dp_rows
 
@@ -287,6 +288,7 @@ class Learner:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
         metrics.update(self._throughput(time.perf_counter() - t0))
+        manual_gc.tick(self.parallel_cfg.manual_gc_interval)  # (after the timing: parallel.manual_gc_interval)
         return UpdateResult(metrics, logp, record)
 
     def _throughput(self, seconds: float) -> dict[str, float]:
