@@ -95,8 +95,14 @@ def test_packed_attention_equals_one_call_per_sequence(megatron_world):
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(82, h, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
         w = torch.randn(82, 1, 64, generator=g)
-        got = attn(q, k, v, None, AttnMaskType.causal, packed_seq_params=PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40, max_seqlen_kv=40))
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40,
+                                 max_seqlen_kv=40)
+        got = attn(q, k, v, None, AttnMaskType.causal, packed_seq_params=params)
+        # the next layer of the micro-batch (the same params object) reuses its segment groups
+        groups = params.moe_rl_segment_groups
+        assert [(gr.longest, gr.g) for gr in groups] == [(40, 2), (3, 3)]
+        assert torch.equal(attn(q, k, v, None, AttnMaskType.causal, packed_seq_params=params), got)
+        assert params.moe_rl_segment_groups is groups
         grads = torch.autograd.grad((got * w).sum(), (q, k, v))
         bounds = cu.tolist()
         want = torch.cat([DotProductAttention.forward(attn, q[a:b, None], k[a:b, None], v[a:b, None], None,

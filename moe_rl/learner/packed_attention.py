@@ -19,6 +19,7 @@ length adds at most `MERGE_WASTE` score positions: about one call's overhead on 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,10 +41,35 @@ def length_groups(lengths: list[int], waste: int = MERGE_WASTE) -> list[list[int
     return groups
 
 
-def _padded(x_NHD: torch.Tensor, token_N: torch.Tensor, slot_N: torch.Tensor, longest: int, g: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class SegmentGroup:
+    """Segments that share one attention call: every token's packed index (`token_N`) and
+    its slot (position * g + member) in the right-padded [longest, g] batch (`slot_N`)."""
+
+    longest: int
+    g: int
+    token_N: torch.Tensor
+    slot_N: torch.Tensor
+
+
+def segment_groups(bounds: list[int], device: torch.device) -> list[SegmentGroup]:
+    """The length groups of the packed segments between `bounds` (cu_seqlens), with their
+    index tensors built on the host in one go (one small copy per group and tensor)."""
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
+    out = []
+    for group in length_groups(lengths):
+        g = len(group)
+        token = [t for i in group for t in range(bounds[i], bounds[i + 1])]
+        slot = [p * g + m for m, i in enumerate(group) for p in range(lengths[i])]
+        out.append(SegmentGroup(lengths[group[0]], g, torch.tensor(token).to(device, non_blocking=True),
+                                torch.tensor(slot).to(device, non_blocking=True)))
+    return out
+
+
+def _padded(x_NHD: torch.Tensor, group: SegmentGroup) -> torch.Tensor:
     """A group's tokens of packed [t, heads, dim] at their slots of a right-padded [L, g, heads, dim]."""
-    out = x_NHD.new_zeros(longest * g, *x_NHD.shape[1:]).index_copy(0, slot_N, x_NHD[token_N])
-    return out.view(longest, g, *x_NHD.shape[1:])
+    out = x_NHD.new_zeros(group.longest * group.g, *x_NHD.shape[1:]).index_copy(0, group.slot_N, x_NHD[group.token_N])
+    return out.view(group.longest, group.g, *x_NHD.shape[1:])
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -53,22 +79,28 @@ class PackedDotProductAttention(DotProductAttention):
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        groups = _groups_of(packed_seq_params, query.device)
+        contexts = []
+        for group in groups:
+            qkv = (_padded(x, group) for x in (query, key, value))
+            context = super().forward(*qkv, None, attn_mask_type, attention_bias)
+            contexts.append(context.reshape(group.longest * group.g, -1)[group.slot_N])
+        # (the groups' tokens, concatenated, back into packed order: index_copy, whose
+        # backward is a gather rather than a scatter-add)
+        context_NH = torch.cat(contexts) if len(contexts) > 1 else contexts[0]
+        token_N = torch.cat([g.token_N for g in groups]) if len(groups) > 1 else groups[0].token_N
+        return context_NH.new_zeros(context_NH.shape).index_copy(0, token_N, context_NH).unsqueeze(1)
+
+
+def _groups_of(packed_seq_params: Any, device: torch.device) -> list[SegmentGroup]:
+    """The micro-batch's segment groups, built by its first attention layer and kept on its
+    `packed_seq_params` (one object per micro-batch, passed to every layer): the index
+    tensors and the read of the boundaries happen once per micro-batch, not per layer."""
+    groups = getattr(packed_seq_params, "moe_rl_segment_groups", None)
+    if groups is None:
         cu = packed_seq_params.cu_seqlens_q_padded
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
-        bounds = cu.tolist()
-        lengths = [end - start for start, end in itertools.pairwise(bounds)]
-        tokens, contexts = [], []
-        for group in length_groups(lengths):
-            longest, g = lengths[group[0]], len(group)
-            # each token of the group: its packed index, and its slot (position * g + member) in [L, g]
-            token_N = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in group]).to(query.device)
-            slot_N = torch.cat([torch.arange(lengths[i]) * g + m for m, i in enumerate(group)]).to(query.device)
-            qkv = (_padded(x, token_N, slot_N, longest, g) for x in (query, key, value))
-            context = super().forward(*qkv, None, attn_mask_type, attention_bias)
-            tokens.append(token_N)
-            contexts.append(context.reshape(longest * g, -1)[slot_N])
-        # (the groups' tokens, concatenated, back into packed order: index_copy, whose
-        # backward is a gather rather than a scatter-add)
-        context_NH = torch.cat(contexts)
-        return context_NH.new_zeros(context_NH.shape).index_copy(0, torch.cat(tokens), context_NH).unsqueeze(1)
+        groups = segment_groups(cu.tolist(), device)
+        packed_seq_params.moe_rl_segment_groups = groups
+    return groups
