@@ -11,6 +11,50 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+def test_rl_step_check_dry_run_writes_its_table_and_the_mismatch_report(tmp_path):
+    """Check 1 on CPU: a random model of the run's shape written as a Hugging Face directory,
+    `moe_rl.train` under R3 for 2 steps, the per-step table (time breakdown, push GB/s, the
+    used-route disagreement, exactly 0 under R3) and the mismatch report of the run's final
+    checkpoint, bf16 and fp8 rows."""
+    from bench.gpu_rl_step import main
+
+    assert main(dry_run=True, out=str(tmp_path)) == 0
+    result = json.loads((tmp_path / "results" / "gpu_cpu_rl_step.json").read_text())
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [1, 2] and result["dry_run"] is True
+    for s in steps:
+        assert s["used_disagree"] == 0.0  # R3: the learner used the sampler's experts
+        assert s["push_gb"] > 0 and s["push_gbps"] > 0
+        assert 0 < s["update_s"] < s["step_s"] and s["sample_s"] > 0
+    assert "torch" in result["versions"] and "rl.replay=R3" in result["command"]
+    table = (tmp_path / "results" / "gpu_cpu_rl_step.md").read_text()
+    assert "| 2 |" in table and "push GB/s" in table and "Command: `-m moe_rl.train" in table
+    report = json.loads((tmp_path / "mismatch" / "mismatch.json").read_text())
+    assert list(report["settings"]) == ["vllm:bf16/learner:bf16", "vllm:fp8_emulated/learner:bf16"]
+    assert (tmp_path / "mismatch" / "REPORT.md").is_file()
+
+
+def test_rl_step_check_gpu_recipe_passes_the_checks_a_gpu_run_makes(tmp_path, monkeypatch):
+    """The GPU run's overrides (30B layer shape, nccl, vLLM bf16 asleep during the update,
+    R3, a token budget) load, and pass every check that does not read the weights, as on a
+    machine with CUDA: a typo or a refused combination shows here, not on the GPU."""
+    import torch
+
+    from bench.gpu_rl_step import RECIPE, ROOT, recipe_overrides
+    from moe_rl.config import load_config, validate_layout
+    from moe_rl.preflight import check_learner_device, check_sampler, check_task_inputs
+
+    cfg = load_config(ROOT / RECIPE, recipe_overrides(False, 2, 3, tmp_path, tmp_path / "init"))
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (2, 2048, 128, 8, 768)
+    assert (cfg.rl.replay, cfg.sampler.backend, cfg.sampler.precision, m.layer_spec) == ("R3", "vllm", "bf16", "local")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    validate_layout(cfg, 1)
+    check_learner_device(cfg)
+    check_sampler(cfg)
+    check_task_inputs(cfg)
+
+
 # ---------------------------------------------------------------------------- check 2: the learner's levers
 
 

@@ -21,6 +21,11 @@
 #                                              the learner half, then bench, profile, the head's
 #                                              bench (bench/bench_head.py) and tests, each
 #                                              under its own timeout (one call, ~8 minutes)
+#   tools/gpu/lease.sh rl-all [LAYERS]         device check 1 of issue 45 after the last chunk: install
+#                                              the rollout half without TE (vLLM + megatron-core, the
+#                                              local spec), then bench/gpu_rl_step.py: moe_rl.train with
+#                                              vLLM, R3 and the weight push, and the mismatch report
+#                                              (one call, under 10 minutes) -> $OUT
 #
 # Staging (on a machine with a registry): tools/gpu/stage_wheels.sh DIR --lean --have
 # tools/gpu/cuda_image_have.txt, then split DIR's learner/ and rollout/ files over folders
@@ -99,6 +104,16 @@ case "${1:-}" in
     PYTHONUNBUFFERED=1 timeout 90 "$PYTHON" -m bench.bench_head 2>&1 | tail -n 8 || rc=1
     timeout 150 "$0" test learner || rc=1
     exit $rc ;;
-  -h|--help) sed -n '2,28p' "$0" ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  rl-all)
+    rc=0
+    "$0" receive
+    timeout 150 tools/gpu/install.sh --lean --without te "$W/rollout" >"$OUT/install_rollout.log" 2>&1 || rc=1
+    tail -n 4 "$OUT/install_rollout.log"
+    PYTHONUNBUFFERED=1 timeout 400 "$PYTHON" -m bench.gpu_rl_step --layers "${2:-2}" --timeout 180 2>&1 \
+      | tail -n 30 || rc=1
+    cp bench/results/gpu_*_rl_step.* "$OUT/" 2>/dev/null || rc=1
+    tar czf "$OUT/mismatch_report.tgz" -C docs mismatch 2>/dev/null || rc=1
+    exit $rc ;;
+  -h|--help) sed -n '2,32p' "$0" ;;
+  *) sed -n '2,32p' "$0"; exit 2 ;;
 esac
