@@ -8,9 +8,8 @@ import re
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_rl_step_check_dry_run_writes_its_table_and_the_mismatch_report(tmp_path):
     """Check 1 on CPU: a random model of the run's shape written as a Hugging Face directory,
     `moe_rl.train` under R3 for 2 steps, the per-step table (time breakdown, push GB/s, the
@@ -58,6 +57,7 @@ def test_rl_step_check_gpu_recipe_passes_the_checks_a_gpu_run_makes(tmp_path, mo
 # ---------------------------------------------------------------------------- check 2: the learner's levers
 
 
+@pytest.mark.slow
 def test_learner_levers_dry_run_records_every_row(tmp_path):
     """Check 2 on CPU: every lever row in order; what runs on CPU (the baseline, the token
     budget, manual GC) ran with an exact on-policy ratio, what needs the TE spec on a GPU is
