@@ -112,7 +112,7 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
 @pytest.mark.multiproc
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_one_step_off_trains_on_the_batch_of_the_step_before(uninterrupted, tmp_path):
+def test_one_step_off_trains_on_the_batch_of_the_step_before(uninterrupted):
     rows = uninterrupted
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[0]["rollout/staleness_max"] == 0  # batch 1: the starting weights, nothing older
@@ -123,8 +123,8 @@ def test_one_step_off_trains_on_the_batch_of_the_step_before(uninterrupted, tmp_
         assert r["mismatch/k3_stale1"] > 1e-7 and r["mismatch/num_tokens_stale0"] == 0
         assert r["policy/rollout_weight_mean"] != 1.0  # the objective's TIS weight pi_old / pi_sampler acts
         assert r["time/learner_wait"] >= 0 and r["time/engine_wait"] >= 0
-    again = _train(tmp_path, "b", "run.steps=5")
-    assert [r["reward/mean"] for r in again] == [r["reward/mean"] for r in rows]  # a fixed schedule
+    # (that the schedule is fixed, a second run giving the same rewards, is checked by the
+    # next test: its stopped-and-resumed run's rows equal these, the steps before the stop included)
 
 
 @pytest.mark.multiproc

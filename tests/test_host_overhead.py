@@ -74,6 +74,7 @@ def test_the_counter_tells_device_reads_from_host_reads():
     assert kinds == {"sync": 4, "h2d": 2, "d2h_async": 1}, c.syncs
 
 
+@pytest.mark.slow
 def test_the_quick_benchmark_writes_its_tables(tmp_path):
     bench.main(quick=True, results_dir=tmp_path)  # (its own process, as `python -m bench.bench_host_overhead --quick`)
     data = json.loads((tmp_path / "host_overhead.json").read_text())
