@@ -59,7 +59,10 @@ class StepBatch:
     step_rows: int
     """Rows in the whole step's batch, over every data-parallel rank."""
     adv_B: torch.Tensor | None = None
-    """[b] advantages (None: a batch that is only scored)."""
+    """Advantages: [b], one per sequence (the group estimators), or [b, T], one per response
+    token (an estimator that needs a critic, PPO's `gae`; only token-level objectives take
+    them). None: a batch that is only scored. (The name keeps its row-leading `_B`: every
+    per-row tensor here is cut and moved by its first dimension.)"""
     sampler_logp_BT: torch.Tensor | None = None
     """[b, T] the sampler's logprob of each response token (0 on padding)."""
     old_logp_BT: torch.Tensor | None = None
