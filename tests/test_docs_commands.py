@@ -8,7 +8,7 @@ misspelt flag or key, or a recipe that does not exist, fails its case (FAST_FORM
 |---|---|
 | `python -m moe_rl.{train,sft,eval,dpo,reward_model} ARGS` | `... ARGS --check` (recipe, inputs, layout; nothing built) |
 | `torchrun ... --nproc-per-node N -m moe_rl.train ARGS` | `python -m moe_rl.train ARGS --check --nproc N` |
-| `python -m moe_rl.plan ARGS`, `python tools/{convert_checkpoint,value_ceiling}.py ARGS` | as written (seconds) |
+| `python -m moe_rl.plan ARGS`, `python tools/{convert_checkpoint,value_ceiling,make_preference_data}.py ARGS` | as written (seconds), all in one child process (IN_ONE_CHILD) |
 | `make TARGET VAR=...` | `make -n` (the target exists; `ablate-NAME` names a setting) |
 | `tensorboard ...`; `source FILE` | the executable is in the venv; FILE exists |
 | the programs in NOT_RUN_AS_WRITTEN | what it says instead, with the reason |
@@ -25,6 +25,7 @@ import contextlib
 import importlib.util
 import io
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -65,6 +66,16 @@ NOT_RUN_AS_WRITTEN = {
     "vllm": "serves a model on CUDA GPUs: the vllm executable is in the venv",
 }
 SLOW = ("Qwen3-235B-A22B", "GLM-4.5-Air")  # plans of the large models: 10-20 s each on 2 cores
+# Programs whose documented commands run as written, every selected one of them in ONE child
+# process (tests/workers/doc_commands_worker.py: each command's own main(argv) in turn, from
+# the repository root with the venv first on PATH), not one interpreter start-up (torch,
+# megatron: ~4 s) per command; the planner's meta-device builds are cached across its
+# commands too. Not this process: the planner joins a fake process group, which a pytest
+# process holding the session's gloo world (conftest `megatron_world`) cannot, and
+# `convert_checkpoint --to megatron` starts a world of its own. The planner's commands run
+# first, before any tool could leave a world behind.
+IN_ONE_CHILD = ("moe_rl.plan", "tools/make_preference_data.py", "tools/convert_checkpoint.py",
+                "tools/value_ceiling.py")
 
 
 def _excepted(argv: tuple[str, ...]) -> bool:
@@ -102,17 +113,48 @@ def stand_ins(tmp_path_factory) -> dict[str, str]:
     return {doc: real.format(**made) for doc, real in STAND_INS.items()}
 
 
+def _environ(env: Env = ()) -> dict[str, str]:
+    return {**os.environ, **dict(env), "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
 def _run(argv: list[str], env: Env = (), timeout: int = 300) -> str:
     """Run from the repository root with the venv first on PATH; fail with the output unless
     the exit status is 0. Returns stdout."""
-    environ = {**os.environ, **dict(env), "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run(argv, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(argv, cwd=ROOT, env=_environ(env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(argv)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
-def _run_as_written(argv: tuple[str, ...], env: Env) -> None:
-    _run(list(argv), env)
+def _in_one_child(argv: tuple[str, ...], env: Env) -> None:
+    """Stands in FAST_FORMS for the IN_ONE_CHILD programs: the `one_child` fixture runs them."""
+    raise AssertionError("run by the one_child fixture")
+
+
+@pytest.fixture(scope="module")
+def one_child(request, stand_ins: dict[str, str], tmp_path_factory) -> dict[str, dict]:
+    """where -> {"status", "stdout", "stderr"} of every selected command of the IN_ONE_CHILD
+    programs, run as written (outputs in a directory of its own, stand-ins in place) by one
+    child process; the planner's first."""
+    cmds = [item.callspec.params["cmd"] for item in request.session.items
+            if item.path == request.path and getattr(item, "originalname", "") == "test_documented_command_runs"
+            and program(item.callspec.params["cmd"].argv) in IN_ONE_CHILD]
+    cmds.sort(key=lambda c: program(c.argv) != "moe_rl.plan")  # stable: document order within each
+    tmp = tmp_path_factory.mktemp("one_child")
+    jobs = []
+    for i, cmd in enumerate(cmds):
+        (tmp / str(i)).mkdir()
+        argv = replace_paths(redirect_outputs(cmd.argv, tmp / str(i)), stand_ins)
+        prog = program(argv)
+        jobs.append({"where": cmd.where, "program": prog, "argv": list(argv[argv.index(prog) + 1:]),
+                     "env": dict(cmd.env)})
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "doc_commands_worker.py"),
+                           str(tmp / "jobs.json"), str(tmp / "out.json")],
+                          cwd=ROOT, env=_environ(), capture_output=True, text=True, timeout=1200)
+    results = json.loads((tmp / "out.json").read_text()) if (tmp / "out.json").is_file() else {}
+    crashed = f"the child process exited {proc.returncode} before this command's result\n{proc.stderr[-3000:]}"
+    return {job["where"]: results.get(job["where"], {"status": None, "stdout": "", "stderr": crashed})
+            for job in jobs}
 
 
 def _check_moe_rl(argv: tuple[str, ...], env: Env, nproc: int | None = None) -> None:
@@ -218,10 +260,9 @@ def program(argv: tuple[str, ...]) -> str:
 
 FAST_FORMS = {
     "moe_rl.train": _check_moe_rl, "moe_rl.sft": _check_moe_rl, "moe_rl.eval": _check_moe_rl,
-    "moe_rl.dpo": _check_moe_rl, "moe_rl.reward_model": _check_moe_rl, "tools/make_preference_data.py": _run_as_written,
-    "tools/value_ceiling.py": _run_as_written,
+    "moe_rl.dpo": _check_moe_rl, "moe_rl.reward_model": _check_moe_rl,
+    **dict.fromkeys(IN_ONE_CHILD, _in_one_child),
     "torchrun": _torchrun,
-    "moe_rl.plan": _run_as_written, "tools/convert_checkpoint.py": _run_as_written,
     "make": _make,
     "tensorboard": _executable, "source": _sourced_file_exists,
     # NOT_RUN_AS_WRITTEN
@@ -231,10 +272,14 @@ FAST_FORMS = {
 
 
 @pytest.mark.parametrize("cmd", CASES)
-def test_documented_command_runs(cmd: DocCommand, stand_ins: dict[str, str], tmp_path: Path) -> None:
+def test_documented_command_runs(cmd: DocCommand, stand_ins: dict[str, str], tmp_path: Path, request) -> None:
     fast_form = FAST_FORMS.get(program(cmd.argv))
     if fast_form is None:
         pytest.fail(f"{cmd.where}: no fast form for `{cmd.text}`: add one to FAST_FORMS in {Path(__file__).name}")
+    if fast_form is _in_one_child:
+        r = request.getfixturevalue("one_child")[cmd.where]
+        assert r["status"] == 0, f"{cmd.text}\nexit {r['status']}\n{r['stdout'][-3000:]}\n{r['stderr'][-3000:]}"
+        return
     fast_form(replace_paths(redirect_outputs(cmd.argv, tmp_path), stand_ins), cmd.env)
 
 
