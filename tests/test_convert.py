@@ -1,11 +1,14 @@
 """megatron <-> Hugging Face conversion: name/shape maps, the streaming writer, parity with
 the learner (transformers, vLLM), round trips, and bad input.
 
-The checkpoints come from one module fixture: a 1-process learner (one dense layer, one
-optimizer step) saves `c1`; it is converted to HF (`hf1`) and back through the CLI
-(`rt1`); a 2-process run saves `c_tp2` (tied embeddings), `c_ep2` and `c_pp2`, streams
-the live learner's HF tensors, and reloads c1's weights at each of those layouts from `rt1`
-and from `hf1`.
+The checkpoints come from one module fixture, one 2-process launch
+(tests/workers/convert_worker.py): its rank 0 first runs alone as a 1-process learner (one
+dense layer, one optimizer step, a one-rank world of its own) that saves `c1`, converts it
+to HF (`hf1`) and back through the CLI's main (`rt1`); then both processes save `c_tp2`
+(tied embeddings), `c_ep2` and `c_pp2`, stream the live learner's HF tensors, and reload
+c1's weights at each of those layouts from `rt1` and from `hf1`. (The CLI as a process, its
+exit status and error line: test_not_a_checkpoint, and README's commands in
+tests/test_docs_commands.py.)
 """
 
 from __future__ import annotations
@@ -242,11 +245,7 @@ def test_atomic_output_dir(tmp_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("convert")
-    torchrun("convert_worker.py", 1, "save1", str(out))
-    megatron_to_hf(out / "c1", out / "hf1")
-    proc = _cli("--to", "megatron", "--src", str(out / "hf1"), "--dst", str(out / "rt1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    torchrun("convert_worker.py", 2, "layouts", str(out))
+    torchrun("convert_worker.py", 2, "all", str(out))  # c1, hf1, rt1 (rank 0 alone), then the layouts
     for name in LAYOUTS:
         megatron_to_hf(out / f"c_{name}", out / f"hf_{name}", max_shard_bytes=200_000)
     return out

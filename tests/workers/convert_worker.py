@@ -1,19 +1,26 @@
 """Worker for tests/test_convert.py (run under torchrun, or plain python for `vllm`).
 
-save1 <out> (1 process): a learner with one leading dense layer takes one optimizer step
-    (so its checkpoint holds optimizer state too), saves `c1`, scores the fixed batch.
-layouts <out> (2 processes): for TP2 (tied embeddings, a dense layer), EP2 (alltoall) and
-    PP2 (a dense layer; embedding and output layer on different stages):
-    a fresh learner saves `c_<name>`, scores the batch and streams `hf_named_tensors`;
-    then the learner is reloaded from `rt1` (c1 converted to HF and back) and, separately,
-    from the HF directory `hf1` itself (`load_hf_weights`), and scores the batch again.
+all <out> (2 processes, one launch):
+  - rank 0 alone, in a one-process world of its own (torchrun's variables hidden, as a
+    plain process has none) while rank 1 waits to join the 2-process world: a learner with
+    one leading dense layer takes one optimizer step (so its checkpoint holds optimizer
+    state too), saves `c1` and scores the fixed batch (-> <out>/save1.pt); c1 is written
+    as the HF directory `hf1` (megatron_to_hf) and converted back by
+    tools/convert_checkpoint.py's main (`--to megatron`, its own one-process world) to `rt1`;
+  - both ranks, for TP2 (tied embeddings, a dense layer), EP2 (alltoall) and PP2 (a dense
+    layer; embedding and output layer on different stages): a fresh learner saves
+    `c_<name>`, scores the batch and streams `hf_named_tensors`; then the learner is
+    reloaded from `rt1` and, separately, from the HF directory `hf1` itself
+    (`load_hf_weights`), and scores the batch again (-> <out>/layouts.pt).
 vllm <out> (plain python): vLLM loads `hf1` and greedily generates a few tokens.
-Results go to <out>/<mode>.pt (or .json) for the test to compare.
+Results go to <out>/<name>.pt (or .json) for the test to compare.
 """
 
+import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -58,53 +65,114 @@ def one_step(learner, batch):
     learner.train_step(batch, loss_fn)
 
 
-def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    if mode == "vllm":
-        return run_vllm(out)
+# torchrun's variables: without them init_distributed makes a private one-process world
+# (TORCHELASTIC_USE_AGENT_STORE would make that world's store a client of a host nobody runs).
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@contextlib.contextmanager
+def plain_process():
+    """This process (torchrun's rank 0) as a plain one-process run: torchrun's variables
+    hidden (so init_distributed makes a private one-rank world), and the world it made torn
+    down and the variables back on exit."""
+    import torch.distributed as dist
+
+    hidden = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.update(hidden)
+
+
+def batch_record(batch) -> dict:
+    return {"tokens_BS": batch.tokens_BS, "prompt_lens_B": batch.prompt_lens_B,
+            "response_lens_B": batch.response_lens_B, "response_width": batch.response_width}
+
+
+def save1(out: str, batch) -> None:
+    """The one-process learner's checkpoint c1, its HF directory hf1 and the CLI's rt1."""
+    import importlib.util
+
     import torch.distributed as dist
     from learner_utils import learner_of
+
+    from moe_rl.config import load_config
+    from moe_rl.convert import megatron_to_hf
+    from moe_rl.learner.checkpoint import save_checkpoint
+    from moe_rl.learner.parallel import init_distributed, parallel_layout
+
+    result = batch_record(batch)
+    cfg = load_config(None, C1)
+    with plain_process():
+        assert init_distributed() == (0, 1)
+        with parallel_layout(cfg.parallel, seed=5) as layout:
+            learner = learner_of(cfg, layout)
+            one_step(learner, batch)
+            save_checkpoint(learner, f"{out}/c1", config=cfg)
+            result["logp"] = learner.logprobs(batch)
+    torch.save(result, f"{out}/save1.pt")
+    megatron_to_hf(f"{out}/c1", f"{out}/hf1")
+    cli = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", cli)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with plain_process():  # the one-process world the tool starts (hf_to_megatron), gone after
+        status = tool.main(["--no-progress", "--to", "megatron", "--src", f"{out}/hf1", "--dst", f"{out}/rt1"])
+        assert status == 0, f"convert_checkpoint --to megatron exited {status}"
+        assert dist.get_world_size() == 1
+
+
+def layouts(out: str, batch, rank: int) -> None:
+    import torch.distributed as dist
 
     from moe_rl.config import load_config
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
     from moe_rl.learner.engine import Learner
     from moe_rl.learner.export import hf_named_tensors
     from moe_rl.learner.hf_import import load_hf_weights
-    from moe_rl.learner.parallel import init_distributed, parallel_layout
+    from moe_rl.learner.parallel import parallel_layout
 
-    rank, _ = init_distributed()
-    batch = fixed_batch()
-    result = {"tokens_BS": batch.tokens_BS, "prompt_lens_B": batch.prompt_lens_B,
-              "response_lens_B": batch.response_lens_B, "response_width": batch.response_width}
-    if mode == "save1":
-        cfg = load_config(None, C1)
-        with parallel_layout(cfg.parallel, seed=5) as layout:
-            learner = learner_of(cfg, layout)
-            one_step(learner, batch)
-            save_checkpoint(learner, f"{out}/c1", config=cfg)
-            result["logp"] = learner.logprobs(batch)
-    elif mode == "layouts":
-        for name, parallel in PARALLEL.items():
-            cfg = load_config(None, BASE + parallel + MODEL[name])
-            with parallel_layout(cfg.parallel, seed=7) as layout:
-                learner = Learner(cfg.model, cfg.parallel, layout)
-                save_checkpoint(learner, f"{out}/c_{name}", config=cfg)
-                r = {"layout": layout.name, "logp": learner.logprobs(batch)}
-                r["stream"] = dict(hf_named_tensors(learner))  # empty on rank 1
-                # c1's model at this layout: from the round-tripped checkpoint, and from HF.
-                at = load_config(None, C1 + parallel)
-                reloaded = Learner(at.model, at.parallel, layout)
-                load_checkpoint(reloaded, f"{out}/rt1")
-                r["rt1_logp"] = reloaded.logprobs(batch)
-                from_hf = Learner(at.model, at.parallel, layout)
-                load_hf_weights(from_hf, f"{out}/hf1")
-                r["hf1_logp"] = from_hf.logprobs(batch)
-                result[name] = r
-    else:
-        raise SystemExit(f"unknown mode {mode}")
+    result = batch_record(batch)
+    for name, parallel in PARALLEL.items():
+        cfg = load_config(None, BASE + parallel + MODEL[name])
+        with parallel_layout(cfg.parallel, seed=7) as layout:
+            learner = Learner(cfg.model, cfg.parallel, layout)
+            save_checkpoint(learner, f"{out}/c_{name}", config=cfg)
+            r = {"layout": layout.name, "logp": learner.logprobs(batch)}
+            r["stream"] = dict(hf_named_tensors(learner))  # empty on rank 1
+            # c1's model at this layout: from the round-tripped checkpoint, and from HF.
+            at = load_config(None, C1 + parallel)
+            reloaded = Learner(at.model, at.parallel, layout)
+            load_checkpoint(reloaded, f"{out}/rt1")
+            r["rt1_logp"] = reloaded.logprobs(batch)
+            from_hf = Learner(at.model, at.parallel, layout)
+            load_hf_weights(from_hf, f"{out}/hf1")
+            r["hf1_logp"] = from_hf.logprobs(batch)
+            result[name] = r
     if rank == 0:
-        torch.save(result, f"{out}/{mode}.pt")
+        torch.save(result, f"{out}/layouts.pt")
     dist.barrier()
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "vllm":
+        return run_vllm(out)
+    if mode != "all":
+        raise SystemExit(f"unknown mode {mode}")
+    import torch.distributed as dist
+
+    from moe_rl.learner.parallel import init_distributed
+
+    batch = fixed_batch()
+    if os.environ["RANK"] == "0":
+        save1(out, batch)
+    rank, world = init_distributed()  # rank 1 waits here for rank 0's one-process part
+    assert world == 2
+    layouts(out, batch, rank)
     dist.destroy_process_group()
 
 
