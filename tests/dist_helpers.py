@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -24,3 +26,27 @@ def torchrun(worker: str, nproc: int, *args: str, timeout: float = 900) -> subpr
             f"--- stderr\n{proc.stderr[-12000:]}"
         )
     return proc
+
+
+# torchrun's variables: without them init_distributed makes a private one-process world
+# (TORCHELASTIC_USE_AGENT_STORE would make that world's store a client of a host nobody runs).
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@contextlib.contextmanager
+def plain_process() -> Iterator[None]:
+    """In a torchrun worker: this process as a plain one-process run, so that one launch can
+    do a 1-process part on rank 0 (while the other ranks wait to join the torchrun world)
+    before its multi-process part. torchrun's variables are hidden (init_distributed then
+    makes a private one-rank world, as a plain `python` run gets); on exit the world made
+    inside is torn down and the variables are back."""
+    import torch.distributed as dist
+
+    hidden = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.update(hidden)

@@ -2,8 +2,9 @@
 build, memory checked against the real learner, the published model sizes, the GPU
 recipes fitting, and one-line errors for bad recipes.
 
-The planner runs in subprocesses (tests/workers/plan_worker.py and the CLI): its build joins
-a fake process group, which a pytest process that already holds a real one cannot.
+The planner runs in subprocesses (tests/workers/plan_worker.py, which also runs the CLI's
+command lines by its main, and one CLI process): its build joins a fake process group, which
+a pytest process that already holds a real one cannot.
 """
 
 import json
@@ -75,10 +76,11 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_configs")
-    for name, cfg in CONFIGS.items():
+    mixtral = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}  # not supported
+    for name, cfg in {**CONFIGS, "mixtral": mixtral}.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(cfg))
-    return {name: root / name for name in CONFIGS}
+    return {name: root / name for name in [*CONFIGS, "mixtral"]}
 
 
 def _jobs(dirs) -> list[dict]:
@@ -98,6 +100,10 @@ def _jobs(dirs) -> list[dict]:
     jobs.append({"name": "unfit", "recipe": TINY, "overrides": ["model.params_dtype=fp32", "sampler.precision=fp32"],
                  "gpus": 1, "suggest": True,
                  "hardware": {"gpu_memory_gib": 0.3, "reserve_gib": 0.0, "vllm_workspace_gib": 0.0}})
+    # `python -m moe_rl.plan ARGS` command lines, by the CLI's main in the same worker
+    jobs += [{"name": f"cli/bad/{case}", "argv": _bad_argv(case)} for case in BAD]
+    jobs.append({"name": "cli/mixtral", "argv": ["--config", TINY, f"run.init_checkpoint={dirs['mixtral']}"]})
+    jobs.append({"name": "cli/json", "argv": ["--config", TINY, "--json"]})
     return jobs
 
 
@@ -106,7 +112,7 @@ def planned(model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("planned")
     (out / "jobs.json").write_text(json.dumps(_jobs(model_dirs)))
     proc = subprocess.run([sys.executable, str(WORKERS / "plan_worker.py"), str(out / "jobs.json"), str(out / "plans.json")],
-                          env=_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads((out / "plans.json").read_text())
 
@@ -175,11 +181,11 @@ def test_real_shapes_have_one_entry_per_stage(planned, name):
 def learned(model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("learned")
     models = {m: [f"run.init_checkpoint={model_dirs[m]}"] for m in SMALL}
-    one = {"models": models, "layouts": {"one": []}, "tiny": TINY}
-    two = {"models": models, "layouts": {k: ov for k, (ov, n) in LAYOUTS.items() if n == 2}}
-    for tag, spec, n in (("one", one, 1), ("two", two, 2)):
-        (out / f"{tag}.json").write_text(json.dumps(spec))
-        torchrun("plan_learner.py", n, str(out / f"{tag}.json"), str(out / tag), timeout=600)
+    specs = {"one": {"models": models, "layouts": {"one": []}, "tiny": TINY},
+             "two": {"models": models, "layouts": {k: ov for k, (ov, n) in LAYOUTS.items() if n == 2}}}
+    (out / "specs.json").write_text(json.dumps(specs))
+    # one launch: "one" measured by its rank 0 alone (a one-process run), then "two" by both
+    torchrun("plan_learner.py", 2, str(out / "specs.json"), str(out), timeout=600)
     results: dict[str, list[dict]] = {}
     for f in sorted(out.glob("*.*.json")):
         for key, value in json.loads(f.read_text()).items():
@@ -288,29 +294,44 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_layout_is_the_trainers_one_line_error(case):
+def _bad_argv(case: str) -> list[str]:
     overrides, world = BAD[case]
-    proc = cli("--config", TINY, *overrides, *(["--gpus", str(world)] if world else []))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == f"python -m moe_rl.plan: config error: {_config_error(overrides, world)}"
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    return ["--config", TINY, *overrides, *(["--gpus", str(world)] if world else [])]
 
 
-def test_unsupported_architecture_lists_the_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"],
-                                                      "model_type": "mixtral"}))
-    proc = cli("--config", TINY, f"run.init_checkpoint={tmp_path}")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
+def _assert_one_line_config_error(case: str, returncode: int, stdout: str, stderr: str) -> None:
+    overrides, world = BAD[case]
+    assert returncode == 2 and stdout == ""
+    assert stderr.strip() == f"python -m moe_rl.plan: config error: {_config_error(overrides, world)}"
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_layout_is_the_trainers_one_line_error(planned, case):
+    """The CLI's main on each bad layout (in the plan worker: tests/workers/plan_worker.py)."""
+    r = planned[f"cli/bad/{case}"]
+    _assert_one_line_config_error(case, r["returncode"], r["stdout"], r["stderr"])
+
+
+def test_bad_layout_is_one_line_from_the_process():
+    """The same as a command line: the whole stderr of the process (interpreter start-up,
+    imports, exit) is the one line, and its exit status is 2."""
+    proc = cli(*_bad_argv("world"))
+    _assert_one_line_config_error("world", proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_unsupported_architecture_lists_the_supported(planned):
+    r = planned["cli/mixtral"]
+    assert r["returncode"] == 2 and "Traceback" not in r["stderr"]
+    (line,) = r["stderr"].strip().splitlines()
     assert "mixtral" in line and "Qwen3MoeForCausalLM" in line and "Glm4MoeForCausalLM" in line
     assert "DeepseekV3ForCausalLM" in line
 
 
-def test_json_output_parses_with_the_keys():
-    proc = cli("--config", TINY, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    p = json.loads(proc.stdout)
+def test_json_output_parses_with_the_keys(planned):
+    r = planned["cli/json"]
+    assert r["returncode"] == 0, r["stderr"][-3000:]
+    p = json.loads(r["stdout"])
     assert isinstance(p["params_total"], int) and isinstance(p["params_active"], int)
     assert isinstance(p["fits"], bool) and p["fits"]
     assert p["params_active"] < p["params_total"]

@@ -16,7 +16,6 @@ vllm <out> (plain python): vLLM loads `hf1` and greedily generates a few tokens.
 Results go to <out>/<name>.pt (or .json) for the test to compare.
 """
 
-import contextlib
 import json
 import os
 import sys
@@ -65,28 +64,6 @@ def one_step(learner, batch):
     learner.train_step(batch, loss_fn)
 
 
-# torchrun's variables: without them init_distributed makes a private one-process world
-# (TORCHELASTIC_USE_AGENT_STORE would make that world's store a client of a host nobody runs).
-TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
-
-
-@contextlib.contextmanager
-def plain_process():
-    """This process (torchrun's rank 0) as a plain one-process run: torchrun's variables
-    hidden (so init_distributed makes a private one-rank world), and the world it made torn
-    down and the variables back on exit."""
-    import torch.distributed as dist
-
-    hidden = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.update(hidden)
-
-
 def batch_record(batch) -> dict:
     return {"tokens_BS": batch.tokens_BS, "prompt_lens_B": batch.prompt_lens_B,
             "response_lens_B": batch.response_lens_B, "response_width": batch.response_width}
@@ -97,6 +74,7 @@ def save1(out: str, batch) -> None:
     import importlib.util
 
     import torch.distributed as dist
+    from dist_helpers import plain_process
     from learner_utils import learner_of
 
     from moe_rl.config import load_config

@@ -1,20 +1,26 @@
 """Worker for tests/test_plan.py (run under torchrun): what the real learner holds, per rank.
 
-    plan_learner.py SPEC.json OUT_PREFIX
+    plan_learner.py SPECS.json OUT_DIR
 
-SPEC: {"models": {name: [overrides]}, "layouts": {name: [overrides]}, "tiny": recipe or null}.
+SPECS: {"one": SPEC, "two": SPEC}; SPEC: {"models": {name: [overrides]}, "layouts": {name:
+[overrides]}, "tiny": recipe or null}. "one" is measured by rank 0 alone, as a one-process
+run (a one-rank world of its own, `dist_helpers.plain_process`), while the other ranks wait
+to join the torchrun world; then every rank measures "two" in it: one launch for both.
 For every model x layout, each rank builds `moe_rl.learner.Learner` (model from the
 overrides, e.g. run.init_checkpoint=<dir with config.json>, resolved as the planner does)
 and reports its parameter count, parameter bytes and megatron DDP grad-buffer bytes.
 With "tiny" (one process), the recipe's learner also takes one optimizer step and reports
-the bytes of Adam's moments. Rank r writes OUT_PREFIX.r.json.
+the bytes of Adam's moments. Rank r writes OUT_DIR/<one|two>.r.json.
 """
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dist_helpers import plain_process
 from learner_utils import fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
@@ -48,9 +54,7 @@ def measure(learner: Learner) -> dict:
     }
 
 
-def main() -> None:
-    spec, prefix = json.loads(open(sys.argv[1]).read()), sys.argv[2]
-    rank, _ = init_distributed()
+def measure_spec(spec: dict) -> dict:
     out = {}
     for model, model_overrides in spec.get("models", {}).items():
         for layout_name, layout_overrides in spec["layouts"].items():
@@ -64,8 +68,17 @@ def main() -> None:
             batch, adv_B = fixed_batch()
             learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
             out["tiny"] = {**measure(learner), "adam_bytes": adam_state_bytes(learner)}
-    with open(f"{prefix}.{rank}.json", "w") as f:
-        json.dump(out, f)
+    return out
+
+
+def main() -> None:
+    specs, out_dir = json.loads(open(sys.argv[1]).read()), Path(sys.argv[2])
+    if os.environ["RANK"] == "0":
+        with plain_process():
+            assert init_distributed() == (0, 1)
+            (out_dir / "one.0.json").write_text(json.dumps(measure_spec(specs["one"])))
+    rank, _ = init_distributed()  # the other ranks wait here for rank 0's one-process part
+    (out_dir / f"two.{rank}.json").write_text(json.dumps(measure_spec(specs["two"])))
     dist.barrier()
     dist.destroy_process_group()
 
