@@ -3,11 +3,19 @@ naming the field, file or row and the fix (a traceback only with --debug), and a
 test: no value of any config field makes `load_config` raise anything but a one-line
 ConfigError naming the field, and the CLI turns a rejected value into exit 2 and one line
 without writing a file.
+
+The programs run in this process (`in_process.run_main`: their `main(argv)`, from argument
+parsing to the exit status), except where the process boundary is the point: a real
+file-system limit (disk full), and one error of each entry point from a real interpreter
+(exit status, no traceback, nothing printed after the line): train's crafted checkpoint
+metadata, the converter's forged manifest, measure_mismatch's and sft's first refusal.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import json
 import os
 import pickle
@@ -21,6 +29,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from in_process import Ran, load_tool, run_main
 
 from moe_rl.checkpoints import MANIFEST_FILE
 from moe_rl.checkpoints.manifest import digest_files, list_files, write_manifest
@@ -47,8 +56,9 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=child_env())
 
 
-def one_line_error(proc: subprocess.CompletedProcess, prog: str, *needles: str) -> str:
-    """Exit 2, no traceback, exactly one error line, the last one on stderr, naming `needles`."""
+def one_line_error(proc: subprocess.CompletedProcess | Ran, prog: str, *needles: str) -> str:
+    """Exit 2, no traceback, exactly one error line, the last one on stderr, naming `needles`
+    (of a subprocess, or of a `main` run in this process)."""
     err = proc.stderr
     assert proc.returncode == 2, f"exit {proc.returncode}\n{err[-3000:]}"
     assert "Traceback" not in err, err[-3000:]
@@ -61,7 +71,25 @@ def one_line_error(proc: subprocess.CompletedProcess, prog: str, *needles: str) 
 
 
 def train(out: Path, *args: str, name: str = "r") -> subprocess.CompletedProcess:
+    """`python -m moe_rl.train` in a child process."""
     return run([*TRAIN, *SMALL, f"run.output_dir={out}", f"run.name={name}", *args])
+
+
+def train_main(out: Path, *args: str, name: str = "r") -> Ran:
+    """The same command line through `moe_rl.train.main`, in this process. A test whose run
+    gets past the input checks (a process group, a model) takes `megatron_world`."""
+    return run_main(importlib.import_module("moe_rl.train"),
+                    ["--config", str(RECIPE), *SMALL, f"run.output_dir={out}", f"run.name={name}", *args])
+
+
+@functools.cache
+def _converter():
+    return load_tool("tools/convert_checkpoint.py")
+
+
+def convert_main(*args: str) -> Ran:
+    """`python tools/convert_checkpoint.py --no-progress ARGS` through its `main`, in this process."""
+    return run_main(_converter(), ["--no-progress", *args])
 
 
 def copy_base(dst: Path, manifest: bool = True) -> Path:
@@ -89,23 +117,25 @@ def evil_checkpoint(dst: Path, marker: Path, manifest: bool) -> Path:
 
 
 @pytest.mark.slow
-def test_defect1_and_2_a_run_directory_belongs_to_one_run(tmp_path):
+def test_defect1_and_2_a_run_directory_belongs_to_one_run(megatron_world, tmp_path):
     """A fresh start over another run's checkpoints is refused (config.yaml untouched);
     overwrite moves the old run aside intact; a resume with another objective is refused
     naming the fields; a resume cleans what kills left (a temp checkpoint holding moe_rl.json
     but no config.yaml, a sampler_hf temp, a half-written file) and picks the complete one."""
     run_dir = tmp_path / "r"
-    assert train(tmp_path, "run.steps=1").returncode == 0
+    first = train_main(tmp_path, "run.steps=1")
+    assert first.returncode == 0, first.stderr[-3000:]
     old_config = (run_dir / "config.yaml").read_bytes()
-    one_line_error(train(tmp_path, "run.steps=1", "rl.group_size=8"), "python -m moe_rl.train",
+    one_line_error(train_main(tmp_path, "run.steps=1", "rl.group_size=8"), "python -m moe_rl.train",
                    f"{run_dir} holds checkpoints of an earlier run", "run.resume=true", "run.overwrite=true")
     assert (run_dir / "config.yaml").read_bytes() == old_config
-    assert train(tmp_path, "run.steps=1", "run.overwrite=true").returncode == 0
+    again = train_main(tmp_path, "run.steps=1", "run.overwrite=true")
+    assert again.returncode == 0, again.stderr[-3000:]
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("r.overwritten-")]
     assert len(aside) == 1 and (aside[0] / "checkpoints" / "step_000001" / MANIFEST_FILE).is_file()
     assert (aside[0] / "config.yaml").read_bytes() == old_config
     config = (run_dir / "config.yaml").read_bytes()
-    one_line_error(train(tmp_path, "run.steps=2", "run.resume=true", "rl.objective=gspo"), "python -m moe_rl.train",
+    one_line_error(train_main(tmp_path, "run.steps=2", "run.resume=true", "rl.objective=gspo"), "python -m moe_rl.train",
                    "differs from the run's", "rl.objective ('rspo' -> 'gspo')", "another run.name")
     assert (run_dir / "config.yaml").read_bytes() == config
     # defect 2: killed between moe_rl.json and config.yaml of the step-2 save, plus leftovers
@@ -114,7 +144,7 @@ def test_defect1_and_2_a_run_directory_belongs_to_one_run(tmp_path):
     (half / "config.yaml").unlink()
     (run_dir / "sampler_hf.tmp-0badc0de").mkdir()
     (run_dir / ".config.yaml.x1y2.tmp").write_text("half")
-    done = train(tmp_path, "run.steps=2", "run.resume=true", "run.save_every=1")
+    done = train_main(tmp_path, "run.steps=2", "run.resume=true", "run.save_every=1")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -128,9 +158,9 @@ def test_defect1_and_2_a_run_directory_belongs_to_one_run(tmp_path):
 def test_defect3_crafted_metadata_never_runs_through_the_converter(tmp_path):
     marker = tmp_path / "pwned"
     bare = evil_checkpoint(tmp_path / "bare", marker, manifest=False)
-    one_line_error(run([*CONVERT, "--to", "hf", "--src", str(bare), "--dst", str(tmp_path / "o1")]),
+    one_line_error(convert_main("--to", "hf", "--src", str(bare), "--dst", str(tmp_path / "o1")),
                    "convert_checkpoint", f"checkpoint {bare} has no manifest.json", "--trust")
-    forged = evil_checkpoint(tmp_path / "forged", marker, manifest=True)
+    forged = evil_checkpoint(tmp_path / "forged", marker, manifest=True)  # (a real process: its exit status)
     one_line_error(run([*CONVERT, "--to", "hf", "--src", str(forged), "--dst", str(tmp_path / "o2")]),
                    "convert_checkpoint", f"{forged}/.metadata is not plain DCP metadata", "global posix.system")
     assert not marker.exists()
@@ -138,9 +168,9 @@ def test_defect3_crafted_metadata_never_runs_through_the_converter(tmp_path):
 
 
 @pytest.mark.slow
-def test_defect3_and_4_training_refuses_an_untrusted_or_damaged_start(tmp_path):
+def test_defect3_and_4_training_refuses_an_untrusted_or_damaged_start(megatron_world, tmp_path):
     marker = tmp_path / "pwned"
-    evil = evil_checkpoint(tmp_path / "evil", marker, manifest=True)
+    evil = evil_checkpoint(tmp_path / "evil", marker, manifest=True)  # (a real process: its exit status)
     one_line_error(train(tmp_path, "run.steps=1", f"run.init_checkpoint={evil}"), "python -m moe_rl.train",
                    f"{evil}/.metadata is not plain DCP metadata")
     assert not marker.exists()
@@ -148,7 +178,7 @@ def test_defect3_and_4_training_refuses_an_untrusted_or_damaged_start(tmp_path):
     data = bytearray((bad / "__0_1.distcp").read_bytes())
     data[100_000:100_256] = b"\xff" * 256
     (bad / "__0_1.distcp").write_bytes(bytes(data))
-    one_line_error(train(tmp_path, "run.steps=1", f"run.init_checkpoint={bad}", name="b"), "python -m moe_rl.train",
+    one_line_error(train_main(tmp_path, "run.steps=1", f"run.init_checkpoint={bad}", name="b"), "python -m moe_rl.train",
                    f"checkpoint file {bad}/__0_1.distcp is corrupt", "restore")
     assert not (tmp_path / "r" / "config.yaml").exists() and not (tmp_path / "b" / "config.yaml").exists()
 
@@ -159,14 +189,14 @@ def test_defect4_a_damaged_shard_is_named_by_the_converter(tmp_path):
     data = bytearray((bad / "__0_1.distcp").read_bytes())
     data[100_000:100_256] = b"\xff" * 256  # silently became 3.4e38 values before
     (bad / "__0_1.distcp").write_bytes(bytes(data))
-    one_line_error(run([*CONVERT, "--to", "hf", "--src", str(bad), "--dst", str(tmp_path / "o")]),
+    one_line_error(convert_main("--to", "hf", "--src", str(bad), "--dst", str(tmp_path / "o")),
                    "convert_checkpoint", f"checkpoint file {bad}/__0_1.distcp is corrupt (its SHA-256 differs")
     (bad / "__0_1.distcp").write_bytes(bytes(data[:5000]))
-    one_line_error(run([*CONVERT, "--to", "hf", "--src", str(bad), "--dst", str(tmp_path / "o")]),
+    one_line_error(convert_main("--to", "hf", "--src", str(bad), "--dst", str(tmp_path / "o")),
                    "convert_checkpoint", "__0_1.distcp is truncated (5000 bytes")
     # trusted without a manifest, a truncated shard is still one line naming the checkpoint
     (bad / MANIFEST_FILE).unlink()
-    one_line_error(run([*CONVERT, "--to", "hf", "--src", str(bad), "--dst", str(tmp_path / "o"), "--trust"]),
+    one_line_error(convert_main("--to", "hf", "--src", str(bad), "--dst", str(tmp_path / "o"), "--trust"),
                    "convert_checkpoint", f"of checkpoint {bad}", "truncated or damaged")
     assert not (tmp_path / "o").exists()
 
@@ -175,32 +205,33 @@ def test_defect4_a_damaged_shard_is_named_by_the_converter(tmp_path):
 
 
 @pytest.mark.slow
-def test_defect6_converter_errors_are_one_line(tmp_path):
+def test_defect6_converter_errors_are_one_line(megatron_world, tmp_path):
     hf = tmp_path / "hf"
-    proc = run([*CONVERT, "--to", "hf", "--src", str(BASE), "--dst", str(hf)])
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    done = convert_main("--to", "hf", "--src", str(BASE), "--dst", str(hf))
+    assert done.returncode == 0, done.stderr[-2000:]
     shard = next(hf.glob("*.safetensors"))
     broken = tmp_path / "broken"
     shutil.copytree(hf, broken)
     (broken / shard.name).write_bytes(shard.read_bytes()[:100_000])  # SafetensorError, no file named
-    one_line_error(run([*CONVERT, "--to", "megatron", "--src", str(broken), "--dst", str(tmp_path / "m")]),
+    one_line_error(convert_main("--to", "megatron", "--src", str(broken), "--dst", str(tmp_path / "m")),
                    "convert_checkpoint", f"{broken / shard.name} is damaged")
     (tmp_path / "afile").write_text("x")  # a file where a directory should be (OSError)
-    one_line_error(run([*CONVERT, "--to", "hf", "--src", str(BASE), "--dst", str(tmp_path / "afile" / "o")]),
+    one_line_error(convert_main("--to", "hf", "--src", str(BASE), "--dst", str(tmp_path / "afile" / "o")),
                    "convert_checkpoint", str(tmp_path / "afile"), "something already exists there")
     (tmp_path / "empty").mkdir()
-    one_line_error(run([*CONVERT, "--to", "hf", "--src", str(tmp_path / "empty"), "--dst", str(tmp_path / "o")]),
+    one_line_error(convert_main("--to", "hf", "--src", str(tmp_path / "empty"), "--dst", str(tmp_path / "o")),
                    "convert_checkpoint", "not a megatron checkpoint")
-    debug = run([*CONVERT, "--to", "hf", "--src", str(tmp_path / "empty"), "--dst", str(tmp_path / "o"), "--debug"])
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    # --debug: the error escapes main (the interpreter prints its traceback, exit status 1)
+    with pytest.raises(Exception, match="megatron checkpoint"):
+        convert_main("--to", "hf", "--src", str(tmp_path / "empty"), "--dst", str(tmp_path / "o"), "--debug")
 
 
 def test_defect8_converter_removes_what_a_killed_conversion_left(tmp_path):
     stale = tmp_path / "hf.tmp-1a2b3c4d"
     stale.mkdir()
     (stale / "model-00001-of-00001.safetensors").write_bytes(b"half")
-    proc = run([*CONVERT, "--to", "hf", "--src", str(BASE), "--dst", str(tmp_path / "hf")])
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    done = convert_main("--to", "hf", "--src", str(BASE), "--dst", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
@@ -213,7 +244,7 @@ def test_defect8_converter_removes_what_a_killed_conversion_left(tmp_path):
                                      "lower sampler.max_new_tokens to"]),
 ])
 def test_defect6_and_7_run_inputs_fail_before_any_work(tmp_path, overrides, needles):
-    one_line_error(train(tmp_path, "run.steps=1", *overrides), "python -m moe_rl.train", *needles)
+    one_line_error(train_main(tmp_path, "run.steps=1", *overrides), "python -m moe_rl.train", *needles)
     assert not any(tmp_path.iterdir())
 
 
@@ -221,16 +252,16 @@ def test_defect6_a_jsonl_row_too_long_is_named(tmp_path):
     data = tmp_path / "p.jsonl"
     rows = [{"prompt": "What is 1+1?", "answer": "2"}, {"prompt": "x " * 80, "answer": "1"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    one_line_error(train(tmp_path / "out", "run.steps=1", "task.name=math_jsonl", f"task.data_path={data}"),
+    one_line_error(train_main(tmp_path / "out", "run.steps=1", "task.name=math_jsonl", f"task.data_path={data}"),
                    "python -m moe_rl.train", f"row 2 of {data}", "model.max_position_embeddings=64")
 
 
 @pytest.mark.slow
-def test_defect6_unwritable_or_blocked_output_is_one_line(tmp_path):
+def test_defect6_unwritable_or_blocked_output_is_one_line(megatron_world, tmp_path):
     (tmp_path / "afile").write_text("x")
-    one_line_error(train(tmp_path / "afile", "run.steps=1"), "python -m moe_rl.train",
+    one_line_error(train_main(tmp_path / "afile", "run.steps=1"), "python -m moe_rl.train",
                    f"cannot create the run directory {tmp_path / 'afile' / 'r'}", "run.output_dir")
-    one_line_error(train(Path("/proc/1/nope"), "run.steps=1"), "python -m moe_rl.train",
+    one_line_error(train_main(Path("/proc/1/nope"), "run.steps=1"), "python -m moe_rl.train",
                    "cannot create the run directory /proc/1/nope/r")
 
 
@@ -275,9 +306,9 @@ def test_sft_errors_are_one_line(tmp_path):
     proc = run([sys.executable, "-m", "moe_rl.sft", "--config", str(ROOT / "examples" / "tiny_sft.yaml"),
                 f"run.output_dir={tmp_path}", f"sft.output={tmp_path / 'keep'}"])
     one_line_error(proc, "python -m moe_rl.sft", f"sft.output={tmp_path / 'keep'} exists and is not a moe_rl checkpoint")
-    proc = run([sys.executable, "-m", "moe_rl.sft", "--config", str(ROOT / "examples" / "tiny_sft.yaml"),
-                f"run.output_dir={tmp_path}", "task.name=math_jsonl"])
-    one_line_error(proc, "python -m moe_rl.sft", "task.name=math_jsonl", "needs task.data_path")
+    ran = run_main(importlib.import_module("moe_rl.sft"), ["--config", str(ROOT / "examples" / "tiny_sft.yaml"),
+                                                         f"run.output_dir={tmp_path}", "task.name=math_jsonl"])
+    one_line_error(ran, "python -m moe_rl.sft", "task.name=math_jsonl", "needs task.data_path")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]
 
 
@@ -299,8 +330,7 @@ def test_sft_errors_are_one_line(tmp_path):
 ])
 def test_defect7_validation_through_the_cli(tmp_path, override, needle):
     args = [override, "run.resume=true"] if needle is None else [override]
-    proc = train(tmp_path, *args)
-    one_line_error(proc, "python -m moe_rl.train", needle or "contradict each other")
+    one_line_error(train_main(tmp_path, *args), "python -m moe_rl.train", needle or "contradict each other")
     assert not any(tmp_path.iterdir())
 
 
@@ -356,8 +386,9 @@ def test_fuzz_rejected_values_exit_2_with_one_line_and_write_nothing(tmp_path_fa
     try:
         load_config(RECIPE, [*SMALL, f"run.output_dir={out}", override])
     except ConfigError:
-        proc = run([*TRAIN, *SMALL, f"run.output_dir={out}", override])
-        one_line_error(proc, "python -m moe_rl.train", key.rsplit(".", 1)[-1])
+        ran = run_main(importlib.import_module("moe_rl.train"), ["--config", str(RECIPE), *SMALL,
+                                                                 f"run.output_dir={out}", override])
+        one_line_error(ran, "python -m moe_rl.train", key.rsplit(".", 1)[-1])
         assert not any(out.iterdir())
 
 

@@ -21,9 +21,7 @@ A command of a program with no fast form fails: give it one in FAST_FORMS.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import itertools
 import json
 import os
@@ -33,6 +31,7 @@ from pathlib import Path
 
 import pytest
 from doc_commands import DocCommand, doc_commands, redirect_outputs, replace_paths
+from in_process import load_tool, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -169,18 +168,11 @@ def _check_moe_rl(argv: tuple[str, ...], env: Env, nproc: int | None = None) -> 
 
 def _main_in_process(module, argv: list[str], env: Env) -> str:
     """`module.main(argv)` from the repository root with `env` set, as its command line would
-    run it; fails with its output unless it exits 0. Returns what it printed."""
-    out, err = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        mp.chdir(ROOT)
-        for key, value in env:
-            mp.setenv(key, value)
-        try:
-            status = module.main(argv)
-        except SystemExit as e:  # argparse's errors, and mains that sys.exit
-            status = e.code
-    assert not status, f"{module.__name__} {' '.join(argv)}: exit {status}\n{out.getvalue()[-3000:]}\n{err.getvalue()[-3000:]}"
-    return out.getvalue()
+    run it (`in_process.run_main`); fails with its output unless it exits 0. Returns what it
+    printed."""
+    ran = run_main(module, argv, env)
+    assert not ran.returncode, f"{module.__name__} {' '.join(argv)}: exit {ran.returncode}\n{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}"
+    return ran.stdout
 
 
 def _torchrun(argv: tuple[str, ...], env: Env) -> None:
@@ -206,12 +198,7 @@ def _make(argv: tuple[str, ...], env: Env) -> None:
 
 
 def _load(path_or_module: str):
-    if not path_or_module.endswith(".py"):
-        return importlib.import_module(path_or_module)
-    spec = importlib.util.spec_from_file_location(Path(path_or_module).stem, ROOT / path_or_module)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(path_or_module) if path_or_module.endswith(".py") else importlib.import_module(path_or_module)
 
 
 def _main_without_work(module, body: str, argv: tuple[str, ...], stand_in) -> None:

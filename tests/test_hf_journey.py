@@ -12,6 +12,7 @@ learner by the mismatch tool with vLLM and transformers (fp32: agreement to roun
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from hf_fixtures import CHATML, make_hf_model_dir, write_bpe_tokenizer, write_math_jsonl
+from in_process import run_main
 from test_cli_errors import child_env, one_line_error
 
 from moe_rl.config import ConfigError, TaskConfig, load_recipe
@@ -200,9 +202,12 @@ def test_bad_inputs_are_one_line_and_write_nothing(qwen_dir, data, tmp_path):
     ]
     for i, (args, needles) in enumerate(cases):
         out = tmp_path / f"out{i}"
-        proc = subprocess.run([sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), f"run.output_dir={out}",
-                               "logging.progress=false", *args], capture_output=True, text=True, cwd=ROOT,
-                              timeout=600, env=child_env(PYTHONPATH=str(tmp_path)))
+        argv = ["--config", str(RECIPE), f"run.output_dir={out}", "logging.progress=false", *args]
+        if "task.reward=my_rewards:score" in args:  # the user's module on PYTHONPATH, in a real interpreter
+            proc = subprocess.run([sys.executable, "-m", "moe_rl.train", *argv], capture_output=True, text=True,
+                                  cwd=ROOT, timeout=600, env=child_env(PYTHONPATH=str(tmp_path)))
+        else:  # the same main(argv) in this process (`in_process.run_main`)
+            proc = run_main(importlib.import_module("moe_rl.train"), argv)
         one_line_error(proc, prog, *needles)
         _nothing_written(out)
 

@@ -1,5 +1,6 @@
 """The RL loop end to end on CPU: one step per objective/replay mode, resume, bad recipes."""
 
+import importlib
 import json
 import math
 import shutil
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_main
 
 from moe_rl.config import load_config
 
@@ -93,6 +95,11 @@ def run_cli(*args):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+IN_A_CHILD = "rl.objectiv=gspo"
+"""The one bad recipe run by a real `python -m moe_rl.train` (the interpreter's exit status);
+the others run its `main(argv)` in this process (`in_process.run_main`), the same code."""
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -106,19 +113,23 @@ def run_cli(*args):
     ],
 )
 def test_bad_recipes_fail_before_any_work(tmp_path, override, message):
-    proc = run_cli(f"run.output_dir={tmp_path}", override)
+    args = [f"run.output_dir={tmp_path}", override]
+    proc = run_cli(*args) if override == IN_A_CHILD else run_main(importlib.import_module("moe_rl.train"),
+                                                                   ["--config", str(RECIPE), *args])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing was created
 
 
-@pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["rspo", "grpo"])
 def test_on_policy_shortcut_changes_nothing_but_the_time(megatron_world, tmp_path, objective, monkeypatch):
     """With one update per rollout the old-logprob pass is skipped (no scoring pass at all,
     counted): the update's own forward gives the old logprobs (gamma is exactly 1 for rspo).
-    Every logged number but the timings equals the run that recomputes them."""
+    Every logged number but the timings equals the run that recomputes them. (The learner's
+    behaviour, whatever samples: the transformers sampler, ~2 s a run less than a vLLM
+    engine's start; the shortcut with vLLM runs in test_one_step_end_to_end[grpo-vllm] and
+    the demo's pinned steps.)"""
     from moe_rl.learner.engine import Learner
 
     runs, scored = {}, []
@@ -132,7 +143,7 @@ def test_on_policy_shortcut_changes_nothing_but_the_time(megatron_world, tmp_pat
     for shortcut in (True, False):
         scored.clear()
         cfg, _, rows = run_trainer(tmp_path, f"run.name=s{shortcut}", "run.steps=2", f"rl.objective={objective}",
-                                   f"rl.on_policy_shortcut={str(shortcut).lower()}")
+                                   "sampler.backend=transformers", f"rl.on_policy_shortcut={str(shortcut).lower()}")
         assert cfg.rl.scores_in_update is shortcut
         assert len(scored) == (0 if shortcut else 2), len(scored)  # (one scoring pass a step without it)
         runs[shortcut] = rows

@@ -1,6 +1,6 @@
 """The RL trainer under torchrun (2 processes, gloo) at every placement of learner and
-engines (`PLACEMENTS`: an engine per rank at DP2/EP2/TP2, one engine over both ranks,
-an engine-only rank), in one parametrized test.
+engines (`PLACEMENTS`: a vLLM engine per rank at DP2/EP2/TP2, a transformers engine per rank
+at DP2, one engine over both ranks, an engine-only rank), in one parametrized test.
 
 Against the one-process run of the same recipe and seed:
 - step 1's rollouts are the same whatever the number of engines (per-prompt seeds: token
@@ -99,7 +99,11 @@ def _colocated(layout: str, backend: str) -> Placement:
 
 
 PLACEMENTS = {
-    **{f"{layout}-{backend}": _colocated(layout, backend) for backend in ("vllm", "transformers") for layout in LAYOUTS},
+    **{f"{layout}-vllm": _colocated(layout, "vllm") for layout in LAYOUTS},
+    # a transformers engine per rank: at DP2 only. The weight sync is the learner's gather at
+    # its layout (ep2-vllm, tp2-vllm) then the engine's load of the full tensors (this one),
+    # independent of each other; transformers engines at EP2 also train in the R3 test below.
+    "dp2-transformers": _colocated("dp2", "transformers"),
     # one vLLM engine sharded over both ranks (external_launcher, in its own torch.distributed
     # world, the trainer's hidden): logprobs to TP's reduction-order rounding
     "rollout-tp2": Placement(("sampler.tensor_parallel_size=2",), engines=1, rollout_steps=1, first_gap=1e-5,
@@ -146,6 +150,7 @@ def test_r3_with_a_transformers_engine_per_rank(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["sampler/engines"] == 2 and r["policy/updates"] == 2
+        assert r["mismatch/dp_max"] < 1e-4  # both engines hold the EP2 learner's weights (fp32)
         # the sampler's routing of both engines reached the learner: in fp32 they agree
         assert r["routing/sampler_disagree_any"] < 0.02
         assert r["routing/gamma_min"] < 1  # the second mini-batch saw a moved router
