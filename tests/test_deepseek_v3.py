@@ -305,18 +305,26 @@ def test_export_holds_every_tensor_with_the_mtp_layer_unchanged(ds_dirs, exporte
 def test_convert_tool_round_trips_every_tensor(ds_dirs, tmp_path):
     """tools/convert_checkpoint.py --to megatron, then --to hf with the directory as the source
     of the side files: every tensor back bit for bit (the MTP layer from the source), and the
-    same config.json."""
+    same config.json. Both command lines by the tool's main, one after the other in one child
+    process (workers/doc_commands_worker.py; not this one, whose learner layout is active)."""
     import subprocess
     import sys
 
+    from dist_helpers import WORKERS
     from test_cli_errors import child_env
 
     src, root = ds_dirs["q_direct"], Path(__file__).resolve().parents[1]
-    tool = [sys.executable, str(root / "tools" / "convert_checkpoint.py"), "--no-progress"]
-    for args in (["--to", "megatron", "--src", str(src), "--dst", str(tmp_path / "mg")],
-                 ["--to", "hf", "--src", str(tmp_path / "mg"), "--dst", str(tmp_path / "hf"), "--tokenizer", str(src)]):
-        proc = subprocess.run(tool + args, capture_output=True, text=True, cwd=root, timeout=600, env=child_env())
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    commands = {"megatron": ["--to", "megatron", "--src", str(src), "--dst", str(tmp_path / "mg")],
+                "hf": ["--to", "hf", "--src", str(tmp_path / "mg"), "--dst", str(tmp_path / "hf"), "--tokenizer", str(src)]}
+    jobs = [{"where": to, "program": "tools/convert_checkpoint.py", "argv": ["--no-progress", *args], "env": {}}
+            for to, args in commands.items()]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, str(WORKERS / "doc_commands_worker.py"), str(tmp_path / "jobs.json"),
+                           str(tmp_path / "ran.json")], capture_output=True, text=True, cwd=root, timeout=600,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for to, r in json.loads((tmp_path / "ran.json").read_text()).items():
+        assert r["status"] == 0, f"--to {to}: exit {r['status']}\n{r['stderr'][-3000:]}"
     saved, back = _tensors(src), _tensors(tmp_path / "hf")
     assert set(back) == set(saved) and all(torch.equal(back[n], t) for n, t in saved.items())
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
@@ -349,15 +357,27 @@ def test_mismatch_tool_on_the_export_at_fp32(exported, tmp_path):
 # ----------------------------------------------------------------- TP=2 / EP=2
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("par", ["tp2", "ep2"])
-def test_two_process_layouts_match_transformers(par, ds_dirs, tmp_path):
-    """Both directories at TP=2 and EP=2 score as transformers does, and their HF stream gives
-    back the saved tensors bit for bit (workers/deepseek_worker.py)."""
+TWO_PROCESS_LAYOUTS = ("tp2", "ep2")
+
+
+@pytest.fixture(scope="module")
+def two_process(ds_dirs, tmp_path_factory) -> dict:
+    """Both layouts' results from ONE 2-process launch (workers/deepseek_worker.py builds one
+    layout after the other)."""
     from dist_helpers import torchrun
 
-    torchrun("deepseek_worker.py", 2, par, str(tmp_path / "out.pt"), *(f"{n}={ds_dirs[n]}" for n in DEEPSEEK_CONFIGS))
-    results = torch.load(tmp_path / "out.pt")
+    out = tmp_path_factory.mktemp("two_process") / "out.pt"
+    torchrun("deepseek_worker.py", 2, ",".join(TWO_PROCESS_LAYOUTS), str(out),
+             *(f"{n}={ds_dirs[n]}" for n in DEEPSEEK_CONFIGS))
+    return torch.load(out)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("par", TWO_PROCESS_LAYOUTS)
+def test_two_process_layouts_match_transformers(par, two_process, ds_dirs):
+    """Both directories at TP=2 and EP=2 score as transformers does, and their HF stream gives
+    back the saved tensors bit for bit (workers/deepseek_worker.py)."""
+    results = two_process[par]
     batch, _ = fixed_batch()
     for name in DEEPSEEK_CONFIGS:
         assert results[name]["bad_stream"] == [], name

@@ -1,7 +1,8 @@
-"""Worker for tests/test_docs_commands.py: documented `python -m MODULE ARGS` and `python
-tools/SCRIPT.py ARGS` commands, each by its program's own `main(argv)`, one after another in
-this one process (started from the repository root with the venv first on PATH, as the
-commands are run), instead of one interpreter start-up (torch, megatron) per command.
+"""Worker for tests/test_docs_commands.py (and test_deepseek_v3.py's convert round trip):
+`python -m MODULE ARGS` and `python tools/SCRIPT.py ARGS` command lines, each by its
+program's own `main(argv)`, one after another in this one process (started from the
+repository root with the venv first on PATH, as the commands are run), instead of one
+interpreter start-up (torch, megatron) per command.
 
     python tests/workers/doc_commands_worker.py JOBS.json OUT.json
 
