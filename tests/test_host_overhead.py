@@ -81,3 +81,26 @@ def test_the_quick_benchmark_writes_its_tables(tmp_path):
     assert set(data["current"]["results"]) == set(bench.SETTINGS) and data["baseline"] is None
     table = (tmp_path / "host_overhead.md").read_text()
     assert "| project syncs / mb | 0 | 0 | 0 | 0 | 0 |" in table
+
+
+def test_the_critics_values_never_wait_for_the_device_inside_a_micro_batch(megatron_world):
+    """PPO's critic reads its values at every [b, T] slot and zeroes the rest, instead of
+    selecting the response slots with a boolean index (whose count a GPU's host would wait
+    for in every micro-batch)."""
+    from moe_rl.config import load_config
+    from moe_rl.learner import parallel_layout
+    from moe_rl.learner.critic import Critic
+
+    cfg = load_config(None, bench.model_overrides(bench.QUICK))
+    with parallel_layout(cfg.parallel, seed=0) as layout:
+        critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=1)
+        critic.init_value_head(0.1, seed=0)
+        batch = bench.step_batch(bench.QUICK, len(critic.taps.layers))
+        with OpCounter(critic) as c:
+            values_BT = critic.values(batch)
+    assert c.microbatches == 2
+    waits = [(who, w, what) for (region, who, w, what) in c.syncs if region == "mb" and who.startswith("project/")
+             and who.removeprefix("project/") not in CPU_ONLY_AREAS]
+    assert waits == []
+    mask_BT = batch.tokens.response_mask()
+    assert bool((values_BT[~mask_BT] == 0).all()) and bool((values_BT[mask_BT] != 0).all())

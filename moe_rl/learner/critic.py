@@ -31,7 +31,7 @@ import torch
 
 from moe_rl.learner.engine import Learner
 from moe_rl.learner.microbatch import MicroBatch
-from moe_rl.learner.output_head import scatter_masked, whole_sequence
+from moe_rl.learner.output_head import whole_sequence
 from moe_rl.step_batch import StepBatch
 
 VALUE_HEAD = "value_head"
@@ -71,9 +71,12 @@ class _ValueOutput:
     def values(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """[b, T] fp32 values at the response tokens (0 elsewhere); differentiable."""
         flat_NH = output.reshape(-1, output.shape[-1])
-        mask_BT = mb.batch.response_mask().to(flat_NH.device)
-        index_N = mb.inp.logit_index_BT.to(flat_NH.device)[mask_BT]
-        return scatter_masked(getattr(self.gpt, VALUE_HEAD)(flat_NH[index_N]), mask_BT)
+        mask_BT = mb.batch.response_mask().to(flat_NH.device, non_blocking=True)
+        index_BT = mb.inp.logit_index_BT.to(flat_NH.device, non_blocking=True)
+        # the head on every [b, T] slot, then zeros off the responses: selecting the response
+        # slots first (a boolean index) would read their count back from the device
+        values_BT = getattr(self.gpt, VALUE_HEAD)(flat_NH[index_BT.reshape(-1)]).view(index_BT.shape)
+        return torch.where(mask_BT, values_BT, values_BT.new_zeros(()))
 
 
 class ValueModel(Learner):
