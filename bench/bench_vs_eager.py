@@ -35,7 +35,6 @@ from safetensors.torch import save_file
 from bench.common import markdown_table, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-B, PROMPT, RESPONSE = 128, 12, 16  # the demo's step: 16 prompts x 8 samples
 MODELS = {  # name: (recipe, starting weights or None for the recipe's random init)
     "demo (4 layers, 8 experts top-2)": ("examples/tiny_rspo.yaml", "moe_rl/assets/tiny_base"),
     "ablation (8 layers, 64 experts top-16)": ("examples/ablations.yaml", None),
@@ -43,16 +42,12 @@ MODELS = {  # name: (recipe, starting weights or None for the recipe's random in
 
 
 def demo_batch(seed: int = 0):
-    """The demo step's shape: token ids, response lengths and advantages (group-normalised)."""
-    from moe_rl.batch import TokenBatch
+    """The demo step's shape (bench/learner_worker.py's batch), its advantages centred per
+    group of 8 as GRPO's are."""
+    from bench.learner_worker import rl_batch
 
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 128, (PROMPT,), generator=g).tolist() for _ in range(B)]
-    responses = [torch.randint(4, 128, (int(torch.randint(4, RESPONSE + 1, (1,), generator=g)),),
-                               generator=g).tolist() for _ in range(B)]
-    adv_B = torch.randn(B, generator=g)
-    adv_B = (adv_B.view(-1, 8) - adv_B.view(-1, 8).mean(1, keepdim=True)).view(-1)
-    return TokenBatch.from_lists(prompts, responses, response_width=RESPONSE, seq_multiple=2), adv_B
+    tokens, adv_B = rl_batch(seed)
+    return tokens, (adv_B.view(-1, 8) - adv_B.view(-1, 8).mean(1, keepdim=True)).view(-1)
 
 
 class LearnerUpdate:

@@ -132,19 +132,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def device_name() -> str:
-    """Short name of the accelerator ("h100", "h200") or "cpu"."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name(0)
-    for short in ("H100", "H200", "H800", "H20", "A100"):
-        if short in name:
-            return short.lower()
-    return name.split()[-1].lower()
-
-
 def mismatch_command(checkpoint: Path, report: Path, dry_run: bool) -> list[str]:
     settings = (["vllm:bf16/learner:bf16", "vllm:fp8_emulated/learner:bf16"] if dry_run
                 else ["vllm:bf16/learner:bf16", "vllm:fp8/learner:bf16"])
@@ -173,6 +160,9 @@ def report(rows: list[dict[str, float]], train_cmd: list[str], mismatch_cmd: lis
 
 def main(dry_run: bool = False, layers: int = 2, steps: int = 3, out: str | None = None,
          timeout: float = 480.0) -> int:
+    # (the results' device name, as check 2 writes it)
+    from bench.gpu_learner_levers import device_name
+
     device = "cpu" if dry_run else device_name()
     results_dir = Path(out) / "results" if out else ROOT / "bench" / "results"
     report_dir = Path(out) / "mismatch" if out else ROOT / "docs" / "mismatch" / device
