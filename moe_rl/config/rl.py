@@ -147,11 +147,38 @@ class RLConfig:
     rollout_correction_args: CorrectionHParams = field(default_factory=CorrectionHParams)
     """Correction hyperparameters (tis_cap, mis_low, mis_high), used by tis / mis / icepop."""
     max_staleness: int = 0
-    """Asynchronous rollout: the engines sample the next step's batch while the learner
-    trains (batch n+1 with step n-1's weights while step n trains: a fixed schedule, so a run
-    is reproducible whatever the timing), and rows sampled more than this many weight pushes
-    before the learner's policy are dropped. The engines run one batch ahead for any k >= 1.
-    Needs sampler.placement=separate and a rollout_correction. 0: the synchronous loop."""
+    """Asynchronous rollout: the engines sample ahead while the learner trains, and no row
+    trains under a policy more than this many weight pushes (k) newer than its oldest token.
+    Without segmented decoding (below) the engines keep a queue of k batches: batch n + k is
+    sampled with step n-1's weights while step n trains (a fixed schedule, reproducible
+    whatever the timing; k = 1 is one-step-off). With it, the engines run one batch ahead
+    and k bounds the tokens partial rollouts carry over: a group with an older token is
+    dropped and counted (rollout/dropped_stale). Needs sampler.placement=separate and a
+    rollout_correction. 0: the synchronous loop."""
+    inflight_weight_updates: bool = False
+    """Segmented decoding (`moe_rl.rollout.segmented`): the engines take the learner's
+    weights between two decoding segments instead of at a batch boundary; a response then
+    holds tokens of several versions, each with its own behaviour log-prob and routes. The
+    running responses' KV is recomputed under the new weights (the prefix cache is reset at
+    every update). Needs rl.max_staleness >= 1."""
+    partial_rollouts: bool = False
+    """Segmented decoding: a step trains on the first prompts_per_step groups to finish (a
+    group trains whole); unfinished responses continue into later steps instead of being
+    waited for. Needs rl.max_staleness >= 1; not with rl.dynamic_sampling."""
+    partial_oversample: float = 0.5
+    """rl.partial_rollouts: spare groups the engines keep decoding, as a fraction of
+    prompts_per_step (further draws of the step's problems): the batch takes the first
+    prompts_per_step to finish, the rest carry over."""
+    async_schedule: Literal["deterministic", "throughput"] = "deterministic"
+    """Where in-flight updates pause the engine: `deterministic` after exactly
+    rl.inflight_push_after_segments segments of the next batch (the same seed gives the same
+    rewards: tests, papers); `throughput` at the first pause point after the learner's push
+    has begun to arrive (the engine never waits for the learner mid-batch)."""
+    inflight_segment_tokens: int = 32
+    """Segmented decoding: tokens decoded per response between two pause points."""
+    inflight_push_after_segments: int = 1
+    """rl.async_schedule=deterministic: segments of the next batch decoded under the old
+    weights before the engine takes the new ones (0: at once, the synchronous policy)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; >0 keeps a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -173,6 +200,11 @@ class RLConfig:
     capture_routing: bool = True
     """Record per-layer top-k ids and log routing probabilities in the old-logprob pass
     (needed by rspo and the routing statistics)."""
+
+    @property
+    def segmented(self) -> bool:
+        """The engines decode in segments (`moe_rl.rollout.segmented`)."""
+        return self.inflight_weight_updates or self.partial_rollouts
 
     @property
     def hparams(self) -> Any:

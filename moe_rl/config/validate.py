@@ -148,9 +148,30 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError("optimizer.offload_during_rollout is for colocated, synchronous runs (the learner's state "
                           "leaves the device its engine shares only while it waits for the rollout); with "
                           "separate engines or rl.max_staleness > 0 leave it false")
+    if rl.segmented:
+        _validate_segmented(cfg)
     if rl.max_staleness and rl.rollout_correction == "none":
         raise ConfigError(f"rl.max_staleness={rl.max_staleness} trains on batches sampled by an older policy: set "
                           "rl.rollout_correction (tis, mis or icepop) to correct for the sampler-learner gap")
+
+
+def _validate_segmented(cfg: Config) -> None:
+    rl = cfg.rl
+    which = "rl.inflight_weight_updates" if rl.inflight_weight_updates else "rl.partial_rollouts"
+    if rl.max_staleness < 1:
+        raise ConfigError(f"{which}=true needs rl.max_staleness >= 1 (the engines run ahead of the learner) and "
+                          "sampler.placement=separate")
+    if rl.dynamic_sampling:
+        raise ConfigError(f"{which}=true is not implemented with rl.dynamic_sampling (the pool keeps no draws "
+                          "aside for groups without signal); set rl.dynamic_sampling=false")
+    if rl.inflight_segment_tokens < 1:
+        raise ConfigError(f"rl.inflight_segment_tokens must be >= 1, got {rl.inflight_segment_tokens}")
+    if rl.inflight_push_after_segments < 0:
+        raise ConfigError(f"rl.inflight_push_after_segments must be >= 0, got {rl.inflight_push_after_segments}")
+    if rl.partial_oversample < 0:
+        raise ConfigError(f"rl.partial_oversample must be >= 0, got {rl.partial_oversample}")
+    if rl.async_schedule not in ("deterministic", "throughput"):
+        raise ConfigError(f"rl.async_schedule={rl.async_schedule!r}: choose deterministic or throughput")
 
 
 def validate_sampler(cfg: Config) -> None:

@@ -24,26 +24,34 @@ from moe_rl.rollout.types import GroupSummary, Sampled, ScoredGroup
 from moe_rl.runtime.atomic import atomic_write_text
 
 KEEP = 3
-"""Files per engine kept (the newest); older ones are deleted as new ones are written."""
+"""Files per engine kept (the newest; at least rl.max_staleness + 1, the batches queued
+ahead under k); older ones are deleted as new ones are written."""
 
 
 def _path(run_dir: Path, step: int, engine: int) -> Path:
     return run_dir / "sampled_ahead" / f"step_{step:06d}.engine{engine}.json"
 
 
-def save_ahead(run_dir: Path, engine: int, layout: tuple[int, int], sampled: Sampled) -> None:
-    """Write this engine leader's share of a batch sampled ahead (atomic), and prune.
-    `layout`: (engines, ranks per engine) it was sampled under."""
+def _summary(s: dict) -> GroupSummary:
+    runs = tuple(tuple((v, n) for v, n in r) for r in s["version_runs"]) if s.get("version_runs") else None
+    return GroupSummary(s["prompt_len"], tuple(s["response_lens"]), tuple(s["rewards"]), tuple(s["finish"]),
+                        s["version"], runs, tuple(s["carried"]) if s.get("carried") else None)
+
+
+def save_ahead(run_dir: Path, engine: int, layout: tuple[int, int], sampled: Sampled, keep: int = KEEP) -> None:
+    """Write this engine leader's share of a batch sampled ahead (atomic), and prune to the
+    newest `keep`. `layout`: (engines, ranks per engine) it was sampled under."""
     groups = [{"key": list(k), "prompt": g.prompt, "responses": g.responses, "logprobs": g.logprobs,
                "texts": g.texts, "rewards": g.rewards, "finish": g.finish, "version": g.version,
+               "token_versions": g.token_versions, "carried": g.carried,
                "routed": [np.asarray(r).tolist() for r in g.routed] if g.routed is not None else None}
               for k, g in sampled.held.items()]
     doc = {"step": sampled.step, "layout": list(layout), "version": sampled.version, "kept": sampled.kept,
            "drawn": [[vars(s) for s in d] for d in sampled.drawn], "engine_seconds": sampled.engine_seconds,
-           "groups": groups}
+           "dropped_stale": sampled.dropped_stale, "groups": groups}
     path = _path(run_dir, sampled.step, engine)
     atomic_write_text(path, json.dumps(doc))
-    for old in sorted(path.parent.glob(f"step_*.engine{engine}.json"))[:-KEEP]:
+    for old in sorted(path.parent.glob(f"step_*.engine{engine}.json"))[:-keep]:
         old.unlink(missing_ok=True)
 
 
@@ -62,10 +70,11 @@ def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -
         was = f"{saved[0]} engine(s) of {saved[1]} rank(s)" if len(saved) == 2 else "an unrecorded engine layout"
         return None, f"{path.name} was sampled by {was}, this run has {layout[0]} of {layout[1]}"
     out = Sampled(doc["step"], doc["version"], [tuple(k) for k in doc["kept"]],
-                  [[GroupSummary(s["prompt_len"], tuple(s["response_lens"]), tuple(s["rewards"]), tuple(s["finish"]),
-                                 s["version"]) for s in d] for d in doc["drawn"]], doc["engine_seconds"])
+                  [[_summary(s) for s in d] for d in doc["drawn"]], doc["engine_seconds"],
+                  dropped_stale=doc.get("dropped_stale", 0))
     for g in doc["groups"]:
         routed = [np.asarray(r) for r in g["routed"]] if g["routed"] is not None else None
         out.held[tuple(g["key"])] = ScoredGroup(g["prompt"], g["responses"], g["logprobs"], g["texts"], g["rewards"],
-                                                g["finish"], routed, g["version"])
+                                                g["finish"], routed, g["version"], g.get("token_versions"),
+                                                g.get("carried"))
     return out, ""

@@ -144,6 +144,30 @@ class RolloutCollector:
             self.sampler.sleep()
         return out
 
+    def sampled_from_groups(self, step: int, mine: list[ScoredGroup], seconds: float, dropped: int) -> Sampled:
+        """Step `step`'s batch from groups this engine decoded in segments
+        (`moe_rl.rollout.segmented`): every engine's summaries, in engine order, on every
+        engine rank, and its own groups kept on its leader. Collective over the engine ranks."""
+        p = self.placement
+        parts = p.gather_engines(([g.summary() for g in mine], seconds, dropped), self._engines_group)
+        offset = sum(len(part) for part, _, _ in parts[: p.engine])
+        summaries = concat([part for part, _, _ in parts])
+        out = Sampled(step, self.weight_sync.held_version or 0, [(0, i) for i in range(len(summaries))],
+                      [summaries], [[sec for _, sec, _ in parts]], dropped_stale=sum(d for _, _, d in parts))
+        if p.leader:
+            out.held = {(0, offset + i): g for i, g in enumerate(mine)}
+        return out
+
+    @property
+    def engines_group(self) -> Any:
+        """The engine ranks' process group (None when every rank hosts an engine)."""
+        return self._engines_group
+
+    def weight_sync_ready(self) -> bool:
+        """Every engine has begun to receive the learner's next weights (a pause point of
+        the throughput schedule). Collective over the engine ranks, so that they agree."""
+        return all(self.placement.gather_engines(self.weight_sync.poll(), self._engines_group))
+
     def sampled_ahead(self, run_dir: Path, step: int) -> Sampled | None:
         """The batch of `step` the engines sampled ahead before a stop (`moe_rl.rollout.ahead`),
         when every engine finds its share saved under this engine layout; else None on every
@@ -167,13 +191,14 @@ class RolloutCollector:
             saved.held = {}
         return saved
 
-    def save_ahead(self, run_dir: Path, sampled: Sampled | None) -> None:
-        """Keep a batch sampled ahead on disk (each engine leader its share) for a resume."""
+    def save_ahead(self, run_dir: Path, sampled: Sampled | None, keep: int = 3) -> None:
+        """Keep a batch sampled ahead on disk (each engine leader its share) for a resume,
+        with the `keep` newest before it."""
         if sampled is not None and self.placement.leader:
             from moe_rl.rollout.ahead import save_ahead
 
             p = self.placement
-            save_ahead(run_dir, p.engine, (p.engines, p.ranks_per_engine), sampled)
+            save_ahead(run_dir, p.engine, (p.engines, p.ranks_per_engine), sampled, keep)
 
     def deliver(self, step: int, sampled: Sampled | None, timer: StepTimer) -> Rollout:
         """Hand each data-parallel rank its rows of step `step`'s sampled groups, dropping
@@ -188,8 +213,8 @@ class RolloutCollector:
         kept = [(d, i) for d, i in public.kept if current - drawn[d][i].version <= self.cfg.rl.max_staleness]
         with timer.phase("reward"):
             plan = plan_step([drawn[d][i] for d, i in kept], [g for d in drawn for g in d], len(drawn), self.cfg)
-        plan.stats.update(staleness_stats([drawn[d][i] for d, i in kept], current, len(public.kept) - len(kept),
-                                          self.cfg.rl.group_size))
+        dropped = (len(public.kept) - len(kept)) * self.cfg.rl.group_size + public.dropped_stale
+        plan.stats.update(staleness_stats([drawn[d][i] for d, i in kept], current, dropped))
         with timer.phase("gather"):
             rows = self._deliver(kept, sampled.held if sampled is not None else {}, self.cfg.rl.group_size)
         self._signal.observe(step, plan.stats["reward/zero_variance_frac"])

@@ -11,7 +11,7 @@ import torch
 from moe_rl.advantages import compute_advantages, filter_groups, overlong_penalty
 from moe_rl.batch import TokenBatch, ragged_rows
 from moe_rl.config import Config
-from moe_rl.rollout.types import SCORE, GroupSummary, RowSample
+from moe_rl.rollout.types import SCORE, VERSION_SPAN, GroupSummary, RowSample
 from moe_rl.routing.record import ReplayIds, align_sampler_routing
 from moe_rl.step_batch import StepBatch
 
@@ -67,7 +67,9 @@ def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -
         sampler_logp_BT=ragged_rows([r.logprobs for r in rows], T),
         sampler_routing=sampler_routing(rows, tokens, row_ids, cfg),
         version_B=torch.tensor([r.version for r in rows], dtype=torch.long),
-        extras={SCORE: plan.scores_NG.flatten()[row_ids]},
+        extras={SCORE: plan.scores_NG.flatten()[row_ids],
+                VERSION_SPAN: torch.tensor([max(r.token_versions) - min(r.token_versions) if r.token_versions else 0
+                                            for r in rows], dtype=torch.long)},
     )
     return batch, plan.rewards_NG.flatten()[row_ids], [r.text for r in rows]
 
@@ -106,10 +108,20 @@ def rollout_stats(kept: list[GroupSummary], drawn: list[GroupSummary], draws: in
     return stats
 
 
-def staleness_stats(kept: list[GroupSummary], current: int, dropped_groups: int, G: int) -> dict[str, float]:
+def staleness_stats(kept: list[GroupSummary], current: int, dropped_rows: int) -> dict[str, float]:
     """How many weight pushes older than the learner's policy (`current`) the step's rows
-    are, and how many rows were dropped for exceeding `rl.max_staleness`."""
+    are (by their oldest token), how many rows were dropped for exceeding
+    `rl.max_staleness`, and what segmented decoding mixes: the versions within a response
+    (`version_span_*`), the tokens drawn by an older policy than the learner's
+    (`tokens_stale_frac`) and the responses continued from an earlier step (`partial_frac`)."""
     stale = [current - g.version for g in kept]
+    spans = [s for g in kept for s in g.spans()]
+    tokens = sum(sum(g.response_lens) for g in kept)
+    carried = [c for g in kept for c in (g.carried or (False,) * len(g.response_lens))]
     return {"rollout/staleness_mean": sum(stale) / max(len(stale), 1),
             "rollout/staleness_max": float(max(stale, default=0)),
-            "rollout/dropped_stale": float(dropped_groups * G)}
+            "rollout/dropped_stale": float(dropped_rows),
+            "rollout/version_span_mean": sum(spans) / max(len(spans), 1),
+            "rollout/version_span_max": float(max(spans, default=0)),
+            "rollout/tokens_stale_frac": sum(g.tokens_older_than(current) for g in kept) / max(tokens, 1),
+            "rollout/partial_frac": sum(carried) / max(len(carried), 1)}

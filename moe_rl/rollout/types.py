@@ -14,6 +14,10 @@ SCORE = "score_B"
 """StepBatch.extras key: each row's sequence score (its reward after overlong shaping),
 which a critic's per-token rewards start from (`moe_rl.programs.ppo.critic_stage`)."""
 
+VERSION_SPAN = "version_span_B"
+"""StepBatch.extras key: each row's newest minus oldest token version (segmented decoding
+mixes versions within a response; 0 otherwise), for the mismatch split by span."""
+
 
 @dataclass
 class ScoredGroup:
@@ -35,16 +39,38 @@ class ScoredGroup:
     routed: list[np.ndarray] | None
     """Per response, the sampler's routed experts in vLLM's layout, when the backend returns them."""
     version: int = 0
-    """The policy version (weight pushes received) the engine sampled with."""
+    """The policy version (weight pushes received) the engine sampled with: the oldest
+    token's when the responses were decoded under several (`token_versions`)."""
+    token_versions: list[list[int]] | None = None
+    """Per response, the version that drew each token (segmented decoding:
+    `moe_rl.rollout.pool`); None: every token was drawn with `version`."""
+    carried: list[bool] | None = None
+    """Per response, whether it continued across a step boundary (a partial rollout)."""
 
     def summary(self) -> GroupSummary:
+        runs = None
+        if self.token_versions is not None:
+            runs = tuple(version_runs(v) for v in self.token_versions)
         return GroupSummary(len(self.prompt), tuple(len(r) for r in self.responses), tuple(self.rewards),
-                            tuple(self.finish), self.version)
+                            tuple(self.finish), self.version, runs,
+                            tuple(self.carried) if self.carried is not None else None)
 
     def row(self, j: int, row_id: int) -> RowSample:
         """Response j as training row `row_id`."""
+        versions = self.token_versions[j] if self.token_versions is not None else None
         return RowSample(row_id, self.prompt, self.responses[j], self.logprobs[j], self.texts[j],
-                         self.routed[j] if self.routed is not None else None, self.version)
+                         self.routed[j] if self.routed is not None else None, self.version, versions)
+
+
+def version_runs(versions: list[int]) -> tuple[tuple[int, int], ...]:
+    """Token versions as runs of (version, count), in token order."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return tuple((v, n) for v, n in runs)
 
 
 @dataclass(frozen=True)
@@ -57,7 +83,24 @@ class GroupSummary:
     rewards: tuple[float, ...]
     finish: tuple[str, ...]
     version: int = 0
-    """The policy version that sampled the group (weight pushes the engine had received)."""
+    """The policy version that sampled the group (weight pushes the engine had received);
+    under segmented decoding, its oldest token's."""
+    version_runs: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    """Per response, its tokens' versions as (version, count) runs; None: all `version`."""
+    carried: tuple[bool, ...] | None = None
+    """Per response, whether it continued across a step boundary (a partial rollout)."""
+
+    def spans(self) -> tuple[int, ...]:
+        """Per response, newest minus oldest token version (0: one version)."""
+        if self.version_runs is None:
+            return (0,) * len(self.response_lens)
+        return tuple(r[-1][0] - r[0][0] if r else 0 for r in self.version_runs)
+
+    def tokens_older_than(self, version: int) -> int:
+        """Response tokens drawn by a policy older than `version`."""
+        if self.version_runs is None:
+            return sum(self.response_lens) if self.version < version else 0
+        return sum(n for runs in self.version_runs for v, n in runs if v < version)
 
     @property
     def has_signal(self) -> bool:
@@ -80,7 +123,9 @@ class RowSample:
     routed: np.ndarray | None
     """The sampler's routed experts in vLLM's layout ([prompt + response - 1, layers, K])."""
     version: int = 0
-    """The policy version that sampled it."""
+    """The policy version that sampled it (its oldest token's)."""
+    token_versions: list[int] | None = None
+    """The version that drew each token, when they differ (segmented decoding)."""
 
 
 @dataclass
@@ -96,6 +141,9 @@ class SampledSummary:
     """Per draw, each engine's sampling seconds."""
     engine_wait: float = 0.0
     """Seconds the engines last waited for the learner's weights."""
+    dropped_stale: int = 0
+    """Responses the engines dropped before delivery for exceeding rl.max_staleness
+    (segmented decoding drops them from its pool; `deliver` counts its own drops too)."""
 
 
 @dataclass
@@ -112,9 +160,11 @@ class Sampled:
     engine_seconds: list[list[float]] = field(default_factory=list)
     held: dict[tuple[int, int], ScoredGroup] = field(default_factory=dict)
     """This engine leader's groups by (draw, group)."""
+    dropped_stale: int = 0
+    """Responses every engine dropped from its pool as too stale since the last batch."""
 
     def public(self, engine_wait: float = 0.0) -> SampledSummary:
-        return SampledSummary(self.kept, self.drawn, self.engine_seconds, engine_wait)
+        return SampledSummary(self.kept, self.drawn, self.engine_seconds, engine_wait, self.dropped_stale)
 
 
 @dataclass

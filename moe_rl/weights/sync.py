@@ -17,8 +17,10 @@ The caller never branches on the placement; the factory does, once:
   tensors ends the sync and names the version. The sends are asynchronous, from staged
   copies of the tensors (on a GPU: queued on the current stream, sent from NCCL's): the
   learner does not wait for the engines, which are generating the next batch under
-  `rl.max_staleness`. An engine applies the weights at its batch boundary, when it calls
-  `receive` between one step's batch and the next (vLLM has no requests in flight then);
+  `rl.max_staleness`. An engine applies the weights when it calls `receive`: at its batch
+  boundary, or between two decoding segments under `rl.inflight_weight_updates`
+  (`moe_rl.rollout.segmented`; `poll` tells whether a push has begun); the engine has no
+  requests in flight at either point;
   the learner's next push first waits for the previous one's sends to drain
   (`sync/drain_wait_seconds`), so at most one staged copy exists.
 
@@ -216,21 +218,29 @@ def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: obj
     return report
 
 
-def _receive_meta(group: object, dev: torch.device) -> Any:
-    size = torch.empty(1, dtype=torch.int64, device=dev)
-    dist.broadcast(size, src=0, group=group)
+def _receive_meta(group: object, dev: torch.device, posted: tuple[torch.Tensor, Any] | None = None) -> Any:
+    """The next announcement; `posted`: its size already requested (`BroadcastSync.poll`)."""
+    if posted is None:
+        size = torch.empty(1, dtype=torch.int64, device=dev)
+        dist.broadcast(size, src=0, group=group)
+    else:
+        size, work = posted
+        work.wait()
     data = torch.empty(int(size), dtype=torch.uint8, device=dev)
     dist.broadcast(data, src=0, group=group)
     return pickle.loads(data.cpu().numpy().tobytes())  # (from global rank 0 of this run)
 
 
-def receive_buckets(group: object, load: Callable[[Bucket], None]) -> SyncReport:
-    """An engine rank's side of `broadcast_buckets`: receive and load buckets until the end."""
+def receive_buckets(group: object, load: Callable[[Bucket], None],
+                    posted: tuple[torch.Tensor, Any] | None = None) -> SyncReport:
+    """An engine rank's side of `broadcast_buckets`: receive and load buckets until the end
+    (`posted`: the first announcement's size, already requested)."""
     report, t0 = SyncReport(), time.perf_counter()
     while True:
         with bridge():
             dev = _device()
-            report.version, metas = _receive_meta(group, dev)
+            report.version, metas = _receive_meta(group, dev, posted)
+            posted = None
             if metas is None:
                 break
             flat = torch.empty(_spans(metas)[1], dtype=torch.uint8, device=dev)
@@ -287,6 +297,11 @@ class WeightSynchronizer(ABC):
         """An engine-only rank's side (separate placement): load the weights rank 0 pushes."""
         raise RuntimeError(f"{type(self).__name__} has no engine-only ranks: every rank pushes")
 
+    def poll(self) -> bool:
+        """An engine-only rank's side: whether the learner's next push has begun to arrive
+        (without waiting for it)."""
+        raise RuntimeError(f"{type(self).__name__} has no engine-only ranks: every rank pushes")
+
     def finish(self) -> None:  # noqa: B027 (a synchronizer without asynchronous sends has nothing to wait for)
         """Wait for anything a push left in flight (before the process groups go away)."""
 
@@ -318,6 +333,7 @@ class BroadcastSync(WeightSynchronizer):
         super().__init__(placement, bucket_bytes)
         self.group = placement.weights_group()  # collective: every rank creates it here
         self.inflight = InFlight()
+        self._posted: tuple[torch.Tensor, Any] | None = None
 
     def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
         send = self.placement.rank == 0
@@ -328,9 +344,19 @@ class BroadcastSync(WeightSynchronizer):
         self.inflight.wait()
 
     def receive(self) -> SyncReport:
-        report = receive_buckets(self.group, self._load)
+        posted, self._posted = self._posted, None
+        report = receive_buckets(self.group, self._load, posted)
         self.held_version = report.version
         return report
+
+    def poll(self) -> bool:
+        # The push's first collective (its announcement's size), requested once and asynchronously:
+        # the sender's broadcasts are already asynchronous, so completion means the push has begun.
+        if self._posted is None:
+            with bridge():
+                size = torch.empty(1, dtype=torch.int64, device=_device())
+                self._posted = (size, dist.broadcast(size, src=0, group=self.group, async_op=True))
+        return bool(self._posted[1].is_completed())
 
 
 def make_weight_synchronizer(cfg: Config, placement: EnginePlacement) -> WeightSynchronizer:

@@ -3,18 +3,24 @@ of every step and take the weights after each update; the training ranks do the 
 
 It runs in the same run loop as the training ranks, so both make the same collective calls
 in the same order: a step (deliver the rollout, receive the weights), an evaluation when
-due, the agreed-stop gather. Under `rl.max_staleness` it samples step n+1 before it takes
-step n's weights, so the sampling overlaps the learners' update (`moe_rl.rollout.ahead`).
+due, the agreed-stop gather. How the sampling overlaps the learners' update:
+- `rl.max_staleness=k` alone: a queue of k batches sampled ahead; during step n the engine
+  samples step n + k before it takes step n's weights (`moe_rl.rollout.ahead` keeps them
+  for a resume);
+- with `rl.inflight_weight_updates` or `rl.partial_rollouts`: a pool decoded in segments,
+  the weights taken between two of them (`moe_rl.rollout.segmented`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 
 from moe_rl.config import Config
 from moe_rl.loop import Program
 from moe_rl.rollout import RolloutCollector, Sampled
+from moe_rl.rollout.segmented import SegmentedRollout
 from moe_rl.runtime.timing import StepTimer
 
 
@@ -26,34 +32,60 @@ class EngineRole(Program):
 
     def __init__(self, cfg: Config, collector: RolloutCollector, rank: int, world: int) -> None:
         self.cfg, self.collector, self.rank, self.world = cfg, collector, rank, world
-        self._ahead: Sampled | None = None
+        self._queue: deque[Sampled] = deque()
+        self._segmented: SegmentedRollout | None = None
 
     def setup(self, resume_from: Path | None) -> int:
         self.collector.start_sampler(self.cfg.run_dir, None)
         start = self.collector.placement.from_rank0(None)
         self.collector.weight_sync.held_version = start
         self.collector.assign_rows(None)  # (trains on no rows)
-        if self.cfg.rl.max_staleness:
-            self._ahead = self._first_batch(start + 1)
+        if self.cfg.rl.segmented:
+            self._segmented = SegmentedRollout(self.collector)
+            if not (start and self._segmented.load(self.cfg.run_dir, start)):
+                self._segmented.admit()
+            self._segmented.fill(start + 1, None, StepTimer())
+        elif self.cfg.rl.max_staleness:
+            for step in range(start + 1, min(start + self.cfg.rl.max_staleness, self.cfg.run.steps) + 1):
+                self._queue.append(self._first_batch(step))
         return start
 
     def _first_batch(self, step: int) -> Sampled | None:
-        """Asynchronous rollout's first batch: the one sampled ahead before a stop, when this
+        """A batch of the queue at the start: the one sampled ahead before a stop, when this
         run is resumed and every engine saved its share; else sampled now."""
         saved = self.collector.sampled_ahead(self.cfg.run_dir, step) if step > 1 else None
-        return saved or self.collector.sample(step, StepTimer())
+        if saved is None:
+            saved = self.collector.sample(step, StepTimer())
+            self.collector.save_ahead(self.cfg.run_dir, saved, keep=self.cfg.rl.max_staleness + 2)
+        return saved
 
     def step(self, step: int) -> dict[str, float]:
         timer = StepTimer()
-        ahead, self._ahead = self._ahead, None
+        if self._segmented is not None:
+            self.collector.deliver(step, self._segmented.batch(step), timer)
+            if step < self.cfg.run.steps:
+                self._segmented.admit()
+                self._segmented.fill(step + 1, lambda: self._receive(step), timer)
+            else:
+                self._receive(step)
+            return {}
+        ahead = self._queue.popleft() if self._queue else None
         self.collector.deliver(step, ahead or self.collector.sample(step, timer), timer)
-        if self.cfg.rl.max_staleness and step < self.cfg.run.steps:
-            self._ahead = self.collector.sample(step + 1, timer)
-            self.collector.save_ahead(self.cfg.run_dir, self._ahead)
+        k = self.cfg.rl.max_staleness
+        if k and step + k <= self.cfg.run.steps:
+            self._queue.append(self.collector.sample(step + k, timer))
+            self.collector.save_ahead(self.cfg.run_dir, self._queue[-1], keep=k + 2)
+        self._receive(step)
+        return {}
+
+    def _receive(self, step: int) -> None:
+        """Take step `step`'s weights (a segmented pool is saved first: a resume from step
+        `step`'s checkpoint starts from it)."""
+        if self._segmented is not None:
+            self._segmented.save(self.cfg.run_dir, step)
         t0 = time.perf_counter()
         self.collector.weight_sync.receive()
         self.collector.engine_wait = time.perf_counter() - t0
-        return {}
 
     def evaluate(self, step: int) -> dict[str, float]:
         self.collector.evaluate(step)  # (the training ranks log it)

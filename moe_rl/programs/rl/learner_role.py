@@ -114,7 +114,7 @@ class LearnerRole(Program):
         metrics.update(rollout.stats)
         if offloaded is not None:
             metrics["learner/offloaded_gib"] = offloaded / 2**30
-        metrics.update(mismatch_metrics(self.learner, batch, step, cfg.rl.max_staleness))
+        metrics.update(mismatch_metrics(self.learner, batch, step, cfg.rl.max_staleness, cfg.rl.segmented))
         with timer.phase("sync"):
             metrics.update(self.collector.weight_sync.push(self.learner, version=step))
         metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})

@@ -1,0 +1,194 @@
+"""Responses decoded a segment at a time: the engine's pause points for in-flight weight
+updates and partial rollouts (`rl.inflight_weight_updates`, `rl.partial_rollouts`).
+
+An engine rank keeps a pool of groups (G responses of one prompt). Each `segment` decodes
+at most `rl.inflight_segment_tokens` more tokens of every unfinished response in one
+`Sampler.generate` call, the prompt being the prompt plus the response so far. Between two
+segments the engine has no request in flight, so it can take new weights there; the next
+segment continues every response under them. That is vLLM's pause with the requests kept
+and the cache cleared (`pause_generation(mode="keep", clear_cache=True)`): the running
+responses' KV is recomputed under the new weights, because every weight update resets the
+engine's prefix cache (`sampler.prefix_caching` reuses it only within a version) and the
+transformers sampler keeps no cache between calls. No request started after a push reuses
+a prefix cached under older weights.
+
+What each token keeps (the behaviour policy of the correction, and R3):
+- its sampler log-prob, from the distribution it was drawn from, under the weights of the
+  segment that drew it;
+- its version, the weight pushes the engine had received when it was drawn;
+- the routed experts of each position fed: a position's routes are recorded by the segment
+  in which it was last fed, i.e. the computation that produced the next token's log-prob.
+  A continuation re-feeds the earlier positions (recomputing their KV) but only the new
+  positions' routes are appended, so routes and log-probs are never paired across versions.
+
+Seeds: response j of a group with base seed b draws its first segment with b + j (what a
+one-shot `generate` uses, so one segment of `max_new_tokens` samples exactly the
+synchronous rollout) and segment s > 0 with a seed drawn from (b, j, s): the same schedule
+samples the same tokens.
+
+Memory: the pool holds the groups admitted in the last k + 1 steps at most (a group whose
+oldest token is more than `rl.max_staleness` versions behind the learner is dropped), so
+its routing records are bounded by (k + 1) x prompts_per_step x G x (prompt + max_new_tokens)
+x layers x top-k bytes (uint8 ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moe_rl.sampler import Sampler
+
+
+def segment_seed(base: int, j: int, segment: int) -> int:
+    """The seed of response j's `segment`-th segment (segment 0: `base + j`, as one call)."""
+    if segment == 0:
+        return base + j
+    return int(np.random.default_rng([base, j, segment]).integers(0, 2**31 - 1))
+
+
+@dataclass
+class PartialResponse:
+    """One response as decoded so far."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """The sampler's log-prob of each token (the behaviour policy that drew it)."""
+    versions: list[int] = field(default_factory=list)
+    """The policy version (weight pushes received) that drew each token."""
+    routed: np.ndarray | None = None
+    """Routed experts of the positions fed so far ([prompt + tokens - 1, layers, K])."""
+    finish: str | None = None
+    """"stop" (EOS), "length" (max_new_tokens or the context); None while it runs."""
+    segments: int = 0
+    """Segments that decoded it (its next segment's seed index)."""
+    carried: bool = False
+    """It was unfinished when an earlier step's batch was taken (a partial rollout)."""
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "logprobs": self.logprobs, "versions": self.versions,
+                "routed": self.routed.tolist() if self.routed is not None else None,
+                "dtype": str(self.routed.dtype) if self.routed is not None else None,
+                "finish": self.finish, "segments": self.segments, "carried": self.carried}
+
+    @staticmethod
+    def from_json(d: dict) -> PartialResponse:
+        routed = np.asarray(d["routed"], dtype=d["dtype"]) if d["routed"] is not None else None
+        return PartialResponse(d["tokens"], d["logprobs"], d["versions"], routed, d["finish"], d["segments"],
+                               d["carried"])
+
+
+@dataclass
+class PoolGroup:
+    """A prompt and its G responses, admitted for step `key[0]`."""
+
+    key: tuple[int, int, int]
+    """(step it was admitted for, draw, prompt index in that draw)."""
+    prompt: list[int]
+    seed: int
+    """Base seed of its responses (`base_seeds` of the step and draw)."""
+    responses: list[PartialResponse]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finish is not None for r in self.responses)
+
+    @property
+    def oldest(self) -> int | None:
+        """The version of its oldest token (None before its first segment)."""
+        return min((r.versions[0] for r in self.responses if r.versions), default=None)
+
+    def to_json(self) -> dict:
+        return {"key": list(self.key), "prompt": self.prompt, "seed": self.seed,
+                "responses": [r.to_json() for r in self.responses]}
+
+    @staticmethod
+    def from_json(d: dict) -> PoolGroup:
+        return PoolGroup(tuple(d["key"]), d["prompt"], d["seed"], [PartialResponse.from_json(r) for r in d["responses"]])
+
+
+class RolloutPool:
+    """The groups an engine is decoding (`running`, admission order) and those finished but
+    not yet trained on (`done`, completion order)."""
+
+    def __init__(self, max_new_tokens: int, segment_tokens: int) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.segment_tokens = segment_tokens
+        self.running: list[PoolGroup] = []
+        self.done: list[PoolGroup] = []
+        self.dropped_stale = 0
+        """Responses dropped for exceeding the staleness bound since the last batch taken."""
+
+    def admit(self, key: tuple[int, int, int], prompt: list[int], seed: int, group_size: int) -> None:
+        self.running.append(PoolGroup(key, list(prompt), seed, [PartialResponse() for _ in range(group_size)]))
+
+    def segment(self, sampler: Sampler, version: int, temperature: float, top_p: float) -> int:
+        """Decode one segment of every unfinished response with the engine's weights
+        (`version`); move groups that finished to `done`. Returns the tokens decoded."""
+        rows = [(g, r, j) for g in self.running for j, r in enumerate(g.responses) if r.finish is None]
+        if not rows:
+            return 0
+        ro = sampler.generate([g.prompt + r.tokens for g, r, _ in rows], n=1, max_new_tokens=self.segment_tokens,
+                              temperature=temperature, top_p=top_p,
+                              prompt_seeds=[segment_seed(g.seed, j, r.segments) for g, r, j in rows])
+        decoded = 0
+        for i, (g, r, _) in enumerate(rows):
+            routed = ro.routed_experts[i] if ro.routed_experts is not None else None
+            decoded += self._extend(r, len(g.prompt), ro.response_token_ids[i], ro.logprobs[i],
+                                    ro.finish_reasons[i], routed, version)
+        self.done += [g for g in self.running if g.finished]
+        self.running = [g for g in self.running if not g.finished]
+        return decoded
+
+    def _extend(self, r: PartialResponse, prompt_len: int, tokens: list[int], logprobs: list[float], finish: str,
+                routed: np.ndarray | None, version: int) -> int:
+        room = self.max_new_tokens - len(r.tokens)
+        cut = len(tokens) > room
+        tokens, logprobs = tokens[:room], logprobs[:room]
+        if routed is not None:
+            fed_before = 0 if r.routed is None else len(r.routed)  # (prompt + tokens - 1 after a segment)
+            new = routed[fed_before:prompt_len + len(r.tokens) + len(tokens) - 1]
+            r.routed = new if r.routed is None else np.concatenate([r.routed, new])
+        r.tokens += tokens
+        r.logprobs += logprobs
+        r.versions += [version] * len(tokens)
+        r.segments += 1
+        if finish == "stop" and not cut:
+            r.finish = "stop"
+        elif cut or len(r.tokens) >= self.max_new_tokens or len(tokens) < self.segment_tokens:
+            r.finish = "length"  # (fewer tokens than asked without an EOS: the context is full)
+        return len(tokens)
+
+    def ready(self, quota: int) -> bool:
+        """`quota` finished groups wait, or nothing is left running."""
+        return len(self.done) >= quota or not self.running
+
+    def take(self, quota: int) -> list[PoolGroup]:
+        """The first `quota` finished groups; every response still running is now a partial
+        rollout (it continues into a later step)."""
+        out, self.done = self.done[:quota], self.done[quota:]
+        for g in self.running:
+            for r in g.responses:
+                r.carried = r.carried or bool(r.tokens)
+        return out
+
+    def drop_older_than(self, version: int) -> None:
+        """Drop every group (running or done) holding a token drawn before `version`."""
+        def fresh(g: PoolGroup) -> bool:
+            return g.oldest is None or g.oldest >= version
+
+        for g in self.running + self.done:
+            if not fresh(g):
+                self.dropped_stale += len(g.responses)
+        self.running = [g for g in self.running if fresh(g)]
+        self.done = [g for g in self.done if fresh(g)]
+
+    def to_json(self) -> dict:
+        return {"running": [g.to_json() for g in self.running], "done": [g.to_json() for g in self.done],
+                "dropped_stale": self.dropped_stale}
+
+    def load_json(self, doc: dict) -> None:
+        self.running = [PoolGroup.from_json(g) for g in doc["running"]]
+        self.done = [PoolGroup.from_json(g) for g in doc["done"]]
+        self.dropped_stale = doc["dropped_stale"]

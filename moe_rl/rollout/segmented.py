@@ -1,0 +1,191 @@
+"""An engine rank's rollout with in-flight weight updates and partial rollouts: the pool of
+`moe_rl.rollout.pool` decoded a segment at a time, weights taken between two segments.
+
+The step order the run loop imposes on every rank (the learner: deliver n, update, push n,
+deliver n + 1, ...) is kept; what moves is where the engine takes push n:
+
+    deliver(n)  admit(n + 1)  segment  segment  [receive(n)]  segment ...  deliver(n + 1)
+                              '---- rl.inflight_push_after_segments ---'
+
+- `rl.inflight_weight_updates: false`: push n is taken once batch n + 1 is ready (at the
+  batch boundary, as one-step-off does).
+- in flight, `rl.async_schedule: deterministic`: after exactly
+  `rl.inflight_push_after_segments` segments of batch n + 1 (the engine waits for the
+  learner there if it must): pauses at fixed token counts, so a seed gives the same rewards.
+- in flight, `throughput`: at the first pause point where push n has begun to arrive
+  (`WeightSynchronizer.poll`), so the engine never waits for the learner mid-batch.
+
+Batch n + 1 is this engine's share of `rl.prompts_per_step` groups: with
+`rl.partial_rollouts` the first to finish (a group trains whole), the others continue into
+later steps with their tokens, versions and routes; without it, step n + 1's own groups
+once all have finished. Problems enter the pool in units, unit u being what the
+synchronous step u draws (the same problems and seeds, so a dataset is walked in the same
+order); partial rollouts keep spare groups (further units, up to quota x
+(1 + `rl.partial_oversample`) groups in the pool) so that the batch can be filled by the
+groups that finish first. A group holding a token more than `rl.max_staleness` versions
+older than the policy it would train under is dropped (counted in rollout/dropped_stale);
+should that leave the pool dry before the batch is full, a further unit is admitted.
+
+Resume: at each weight receipt the pool is saved (`<run>/rollout_pool/step_<n>.engine<e>.json`)
+before the weights of step n are loaded, i.e. in the state a resume from step n's
+checkpoint starts in; a resume loads it and continues the same schedule. Without the file
+(or under another engine layout) the engines start a fresh pool and the log says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moe_rl.rollout.pool import PoolGroup, RolloutPool
+from moe_rl.rollout.types import Sampled, ScoredGroup
+from moe_rl.runtime.atomic import atomic_write_text
+from moe_rl.runtime.timing import StepTimer
+from moe_rl.sampler.base import base_seeds
+
+if TYPE_CHECKING:
+    from moe_rl.rollout.collector import RolloutCollector
+
+log = logging.getLogger("moe_rl.rollout")
+
+KEEP = 3
+"""Saved pools kept per engine (the newest)."""
+
+
+def pool_path(run_dir: Path, step: int, engine: int) -> Path:
+    return run_dir / "rollout_pool" / f"step_{step:06d}.engine{engine}.json"
+
+
+class SegmentedRollout:
+    """This engine's pool and schedule; the collector samples, scores and delivers."""
+
+    def __init__(self, collector: RolloutCollector) -> None:
+        cfg = collector.cfg
+        self.collector, self.cfg = collector, cfg
+        self.pool = RolloutPool(cfg.sampler.max_new_tokens, cfg.rl.inflight_segment_tokens)
+        self.quota = len(collector.placement.share(cfg.rl.prompts_per_step))
+        self.units = 0
+        """Units of problems admitted so far (`admit`)."""
+        self.seconds = 0.0
+        """Sampling seconds since the last batch was taken."""
+
+    # ------------------------------------------------------------------ schedule
+
+    def admit(self) -> None:
+        """Admit the next unit of problems (this engine's share of what one synchronous step
+        draws: unit u holds step u's problems and seeds), and with rl.partial_rollouts
+        further units while fewer than quota x (1 + rl.partial_oversample) groups are in the
+        pool (without spare groups every batch would wait for all of its own)."""
+        self._admit_unit()
+        if self.cfg.rl.partial_rollouts:
+            target = math.ceil(self.quota * (1 + self.cfg.rl.partial_oversample))
+            while len(self.pool.running) + len(self.pool.done) < target:
+                self._admit_unit()
+
+    def _admit_unit(self) -> None:
+        self.units += 1
+        c, G = self.collector, self.cfg.rl.group_size
+        problems = c.problems(self.units, 0)
+        seeds = base_seeds(self.cfg.run.seed * 1_000_003 + self.units * 101, len(problems), G)
+        for i in c.placement.share(len(problems)):
+            self.pool.admit((self.units, 0, i), c.prompts.encode(problems[i]), seeds[i], G)
+
+    def fill(self, step: int, receive: Callable[[], None] | None, timer: StepTimer) -> None:
+        """Decode segments until `step`'s batch is ready; `receive` takes the learner's next
+        weights at the schedule's pause point (at the end if no pause point came first)."""
+        rl, s = self.cfg.rl, self.cfg.sampler
+        self.pool.drop_older_than(step - 1 - rl.max_staleness)
+        segments = 0
+        while len(self.pool.done) < self._wanted(step):
+            if receive is not None and rl.inflight_weight_updates and self._due(segments):
+                receive()
+                receive = None
+                self.pool.drop_older_than(step - 1 - rl.max_staleness)
+                continue
+            if not self.pool.running:  # (dropped groups left the pool short)
+                self._admit_unit()
+            t0 = time.perf_counter()
+            with timer.phase("sample"):
+                self.pool.segment(self.collector.sampler, self.collector.weight_sync.held_version or 0,
+                                  s.temperature, s.top_p)
+            self.seconds += time.perf_counter() - t0
+            segments += 1
+        if receive is not None:
+            receive()
+
+    def _wanted(self, step: int) -> int:
+        """Finished groups the batch waits for: the quota (partial rollouts), or every group
+        in the pool (the unit admitted for `step`: nothing carries over then)."""
+        if self.cfg.rl.partial_rollouts:
+            return self.quota
+        return len(self.pool.done) + len(self.pool.running)
+
+    def _due(self, segments: int) -> bool:
+        if self.cfg.rl.async_schedule == "deterministic":
+            return segments >= self.cfg.rl.inflight_push_after_segments
+        return self.collector.weight_sync_ready()
+
+    # ------------------------------------------------------------------ batches
+
+    def batch(self, step: int) -> Sampled:
+        """Take step `step`'s batch from the pool, scored (collective over the engine ranks)."""
+        self.pool.drop_older_than(step - 1 - self.cfg.rl.max_staleness)
+        groups = self.pool.take(self.quota)
+        dropped, self.pool.dropped_stale = self.pool.dropped_stale, 0
+        seconds, self.seconds = self.seconds, 0.0
+        draws: dict[tuple[int, int], list] = {}
+        scored = [self._scored(g, draws) for g in groups]
+        return self.collector.sampled_from_groups(step, scored, seconds, dropped)
+
+    def _scored(self, g: PoolGroup, draws: dict[tuple[int, int], list]) -> ScoredGroup:
+        c = self.collector
+        if g.key[:2] not in draws:
+            draws[g.key[:2]] = c.problems(g.key[0], g.key[1])
+        problem = draws[g.key[:2]][g.key[2]]
+        texts = [c.tok.decode(r.tokens) for r in g.responses]
+        rewards = c.task.rewards([problem] * len(texts), texts)
+        routed = [r.routed for r in g.responses] if all(r.routed is not None for r in g.responses) else None
+        return ScoredGroup(g.prompt, [r.tokens for r in g.responses], [r.logprobs for r in g.responses], texts,
+                           rewards, [r.finish for r in g.responses], routed, g.oldest or 0,
+                           [r.versions for r in g.responses], [r.carried for r in g.responses])
+
+    # ------------------------------------------------------------------ resume
+
+    def save(self, run_dir: Path, step: int) -> None:
+        """Keep the pool as it is before step `step`'s weights load (an engine leader)."""
+        p = self.collector.placement
+        if not p.leader:
+            return
+        doc = {"step": step, "layout": [p.engines, p.ranks_per_engine], "pool": self.pool.to_json(),
+               "units": self.units, "seconds": self.seconds}
+        path = pool_path(run_dir, step, p.engine)
+        atomic_write_text(path, json.dumps(doc))
+        for old in sorted(path.parent.glob(f"step_*.engine{p.engine}.json"))[:-KEEP]:
+            old.unlink(missing_ok=True)
+
+    def load(self, run_dir: Path, step: int) -> bool:
+        """The pool saved at step `step`'s weight receipt, when every engine has its own
+        under this layout (collective over the engine ranks); False: start afresh."""
+        p = self.collector.placement
+        path = pool_path(run_dir, step, p.engine)
+        doc, why = None, f"no {path.name}"
+        if path.is_file():
+            doc = json.loads(path.read_text())
+            if doc["layout"] != [p.engines, p.ranks_per_engine]:
+                doc, why = None, f"{path.name} was saved under another engine layout ({doc['layout']})"
+        missing = [f"engine {e}: {w}" for e, w in
+                   enumerate(p.gather_engines("" if doc else why, self.collector.engines_group)) if w]
+        if missing:
+            if p.rank == p.first_engine_rank:
+                log.warning("resuming from step %d without the engines' rollout pool (%s): starting a fresh pool, "
+                            "so the schedule differs from the uninterrupted run's", step, "; ".join(missing))
+            return False
+        self.pool.load_json(doc["pool"])
+        self.units = doc["units"]
+        self.seconds = doc["seconds"]
+        return True
