@@ -139,6 +139,8 @@ def _build(cfg: Config) -> tuple[Any, Any, Any]:
     t = cfg.task
     try:
         task = make_task(t)
+    except ConfigError:
+        raise  # already names its key (task.length_profile)
     except (ValueError, OSError, KeyError) as e:
         raise ConfigError(f"task.name={t.name} (task.data_path={t.data_path!r}): {' '.join(str(e).split())}") from e
     return (task, *load_prompt_encoder(cfg))

@@ -104,7 +104,7 @@ class TaskConfig:
     """Where prompts and rewards come from, and how prompts become token ids."""
 
     name: str = "reverse"
-    """Task name from moe_rl.tasks.TASKS: the synthetic reverse/sort/add, `dataset` (a JSONL
+    """Task name from moe_rl.tasks.TASKS: the synthetic reverse/sort/add/repeat, `dataset` (a JSONL
     or Parquet file of prompts, `data_path`; `math_jsonl` is its older name)."""
     data_path: str = ""
     """The training prompts of file-backed tasks (.jsonl or .parquet), relative to the working
@@ -130,6 +130,12 @@ class TaskConfig:
     """Synthetic tasks: shortest operand."""
     max_digits: int = 6
     """Synthetic tasks: longest operand."""
+    length_profile: Literal["uniform", "long_tail"] = "uniform"
+    """How long the correct answers are. uniform: every problem from the task's one range
+    (the digit tasks' operands, a file's rows as they are). long_tail: mostly short answers
+    and sometimes long ones, up to a few hundred tokens, as reasoning RL's response lengths
+    are (the workload of asynchronous rollout, examples/tiny_long_tail.yaml): only `repeat`
+    draws it (moe_rl/tasks/repeat.py gives the distribution); the other tasks refuse it."""
     tokenizer: str = "auto"
     """auto: the tokenizer of run.init_checkpoint (a Hugging Face directory's own files; a
     moe_rl checkpoint's recorded one; the shipped SentencePiece model for the project's own

@@ -62,6 +62,9 @@ class Task(ABC):
     """A verifiable-reward task. Subclasses are deterministic given the seed."""
 
     name: ClassVar[str]
+    length_profiles: ClassVar[tuple[str, ...]] = ("uniform",)
+    """The `task.length_profile` values the task honours (`make_task` refuses the others):
+    `uniform`, its one range of answers, unless it can also draw a long tail of them."""
 
     @abstractmethod
     def sample(self, n: int, seed: int | np.random.Generator) -> list[Problem]:
