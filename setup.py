@@ -22,6 +22,7 @@ setup(
         # the shipped SFT checkpoint; ".*" because globs skip dotfiles and torch DCP's
         # `.metadata` is what makes it loadable
         "moe_rl.assets.tiny_base": ["*", ".*"],
+        "moe_rl.assets.long_tail_base": ["*", ".*"],  # the long-tail workload's (task repeat) base
         "moe_rl.tasks.assets": ["*.model"],  # the tiny task's SentencePiece tokenizer
         "moe_rl.assets.preferences": ["*.jsonl"],  # the DPO demo's preference pairs
     },
