@@ -11,6 +11,7 @@ off-policy).
     python -m bench.bench_async --rewards  # + the demo's reward gain, 3 seeds each mode
     python -m bench.bench_async --seeds 1,2,3,4,5   # more seeds (those already measured are kept)
     python -m bench.bench_async --pairs 5           # more sync/async pairs per workload (default 3)
+    python -m bench.bench_async --long-tail         # in-flight updates + partial rollouts (bench/async_long_tail.py)
 """
 
 from __future__ import annotations
@@ -158,6 +159,11 @@ def main(quick: bool = False, seeds: list[int] | None = None, pairs: int = 3) ->
 
 
 if __name__ == "__main__":
+    if "--long-tail" in sys.argv:
+        from bench import async_long_tail
+
+        async_long_tail.cli(sys.argv)
+        sys.exit()
     seeds = [1, 2, 3] if "--rewards" in sys.argv else None
     if "--seeds" in sys.argv:
         seeds = [int(x) for x in sys.argv[sys.argv.index("--seeds") + 1].split(",")]

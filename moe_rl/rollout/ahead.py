@@ -1,12 +1,13 @@
-"""A batch sampled ahead (asynchronous rollout), kept on disk so a resumed run continues the
+"""Batches sampled ahead (asynchronous rollout), kept on disk so a resumed run continues the
 same schedule.
 
-Under `rl.max_staleness=1` the engines sample step n+1 with step n-1's weights while step n
-trains. When the run stops after step n, batch n+1 already exists and its weights (step
-n-1's) are in no checkpoint, so it is saved rather than re-generated: each engine leader
-writes its groups and the step's decisions to `<run>/sampled_ahead/step_<n+1>.engine<e>.json`
-(plain JSON: nothing in it executes on load) before it takes step n's weights, hence before
-the learners' checkpoint of step n exists. A resume from step n loads it when every engine
+Under `rl.max_staleness=k` the engines keep a queue of k batches: during step n they sample
+step n+k with step n-1's weights. When the run stops after step n, batches n+1 .. n+k
+already exist and their weights are in no checkpoint, so they are saved rather than
+re-generated: each engine leader writes its groups and the step's decisions to
+`<run>/sampled_ahead/step_<m>.engine<e>.json` (plain JSON: nothing in it executes on load)
+as soon as it has sampled batch m, before it takes the next weights, hence before the
+learners' checkpoint of that step exists. A resume from step n loads it when every engine
 finds its share saved under the same engine layout (a resume may change the number of
 engines or their size, and each file holds one engine's block of the prompts); otherwise
 every engine re-samples with the checkpoint's weights, and the log says why and that the

