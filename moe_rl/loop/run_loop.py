@@ -85,12 +85,11 @@ class RunLoop:
         prog, steps, last = self.program, self.cfg.run.steps, start
         with StopOnSignal() as stop:
             for step in range(start + 1, steps + 1):
-                metrics = self._one_step(step)
+                metrics, signum = self._one_step(step, stop)
                 last = step
                 if self._writes:
                     self._log(step, metrics)
                 done = prog.done(step, metrics)
-                signum = stop.agreed()  # collective over every rank, every step
                 signum = signum if signum and step < steps else None  # (during the last step: finish)
                 if signum or done or self._save_due(step):
                     self._save(step)
@@ -100,19 +99,25 @@ class RunLoop:
                     break
         return last
 
-    def _one_step(self, step: int) -> dict[str, float]:
-        """The program's step, its evaluation when due, and the step's timings."""
+    def _one_step(self, step: int, stop: StopOnSignal) -> tuple[dict[str, float], int | None]:
+        """The program's step, its evaluation when due, the agreed stop signal (collective over
+        every rank, every step) and the step's timings. `time/step` runs to the end of the
+        agreement, so that it is the step's wall time on every rank: a rank done before the
+        others (a learner whose engines sample ahead) waits there (`time/step_end_wait`)."""
         t0 = time.perf_counter()
         metrics = self.program.step(step)
         if self._eval_due(step):
             t_eval = time.perf_counter()
             metrics.update(self.program.evaluate(step))
             metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t_eval
+        t_agree = time.perf_counter()
+        signum = stop.agreed()
+        metrics["time/step_end_wait"] = time.perf_counter() - t_agree
         phases = sum(v for k, v in metrics.items() if k.startswith("time/"))
         metrics["time/step"] = time.perf_counter() - t0
         metrics["time/other"] = metrics["time/step"] - phases
         metrics["step"] = step
-        return metrics
+        return metrics, signum
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """metrics.jsonl and TensorBoard, the program's log line, the progress bar (rank 0)."""

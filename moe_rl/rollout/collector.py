@@ -106,6 +106,11 @@ class RolloutCollector:
             return self.task.batch(step - 1, n, self.cfg.run.seed)
         return self.task.sample(n, np.random.default_rng([self.cfg.run.seed, step, draw]))
 
+    def seeds(self, step: int, draw: int, num_problems: int) -> list[int]:
+        """The base sampler seed of each problem of a draw (`base_seeds`: sample j of problem
+        i draws with seed_i + j), from (run.seed, step, draw) alone."""
+        return base_seeds(self.cfg.run.seed * 1_000_003 + step * 101 + draw, num_problems, self.cfg.rl.group_size)
+
     def assign_rows(self, dp_rank: int | None) -> None:
         """Tell the collector which data-parallel rank this rank trains as (None: an
         engine-only rank), so that each step's rows go only where they are trained on.
@@ -251,7 +256,7 @@ class RolloutCollector:
         gathered to every engine rank, with each engine's sampling seconds."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         problems = self.problems(step, draw)
-        seeds = base_seeds(cfg.run.seed * 1_000_003 + step * 101 + draw, len(problems), G)
+        seeds = self.seeds(step, draw, len(problems))
         share = self.placement.share(len(problems))
         prompt_ids = [self.prompts.encode(problems[i]) for i in share]
         t0 = time.perf_counter()

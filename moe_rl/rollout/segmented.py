@@ -10,10 +10,13 @@ deliver n + 1, ...) is kept; what moves is where the engine takes push n:
 - `rl.inflight_weight_updates: false`: push n is taken once batch n + 1 is ready (at the
   batch boundary, as one-step-off does).
 - in flight, `rl.async_schedule: deterministic`: after exactly
-  `rl.inflight_push_after_segments` segments of batch n + 1 (the engine waits for the
-  learner there if it must): pauses at fixed token counts, so a seed gives the same rewards.
+  `rl.inflight_push_after_segments` segments (the engine waits for the learner there if it
+  must): pauses at fixed token counts, so a seed gives the same rewards.
 - in flight, `throughput`: at the first pause point where push n has begun to arrive
-  (`WeightSynchronizer.poll`), so the engine never waits for the learner mid-batch.
+  (`WeightSynchronizer.poll`), so the engine waits for the learner only with nothing left
+  to decode.
+In flight, the engine decodes up to the pause point even when batch n + 1 is ready before
+it: the time the learner's update takes moves the running responses on.
 
 Batch n + 1 is this engine's share of `rl.prompts_per_step` groups: with
 `rl.partial_rollouts` the first to finish (a group trains whole), the others continue into
@@ -46,7 +49,6 @@ from moe_rl.rollout.pool import PoolGroup, RolloutPool
 from moe_rl.rollout.types import Sampled, ScoredGroup
 from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.timing import StepTimer
-from moe_rl.sampler.base import base_seeds
 
 if TYPE_CHECKING:
     from moe_rl.rollout.collector import RolloutCollector
@@ -91,32 +93,38 @@ class SegmentedRollout:
         self.units += 1
         c, G = self.collector, self.cfg.rl.group_size
         problems = c.problems(self.units, 0)
-        seeds = base_seeds(self.cfg.run.seed * 1_000_003 + self.units * 101, len(problems), G)
+        seeds = c.seeds(self.units, 0, len(problems))
         for i in c.placement.share(len(problems)):
             self.pool.admit((self.units, 0, i), c.prompts.encode(problems[i]), seeds[i], G)
 
     def fill(self, step: int, receive: Callable[[], None] | None, timer: StepTimer) -> None:
-        """Decode segments until `step`'s batch is ready; `receive` takes the learner's next
-        weights at the schedule's pause point (at the end if no pause point came first)."""
-        rl, s = self.cfg.rl, self.cfg.sampler
+        """Decode segments until `step`'s batch is ready and `receive` (the learner's next
+        weights; None: already taken) has been called at the schedule's pause point. Until
+        that point the engine keeps decoding even with the batch ready, rather than wait for
+        the learner idle: the running responses move on."""
+        rl = self.cfg.rl
         self.pool.drop_older_than(step - 1 - rl.max_staleness)
         segments = 0
-        while len(self.pool.done) < self._wanted(step):
-            if receive is not None and rl.inflight_weight_updates and self._due(segments):
+        while True:
+            ready = len(self.pool.done) >= self._wanted(step)
+            if receive is not None and (self._due(segments, ready) or (ready and not self.pool.running)):
                 receive()
                 receive = None
                 self.pool.drop_older_than(step - 1 - rl.max_staleness)
                 continue
+            if ready and receive is None:
+                return
             if not self.pool.running:  # (dropped groups left the pool short)
                 self._admit_unit()
-            t0 = time.perf_counter()
-            with timer.phase("sample"):
-                self.pool.segment(self.collector.sampler, self.collector.weight_sync.held_version or 0,
-                                  s.temperature, s.top_p)
-            self.seconds += time.perf_counter() - t0
+            self._segment(timer)
             segments += 1
-        if receive is not None:
-            receive()
+
+    def _segment(self, timer: StepTimer) -> None:
+        s, t0 = self.cfg.sampler, time.perf_counter()
+        with timer.phase("sample"):
+            self.pool.segment(self.collector.sampler, self.collector.weight_sync.held_version or 0, s.temperature,
+                              s.top_p)
+        self.seconds += time.perf_counter() - t0
 
     def _wanted(self, step: int) -> int:
         """Finished groups the batch waits for: the quota (partial rollouts), or every group
@@ -125,9 +133,15 @@ class SegmentedRollout:
             return self.quota
         return len(self.pool.done) + len(self.pool.running)
 
-    def _due(self, segments: int) -> bool:
-        if self.cfg.rl.async_schedule == "deterministic":
-            return segments >= self.cfg.rl.inflight_push_after_segments
+    def _due(self, segments: int, ready: bool) -> bool:
+        """The learner's weights are taken now: at the batch boundary without in-flight
+        updates; after rl.inflight_push_after_segments segments (deterministic); once the
+        push has begun to arrive (throughput)."""
+        rl = self.cfg.rl
+        if not rl.inflight_weight_updates:
+            return ready
+        if rl.async_schedule == "deterministic":
+            return segments >= rl.inflight_push_after_segments
         return self.collector.weight_sync_ready()
 
     # ------------------------------------------------------------------ batches

@@ -43,6 +43,7 @@ class EngineRole(Program):
         if self.cfg.rl.segmented:
             self._segmented = SegmentedRollout(self.collector)
             if not (start and self._segmented.load(self.cfg.run_dir, start)):
+                self._segmented.units = start  # (a fresh pool draws the problems of the steps to come)
                 self._segmented.admit()
             self._segmented.fill(start + 1, None, StepTimer())
         elif self.cfg.rl.max_staleness:
