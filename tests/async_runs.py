@@ -37,8 +37,9 @@ def train(recipe: Path, overrides: list[str], out: Path, name: str) -> list[dict
     return rows(out / name)
 
 
-def stopped_after_first_rows(recipe: Path, overrides: list[str], out: Path, name: str) -> int:
-    """Start a run, SIGTERM its engine rank (RANK 1) once a step is logged; the steps it kept."""
+def stopped_after_first_rows(recipe: Path, overrides: list[str], out: Path, name: str) -> tuple[int, int, str]:
+    """Start a run, SIGTERM its engine rank (RANK 1) alone once a step is logged; the steps
+    it kept, torchrun's exit status and its stderr."""
     import psutil
 
     with (out / f"{name}.stderr").open("w+") as err:
@@ -49,6 +50,8 @@ def stopped_after_first_rows(recipe: Path, overrides: list[str], out: Path, name
             time.sleep(0.05)
         engine = [p for p in psutil.Process(proc.pid).children(recursive=True)
                   if "moe_rl.train" in p.cmdline() and p.environ().get("RANK") == "1"]
+        assert len(engine) == 1
         engine[0].send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
-    return len(rows(out / name))
+        err.seek(0)
+        return len(rows(out / name)), proc.returncode, err.read()

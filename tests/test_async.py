@@ -116,8 +116,13 @@ def test_a_stopped_asynchronous_run_resumes_the_same_schedule(uninterrupted, tmp
     """SIGTERM to the engine rank: every rank stops after the same step (it has already
     sampled the next two batches, with the weights of steps before, and saved them); the
     resume trains on those batches, so every reward equals the uninterrupted run's."""
-    stopped = stopped_after_first_rows(RECIPE, [*ASYNC, "run.steps=5"], tmp_path, "r")
+    stopped, returncode, stderr = stopped_after_first_rows(RECIPE, [*ASYNC, "run.steps=5", "run.save_every=0"],
+                                                           tmp_path, "r")
     assert 1 <= stopped < 5
+    # the signal reached the engine rank alone; the learner stopped after the same step and
+    # saved it although run.save_every=0 (torchrun reports its workers' 143)
+    assert f"stopped by SIGTERM after step {stopped} of 5" in stderr and returncode != 0, stderr[-5000:]
+    assert (tmp_path / "r" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
     for ahead in (stopped + 1, stopped + 2):
         assert ahead > 5 or (tmp_path / "r" / "sampled_ahead" / f"step_{ahead:06d}.engine0.json").is_file()
     rows = _train(tmp_path, "r", "run.steps=5", "run.resume=true")
