@@ -70,8 +70,9 @@ def test_every_engine_uses_the_saved_batch_or_none_does(tmp_path, monkeypatch, c
             return [load_ahead(tmp_path, 7, e, (2, 2))[1] for e in range(2)]
 
     def on(rank: int):
-        return RolloutCollector.sampled_ahead(type("C", (), {"placement": Placement(4, rank, 2), "_engines_group": None}),
-                                              tmp_path, 7)
+        collector = type("C", (), {"placement": Placement(4, rank, 2), "_engines_group": None,
+                                   "engines_lacking": RolloutCollector.engines_lacking})
+        return RolloutCollector.sampled_ahead(collector(), tmp_path, 7)
 
     save_ahead(tmp_path, 0, (2, 2), _sampled(7, [(0, 0), (0, 1)]))
     with caplog.at_level("WARNING", logger="moe_rl.rollout"):

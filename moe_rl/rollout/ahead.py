@@ -50,16 +50,20 @@ def save_ahead(run_dir: Path, engine: int, layout: tuple[int, int], sampled: Sam
     doc = {"step": sampled.step, "layout": list(layout), "version": sampled.version, "kept": sampled.kept,
            "drawn": [[vars(s) for s in d] for d in sampled.drawn], "engine_seconds": sampled.engine_seconds,
            "dropped_stale": sampled.dropped_stale, "groups": groups}
-    path = _path(run_dir, sampled.step, engine)
+    write_engine_file(_path(run_dir, sampled.step, engine), doc, engine, keep)
+
+
+def write_engine_file(path: Path, doc: dict, engine: int, keep: int) -> None:
+    """Write one engine's `step_<n>.engine<e>.json` document (atomic) and delete all but the
+    newest `keep` of that engine's files beside it (batches sampled ahead, rollout pools)."""
     atomic_write_text(path, json.dumps(doc))
     for old in sorted(path.parent.glob(f"step_*.engine{engine}.json"))[:-keep]:
         old.unlink(missing_ok=True)
 
 
-def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -> tuple[Sampled | None, str]:
-    """This engine's share of the batch of `step` sampled ahead before a stop, or None and
-    why not: no file, or one saved under another `layout` (engines, ranks per engine)."""
-    path = _path(run_dir, step, engine)
+def read_engine_file(path: Path, layout: tuple[int, int]) -> tuple[dict | None, str]:
+    """The document `write_engine_file` wrote at `path`, or None and why not: no file, one
+    that cannot be read, or one written under another `layout` (engines, ranks per engine)."""
     if not path.is_file():
         return None, f"no {path.name}"
     try:
@@ -70,6 +74,15 @@ def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -
     if saved != tuple(layout):
         was = f"{saved[0]} engine(s) of {saved[1]} rank(s)" if len(saved) == 2 else "an unrecorded engine layout"
         return None, f"{path.name} was sampled by {was}, this run has {layout[0]} of {layout[1]}"
+    return doc, ""
+
+
+def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -> tuple[Sampled | None, str]:
+    """This engine's share of the batch of `step` sampled ahead before a stop, or None and
+    why not: no file, or one saved under another `layout` (engines, ranks per engine)."""
+    doc, why = read_engine_file(_path(run_dir, step, engine), layout)
+    if doc is None:
+        return None, why
     out = Sampled(doc["step"], doc["version"], [tuple(k) for k in doc["kept"]],
                   [[_summary(s) for s in d] for d in doc["drawn"]], doc["engine_seconds"],
                   dropped_stale=doc.get("dropped_stale", 0))

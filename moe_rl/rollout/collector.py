@@ -163,11 +163,6 @@ class RolloutCollector:
             out.held = {(0, offset + i): g for i, g in enumerate(mine)}
         return out
 
-    @property
-    def engines_group(self) -> Any:
-        """The engine ranks' process group (None when every rank hosts an engine)."""
-        return self._engines_group
-
     def weight_sync_ready(self) -> bool:
         """Every engine has begun to receive the learner's next weights (a pause point of
         the throughput schedule). Collective over the engine ranks, so that they agree."""
@@ -185,7 +180,7 @@ class RolloutCollector:
         if not p.hosts_engine:
             return None
         saved, why = load_ahead(run_dir, step, p.engine, (p.engines, p.ranks_per_engine))
-        missing = [f"engine {e}: {w}" for e, w in enumerate(p.gather_engines(why, self._engines_group)) if w]
+        missing = self.engines_lacking(why)
         if missing:
             if p.rank == p.first_engine_rank:
                 log.warning("resuming step %d without the batch sampled ahead before the stop (%s): sampling it now "
@@ -195,6 +190,13 @@ class RolloutCollector:
         if not p.leader:
             saved.held = {}
         return saved
+
+    def engines_lacking(self, why: str) -> list[str]:
+        """Every engine's reason ("engine e: why") for lacking a saved file it needs on a
+        resume, this engine's being `why` ("": it has it), so that all engine ranks decide
+        alike. Collective over the engine ranks."""
+        whys = self.placement.gather_engines(why, self._engines_group)
+        return [f"engine {e}: {w}" for e, w in enumerate(whys) if w]
 
     def save_ahead(self, run_dir: Path, sampled: Sampled | None, keep: int = 3) -> None:
         """Keep a batch sampled ahead on disk (each engine leader its share) for a resume,

@@ -37,7 +37,6 @@ checkpoint starts in; a resume loads it and continues the same schedule. Without
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -45,9 +44,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moe_rl.rollout.ahead import read_engine_file, write_engine_file
 from moe_rl.rollout.pool import PoolGroup, RolloutPool
 from moe_rl.rollout.types import Sampled, ScoredGroup
-from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.timing import StepTimer
 
 if TYPE_CHECKING:
@@ -66,12 +65,14 @@ def pool_path(run_dir: Path, step: int, engine: int) -> Path:
 class SegmentedRollout:
     """This engine's pool and schedule; the collector samples, scores and delivers."""
 
-    def __init__(self, collector: RolloutCollector) -> None:
+    def __init__(self, collector: RolloutCollector, units: int = 0) -> None:
+        """`units`: units of problems already admitted (a fresh pool on a resume from step n
+        draws the problems of steps n + 1, ...)."""
         cfg = collector.cfg
         self.collector, self.cfg = collector, cfg
         self.pool = RolloutPool(cfg.sampler.max_new_tokens, cfg.rl.inflight_segment_tokens)
         self.quota = len(collector.placement.share(cfg.rl.prompts_per_step))
-        self.units = 0
+        self.units = units
         """Units of problems admitted so far (`admit`)."""
         self.seconds = 0.0
         """Sampling seconds since the last batch was taken."""
@@ -177,23 +178,14 @@ class SegmentedRollout:
             return
         doc = {"step": step, "layout": [p.engines, p.ranks_per_engine], "pool": self.pool.to_json(),
                "units": self.units, "seconds": self.seconds}
-        path = pool_path(run_dir, step, p.engine)
-        atomic_write_text(path, json.dumps(doc))
-        for old in sorted(path.parent.glob(f"step_*.engine{p.engine}.json"))[:-KEEP]:
-            old.unlink(missing_ok=True)
+        write_engine_file(pool_path(run_dir, step, p.engine), doc, p.engine, KEEP)
 
     def load(self, run_dir: Path, step: int) -> bool:
         """The pool saved at step `step`'s weight receipt, when every engine has its own
         under this layout (collective over the engine ranks); False: start afresh."""
         p = self.collector.placement
-        path = pool_path(run_dir, step, p.engine)
-        doc, why = None, f"no {path.name}"
-        if path.is_file():
-            doc = json.loads(path.read_text())
-            if doc["layout"] != [p.engines, p.ranks_per_engine]:
-                doc, why = None, f"{path.name} was saved under another engine layout ({doc['layout']})"
-        missing = [f"engine {e}: {w}" for e, w in
-                   enumerate(p.gather_engines("" if doc else why, self.collector.engines_group)) if w]
+        doc, why = read_engine_file(pool_path(run_dir, step, p.engine), (p.engines, p.ranks_per_engine))
+        missing = self.collector.engines_lacking(why)
         if missing:
             if p.rank == p.first_engine_rank:
                 log.warning("resuming from step %d without the engines' rollout pool (%s): starting a fresh pool, "

@@ -3,6 +3,7 @@ that travel to the data-parallel rank that trains on them, and the step's rollou
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,13 +65,7 @@ class ScoredGroup:
 
 def version_runs(versions: list[int]) -> tuple[tuple[int, int], ...]:
     """Token versions as runs of (version, count), in token order."""
-    runs: list[list[int]] = []
-    for v in versions:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return tuple((v, n) for v, n in runs)
+    return tuple((v, len(list(run))) for v, run in itertools.groupby(versions))
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,8 @@ class EngineRole(Program):
         self.collector.weight_sync.held_version = start
         self.collector.assign_rows(None)  # (trains on no rows)
         if self.cfg.rl.segmented:
-            self._segmented = SegmentedRollout(self.collector)
+            self._segmented = SegmentedRollout(self.collector, units=start)
             if not (start and self._segmented.load(self.cfg.run_dir, start)):
-                self._segmented.units = start  # (a fresh pool draws the problems of the steps to come)
                 self._segmented.admit()
             self._segmented.fill(start + 1, None, StepTimer())
         elif self.cfg.rl.max_staleness:
