@@ -97,6 +97,12 @@ class SamplerConfig:
     weight_sync_bucket_mib: int = 512
     """Weight sync streams the learner's tensors to each engine in layer-aligned buckets of
     about this size (MiB): the most any rank holds in flight beyond its own shard."""
+    max_restarts: int = 0
+    """An engine that fails mid-generation (an exception inside the sampler: out of memory, a
+    bad request, a crashed worker) is rebuilt from the newest weights and the step's rollout
+    retried, up to this many times over the run (counted in rollout/engine_restarts); then,
+    or with 0, the run stops with one line naming the engine rank and the cause, without
+    training on the step (the last checkpoint stays the latest)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,10 @@ class TaskConfig:
     apply_chat_template(messages, add_generation_prompt=True) makes them."""
     system_prompt: str = ""
     """A system message put before every prompt when a chat template is applied."""
+    reward_timeout_s: float = 60.0
+    """Dataset: seconds one response's reward (math-verify or a user function) may take; one
+    that runs longer is cut, scores 0.0 and is counted in reward/timeouts. Rewards run in a
+    worker process that is killed and restarted on a timeout (0: in this process, no limit)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,21 @@ class RunConfig:
     update)."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
+    save_every_minutes: float = 0.0
+    """Also checkpoint after the first step that ends at least this many minutes of wall time
+    after the previous save (or the start), whatever run.save_every says (0: by steps only)."""
+    async_save: bool = True
+    """Write checkpoints in a background thread of the trainer while the next steps run (at
+    most one save in flight; it becomes the latest only once complete). false: the step waits
+    for its save."""
+    stop_grace_s: float = 20.0
+    """On SIGINT/SIGTERM, how long the stop may wait for a background save still in flight
+    before abandoning it (the previous checkpoint stays the latest) and saving nothing more;
+    keep it under the launcher's kill delay (torchrun --shutdown-timeout, SLURM's KillWait)."""
+    max_skipped_updates: int = 3
+    """An update whose loss or gradient is NaN or inf is skipped (never applied, counted in
+    learner/update_skipped); after this many skipped in a row the run stops with one line
+    naming the first of them."""
     resume: bool = False
     """Continue from the newest complete checkpoint in the run directory."""
     init_checkpoint: str = ""

@@ -227,6 +227,13 @@ def validate_run(cfg: Config) -> None:
     _require_positive({"run.steps": r.steps})
     if r.save_every < 0:
         raise ConfigError(f"run.save_every must be >= 0 (0: only at the end), got {r.save_every}")
+    _require({"run.save_every_minutes": (r.save_every_minutes >= 0, f">= 0 (0: by steps only), got {r.save_every_minutes}"),
+              "run.stop_grace_s": (r.stop_grace_s >= 0, f">= 0 seconds, got {r.stop_grace_s}"),
+              "run.max_skipped_updates": (r.max_skipped_updates >= 1,
+                                          f">= 1 (skipped updates in a row before the run stops), got {r.max_skipped_updates}"),
+              "sampler.max_restarts": (cfg.sampler.max_restarts >= 0, f">= 0, got {cfg.sampler.max_restarts}"),
+              "task.reward_timeout_s": (cfg.task.reward_timeout_s >= 0,
+                                        f">= 0 seconds (0: no limit, rewards in this process), got {cfg.task.reward_timeout_s}")})
     if not 0 <= r.seed < 2**63:
         raise ConfigError(f"run.seed must be in [0, 2**63), got {r.seed}")
     name = PurePath(r.name)

@@ -65,7 +65,8 @@ LOCK_FILE = ".lock"
 # (per-prompt seeds make the rollouts independent of the number of engines). Everything
 # else changes the run itself.
 RESUME_MAY_CHANGE = (
-    "run.steps", "run.save_every", "run.eval_every", "run.eval_k", "run.eval_max_problems", "run.resume",
+    "run.steps", "run.save_every", "run.save_every_minutes", "run.async_save", "run.stop_grace_s",
+    "run.max_skipped_updates", "sampler.max_restarts", "task.reward_timeout_s", "run.eval_every", "run.eval_k", "run.eval_max_problems", "run.resume",
     "run.overwrite", "run.trust_checkpoint", "run.name", "run.output_dir", "logging.", "sft.eval_problems",
     "sft.target_reward", "sft.output", "eval.", "dpo.eval_max_pairs", "rm.eval_max_pairs", "parallel.",
     "sampler.vllm_kv_cache_gib", "sampler.gpu_memory_utilization", "sampler.in_process",
