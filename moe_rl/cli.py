@@ -7,7 +7,9 @@
 Errors: `run_guarded(prog, fn, debug=args.debug)` runs a program's body and turns what
 escapes it into ONE line on stderr, `<prog>: error: <what, naming the field, file or row,
 and the fix>`, with exit status 2 for the user's input (config, files, checkpoints, a full
-disk) and 1 for anything else (a bug: the line says to rerun with --debug). `--debug` (or
+disk), 3 for a fault met while training (`moe_rl.runtime.failures.RunFaultError`: updates that
+stay non-finite, an engine that failed) and 1 for anything else (a bug: the line says to
+rerun with --debug). `--debug` (or
 MOE_RL_DEBUG=1) lets the traceback through instead.
 
     def main(argv=None) -> int:
@@ -29,7 +31,7 @@ from typing import NoReturn, TypeVar
 
 from moe_rl.checkpoints.errors import CheckpointError
 from moe_rl.config import Config, ConfigError, describe
-from moe_rl.runtime.failures import causes, disk_full
+from moe_rl.runtime.failures import RUN_FAULT, RunFaultError, causes, disk_full
 from moe_rl.runtime.failures import describe as describe_error
 
 T = TypeVar("T")
@@ -149,6 +151,8 @@ def error_line(prog: str, e: BaseException) -> tuple[str, int]:
         where = next((c.filename for c in causes(e) if getattr(c, "filename", None)), None)
         return (f"{prog}: error: disk full{f' writing {where}' if where else ''}: free space there or write "
                 "elsewhere (run.output_dir / --out / --dst)", USER_ERROR)
+    if isinstance(e, RunFaultError):
+        return f"{prog}: error: {e}", RUN_FAULT
     if _is_user_error(e):
         return f"{prog}: error: {describe_error(e)}", USER_ERROR
     return f"{prog}: internal error: {describe_error(e)} (rerun with --debug for the traceback)", INTERNAL_ERROR
@@ -169,7 +173,7 @@ def run_guarded(prog: str, fn: Callable[[], T], *, debug: bool = False) -> T | i
             raise
         line, status = error_line(prog, e)
         _quiet_shutdown()
-        if is_rank_zero() or not isinstance(e, ConfigError):  # every rank checks the same inputs
+        if is_rank_zero() or not (isinstance(e, ConfigError) or getattr(e, "everywhere", False)):  # (the same on every rank)
             print(line, file=sys.stderr, flush=True)
         else:
             time.sleep(RANK_ZERO_GRACE_S)

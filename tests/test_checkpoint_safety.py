@@ -415,87 +415,73 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
-def _wait_for_metrics(run: Path, since: float, proc: subprocess.Popen, timeout: float = 120) -> None:
-    path = run / "metrics.jsonl"
-    t0 = time.time()
-    while time.time() - t0 < timeout and proc.poll() is None:
-        if path.exists() and path.stat().st_mtime > since and path.read_text().endswith("\n"):
-            return
-        time.sleep(0.05)
-
-
-def _launch(out: Path, kill: str, first: bool, steps: int) -> int:
-    """One training process under a kill plan: `timer:<s>` (SIGKILL after s seconds),
-    `after_step:<s>` (SIGKILL s seconds after a step is logged), `none`, or a kill_point
-    name for the test hook. Returns its exit status after checking nothing it started lives."""
+def _launch(out: Path, kill: str, first: bool, steps: int) -> tuple[int, str]:
+    """One training process under a kill plan: a kill_point name for the test hook
+    (`moe_rl.checkpoints.chaos`, `<point>[#<n>]`) or `none`. Returns its exit status and
+    the tail of its stderr after checking nothing it started lives."""
     tag = uuid.uuid4().hex
     env = child_env(MOE_RL_CHAOS_TAG=tag)
-    kind, _, arg = kill.partition(":")
-    if kind not in ("timer", "after_step", "none"):
+    if kill != "none":
         env["MOE_RL_TEST_KILL_AT"] = kill
     start = ["run.resume=false"] if first else ["run.resume=true"]
     if not first and latest_checkpoint(out / "chaos") is None and RunDirectory(make_cfg(out, "run.name=chaos")).logged_steps():
         start = ["run.resume=false", "run.overwrite=true"]  # steps logged, none saved: a resume refuses
     cmd = _train_cmd(out, "chaos", f"run.steps={steps}", *start)
-    started = time.time()
     errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the child
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
-    if kind == "timer":
-        time.sleep(float(arg))
-        proc.send_signal(signal.SIGKILL)
-    elif kind == "after_step":
-        _wait_for_metrics(out / "chaos", started, proc)
-        time.sleep(float(arg))
-        proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=300)
     errors.seek(0)
-    err = errors.read()
+    err = errors.read()[-3000:]
     deadline = time.time() + 5  # orphans may take a moment to notice; none may outlive this
     while _tagged(tag) and time.time() < deadline:
         time.sleep(0.1)
-    assert not _tagged(tag), f"processes left after kill plan {kill}"
-    assert proc.returncode in (0, -signal.SIGKILL), f"{kill}: exit {proc.returncode}\n{err[-3000:]}"
-    return proc.returncode
+    assert not _tagged(tag), f"processes left after kill plan {kill}\n{err}"
+    assert proc.returncode in (0, -signal.SIGKILL), f"{kill}: exit {proc.returncode}\n{err}"
+    return proc.returncode, err
 
 
 NOISY = ("time/", "sampler/sample_seconds", "sync/seconds", "learner/tokens_per_s")
 
-# Across start-up (1.5 s: imports), mid-step, mid-save (between the data files, after megatron's files, after
-# moe_rl.json, after config.yaml, after the manifest but before the rename) and just after
-# the rename. Each hook plan trains at least one step before its kill.
-KILL_PLANS = ["timer:1.5", "save.file#1", "save.manifest", "save.renamed", "save.meta#2", "after_step:0.3",
-              "save.dcp#2", "after_step:1", "save.config", "save.file#2", "save.begin"]
+# Every kill lands at a named point (no timers: where a timer lands depends on the machine's
+# speed): at start-up, mid-step (an update's gradients computed, not applied), after a
+# step is logged and before its save, mid-save (between the data files, after megatron's
+# files, after moe_rl.json, after config.yaml, after the manifest but before the rename) and
+# just after the rename. Each launch resumes from the newest checkpoint the kills left.
+KILL_PLANS = ["start", "save.file#1", "save.manifest", "save.renamed", "save.meta#2", "step.logged#2",
+              "save.dcp#2", "update#2", "save.config", "save.file#2", "save.begin"]
+# The newest checkpoint after each plan, derived from the plans (save_every=1): nothing saved
+# until save.renamed; then each plan adds the saves it completes before its kill.
+SAVED_AFTER = [0, 0, 0, 1, 2, 3, 4, 5, 5, 5, 5]
 
 
 @pytest.mark.slow
 def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
-    steps = 8  # more than the kill plans can reach, so every hook fires
+    steps = 8  # more than the kill plans reach, so every hook fires
     ref = subprocess.run(_train_cmd(tmp_path, "ref", f"run.steps={steps}"), cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env=child_env())
     assert ref.returncode == 0, ref.stderr[-3000:]
     run, ref_run = tmp_path / "chaos", tmp_path / "ref"
-    outcomes, saved = [], []
+    history = []  # (plan, exit status, newest checkpoint, stderr tail): every assertion's message
     for i, plan in enumerate(KILL_PLANS):
-        outcomes.append(_launch(tmp_path, plan, i == 0, steps))
+        status, err = _launch(tmp_path, plan, i == 0, steps)
         latest = latest_checkpoint(run)
-        saved.append(int(latest.name[5:]) if latest else 0)
-    print("newest checkpoint after each kill:", dict(zip(KILL_PLANS, saved)))
-    hooked = [o for plan, o in zip(KILL_PLANS, outcomes) if plan.startswith("save.")]
-    assert hooked == [-signal.SIGKILL] * len(hooked), dict(zip(KILL_PLANS, outcomes))
-    # the kills landed at different steps: resumes from 0 (nothing saved) up to late in the run
-    assert saved == sorted(saved) and saved[0] == 0 and saved[-1] >= 3, saved
-    assert saved[KILL_PLANS.index("save.manifest")] == 0 < saved[KILL_PLANS.index("save.renamed")], saved
-    assert _launch(tmp_path, "none", False, steps) == 0
+        history.append((plan, status, int(latest.name[5:]) if latest else 0, err))
+    told = "\n".join(f"{plan}: exit {status}, newest checkpoint {saved}\n{err[-600:]}"
+                      for plan, status, saved, err in history)
+    assert [h[1] for h in history] == [-signal.SIGKILL] * len(KILL_PLANS), told
+    assert [h[2] for h in history] == SAVED_AFTER, told
+    status, err = _launch(tmp_path, "none", False, steps)
+    assert status == 0, f"{told}\nfinal resume:\n{err}"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(line) for line in (ref_run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), told
     for a, b in zip(rows, ref_rows):
         assert {k: v for k, v in a.items() if not k.startswith(NOISY)} == \
-               {k: v for k, v in b.items() if not k.startswith(NOISY)}, a["step"]
+               {k: v for k, v in b.items() if not k.startswith(NOISY)}, f"step {a['step']}\n{told}"
     _assert_same_final_checkpoint(run, ref_run, steps)
     left = [p for p in run.rglob("*") if any(m in p.name for m in (".tmp-", ".old-", ".deleting-"))
             or (p.name.startswith(".") and p.name.endswith(".tmp"))]
-    assert not left
+    assert not left, told
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s:06d}" for s in (steps - 1, steps)]
 
 

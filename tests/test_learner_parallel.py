@@ -6,6 +6,8 @@ checkpoint saved at EP=2 is loaded at 1 process; resuming at EP=2 after a save g
 same next step as not stopping.
 """
 
+import math
+
 import pytest
 import torch
 from dist_helpers import torchrun
@@ -45,6 +47,14 @@ def test_one_optimizer_step_matches_one_process(runs, layout):
     assert (lay[layout]["logp_after"] - ref["logp_after"]).abs().max() <= 1e-5
     # the step really moved the weights
     assert (ref["logp_after"] - ref["logp"]).abs().max() > 1e-3
+
+
+def test_a_nan_update_at_tp2_is_skipped_on_every_rank_without_a_trace(runs):
+    """Its step then matches the reference's, which took none (test_one_optimizer_step_...)."""
+    _, lay, _ = runs
+    nan = lay["tp2"]["nan"]
+    assert nan["update_skipped"] == 1.0 and nan["skipped_in_a_row_max"] == 1.0 and math.isnan(nan["grad_norm"])
+    assert lay["tp2"]["metrics"]["update_skipped"] == 0.0 and lay["tp2"]["metrics"]["skipped_in_a_row_max"] == 0.0
 
 
 def test_checkpoint_saved_at_ep2_loads_at_one_process(runs):

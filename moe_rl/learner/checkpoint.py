@@ -59,10 +59,11 @@ from moe_rl.checkpoints.temps import remove_temps, rename_into_place
 from moe_rl.checkpoints.trust import VERIFIED
 from moe_rl.config import Config, save_config
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
+from moe_rl.learner.finite import nonfinite_parameter
 from moe_rl.learner.optimizer import schedule_kept_note
 from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.collectives import all_gather_object, broadcast_object
-from moe_rl.runtime.failures import describe, disk_full
+from moe_rl.runtime.failures import RunFaultError, describe, disk_full
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,17 @@ def _write(learner: Any, config: Config, tmp: Path, path: Path, include_optimize
     _on_rank0(lambda: _finish(config, tmp, path, meta, digests))
 
 
+def _refuse_nonfinite(learner: Any, path: Path, components: Mapping[str, Any]) -> None:
+    """Collective: no checkpoint is ever written with a NaN or inf weight (the learner skips
+    such updates, so one here is a defect or a damaged start); nothing of the save exists yet."""
+    for name, model in {"model": learner, **components}.items():
+        bad = nonfinite_parameter(model.gpt)
+        if bad is not None:
+            raise RunFaultError(f"refusing to save checkpoint {path}: {name} parameter {bad} holds NaN or inf; the "
+                                "latest checkpoint stays the newest valid one: resume from it (run.resume=true)",
+                                everywhere=True)
+
+
 def save_checkpoint(
     learner: Any,
     path: str | os.PathLike,
@@ -305,6 +317,7 @@ def save_checkpoint(
         raise ValueError("save_checkpoint: config.model is not the learner's model section (config.yaml would "
                          "describe another model than the weights)")
     path = Path(path)
+    _refuse_nonfinite(learner, path, components or {})
     tmp = Path(broadcast_object(f"{path}.tmp-{uuid.uuid4().hex[:8]}", src=0))
     _on_rank0(lambda: _prepare_target(path, tmp, replace_foreign))
     _barrier()

@@ -48,12 +48,15 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moe_rl.batch import TokenBatch
+from moe_rl.checkpoints.chaos import kill_point, nan_update_due
 from moe_rl.config import ModelConfig, OptimizerConfig, ParallelConfig
+from moe_rl.learner.finite import update_is_finite
 from moe_rl.learner.microbatch import (
     BatchTotals,
     ForwardHooks,
     LossFn,
     MicroBatch,
+    MicroBatchLoss,
     ScoreResult,
     UpdateResult,
     bins_needed,
@@ -76,6 +79,16 @@ from moe_rl.runtime.collectives import all_gather_object
 from moe_rl.step_batch import StepBatch, dp_rows
 
 log = logging.getLogger(__name__)
+
+
+def _poisoned(loss_fn: LossFn) -> LossFn:
+    """`loss_fn` with a NaN loss: what the test hook injects (`moe_rl.checkpoints.chaos`)."""
+
+    def poisoned(logp_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
+        out = loss_fn(logp_BT, mb)
+        return MicroBatchLoss(out.loss * float("nan"), out.metrics, out.weight)
+
+    return poisoned
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -112,6 +125,8 @@ class Learner:
         """Pack micro-batches (THD); false: the padded reference path (switchable per pass
         only on a learner built with packing on: pipeline stages then exchange shapes)."""
         self.step = 0
+        self.skipped_in_a_row = 0
+        """Updates skipped in a row (a NaN or inf loss or gradient), up to the last one."""
         self.optimizer = None
         self.scheduler = None
         if optimizer is not None:
@@ -279,14 +294,21 @@ class Learner:
         `plan.replay`, those ids are replayed. Returns the metrics (the same on every rank)
         and the logprobs and routing record the forward computed before the update."""
         t0 = time.perf_counter()
+        if nan_update_due(self.step + 1):  # (a test hook: a no-op unless MOE_RL_TEST_NAN_AT names this update)
+            loss_fn = _poisoned(loss_fn)
         metrics, logp, record = self._gradients(batch, loss_fn, plan, temperature)
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm = False, None
+        kill_point("update")  # (a test hook: mid-step, the gradients computed, nothing applied yet)
+        if update_is_finite(self.model, metrics.get("loss", 0.0)):  # (collective) else: skipped, never applied
+            ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         self.step += 1
+        self.skipped_in_a_row = 0 if ok else self.skipped_in_a_row + 1
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
+        metrics["skipped_in_a_row_max"] = float(self.skipped_in_a_row)  # (max over a step's updates: a streak only grows within it)
         metrics.update(self._throughput(time.perf_counter() - t0))
         manual_gc.tick(self.parallel_cfg.manual_gc_interval)  # (after the timing: parallel.manual_gc_interval)
         return UpdateResult(metrics, logp, record)

@@ -211,6 +211,11 @@ class ScoreResult:
     """[B, T] entropy of the policy at each response token (chunked head only; 0 elsewhere)."""
 
 
+OPTIMIZER_METRICS = ("grad_norm", "lr", "update_skipped", "skipped_in_a_row_max")
+"""An update's own metrics beside its loss's: the gradient norm, the learning rate, whether
+it was skipped (a NaN or inf loss or gradient) and the updates skipped in a row so far."""
+
+
 @dataclass
 class UpdateResult:
     """One optimizer update: its metrics, and what its forward computed before the update

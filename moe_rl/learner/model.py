@@ -369,6 +369,6 @@ def wrap_ddp(gpt: GPTModel, tcfg: TransformerConfig, *, distributed_optimizer: b
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=distributed_optimizer,
-        check_for_nan_in_grad=True,
+        check_for_nan_in_grad=False,  # (it ends the process; `moe_rl.learner.finite` skips the update instead)
     )
     return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=gpt)

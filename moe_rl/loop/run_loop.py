@@ -12,7 +12,9 @@ What the loop owns, the same for every program:
   - the agreed stop: SIGINT / SIGTERM on any rank stop every rank after the same step, which
     is saved; the process leaves with 130 / 143 and a line saying how to go on;
   - checkpoints every run.save_every steps and at the last, rotation, the program's finish
-    (an export) and summary.json.
+    (an export) and summary.json;
+  - skipped updates (a NaN or inf loss or gradient): the run stops after
+    run.max_skipped_updates in a row, with one line (a `RunFaultError`).
 Every rank runs the same sequence of collective calls (a step, an evaluation when due, one
 agreed-stop gather, a save when due), whatever its role, so the roles cannot drift apart.
 """
@@ -25,11 +27,13 @@ import signal
 import time
 from typing import Any, NoReturn
 
-from moe_rl.checkpoints.directories import step_dir_name
+from moe_rl.checkpoints.chaos import kill_point
+from moe_rl.checkpoints.directories import latest_checkpoint, step_dir_name
 from moe_rl.config import Config
 from moe_rl.loop.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.loop.program import Program
 from moe_rl.loop.rundir import RunDirectory
+from moe_rl.runtime.failures import RunFaultError
 
 log = logging.getLogger("moe_rl.loop")
 
@@ -42,6 +46,7 @@ class RunLoop:
         self.program = program
         self.run_dir = RunDirectory(cfg)
         self._bar: Any = None
+        self._skipped_since: int | None = None  # the first step of the steps with skipped updates
 
     @property
     def _writes(self) -> bool:
@@ -51,6 +56,7 @@ class RunLoop:
     def run(self) -> dict[str, Any]:
         """The whole run on this rank; rank 0 returns the summary, the others {}."""
         prog = self.program
+        kill_point("start")
         with contextlib.ExitStack() as stack:
             stack.callback(prog.close)
             resume_from = (self.run_dir.prepare(self.cfg.run.resume, rank=prog.rank, needs_init=prog.needs_init_weights)
@@ -89,6 +95,8 @@ class RunLoop:
                 last = step
                 if self._writes:
                     self._log(step, metrics)
+                kill_point("step.logged")
+                self._check_skipped_updates(step, metrics)
                 done = prog.done(step, metrics)
                 signum = signum if signum and step < steps else None  # (during the last step: finish)
                 if signum or done or self._save_due(step):
@@ -118,6 +126,30 @@ class RunLoop:
         metrics["time/other"] = metrics["time/step"] - phases
         metrics["step"] = step
         return metrics, signum
+
+    def _check_skipped_updates(self, step: int, metrics: dict[str, float]) -> None:
+        """Updates with a NaN or inf loss or gradient were skipped by the learner (never
+        applied: the weights stay finite, so this step may still be saved); after
+        run.max_skipped_updates in a row the run stops, before saving, naming the first step
+        of the steps with skipped updates. Every learner rank sees the same metrics."""
+        skipped = sum(v for k, v in metrics.items() if k.endswith("/update_skipped"))
+        streak = max((v for k, v in metrics.items() if k.endswith("/skipped_in_a_row_max")), default=0.0)
+        if not skipped:
+            self._skipped_since = None
+            return
+        self._skipped_since = self._skipped_since or step
+        if self._writes:
+            self._say(f"step {step}: skipped {'every' if skipped >= 1 else 'an'} update with a NaN or inf loss or "
+                      f"gradient (not applied; {int(streak)} in a row, run.max_skipped_updates="
+                      f"{self.cfg.run.max_skipped_updates})")
+        if streak >= self.cfg.run.max_skipped_updates:
+            latest = latest_checkpoint(self.run_dir.path)
+            raise RunFaultError(
+                f"{int(streak)} optimizer updates in a row had a NaN or inf loss or gradient (skipped since step "
+                f"{self._skipped_since}; none was applied), so the run stopped after step {step}, unsaved; the latest "
+                f"checkpoint is {latest or 'none'}. Likely causes: a learning rate too high (optimizer.lr), a reward "
+                "outside its range (task.reward), fp8 scaling (model.fp8); fix the cause and resume "
+                "(run.resume=true), or allow more with run.max_skipped_updates", everywhere=True)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """metrics.jsonl and TensorBoard, the program's log line, the progress bar (rank 0)."""

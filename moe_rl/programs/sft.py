@@ -130,7 +130,9 @@ class SFTProgram(Program):
         batch = encode_problems(self.task.sample(self.cfg.sft.batch_size, rng), self.task, self.tok, self.layout.tp)
         update = self.learner.train_step(batch, nll_loss(batch))
         out = {"learner/loss": update["nll"]}
-        out.update({f"learner/{k}": update[k] for k in ("grad_norm", "lr", "update_skipped") if k in update})
+        from moe_rl.learner.microbatch import OPTIMIZER_METRICS
+
+        out.update({f"learner/{k}": update[k] for k in OPTIMIZER_METRICS if k in update})
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -14,6 +14,21 @@ import os
 import shutil
 from pathlib import Path
 
+RUN_FAULT = 3
+"""Exit status of a run ended by a `RunFaultError` (2 is the user's input, 1 a bug)."""
+
+
+class RunFaultError(RuntimeError):
+    """A run that cannot go on for a reason met while training, not a bug and not the
+    recipe's syntax: updates that stay non-finite, an engine that failed with no restart
+    left. Its message is the one line printed (what happened, where, the likely causes and
+    what to do); the run ends with status RUN_FAULT and the latest checkpoint stays valid.
+    `everywhere`: every rank raises the same one (rank 0 alone prints it)."""
+
+    def __init__(self, message: str, *, everywhere: bool = False) -> None:
+        super().__init__(message)
+        self.everywhere = everywhere
+
 
 def causes(exc: BaseException) -> list[BaseException]:
     """`exc` and what it wraps: its __cause__/__context__ chain and, for torch DCP's

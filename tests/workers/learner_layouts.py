@@ -3,7 +3,8 @@
 reference (1 process): fresh tiny MoE -> checkpoint `ckpt0`; logprobs of a fixed batch;
     one optimizer step; full parameters after it; logprobs after it.
 layouts (4 processes): for TP2, EP2 (alltoall), PP2, TP2xEP2: load `ckpt0`, score the
-    same batch, take the same step, gather full parameters. EP2 also checks resume
+    same batch, take the same step, gather full parameters (TP2 first takes an update with
+    a NaN loss, which must be skipped without a trace). EP2 also checks resume
     (save, step == load, step) and writes `ckpt_ep2` (after its step).
 check (1 process): load `ckpt_ep2` at TP1 and score the batch.
 Results go to <out>/<mode>.pt for the test to compare.
@@ -30,6 +31,19 @@ LAYOUTS = {
 # parallel math rather than noise at zero.
 BASE = ["parallel.micro_batch_size=2", "optimizer.lr=1e-2", "optimizer.adam_eps=1e-3",
         "optimizer.clip_grad=0.5"]
+
+
+def nan_loss(batch):
+    """The reinforce loss times NaN (every gradient NaN)."""
+    from moe_rl.learner import MicroBatchLoss
+
+    loss_fn = reinforce_loss(batch)
+
+    def poisoned(logp_BT, mb):
+        out = loss_fn(logp_BT, mb)
+        return MicroBatchLoss(out.loss * float("nan"), out.metrics, out.weight)
+
+    return poisoned
 
 
 def step_and_gather(learner, batch, adv_B):
@@ -62,6 +76,8 @@ def main() -> None:
                 learner = learner_of(cfg, layout)
                 load_checkpoint(learner, f"{out}/ckpt0")
                 r = {"layout": layout.name, "logp": learner.logprobs(batch)}
+                if name == "tp2":  # a NaN update first: skipped on every rank, it must leave no trace in the step
+                    r["nan"] = learner.train_step(batch, nan_loss(batch), extras={"adv_B": adv_B})
                 r["metrics"], r["params"] = step_and_gather(learner, batch, adv_B)
                 r["logp_after"] = learner.logprobs(batch)
                 if name == "ep2":

@@ -157,11 +157,13 @@ class CriticStage(StepComponent):
     def update(self, batch: StepBatch, minibatches: list[torch.Tensor]) -> dict[str, float]:
         """One critic update per mini-batch (this rank's rows of each); its metrics, with
         `critic/updates` their count."""
+        from moe_rl.learner.microbatch import OPTIMIZER_METRICS
+
         out: list[dict[str, float]] = []
         for rows in minibatches:
             result = self.critic.update(batch.take(rows), self.loss_fn)
             m = {k: v for k, v in result.metrics.items() if k.startswith("critic/")}
-            m.update({f"critic/{k}": result.metrics[k] for k in ("grad_norm", "lr")})
+            m.update({f"critic/{k}": result.metrics[k] for k in OPTIMIZER_METRICS})
             out.append(m)
         return combine(out) | {"critic/updates": float(len(out))}
 

@@ -87,7 +87,9 @@ class PreferenceProgram(Program):
                               self.cfg.task.shuffle)
         stats, update = self._train_on(encode_pairs(pairs, self.encoder, self.layout.tp))
         metrics = {("learner/loss" if k == "loss" else k): v for k, v in stats.items()}
-        metrics.update({f"learner/{k}": update[k] for k in ("grad_norm", "lr", "update_skipped") if k in update})
+        from moe_rl.learner.microbatch import OPTIMIZER_METRICS
+
+        metrics.update({f"learner/{k}": update[k] for k in OPTIMIZER_METRICS if k in update})
         return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:
