@@ -49,7 +49,7 @@ def save_ahead(run_dir: Path, engine: int, layout: tuple[int, int], sampled: Sam
               for k, g in sampled.held.items()]
     doc = {"step": sampled.step, "layout": list(layout), "version": sampled.version, "kept": sampled.kept,
            "drawn": [[vars(s) for s in d] for d in sampled.drawn], "engine_seconds": sampled.engine_seconds,
-           "dropped_stale": sampled.dropped_stale, "groups": groups}
+           "dropped_stale": sampled.dropped_stale, "reward_timeouts": sampled.reward_timeouts, "groups": groups}
     write_engine_file(_path(run_dir, sampled.step, engine), doc, engine, keep)
 
 
@@ -85,7 +85,7 @@ def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -
         return None, why
     out = Sampled(doc["step"], doc["version"], [tuple(k) for k in doc["kept"]],
                   [[_summary(s) for s in d] for d in doc["drawn"]], doc["engine_seconds"],
-                  dropped_stale=doc.get("dropped_stale", 0))
+                  dropped_stale=doc.get("dropped_stale", 0), reward_timeouts=doc.get("reward_timeouts", 0))
     for g in doc["groups"]:
         routed = [np.asarray(r) for r in g["routed"]] if g["routed"] is not None else None
         out.held[tuple(g["key"])] = ScoredGroup(g["prompt"], g["responses"], g["logprobs"], g["texts"], g["rewards"],

@@ -133,7 +133,8 @@ class RolloutCollector:
         rl = self.cfg.rl
         out = Sampled(step, self.weight_sync.held_version or 0)
         while len(out.drawn) < (rl.max_draws if rl.dynamic_sampling else 1):
-            summaries, mine, seconds = self._draw(step, len(out.drawn), out.version, timer)
+            summaries, mine, seconds, cut = self._draw(step, len(out.drawn), out.version, timer)
+            out.reward_timeouts += cut
             out.held.update({(len(out.drawn), i): g for i, g in mine.items()})
             out.kept += [(len(out.drawn), i) for i, g in enumerate(summaries)
                          if not rl.dynamic_sampling or g.has_signal]
@@ -149,16 +150,19 @@ class RolloutCollector:
             self.sampler.sleep()
         return out
 
-    def sampled_from_groups(self, step: int, mine: list[ScoredGroup], seconds: float, dropped: int) -> Sampled:
+    def sampled_from_groups(self, step: int, mine: list[ScoredGroup], seconds: float, dropped: int,
+                            reward_timeouts: int = 0) -> Sampled:
         """Step `step`'s batch from groups this engine decoded in segments
         (`moe_rl.rollout.segmented`): every engine's summaries, in engine order, on every
         engine rank, and its own groups kept on its leader. Collective over the engine ranks."""
         p = self.placement
-        parts = p.gather_engines(([g.summary() for g in mine], seconds, dropped), self._engines_group)
-        offset = sum(len(part) for part, _, _ in parts[: p.engine])
-        summaries = concat([part for part, _, _ in parts])
+        parts = p.gather_engines(([g.summary() for g in mine], seconds, dropped, reward_timeouts),
+                                 self._engines_group)
+        offset = sum(len(part[0]) for part in parts[: p.engine])
+        summaries = concat([part[0] for part in parts])
         out = Sampled(step, self.weight_sync.held_version or 0, [(0, i) for i in range(len(summaries))],
-                      [summaries], [[sec for _, sec, _ in parts]], dropped_stale=sum(d for _, _, d in parts))
+                      [summaries], [[part[1] for part in parts]], dropped_stale=sum(part[2] for part in parts),
+                      reward_timeouts=sum(part[3] for part in parts))
         if p.leader:
             out.held = {(0, offset + i): g for i, g in enumerate(mine)}
         return out
@@ -230,6 +234,7 @@ class RolloutCollector:
         else:
             rollout = Rollout(*pack_rows(rows, plan, self.cfg, self.pad_id), stats=plan.stats)
         rollout.stats.update(self._engine_stats(public.engine_seconds))
+        rollout.stats["reward/timeouts"] = float(public.reward_timeouts)
         rollout.stats.update({"time/learner_wait": self.learner_wait, "time/engine_wait": public.engine_wait})
         return rollout
 
@@ -252,10 +257,11 @@ class RolloutCollector:
         return sorted((r for part in incoming for r in part), key=lambda r: r.row_id)
 
     def _draw(self, step: int, draw: int, version: int,
-              timer: StepTimer) -> tuple[list[GroupSummary], dict[int, ScoredGroup], list[float]]:
+              timer: StepTimer) -> tuple[list[GroupSummary], dict[int, ScoredGroup], list[float], int]:
         """One draw of `prompts_per_step` problems, G responses each, scored: this engine's
         block sampled here and kept (by prompt index) on its leader; every group's summary
-        gathered to every engine rank, with each engine's sampling seconds."""
+        gathered to every engine rank, with each engine's sampling seconds, and the number
+        of rewards cut at task.reward_timeout_s over the engines."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         problems = self.problems(step, draw)
         seeds = self.seeds(step, draw, len(problems))
@@ -268,7 +274,8 @@ class RolloutCollector:
                                        prompt_seeds=[seeds[i] for i in share])
         with timer.phase("reward"):
             texts = [self.tok.decode(r) for r in ro.response_token_ids]
-            rewards = self.task.rewards([problems[share[i]] for i in ro.prompt_index], texts)
+            scores = self.task.score([problems[share[i]] for i in ro.prompt_index], texts)
+            rewards = scores.values
         mine: dict[int, ScoredGroup] = {}
         for i, ids in enumerate(prompt_ids):
             sl = slice(i * G, (i + 1) * G)
@@ -277,10 +284,11 @@ class RolloutCollector:
                                          ro.routed_experts[sl] if ro.routed_experts is not None else None, version)
         sample_seconds = time.perf_counter() - t0
         with timer.phase("gather"):
-            parts = self.placement.gather_engines(([g.summary() for g in mine.values()], sample_seconds),
-                                                  self._engines_group)
-        summaries = concat([part for part, _ in parts])
-        return summaries, (mine if self.placement.leader else {}), [seconds for _, seconds in parts]
+            parts = self.placement.gather_engines(([g.summary() for g in mine.values()], sample_seconds,
+                                                   scores.timeouts), self._engines_group)
+        summaries = concat([part for part, _, _ in parts])
+        return (summaries, (mine if self.placement.leader else {}), [seconds for _, seconds, _ in parts],
+                sum(cut for _, _, cut in parts))
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy accuracy and pass@k on `task.eval_data_path` (`evaluate.py`), every engine
@@ -320,6 +328,7 @@ class RolloutCollector:
 
     def close(self) -> None:
         self.weight_sync.finish()  # (the last push's sends, before the process groups go)
+        self.task.close()  # (the reward worker; the evaluation's task shares it)
         if self.sampler is not None:
             self.sampler.close()
             self.sampler = None

@@ -8,7 +8,8 @@ Per problem: one greedy response (temperature 0) and `k` sampled ones at the tra
 temperature. greedy_acc is the mean greedy reward; pass@1 the mean sampled reward; pass@k
 the fraction of problems with at least one of the k samples correct (reward >= 0.5 counts as
 correct: the math reward is 0/1, a user reward may be graded). Rewards come from the task,
-so evaluation scores exactly as training does.
+so evaluation scores exactly as training does, cuts at task.reward_timeout_s included
+(`eval/reward_timeouts`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class EvalReport:
     sample_reward: float = 0.0
     any_correct: int = 0
     response_tokens: int = 0
+    reward_timeouts: int = 0
     examples: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, other: EvalReport) -> None:
@@ -41,13 +43,15 @@ class EvalReport:
         self.sample_reward += other.sample_reward
         self.any_correct += other.any_correct
         self.response_tokens += other.response_tokens
+        self.reward_timeouts += other.reward_timeouts
         self.examples += other.examples
 
     def metrics(self) -> dict[str, float]:
         n = max(self.problems, 1)  # (an empty share reports zeros, never a division by 0)
         return {"eval/greedy_acc": self.greedy_correct / n, "eval/pass@1": self.sample_reward / (n * self.k),
                 f"eval/pass@{self.k}": self.any_correct / n, "eval/problems": float(self.problems),
-                "eval/mean_response_tokens": self.response_tokens / (n * (self.k + 1))}
+                "eval/mean_response_tokens": self.response_tokens / (n * (self.k + 1)),
+                "eval/reward_timeouts": float(self.reward_timeouts)}
 
 
 def evaluate_problems(sampler: Any, encoder: Any, tok: Any, task: Any, problems: Sequence[Any], *, k: int,
@@ -64,8 +68,9 @@ def evaluate_problems(sampler: Any, encoder: Any, tok: Any, task: Any, problems:
                                top_p=top_p, prompt_seeds=base_seeds(seed + 1, len(problems), k))
     greedy_texts = [tok.decode(r) for r in greedy.response_token_ids]
     texts = [tok.decode(r) for r in sampled.response_token_ids]
-    greedy_r = task.rewards(list(problems), greedy_texts)
-    sampled_r = task.rewards([problems[i] for i in sampled.prompt_index], texts)
+    scores = task.score(list(problems) + [problems[i] for i in sampled.prompt_index], greedy_texts + texts)
+    greedy_r, sampled_r = scores.values[:len(problems)], scores.values[len(problems):]
+    report.reward_timeouts = scores.timeouts
     report.problems = len(problems)
     report.greedy_correct = float(sum(r >= CORRECT for r in greedy_r))
     report.sample_reward = float(sum(sampled_r))

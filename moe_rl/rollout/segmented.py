@@ -37,6 +37,7 @@ checkpoint starts in; a resume loads it and continues the same schedule. Without
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -51,6 +52,7 @@ from moe_rl.runtime.timing import StepTimer
 
 if TYPE_CHECKING:
     from moe_rl.rollout.collector import RolloutCollector
+    from moe_rl.tasks.base import Problem
 
 log = logging.getLogger("moe_rl.rollout")
 
@@ -153,17 +155,22 @@ class SegmentedRollout:
         groups = self.pool.take(self.quota)
         dropped, self.pool.dropped_stale = self.pool.dropped_stale, 0
         seconds, self.seconds = self.seconds, 0.0
-        draws: dict[tuple[int, int], list] = {}
-        scored = [self._scored(g, draws) for g in groups]
-        return self.collector.sampled_from_groups(step, scored, seconds, dropped)
+        c, draws = self.collector, {}
+        problems = [self._problem(g, draws) for g in groups]
+        texts = [[c.tok.decode(r.tokens) for r in g.responses] for g in groups]
+        scores = c.task.score([p for p, t in zip(problems, texts) for _ in t], [x for t in texts for x in t])
+        starts = list(itertools.accumulate((len(t) for t in texts), initial=0))
+        scored = [self._scored(g, t, scores.values[start:start + len(t)]) for g, t, start in zip(groups, texts, starts)]
+        return c.sampled_from_groups(step, scored, seconds, dropped, scores.timeouts)
 
-    def _scored(self, g: PoolGroup, draws: dict[tuple[int, int], list]) -> ScoredGroup:
-        c = self.collector
+    def _problem(self, g: PoolGroup, draws: dict[tuple[int, int], list]) -> Problem:
+        """The problem of a pooled group (the draws of its unit made once per batch)."""
         if g.key[:2] not in draws:
-            draws[g.key[:2]] = c.problems(g.key[0], g.key[1])
-        problem = draws[g.key[:2]][g.key[2]]
-        texts = [c.tok.decode(r.tokens) for r in g.responses]
-        rewards = c.task.rewards([problem] * len(texts), texts)
+            draws[g.key[:2]] = self.collector.problems(g.key[0], g.key[1])
+        return draws[g.key[:2]][g.key[2]]
+
+    @staticmethod
+    def _scored(g: PoolGroup, texts: list[str], rewards: list[float]) -> ScoredGroup:
         routed = [r.routed for r in g.responses] if all(r.routed is not None for r in g.responses) else None
         return ScoredGroup(g.prompt, [r.tokens for r in g.responses], [r.logprobs for r in g.responses], texts,
                            rewards, [r.finish for r in g.responses], routed, g.oldest or 0,

@@ -139,6 +139,9 @@ class SampledSummary:
     dropped_stale: int = 0
     """Responses the engines dropped before delivery for exceeding rl.max_staleness
     (segmented decoding drops them from its pool; `deliver` counts its own drops too)."""
+    reward_timeouts: int = 0
+    """Responses whose reward was cut at task.reward_timeout_s (scored 0.0), over every
+    engine and draw of the step."""
 
 
 @dataclass
@@ -157,9 +160,12 @@ class Sampled:
     """This engine leader's groups by (draw, group)."""
     dropped_stale: int = 0
     """Responses every engine dropped from its pool as too stale since the last batch."""
+    reward_timeouts: int = 0
+    """Responses every engine cut at task.reward_timeout_s while scoring this batch."""
 
     def public(self, engine_wait: float = 0.0) -> SampledSummary:
-        return SampledSummary(self.kept, self.drawn, self.engine_seconds, engine_wait, self.dropped_stale)
+        return SampledSummary(self.kept, self.drawn, self.engine_seconds, engine_wait, self.dropped_stale,
+                              self.reward_timeouts)
 
 
 @dataclass

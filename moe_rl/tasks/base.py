@@ -37,6 +37,14 @@ class Problem:
     messages: tuple[Mapping[str, str], ...] | None = field(default=None, hash=False)
 
 
+@dataclass(frozen=True)
+class Scores:
+    """A batch's rewards, and how many of them were cut at `task.reward_timeout_s` (scored 0.0)."""
+
+    values: list[float]
+    timeouts: int = 0
+
+
 def as_rng(seed: int | np.random.Generator) -> np.random.Generator:
     """An int seeds a fresh generator (reproducible); a Generator is used (and advanced) as is."""
     if isinstance(seed, np.random.Generator):
@@ -86,9 +94,18 @@ class Task(ABC):
 
     def rewards(self, problems: Sequence[Problem], responses: Sequence[str]) -> list[float]:
         """`reward` over aligned lists (one response per problem, repeat problems for groups)."""
+        return self.score(problems, responses).values
+
+    def score(self, problems: Sequence[Problem], responses: Sequence[str]) -> Scores:
+        """`rewards` with the number of responses whose reward was cut for taking too long
+        (the rollout's `reward/timeouts`); in this process, where nothing is cut, by default."""
         if len(problems) != len(responses):
             raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
-        return [self.reward(p, r) for p, r in zip(problems, responses)]
+        return Scores([self.reward(p, r) for p, r in zip(problems, responses)])
+
+    def close(self) -> None:
+        """Release what scoring holds (the dataset task's reward process); nothing by default."""
+        return None
 
 
 def check_count(n: int) -> int:

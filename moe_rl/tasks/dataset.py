@@ -15,6 +15,11 @@ A bad row stops the build with a one-line `DatasetError` naming the file, the ro
 line for JSONL, 0-based row index for Parquet), the field and the fix: silently training
 on part of a file is worse than failing before any model loads.
 
+Scoring: with `task.reward_timeout_s` > 0 (the default, 60) the rewards run in this
+process's reward worker (`reward_worker.py`), and a response whose reward takes longer is
+cut and scores 0.0 (`Scores.timeouts`, logged as `reward/timeouts`); 0 scores here, with no
+limit.
+
 Order: `batch(step, n, seed)` walks the rows epoch by epoch (each epoch a fresh seeded
 permutation, or file order with `task.shuffle=false`) as a pure function of the step, so a
 resumed run sees exactly the rows the interrupted one would have.
@@ -25,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moe_rl.tasks.answers import reference_answer
-from moe_rl.tasks.base import Problem, Task, as_rng, check_count
+from moe_rl.tasks.base import Problem, Scores, Task, as_rng, check_count
+from moe_rl.tasks.reward_worker import close_shared, shared_worker
 from moe_rl.tasks.rewards import RewardFn, make_reward
 
 if TYPE_CHECKING:
@@ -240,13 +246,14 @@ class DatasetTask(Task):
     name = "dataset"
 
     def __init__(self, path: str | os.PathLike, *, keys: DatasetKeys = DatasetKeys(),
-                 reward: str = "math", shuffle: bool = True) -> None:
+                 reward: str = "math", shuffle: bool = True, reward_timeout_s: float = 60.0) -> None:
         self.path = Path(path)
         self.keys = keys
         self.shuffle = bool(shuffle)
         self.problems = load_problems(self.path, keys)
         self.reward_spec = reward
-        self.reward_fn: RewardFn = make_reward(reward)
+        self.reward_fn: RewardFn = make_reward(reward)  # (imported here too: a typo fails before any model loads)
+        self.reward_timeout_s = float(reward_timeout_s)
         self._orders: dict[tuple[int, int], np.ndarray] = {}  # (seed, epoch) -> row order
 
     @classmethod
@@ -255,7 +262,7 @@ class DatasetTask(Task):
             raise DatasetError("task dataset needs task.data_path (a .jsonl or .parquet file); "
                                "set task.data_path")
         return cls(cfg.data_path, keys=DatasetKeys.from_config(cfg), reward=cfg.reward,
-                   shuffle=cfg.shuffle)
+                   shuffle=cfg.shuffle, reward_timeout_s=cfg.reward_timeout_s)
 
     def __repr__(self) -> str:
         return (f"DatasetTask({str(self.path)!r}, {len(self.problems)} problems, "
@@ -299,4 +306,17 @@ class DatasetTask(Task):
         return f" \\boxed{{{reference_answer(problem.answer).strip()}}}"
 
     def reward(self, problem: Problem, response: str) -> float:
-        return self.reward_fn(problem, response)
+        return self.score([problem], [response]).values[0]
+
+    def score(self, problems: Sequence[Problem], responses: Sequence[str]) -> Scores:
+        """Rewards in the reward worker, each cut at `reward_timeout_s` (0: here, no limit)."""
+        if len(problems) != len(responses):
+            raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
+        if self.reward_timeout_s <= 0:
+            return Scores([self.reward_fn(p, r) for p, r in zip(problems, responses)])
+        values, cut = shared_worker().score(self.reward_spec, problems, responses, self.reward_timeout_s)
+        return Scores(values, cut)
+
+    def close(self) -> None:
+        """Stop the reward worker (shared by this process's tasks; the next score restarts it)."""
+        close_shared()

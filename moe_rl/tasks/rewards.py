@@ -14,12 +14,17 @@ garbage scores 0.0, and so does a response holding a number too big to build (a 
 power tower such as 9^{9^{9}}, a 7-digit exponent, a 6-digit factorial), which would
 otherwise stall sympy for minutes.
 
-Timeouts: math-verify limits each parse/compare with `signal.alarm`, which only works in the
-main thread. There it is on (MATH_TIMEOUT_S); in any other thread it is switched off (the
-library would raise otherwise), and only the response's last MAX_RESPONSE_CHARS characters
-are read, which bounds the regex work; the huge-number guard above removes the known sympy
-stalls, which hold the GIL (so a watchdog thread could not even run), but an unknown slow
-path would still be unbounded there: prefer scoring in the main thread.
+Timeouts: the dataset task scores in a reward worker process (`reward_worker.py`) that cuts
+any reward, math or user, running past `task.reward_timeout_s` (default 60 s): the worker
+is killed and restarted, the response scores 0.0, counts in `reward/timeouts` and one
+warning names the reward, the row and the limit. Inside it, math-verify also limits each
+parse/compare with `signal.alarm` (MATH_TIMEOUT_S), which only works in the main thread,
+where the worker scores. In any other thread (`task.reward_timeout_s=0` scores in the
+caller's process, maybe off its main thread) the alarm is switched off (the library would
+raise otherwise), and only the response's last MAX_RESPONSE_CHARS characters are read,
+which bounds the regex work; the huge-number guard above removes the known sympy stalls,
+which hold the GIL (so a watchdog thread could not even run), but an unknown slow path
+would be unbounded there.
 
 A user reward is `module.path:function`, imported when the reward is made (so a typo fails
 before any model loads), and called once per response as
@@ -31,7 +36,10 @@ completion (after EOS/pad markers are cut), `answer` the reference as a string a
 `metadata` the row's metadata mapping (empty when the row has none). It must return a real
 number (an int or float, not a bool, not NaN or infinite). An import failure, a missing or
 non-callable attribute, an exception inside the function or a bad return value is a
-one-line `RewardError` naming the spec and the data row.
+one-line `RewardError` naming the spec and the data row (raised in the trainer from the
+worker's report). One that runs longer than `task.reward_timeout_s` is cut as above. It
+runs in the worker, a separate process: it must be importable there (the worker has the
+trainer's `sys.path`) and state it keeps between calls starts afresh after a cut.
 """
 
 from __future__ import annotations
