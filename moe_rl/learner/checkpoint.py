@@ -11,7 +11,9 @@ Atomicity: everything is written into `<path>.tmp-<nonce>`, the manifest last, a
 to `<path>` by rank 0 after every rank finished; a kill leaves only the temp directory,
 which `latest_checkpoint` never picks and the run directory removes at its next start.
 The files are written by threads of this process (no writer process pool, no
-multiprocessing manager: megatron's default starts both, and a SIGKILL left them orphaned).
+multiprocessing manager: megatron's default starts both, and a SIGKILL left them orphaned;
+`checkpoint_writes`), now (`save_checkpoint`) or by a background thread while training goes
+on (`start_checkpoint(..., background=True)`, then `PendingSave.finish`, collective).
 
 Loading verifies the manifest first (every rank hashes its share of the files), then reads
 under `safe_dcp_reading` (restricted `.metadata` unpickler, `weights_only=True` for every
@@ -28,11 +30,10 @@ import glob
 import json
 import logging
 import os
-import queue
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_rl.checkpoints import MANIFEST_FILE, META_FILE
@@ -59,6 +58,7 @@ from moe_rl.checkpoints.temps import remove_temps, rename_into_place
 from moe_rl.checkpoints.trust import VERIFIED
 from moe_rl.config import Config, save_config
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
+from moe_rl.learner.checkpoint_writes import DcpWrite
 from moe_rl.learner.finite import nonfinite_parameter
 from moe_rl.learner.optimizer import schedule_kept_note
 from moe_rl.runtime.atomic import atomic_write_text
@@ -79,6 +79,7 @@ __all__ = [
     "load_saved_component",
     "read_meta",
     "save_checkpoint",
+    "start_checkpoint",
 ]
 
 
@@ -169,66 +170,6 @@ def _component_meta(model: Any, with_optimizer: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------- save
 
 
-def _write_bucket(transform_list: list, use_msc: bool, i: int, bucket: Any) -> Any:
-    """One bucket (one `.distcp` file) through megatron's own writer; its results or error."""
-    local, count = queue.Queue(), queue.Queue()
-    count.put(i)
-    FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, use_msc=use_msc)
-    return local.get()[1]
-
-
-def _write_buckets_in_process(transform_list: list, use_msc: bool, rank: int, write_buckets: list,
-                              results: Any) -> None:
-    """Megatron's `write_preloaded_data_multiproc` with threads of this process instead of
-    forked writer processes: the files are still written in parallel (file I/O releases the
-    GIL), and nothing outlives a SIGKILL of the trainer."""
-    out: dict[int, Any] | Exception = {}
-    with ThreadPoolExecutor(max_workers=max(1, len(write_buckets)), thread_name_prefix="ckpt-write") as pool:
-        futures = {pool.submit(_write_bucket, transform_list, use_msc, i, b): i for i, b in enumerate(write_buckets)}
-        for future in as_completed(futures):
-            written = future.result()
-            if isinstance(written, Exception):
-                out = written
-            elif isinstance(out, dict):
-                out[futures[future]] = written
-            kill_point("save.file")
-    results.put(out)
-
-
-@contextlib.contextmanager
-def _in_process_writes() -> Iterator[None]:
-    """dist_checkpointing.save with its writes in this process: megatron's results queue is
-    a `multiprocessing.Manager()` (a spawned server process and a resource tracker, both
-    orphaned by a SIGKILL of the trainer) and its writers are forked processes."""
-    saved = (filesystem_async._get_write_results_queue, FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"])
-    filesystem_async._get_write_results_queue = queue.Queue
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
-    try:
-        yield
-    finally:
-        filesystem_async._get_write_results_queue = saved[0]
-        FileSystemWriterAsync.write_preloaded_data_multiproc = saved[1]
-
-
-@contextlib.contextmanager
-def _one_openmp_thread() -> Iterator[None]:
-    """torch at one thread while megatron saves (the main thread's count back after).
-
-    Why: megatron gathers the checkpoint's metadata with `all_gather_object` (57 KB for the
-    tiny model), and gloo copies the gathered bytes on its own worker thread. A thread's
-    first parallel op fixes its OpenMP team size at torch's thread count of that moment; a
-    team on gloo's thread makes the process hold more OpenMP threads than CPUs, and libgomp
-    then shortens every thread's spin-wait: on 2 CPUs every later update took 2.5x as long
-    (`examples/tiny_grpo.yaml`: 0.38 -> 0.95 s from the first save on; 0.35-0.41 s with this).
-    Begun at one thread, gloo's threads stay single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _prepare_target(path: Path, tmp: Path, replace_foreign: bool) -> None:
     """Rank 0: the parent exists, `path` is absent or a checkpoint (or may be replaced),
     stale temps of this name are gone, the temp directory is created."""
@@ -256,20 +197,108 @@ def _finish(config: Config, tmp: Path, path: Path, meta: dict[str, Any], digests
     kill_point("save.renamed")
 
 
-def _write(learner: Any, config: Config, tmp: Path, path: Path, include_optimizer: bool,
-           extra_meta: dict[str, Any] | None, components: Mapping[str, Any]) -> None:
-    with_opt = include_optimizer and _has_optimizer_state(learner)
-    optimizers = frozenset(n for n, m in components.items() if include_optimizer and _has_optimizer_state(m))
-    sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False, components=components,
-                        optimizers=optimizers)
-    with _in_process_writes(), _one_openmp_thread():
-        dist_checkpointing.save(sd, str(tmp))
-    kill_point("save.dcp")
+def _saving(path: Path, tmp: Path) -> contextlib.AbstractContextManager:
+    """Any failure of a save becomes a one-line CheckpointError (a full disk named as such)
+    and leaves nothing of the save (rank 0 removes the temp directory)."""
+
+    @contextlib.contextmanager
+    def guard() -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError:
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except (Exception, CheckpointException) as e:
+            full = disk_full(e, tmp)
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise CheckpointError(f"disk full while saving checkpoint {path}: free space on that file system "
+                                      "or choose another run.output_dir (nothing was kept of this save)") from e
+            raise CheckpointError(f"could not save checkpoint {path}: {describe(e)}") from e
+
+    return guard()
+
+
+class PendingSave:
+    """A checkpoint being written (`start_checkpoint`): its data files are written now or in
+    the background; `finish` (collective) then writes moe_rl.json, config.yaml and the
+    manifest, last, and renames the temp directory into place. Until then the checkpoint
+    does not exist for `latest_checkpoint`; `abandon` leaves only the temp directory, which
+    the run directory removes at its next start."""
+
+    def __init__(self, path: Path, tmp: Path, write: DcpWrite, meta: dict[str, Any], config: Config) -> None:
+        self.path, self.tmp, self._write, self._meta, self._config = path, tmp, write, meta, config
+        self.started = time.monotonic()
+        """When the save began (time.monotonic())."""
+
+    @property
+    def step(self) -> int:
+        """The trainer step saved (the loop's `trainer_step`, else the learner's update count)."""
+        return int(self._meta.get("trainer_step", self._meta["step"]))
+
+    def done(self) -> bool:
+        """This rank's data files are written (the others may still be writing theirs)."""
+        return self._write.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds for this rank's data files; whether they are written."""
+        return self._write.wait(timeout)
+
+    def finish(self) -> Path:
+        """Collective: complete the checkpoint and make it visible; returns its path."""
+        with _saving(self.path, self.tmp):
+            self._write.finish()
+            kill_point("save.dcp")
+            _barrier()
+            names = [n for n in list_files(self.tmp) if n != META_FILE]
+            digests: dict = {}
+            for part in all_gather_object(digest_files(self.tmp, share(names, _rank(), _world()))):
+                digests.update(part)
+            _on_rank0(lambda: _finish(self._config, self.tmp, self.path, self._meta, digests))
+        _barrier()
+        return self.path
+
+    def abandon(self) -> None:
+        """Give up on this save: nothing more is written under its name (a background write
+        still running ends with the process; its temp directory is removed at the next start)."""
+        log.warning("abandoned checkpoint %s (step %d) before it was complete; the previous checkpoint stays the "
+                    "latest", self.path, self.step)
+
+
+def start_checkpoint(
+    learner: Any,
+    path: str | os.PathLike,
+    extra_meta: dict[str, Any] | None = None,
+    include_optimizer: bool = True,
+    *,
+    config: Config,
+    replace_foreign: bool = False,
+    components: Mapping[str, Any] | None = None,
+    background: bool = False,
+) -> PendingSave:
+    """Collective. Begin saving model, optimizer, LR schedule, RNG and `config` to `path`
+    as `save_checkpoint` does, and return the save to `finish`. With `background`, this
+    rank's data files are written by a thread while the caller goes on (training may change
+    the weights meanwhile: the thread writes a copy taken now; at most the host memory of
+    this rank's shard); without, they are written before this returns."""
+    if config.model != learner.model_cfg:
+        raise ValueError("save_checkpoint: config.model is not the learner's model section (config.yaml would "
+                         "describe another model than the weights)")
+    path = Path(path)
+    components = dict(components or {})
+    _refuse_nonfinite(learner, path, components)
+    tmp = Path(broadcast_object(f"{path}.tmp-{uuid.uuid4().hex[:8]}", src=0))
+    _on_rank0(lambda: _prepare_target(path, tmp, replace_foreign))
     _barrier()
-    names = [n for n in list_files(tmp) if n != META_FILE]
-    digests: dict = {}
-    for part in all_gather_object(digest_files(tmp, share(names, _rank(), _world()))):
-        digests.update(part)
+    kill_point("save.begin")
+    with _saving(path, tmp):
+        with_opt = include_optimizer and _has_optimizer_state(learner)
+        optimizers = frozenset(n for n, m in components.items() if include_optimizer and _has_optimizer_state(m))
+        sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False, components=components,
+                            optimizers=optimizers)
+        write = DcpWrite(sd, tmp, background=background)
     meta = {
         "format_version": FORMAT_VERSION,
         "step": learner.step,
@@ -280,7 +309,7 @@ def _write(learner: Any, config: Config, tmp: Path, path: Path, include_optimize
     }
     for name, model in components.items():
         meta[name] = _component_meta(model, name in optimizers)
-    _on_rank0(lambda: _finish(config, tmp, path, meta, digests))
+    return PendingSave(path, tmp, write, meta, config)
 
 
 def _refuse_nonfinite(learner: Any, path: Path, components: Mapping[str, Any]) -> None:
@@ -313,31 +342,8 @@ def save_checkpoint(
     `components`: named models trained beside the actor (PPO's `{"critic": Critic}`), each
     saved under keys of its own with its optimizer, schedule and step. A full disk, an
     unwritable directory or a file in the way is a one-line CheckpointError."""
-    if config.model != learner.model_cfg:
-        raise ValueError("save_checkpoint: config.model is not the learner's model section (config.yaml would "
-                         "describe another model than the weights)")
-    path = Path(path)
-    _refuse_nonfinite(learner, path, components or {})
-    tmp = Path(broadcast_object(f"{path}.tmp-{uuid.uuid4().hex[:8]}", src=0))
-    _on_rank0(lambda: _prepare_target(path, tmp, replace_foreign))
-    _barrier()
-    kill_point("save.begin")
-    try:
-        _write(learner, config, tmp, path, include_optimizer, extra_meta, dict(components or {}))
-    except CheckpointError:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except (Exception, CheckpointException) as e:
-        full = disk_full(e, tmp)
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if full:
-            raise CheckpointError(f"disk full while saving checkpoint {path}: free space on that file system "
-                                  "or choose another run.output_dir (nothing was kept of this save)") from e
-        raise CheckpointError(f"could not save checkpoint {path}: {describe(e)}") from e
-    _barrier()
-    return path
+    return start_checkpoint(learner, path, extra_meta, include_optimizer, config=config,
+                            replace_foreign=replace_foreign, components=components).finish()
 
 
 # --------------------------------------------------------------------------- load

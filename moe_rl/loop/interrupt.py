@@ -3,7 +3,7 @@
     with StopOnSignal() as stop:
         for step in ...:
             train one step
-            signum = stop.agreed()          # collective: every rank, once per step
+            signum, notes = stop.agreed(note)   # collective: every rank, once per step
             if signum: save a checkpoint; raise StoppedBySignal(signum)
 
 The first SIGINT or SIGTERM only records itself: the step in progress finishes, the loop
@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from types import FrameType, TracebackType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -87,11 +88,13 @@ class StopOnSignal:
             raise KeyboardInterrupt
         raise SystemExit(exit_status(signum))
 
-    def agreed(self) -> int | None:
+    def agreed(self, note: Any = None) -> tuple[int | None, list[Any]]:
         """Collective over every rank: the signal to stop for, when any rank received one
-        (the lowest rank's), else None. Every rank gets the same answer."""
+        (the lowest rank's), else None, and every rank's `note` in rank order (what else the
+        ranks must decide alike once per step rides on the same gather: the run loop's
+        checkpoint writes). Every rank gets the same answer."""
         with bridge():
             if not dist.is_available() or not dist.is_initialized():
-                return self.signum
-            everyone = all_gather_object(self.signum)
-        return next((s for s in everyone if s), None)
+                return self.signum, [note]
+            everyone = all_gather_object((self.signum, note))
+        return next((s for s, _ in everyone if s), None), [n for _, n in everyone]

@@ -6,7 +6,8 @@ rest, the same for every program.
         name = "my"
         def setup(self, resume_from): ...build models, load resume_from...; return start_step
         def step(self, step): ...one optimizer step...; return {"learner/loss": ...}
-        def save(self, path, meta): save_checkpoint(self.model, path, config=self.cfg, extra_meta=meta)
+        def save(self, path, meta, background=False):
+            return start_checkpoint(self.model, path, config=self.cfg, extra_meta=meta, background=background)
 
 The programs: RL (GRPO family and PPO, `moe_rl.programs.rl`), the engine-only role of a
 separate placement (`moe_rl.programs.rl.engine_role`), DPO and the reward model
@@ -55,9 +56,12 @@ class Program:
         """Held-out metrics (`eval/*`), when the run's evaluation cadence says so; collective."""
         return {}
 
-    def save(self, path: Path, meta: dict[str, Any]) -> None:
-        """Collective: everything a resume needs at this step into checkpoint `path`, with
-        `meta` (the loop's trainer_step and run_id) in its metadata."""
+    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
+        """Collective: begin saving everything a resume needs at this step into checkpoint
+        `path`, with `meta` (the loop's trainer_step and run_id) in its metadata, and return
+        the `moe_rl.learner.checkpoint.PendingSave` (`start_checkpoint`) that the loop
+        finishes: at once, or, with `background`, once its files are written while the next
+        steps run."""
         raise NotImplementedError
 
     def done(self, step: int, metrics: dict[str, float]) -> bool:

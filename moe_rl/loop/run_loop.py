@@ -33,6 +33,7 @@ from moe_rl.config import Config
 from moe_rl.loop.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.loop.program import Program
 from moe_rl.loop.rundir import RunDirectory
+from moe_rl.loop.saves import Saves
 from moe_rl.runtime.failures import RunFaultError
 
 log = logging.getLogger("moe_rl.loop")
@@ -68,7 +69,9 @@ class RunLoop:
             t0 = time.perf_counter()
             self._evaluate_at_start(start)
             self._bar = self._progress_bar(stack, start)
-            last = self._steps(start)
+            saves = Saves(self.cfg, prog, self.run_dir)
+            stack.callback(saves.close)  # (an error: a save in flight is abandoned, never finished half-way)
+            last = self._steps(start, saves)
             if self._bar is not None:
                 self._bar.close()  # its last line before the summary's (the stack's close is then a no-op)
             final = self.run_dir.checkpoints / step_dir_name(last)
@@ -86,28 +89,29 @@ class RunLoop:
             if metrics and self._writes:
                 self.run_dir.log(0, {**metrics, "step": 0})
 
-    def _steps(self, start: int) -> int:
+    def _steps(self, start: int, saves: Saves) -> int:
         """Steps start+1 .. run.steps (or until the program is done); returns the last."""
         prog, steps, last = self.program, self.cfg.run.steps, start
         with StopOnSignal() as stop:
             for step in range(start + 1, steps + 1):
-                metrics, signum = self._one_step(step, stop)
+                metrics, signum, notes = self._one_step(step, stop, saves.note())
                 last = step
                 if self._writes:
                     self._log(step, metrics)
                 kill_point("step.logged")
-                self._check_skipped_updates(step, metrics)
+                self._check_skipped_updates(step, metrics, saves)
                 done = prog.done(step, metrics)
                 signum = signum if signum and step < steps else None  # (during the last step: finish)
-                if signum or done or self._save_due(step):
-                    self._save(step)
                 if signum:
-                    self._stop(step, signum)
+                    self._stop(step, signum, saves.on_stop(step, lambda note: stop.agreed(note)[1]))
+                final = done or step == steps
+                saves.after_step(step, notes, due=final or self._save_due(step) or saves.clock_due(notes), final=final)
                 if done:
                     break
         return last
 
-    def _one_step(self, step: int, stop: StopOnSignal) -> tuple[dict[str, float], int | None]:
+    def _one_step(self, step: int, stop: StopOnSignal,
+                  note: Any) -> tuple[dict[str, float], int | None, list[Any]]:
         """The program's step, its evaluation when due, the agreed stop signal (collective over
         every rank, every step) and the step's timings. `time/step` runs to the end of the
         agreement, so that it is the step's wall time on every rank: a rank done before the
@@ -119,19 +123,20 @@ class RunLoop:
             metrics.update(self.program.evaluate(step))
             metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t_eval
         t_agree = time.perf_counter()
-        signum = stop.agreed()
+        signum, notes = stop.agreed(note)
         metrics["time/step_end_wait"] = time.perf_counter() - t_agree
         phases = sum(v for k, v in metrics.items() if k.startswith("time/"))
         metrics["time/step"] = time.perf_counter() - t0
         metrics["time/other"] = metrics["time/step"] - phases
         metrics["step"] = step
-        return metrics, signum
+        return metrics, signum, notes
 
-    def _check_skipped_updates(self, step: int, metrics: dict[str, float]) -> None:
+    def _check_skipped_updates(self, step: int, metrics: dict[str, float], saves: Saves) -> None:
         """Updates with a NaN or inf loss or gradient were skipped by the learner (never
         applied: the weights stay finite, so this step may still be saved); after
-        run.max_skipped_updates in a row the run stops, before saving, naming the first step
-        of the steps with skipped updates. Every learner rank sees the same metrics."""
+        run.max_skipped_updates in a row the run stops, without saving this step, naming the
+        first step of the steps with skipped updates. Every learner rank sees the same metrics,
+        so every rank stops alike, after completing the save in flight (of a good step)."""
         skipped = sum(v for k, v in metrics.items() if k.endswith("/update_skipped"))
         streak = max((v for k, v in metrics.items() if k.endswith("/skipped_in_a_row_max")), default=0.0)
         if not skipped:
@@ -142,14 +147,16 @@ class RunLoop:
             self._say(f"step {step}: skipped {'every' if skipped >= 1 else 'an'} update with a NaN or inf loss or "
                       f"gradient (not applied; {int(streak)} in a row, run.max_skipped_updates="
                       f"{self.cfg.run.max_skipped_updates})")
-        if streak >= self.cfg.run.max_skipped_updates:
-            latest = latest_checkpoint(self.run_dir.path)
-            raise RunFaultError(
-                f"{int(streak)} optimizer updates in a row had a NaN or inf loss or gradient (skipped since step "
-                f"{self._skipped_since}; none was applied), so the run stopped after step {step}, unsaved; the latest "
-                f"checkpoint is {latest or 'none'}. Likely causes: a learning rate too high (optimizer.lr), a reward "
-                "outside its range (task.reward), fp8 scaling (model.fp8); fix the cause and resume "
-                "(run.resume=true), or allow more with run.max_skipped_updates", everywhere=True)
+        if streak < self.cfg.run.max_skipped_updates:
+            return
+        saves.settle()
+        raise RunFaultError(
+            f"{int(streak)} optimizer updates in a row had a NaN or inf loss or gradient (skipped since step "
+            f"{self._skipped_since}; none was applied), so the run stopped after step {step}, unsaved; the latest "
+            f"checkpoint is {latest_checkpoint(self.run_dir.path) or 'none'}. Likely causes: a "
+            "learning rate too high (optimizer.lr), a reward outside its range (task.reward), fp8 scaling "
+            "(model.fp8); fix the cause and resume (run.resume=true), or allow more with run.max_skipped_updates",
+            everywhere=True)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """metrics.jsonl and TensorBoard, the program's log line, the progress bar (rank 0)."""
@@ -175,27 +182,16 @@ class RunLoop:
 
     def _save_due(self, step: int) -> bool:
         every = self.cfg.run.save_every
-        return (bool(every) and step % every == 0) or step == self.cfg.run.steps
+        return bool(every) and step % every == 0
 
-    def _save(self, step: int) -> None:
-        """Collective over the training ranks: the program's state at `step`; rank 0 then
-        rotates out this run's older checkpoints."""
-        if not self.program.trains:
-            return
-        self.program.save(self.run_dir.checkpoints / step_dir_name(step),
-                          {"trainer_step": step, "run_id": self.run_dir.run_id})
-        if self.program.rank == 0:
-            self.run_dir.rotate_checkpoints()
-
-    def _stop(self, step: int, signum: int) -> NoReturn:
-        """After `step`'s checkpoint: say what happened and how to go on, and leave with the
-        signal's exit status (130 for SIGINT, 143 for SIGTERM)."""
+    def _stop(self, step: int, signum: int, saved: str) -> NoReturn:
+        """After the stop's saves (`saved` says what they did): say what happened and how to
+        go on, and leave with the signal's exit status (130 for SIGINT, 143 for SIGTERM)."""
         if self._bar is not None:
             self._bar.close()
         if self._writes:
-            log.warning("stopped by %s after step %d of %d, saved in %s; to continue, run the same command with "
-                        "run.resume=true", signal.Signals(signum).name, step, self.cfg.run.steps,
-                        self.run_dir.checkpoints / step_dir_name(step))
+            log.warning("stopped by %s after step %d of %d, %s; to continue, run the same command with "
+                        "run.resume=true", signal.Signals(signum).name, step, self.cfg.run.steps, saved)
         raise StoppedBySignal(signum)
 
     def _progress_bar(self, stack: contextlib.ExitStack, start: int) -> Any:

@@ -144,10 +144,10 @@ class SFTProgram(Program):
         target = self.cfg.sft.target_reward
         return bool(target) and metrics.get("eval/expected_reward", -1.0) >= target
 
-    def save(self, path: Path, meta: dict[str, Any]) -> None:
-        from moe_rl.learner import save_checkpoint
+    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
+        from moe_rl.learner.checkpoint import start_checkpoint
 
-        save_checkpoint(self.learner, path, config=self.cfg, extra_meta=meta)
+        return start_checkpoint(self.learner, path, config=self.cfg, extra_meta=meta, background=background)
 
     def finish(self, last_step: int, final: Path) -> None:
         """Collective: the model alone (no optimizer state) to sft.output."""

@@ -98,11 +98,11 @@ class PreferenceProgram(Program):
             return {}
         return {f"eval/{k}": v for k, v in self._held_out().items()}
 
-    def save(self, path: Path, meta: dict[str, Any]) -> None:
+    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
         """Collective: the model, optimizer, schedule and RNG."""
-        from moe_rl.learner import save_checkpoint
+        from moe_rl.learner.checkpoint import start_checkpoint
 
-        save_checkpoint(self.model, path, config=self.cfg, extra_meta=meta)
+        return start_checkpoint(self.model, path, config=self.cfg, extra_meta=meta, background=background)
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """The algorithm's fields and the held-out accuracy at every evaluation and the last."""

@@ -155,12 +155,12 @@ class LearnerRole(Program):
 
     # ------------------------------------------------------------------ state and the end
 
-    def save(self, path: Path, meta: dict[str, Any]) -> None:
-        from moe_rl.learner import save_checkpoint
+    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
+        from moe_rl.learner.checkpoint import start_checkpoint
 
         state = {k: v for component in self.components for k, v in component.state().items()}
-        save_checkpoint(self.learner, path, config=self.cfg, extra_meta={**meta, **state},
-                        components=models_of(self.components))
+        return start_checkpoint(self.learner, path, config=self.cfg, extra_meta={**meta, **state},
+                                components=models_of(self.components), background=background)
 
     def finish(self, last_step: int, final: Path) -> None:
         """The final checkpoint as a Hugging Face directory, `<run>/hf` (rank 0): the source
