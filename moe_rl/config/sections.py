@@ -100,9 +100,11 @@ class SamplerConfig:
     max_restarts: int = 0
     """An engine that fails mid-generation (an exception inside the sampler: out of memory, a
     bad request, a crashed worker) is rebuilt from the newest weights and the step's rollout
-    retried, up to this many times over the run (counted in rollout/engine_restarts); then,
-    or with 0, the run stops with one line naming the engine rank and the cause, without
-    training on the step (the last checkpoint stays the latest)."""
+    retried, up to this many times over the run (counted in rollout/engine_restarts, the
+    restarts so far; a resumed run starts afresh); then, or with 0, the run stops with one
+    line naming the engine rank and the cause, without training on the step (the last
+    checkpoint stays the latest). Must be 0 with segmented decoding (rl.inflight_weight_updates,
+    rl.partial_rollouts): its engines cannot agree on a restart (docs/sampler.md)."""
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,11 @@ def _validate_segmented(cfg: Config) -> None:
         raise ConfigError(f"rl.partial_oversample must be >= 0, got {rl.partial_oversample}")
     if rl.async_schedule not in ("deterministic", "throughput"):
         raise ConfigError(f"rl.async_schedule={rl.async_schedule!r}: choose deterministic or throughput")
+    if cfg.sampler.max_restarts:
+        raise ConfigError(f"sampler.max_restarts={cfg.sampler.max_restarts} is not implemented with {which}=true (the "
+                          "engines decode segments at their own pace, so a failed one cannot be rebuilt and retried "
+                          "in step with the others); set sampler.max_restarts=0 (an engine failure then ends the run "
+                          "with one line)")
 
 
 def validate_sampler(cfg: Config) -> None:

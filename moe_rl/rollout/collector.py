@@ -13,11 +13,15 @@ statistics need), and each training row travels once, from the engine that sampl
 the ranks of the data-parallel rank that trains on it (row % dp). Determinism: problems and per-prompt sampler
 seeds derive from (run.seed, step, draw, prompt index) alone, so the rollouts are the same
 whatever the number of engines, and a resumed run replays what an uninterrupted run samples.
+An engine's failed generate call is agreed over the engine ranks and retried on rebuilt
+engines while sampler.max_restarts lasts, else the run stops with one line (`engine_faults`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -28,14 +32,25 @@ import numpy as np
 import torch
 
 from moe_rl.config import Config, ConfigError
+from moe_rl.rollout.engine_faults import (
+    EngineFailedError,
+    EngineFault,
+    EngineNote,
+    EnginesRebuilt,
+    GenerateError,
+    GenerateOnly,
+    RestartBudget,
+    failure_line,
+)
 from moe_rl.rollout.evaluate import EvalReport, evaluate_problems
 from moe_rl.rollout.learning_signal import LearningSignalWatch
 from moe_rl.rollout.packing import pack_rows, plan_step, staleness_stats
 from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.rollout.types import GroupSummary, Rollout, RowSample, Sampled, ScoredGroup
+from moe_rl.runtime.failures import describe
 from moe_rl.runtime.timing import StepTimer
-from moe_rl.sampler import Sampler
+from moe_rl.sampler import Rollouts, Sampler
 from moe_rl.sampler.base import base_seeds
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem
@@ -62,6 +77,9 @@ class RolloutCollector:
         self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)  # (checked by the preflight)
         self.prompts = PromptEncoder.from_config(cfg.task, self.tok)
         self.sampler: Sampler | None = None
+        self._hf_dir: Path | None = None
+        self.restarts = RestartBudget(cfg.sampler.max_restarts)
+        """Engine rebuilds after a failure (`engine_faults`): rollout/engine_restarts."""
         self.returns_routed_experts = False
         """Every engine returns its routed experts (known after `start_sampler`)."""
         self.learner_wait = 0.0
@@ -91,6 +109,7 @@ class RolloutCollector:
         if pl.rank != 0:
             hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
         group_env = pl.group_env() if pl.ranks_per_engine > 1 else None
+        self._hf_dir = hf_dir
         if pl.hosts_engine:
             self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_ids, group_env)
         self.weight_sync.attach(self.sampler)
@@ -127,7 +146,8 @@ class RolloutCollector:
         `prompts_per_step` groups with a reward spread are found, or `max_draws`) with the
         weights the engines hold now. Collective over the engine ranks only (none on a
         learner-only rank, which returns None): the engines can sample a coming step while
-        the learner ranks train (`rl.max_staleness`)."""
+        the learner ranks train (`rl.max_staleness`). After an engine failure it raises
+        `EnginesRebuilt` (the engines need the newest weights again) or `EngineFailedError`."""
         if not self.placement.hosts_engine:
             return None
         rl = self.cfg.rl
@@ -211,14 +231,20 @@ class RolloutCollector:
             p = self.placement
             save_ahead(run_dir, p.engine, (p.engines, p.ranks_per_engine), sampled, keep)
 
-    def deliver(self, step: int, sampled: Sampled | None, timer: StepTimer) -> Rollout:
+    def deliver(self, step: int, sampled: Sampled | EngineNote | None, timer: StepTimer) -> Rollout:
         """Hand each data-parallel rank its rows of step `step`'s sampled groups, dropping
         groups sampled more than `rl.max_staleness` weight pushes ago. Collective over every
         rank: every rank learns every group's summary and returns the same statistics, but
-        holds only its own rows' tokens."""
+        holds only its own rows' tokens. An engine's `EngineNote` instead of a batch is raised
+        on every rank (`engine_faults`: push the weights again, or stop)."""
         t0 = time.perf_counter()
         with timer.phase("gather"):
-            public = self.placement.from_engines(sampled.public(self.engine_wait) if sampled is not None else None)
+            note = isinstance(sampled, EngineNote)
+            public = self.placement.from_engines(
+                sampled if note or sampled is None else (sampled.public(self.engine_wait), self.restarts.used))
+        if isinstance(public, EngineNote):
+            raise public.error()
+        public, restarts = public
         self.learner_wait = time.perf_counter() - t0 if not self.placement.hosts_engine else 0.0
         drawn, current = public.drawn, step - 1  # the learner's policy: the weights of `step - 1` pushes
         kept = [(d, i) for d, i in public.kept if current - drawn[d][i].version <= self.cfg.rl.max_staleness]
@@ -235,6 +261,7 @@ class RolloutCollector:
             rollout = Rollout(*pack_rows(rows, plan, self.cfg, self.pad_id), stats=plan.stats)
         rollout.stats.update(self._engine_stats(public.engine_seconds))
         rollout.stats["reward/timeouts"] = float(public.reward_timeouts)
+        rollout.stats["rollout/engine_restarts"] = float(restarts)
         rollout.stats.update({"time/learner_wait": self.learner_wait, "time/engine_wait": public.engine_wait})
         return rollout
 
@@ -269,9 +296,9 @@ class RolloutCollector:
         prompt_ids = [self.prompts.encode(problems[i]) for i in share]
         t0 = time.perf_counter()
         with timer.phase("sample"):
-            ro = self.sampler.generate(prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
-                                       temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
-                                       prompt_seeds=[seeds[i] for i in share])
+            ro = self._generate(f"generating step {step}", prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
+                                temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
+                                prompt_seeds=[seeds[i] for i in share])
         with timer.phase("reward"):
             texts = [self.tok.decode(r) for r in ro.response_token_ids]
             scores = self.task.score([problems[share[i]] for i in ro.prompt_index], texts)
@@ -302,18 +329,87 @@ class RolloutCollector:
             self._eval = (task, problems[: self.cfg.run.eval_max_problems or None])
         task, problems = self._eval
         self._wake()
-        mine = EvalReport(self.cfg.run.eval_k)
-        share = self.placement.share(len(problems))
-        if self.sampler is not None:
-            s = self.cfg.sampler
-            mine = evaluate_problems(self.sampler, self.prompts, self.tok, task, [problems[i] for i in share],
-                                     k=self.cfg.run.eval_k, temperature=s.temperature, top_p=s.top_p,
-                                     max_new_tokens=s.max_new_tokens, seed=self.cfg.run.seed + 7 * share.start)
+        share, s = self.placement.share(len(problems)), self.cfg.sampler
+        while True:  # (a failed engine, rebuilt with the weights it had, evaluates again)
+            mine, fault = EvalReport(self.cfg.run.eval_k), None
+            try:
+                if self.sampler is not None:
+                    mine = evaluate_problems(GenerateOnly(self.sampler), self.prompts, self.tok, task,
+                                             [problems[i] for i in share], k=self.cfg.run.eval_k,
+                                             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                             seed=self.cfg.run.seed + 7 * share.start)
+            except GenerateError as e:  # (the engine's failure, not the rewards')
+                fault = EngineFault(self.placement.rank, str(e))
+            parts = self.placement.all_gather((fault, self.restarts.used))
+            faults = [f for f, _ in parts if f is not None]
+            if not faults:
+                break
+            self.restarts.used = max(used for _, used in parts)  # (the engines' count: a learner rank sees no rollout's)
+            self._recover(faults, f"evaluating after step {step}", everywhere=True)
         total = EvalReport(self.cfg.run.eval_k)
         for part in self.placement.gather(mine):
             total.add(part)
         self.last_eval_examples = total.examples
         return total.metrics()
+
+    # ------------------------------------------------------------------ engine failures
+
+    def _generate(self, doing: str, prompt_ids: list[list[int]], **kwargs: Any) -> Rollouts:
+        """`Sampler.generate` on this rank's engine, its failure agreed over the engine ranks
+        (collective over them): a failed call is retried, the same seeds on rebuilt engines,
+        while `sampler.max_restarts` lasts (`_recover`)."""
+        while True:
+            ro, fault = None, None
+            try:
+                ro = self.sampler.generate(prompt_ids, **kwargs)
+            except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
+                fault = EngineFault(self.placement.rank, describe(e))
+            faults = [f for f in self.placement.all_engines(fault, self._engines_group) if f is not None]
+            if not faults:
+                return ro
+            self._recover(faults, doing, everywhere=self._engines_group is None)
+
+    def _recover(self, faults: list[EngineFault], doing: str, everywhere: bool) -> None:
+        """After failures every rank taking part agrees on: rebuild every engine from its
+        starting weights and return (the caller retries), raising `EnginesRebuilt` first when
+        the weights have moved since (the newest must come again); with no restart left, raise
+        `EngineFailedError` (`everywhere`: on every rank of the world alike)."""
+        try:
+            self.restarts.spend(faults, doing)
+        except EngineFailedError as e:
+            self._discard_engine()
+            e.everywhere = everywhere
+            raise
+        if self.placement.rank == self.placement.first_engine_rank:
+            log.warning("engine rank %d failed while %s (%s): rebuilding the engines and retrying (restart %d of "
+                        "sampler.max_restarts=%d)", faults[0].rank, doing, faults[0].cause, self.restarts.used,
+                        self.restarts.max_restarts)
+        if self.placement.hosts_engine:
+            self._discard_engine()
+            pl = self.placement
+            group_env = pl.group_env(self._engines_group) if pl.ranks_per_engine > 1 else None
+            self.sampler = build_sampler(self.cfg, self._hf_dir, self.tok.eos_ids, group_env)
+            self.weight_sync.attach(self.sampler)
+        if self.weight_sync.synced:
+            raise EnginesRebuilt()
+
+    def failed_alone(self, doing: str, e: Exception) -> EngineFailedError:
+        """The run's end for an engine that failed where the engines do not agree (decoding in
+        segments, each at its own pace): this rank says it and exits; torchrun stops the others."""
+        self._discard_engine()
+        return EngineFailedError(failure_line([EngineFault(self.placement.rank, describe(e))], doing,
+                                              self.restarts.max_restarts))
+
+    def _discard_engine(self) -> None:
+        """Drop a failed engine, whatever state it is in, and the memory it held."""
+        sampler, self.sampler = self.sampler, None
+        self.weight_sync.attach(None)
+        if sampler is not None:
+            with contextlib.suppress(Exception):
+                sampler.close()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _engine_stats(self, engine_seconds: list[list[float]]) -> dict[str, float]:
         per_engine = np.sum(np.array(engine_seconds), axis=0)  # over draws
@@ -339,6 +435,7 @@ class FixedWeights:
     """The weight transport of a collector whose engines keep their starting weights."""
 
     held_version: int | None = None
+    synced = False
 
     def attach(self, engine: Sampler | None) -> None:
         """(nothing to deliver to it)"""

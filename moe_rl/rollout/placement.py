@@ -101,6 +101,15 @@ class EnginePlacement:
             everyone = all_gather_object(mine if self.leader else None, group=group)
         return [everyone[e * self.ranks_per_engine] for e in range(self.engines)]
 
+    def all_engines(self, mine: Any, group: Any) -> list[Any]:
+        """Every engine rank's `mine` (leaders' and the others'), in rank order, on every
+        engine rank: what each shard of each engine has to say (its failure). Collective over
+        the engine ranks (`group` as in `gather_engines`; None: every rank)."""
+        if group is None:
+            return self.all_gather(mine)
+        with bridge():
+            return all_gather_object(mine, group=group)
+
     def from_engines(self, obj: Any) -> Any:
         """The first engine rank's `obj` on every rank (collective)."""
         if self.world == 1:
@@ -137,10 +146,11 @@ class EnginePlacement:
         with bridge():
             return broadcast_object(obj, src=0)
 
-    def group_env(self) -> dict[str, str]:
+    def group_env(self, group: Any = None) -> dict[str, str]:
         """The environment of this rank's engine world (vLLM's external_launcher reads it):
         the group's own rank and size, and a rendezvous address its leader picked (a fresh
-        port, so vLLM's world never shares a store with the trainer's). Collective."""
+        port, so vLLM's world never shares a store with the trainer's). Collective over every
+        rank, or over the engine ranks of `group` (`engines_group`: engines rebuilt alone)."""
         mine = None
         if self.leader:
             single_node = os.environ.get("LOCAL_WORLD_SIZE", str(self.world)) == str(self.world)
@@ -148,7 +158,7 @@ class EnginePlacement:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind(("", 0))
                 mine = (host, sock.getsockname()[1])
-        addresses = self.gather(mine)
+        addresses = self.gather_engines(mine, group)
         if self.engine is None:
             return {}
         host, port = addresses[self.engine]

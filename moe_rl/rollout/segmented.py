@@ -119,14 +119,19 @@ class SegmentedRollout:
                 return
             if not self.pool.running:  # (dropped groups left the pool short)
                 self._admit_unit()
-            self._segment(timer)
+            self._segment(step, timer)
             segments += 1
 
-    def _segment(self, timer: StepTimer) -> None:
+    def _segment(self, step: int, timer: StepTimer) -> None:
+        """One segment of the pool; an engine that fails ends the run (the engines decode at
+        their own pace, so they cannot agree on a restart: sampler.max_restarts is 0 here)."""
         s, t0 = self.cfg.sampler, time.perf_counter()
         with timer.phase("sample"):
-            self.pool.segment(self.collector.sampler, self.collector.weight_sync.held_version or 0, s.temperature,
-                              s.top_p)
+            try:
+                self.pool.segment(self.collector.sampler, self.collector.weight_sync.held_version or 0,
+                                  s.temperature, s.top_p)
+            except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
+                raise self.collector.failed_alone(f"generating step {step}", e) from e
         self.seconds += time.perf_counter() - t0
 
     def _wanted(self, step: int) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_rl.runtime.fault_hooks import engine_fail_point
 from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
 from moe_rl.sampler.engine_config import HFEngineConfig
 from moe_rl.sampler.precision import compute_dtype, transform_weights
@@ -131,6 +132,7 @@ class HFSampler:
         seed: int | None = None,
         prompt_seeds: Sequence[int] | None = None,
     ) -> Rollouts:
+        engine_fail_point()  # (a test hook: a no-op unless asked for)
         check_generate_args(n, max_new_tokens, temperature, top_p)
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if any(not p for p in prompts):

@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_rl.runtime.fault_hooks import engine_fail_point
 from moe_rl.sampler._process_group import ENGINE_WORLD, SeparateWorlds, preserved_torch_state
 from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
 from moe_rl.sampler.engine_config import VLLMEngineConfig
@@ -297,6 +298,7 @@ class VLLMSampler:
     ) -> Rollouts:
         from vllm import SamplingParams
 
+        engine_fail_point()  # (a test hook: a no-op unless asked for)
         check_generate_args(n, max_new_tokens, temperature, top_p)
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if prompt_seeds is None:

@@ -270,6 +270,9 @@ class WeightSynchronizer(ABC):
         """The version this rank's engine holds; None: the weights it started from."""
         self.last_drain_seconds = 0.0
         """How long the previous push's asynchronous sends still took when this push began."""
+        self.synced = False
+        """A push has been made (a learner rank) or received (an engine rank) since this
+        process started: an engine rebuilt from its starting weights then lacks the newest."""
 
     def attach(self, engine: Sampler | None) -> None:
         """This rank's engine (None on a learner-only rank), once it has started."""
@@ -284,6 +287,7 @@ class WeightSynchronizer(ABC):
 
         traffic = SyncTraffic()
         report = self._deliver(hf_named_tensors(learner, dst=self.gather_dst, traffic=traffic), version)
+        self.synced = True
         if self.engine is not None:
             self.held_version = version
         mine = {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
@@ -310,7 +314,8 @@ class WeightSynchronizer(ABC):
         """Drain the learner's stream to the end, handing the engines what they load."""
 
     def _load(self, bucket: Bucket) -> None:
-        self.engine.update_weights(bucket)
+        if self.engine is not None:  # (none: an engine dropped after a failure drains the push, loads nothing)
+            self.engine.update_weights(bucket)
 
 
 class ColocatedSync(WeightSynchronizer):
@@ -346,7 +351,7 @@ class BroadcastSync(WeightSynchronizer):
     def receive(self) -> SyncReport:
         posted, self._posted = self._posted, None
         report = receive_buckets(self.group, self._load, posted)
-        self.held_version = report.version
+        self.held_version, self.synced = report.version, True
         return report
 
     def poll(self) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 from moe_rl.config import Config
 from moe_rl.loop import Program
 from moe_rl.rollout import RolloutCollector, Sampled
+from moe_rl.rollout.engine_faults import EngineFailedError, EngineNote, EnginesRebuilt
 from moe_rl.rollout.segmented import SegmentedRollout
 from moe_rl.runtime.timing import StepTimer
 
@@ -34,6 +35,8 @@ class EngineRole(Program):
         self.cfg, self.collector, self.rank, self.world = cfg, collector, rank, world
         self._queue: deque[Sampled] = deque()
         self._segmented: SegmentedRollout | None = None
+        self._failed: EngineNote | None = None
+        """An engine failure met while sampling ahead, told at the next delivery."""
 
     def setup(self, resume_from: Path | None) -> int:
         self.collector.start_sampler(self.cfg.run_dir, None)
@@ -69,14 +72,38 @@ class EngineRole(Program):
             else:
                 self._receive(step)
             return {}
-        ahead = self._queue.popleft() if self._queue else None
-        self.collector.deliver(step, ahead or self.collector.sample(step, timer), timer)
+        if self._failed is not None:  # (every rank stops here, before training on this step)
+            self.collector.deliver(step, self._failed, timer)
+        if self._queue and self._queue[0].step == step:
+            self.collector.deliver(step, self._queue.popleft(), timer)
+        else:  # (synchronous, or a batch a rebuilt engine could not sample ahead)
+            self._deliver_now(step, timer)
         k = self.cfg.rl.max_staleness
         if k and step + k <= self.cfg.run.steps:
-            self._queue.append(self.collector.sample(step + k, timer))
-            self.collector.save_ahead(self.cfg.run_dir, self._queue[-1], keep=k + 2)
+            try:
+                self._queue.append(self.collector.sample(step + k, timer))
+                self.collector.save_ahead(self.cfg.run_dir, self._queue[-1], keep=k + 2)
+            except EnginesRebuilt:  # (the push below brings the newest weights; step + k is sampled when due)
+                pass
+            except EngineFailedError as e:  # (the learners are training this step: it finishes and is saved)
+                self._failed = EngineNote.of(e)
         self._receive(step)
         return {}
+
+    def _deliver_now(self, step: int, timer: StepTimer) -> None:
+        """Sample step `step` and deliver it while the learners wait for it. After a failure
+        the learners are told instead (`moe_rl.rollout.engine_faults`): to stop, or to push the
+        weights a rebuilt engine lacks once more, which it takes before it samples again."""
+        while True:
+            try:
+                sampled: Sampled | EngineNote = self.collector.sample(step, timer)
+            except (EnginesRebuilt, EngineFailedError) as e:
+                sampled = EngineNote.of(e)
+            try:
+                self.collector.deliver(step, sampled, timer)
+                return
+            except EnginesRebuilt:
+                self.collector.weight_sync.receive()
 
     def _receive(self, step: int) -> None:
         """Take step `step`'s weights (a segmented pool is saved first: a resume from step
@@ -88,8 +115,12 @@ class EngineRole(Program):
         self.collector.engine_wait = time.perf_counter() - t0
 
     def evaluate(self, step: int) -> dict[str, float]:
-        self.collector.evaluate(step)  # (the training ranks log it)
-        return {}
+        while True:
+            try:
+                self.collector.evaluate(step)  # (the training ranks log it)
+                return {}
+            except EnginesRebuilt:  # (rebuilt after a failure: the learner pushes the weights again)
+                self.collector.weight_sync.receive()
 
     def close(self) -> None:
         self.collector.close()

@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from moe_rl.checkpoints.directories import step_dir_name
 from moe_rl.config import Config
@@ -34,10 +34,12 @@ from moe_rl.programs.rl.component import StepComponent, models_of
 from moe_rl.programs.rl.step_metrics import mismatch_metrics
 from moe_rl.programs.rl.update_phase import UpdatePhase
 from moe_rl.rollout import Rollout, RolloutCollector
+from moe_rl.rollout.engine_faults import EnginesRebuilt
 from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.timing import StepTimer
 
 log = logging.getLogger("moe_rl.trainer")
+T = TypeVar("T")
 
 
 class LearnerRole(Program):
@@ -93,7 +95,7 @@ class LearnerRole(Program):
     def step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, StepTimer()
         with self._learner_on_host(timer) as offloaded:
-            rollout = self.collector.collect(step, timer)
+            rollout = self._again_if_rebuilt(lambda: self.collector.collect(step, timer), version=step - 1)
         self._save_rollout(step, rollout)
         batch = rollout.batch
         with timer.phase("old_logprob"):
@@ -121,7 +123,17 @@ class LearnerRole(Program):
         return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:
-        return self.collector.evaluate(step)
+        return self._again_if_rebuilt(lambda: self.collector.evaluate(step), version=step)
+
+    def _again_if_rebuilt(self, collective: Callable[[], T], version: int) -> T:
+        """`collective()` (the rollout, the evaluation), again after engines rebuilt from
+        their starting weights when a generate call failed (`moe_rl.rollout.engine_faults`):
+        first this learner pushes the weights they lacked (its own, `version`) once more."""
+        while True:
+            try:
+                return collective()
+            except EnginesRebuilt:
+                self.collector.weight_sync.push(self.learner, version=version)
 
     @contextlib.contextmanager
     def _learner_on_host(self, timer: StepTimer) -> Iterator[int | None]:
