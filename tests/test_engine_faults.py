@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
 SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "sampler.backend=transformers",
          "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false", "run.save_every=1",
-         "run.async_save=false", "run.steps=3", f"run.init_checkpoint={ROOT / 'moe_rl' / 'assets' / 'tiny_base'}"]
-# (run.async_save=false: each step's checkpoint is complete before the next step, so the one
-# before the failure is there whatever a save in flight at the failure becomes)
+         "run.steps=3", f"run.init_checkpoint={ROOT / 'moe_rl' / 'assets' / 'tiny_base'}"]
+# (checkpoints are written in the background: the one before the failure, still in flight
+# when the engine fails, is completed before the run stops, every rank having agreed on it)
 LINE = "python -m moe_rl.train: error: engine rank {rank} failed while generating step {step}: injected engine failure"
 BOUND_S = 60
 """How long the whole torchrun job may take to end after the failure (measured: under 1 s on

@@ -94,7 +94,12 @@ class RunLoop:
         prog, steps, last = self.program, self.cfg.run.steps, start
         with StopOnSignal() as stop:
             for step in range(start + 1, steps + 1):
-                metrics, signum, notes = self._one_step(step, stop, saves.note())
+                try:
+                    metrics, signum, notes = self._one_step(step, stop, saves.note())
+                except RunFaultError as fault:  # (every rank alike: the save in flight, of a good step, completes)
+                    if fault.everywhere:
+                        saves.settle()
+                    raise
                 last = step
                 if self._writes:
                     self._log(step, metrics)
