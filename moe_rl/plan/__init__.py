@@ -7,7 +7,8 @@ shapes), `activations` (the activation formula), `sampler` (engine weights and K
 `model_state` (parameter, gradient and optimizer bytes from megatron's buffers), `critic`
 (PPO's value model under `rl.advantage: gae`, derived from the actor's), `memory` (per-rank
 memory by kind and phase), `comms` (bytes per collective family),
-`timing` (FLOPs and seconds), `planner` (one plan from megatron's meta-device builds,
+`timing` (FLOPs and seconds), `checkpoint` (a checkpoint's size, save time and the stop's
+grace), `planner` (one plan from megatron's meta-device builds,
 `moe_rl.learner.meta`), `verdict` (changes that make it fit, re-planned), `report`.
 """
 

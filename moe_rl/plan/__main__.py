@@ -34,6 +34,9 @@ _HW_FLAGS = (
     ("--pcie-gbps", "pcie_gbps", float, "host <-> GPU GB/s per GPU"),
     ("--mfu", "mfu", float, "fraction of peak FLOP/s the learner reaches"),
     ("--bandwidth-efficiency", "bandwidth_efficiency", float, "fraction of nominal bandwidth reached"),
+    ("--storage-gbps", "storage_gbps", float, "checkpoint writes per node to the shared file system, GB/s"),
+    ("--host-copy-gbps", "host_copy_gbps", float, "a save's device-to-host copy per GPU, GB/s"),
+    ("--hash-gbps", "hash_gbps", float, "SHA-256 of the checkpoint's files per process, GB/s"),
     ("--reserve-gib", "reserve_gib", float, "per GPU: CUDA context, NCCL buffers, fragmentation"),
     ("--vllm-workspace-gib", "vllm_workspace_gib", float, "per GPU inside vLLM's budget beside weights and KV"),
 )

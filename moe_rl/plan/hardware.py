@@ -6,6 +6,15 @@ Sources of the defaults: NVIDIA H100 SXM datasheet (989 TFLOP/s dense bf16, 1979
 3.35 TB/s HBM3, NVLink 4 at 900 GB/s bidirectional = 450 GB/s per direction); a 400 Gb/s
 InfiniBand NIC per GPU = 50 GB/s; 79.2 GiB is what `torch.cuda.get_device_properties` reports
 for an 80 GB H100 (the rest is reserved by the driver).
+
+Checkpoint rates (`moe_rl.plan.checkpoint`), assumptions rather than datasheet figures: 2 GB/s
+of shared-file-system writes per node is a conservative figure for one client of an NFS or
+Lustre mount (one 25 GbE NFS client tops out near 3 GB/s; a Lustre client on InfiniBand over
+many OSTs reaches 10+ GB/s): measure yours (e.g. `dd if=/dev/zero of=FILE bs=1M count=20000
+oflag=direct` from every node at once) and pass --storage-gbps. 10 GB/s per GPU for the
+save's host copy: pageable device-to-host copies, tensor by tensor (pinned PCIe 5 copies
+reach ~50 GB/s; pageable ones commonly 10-20). 1 GB/s per process for the manifest's SHA-256
+(OpenSSL reaches ~2 GB/s per core with the CPU's SHA extensions, ~0.5 without).
 """
 
 from __future__ import annotations
@@ -39,6 +48,13 @@ class Hardware:
     """Fraction of peak FLOP/s the learner's GEMM mix reaches (MoE training: 0.3-0.45)."""
     bandwidth_efficiency: float = 0.7
     """Fraction of nominal link / HBM bandwidth collectives and kernels reach."""
+    storage_gbps: float = 2.0
+    """Checkpoint writes (and the manifest's read-back) per node, GB/s: the shared file
+    system's bandwidth per client; nodes write in parallel."""
+    host_copy_gbps: float = 10.0
+    """A save's copy of each rank's tensors to host memory, GB/s per GPU (pageable D2H)."""
+    hash_gbps: float = 1.0
+    """SHA-256 of the checkpoint's files for its manifest, GB/s per process."""
     reserve_gib: float = 4.0
     """Per GPU: CUDA context, NCCL buffers, allocator fragmentation."""
     vllm_workspace_gib: float = 2.0

@@ -18,6 +18,7 @@ from typing import Any
 
 from moe_rl.config import Config, ConfigError, ModelConfig, ParallelConfig
 from moe_rl.learner.meta import MetaRank, build_meta_ranks, model_param_counts
+from moe_rl.plan.checkpoint import CheckpointPlan, checkpoint_plan
 from moe_rl.plan.comms import Traffic, critic_passes, traffic
 from moe_rl.plan.critic import critic_gemm_params, critic_state, has_critic, value_head_numel
 from moe_rl.plan.hardware import Hardware
@@ -84,6 +85,8 @@ class Plan:
     """Seconds per step by part (the slowest rank's where ranks differ)."""
     critic_work: Workload | None
     """PPO's critic's own update shapes (`workload.critic_workload`), or None without a critic."""
+    checkpoint: CheckpointPlan
+    """A checkpoint's size, save time and the stop's grace (`moe_rl.plan.checkpoint`)."""
 
     @property
     def params_total(self) -> int:
@@ -184,5 +187,7 @@ def make_plan(source: ModelSource, hw: Hardware, prompt_tokens: int, switches: S
     ranks = [rank_memory(cfg, r, layout, work, critic_work, sampler, hw, sw) for r in metas]
     traffic_ = [traffic(cfg, r, layout, work, sw, sampler.weights_bytes, hw) for r in metas]
     times = _times(cfg, layout, work, critic_work, sw, by_kind, sampler, metas, traffic_, hw)
+    ckpt = checkpoint_plan(cfg, metas, layout, sum(by_kind.values()), by_kind["output"], sw.distributed_optimizer,
+                           times["total"], hw)
     return Plan(cfg, source, hw, layout, work, sw, by_kind, sampler, tuple(ranks),
-                engine_memory(layout, sampler, hw, sw), tuple(tuple(t) for t in traffic_), times, critic_work)
+                engine_memory(layout, sampler, hw, sw), tuple(tuple(t) for t in traffic_), times, critic_work, ckpt)

@@ -4,7 +4,10 @@ JSON keys that scripts and tests rely on: `params_total`, `params_active` (ints)
 (bool), `phases` (`rollout` / `update`: peak bytes and fits), and `ranks`, one entry per
 distinct rank with `memory_bytes` by kind (the `critic_*` kinds only when `critic` is true:
 PPO's value model, `rl.advantage: gae`); the rest (traffic, times, suggestions) is there
-for reading. All memory in bytes, times in seconds.
+for reading; `checkpoint` gives a checkpoint's size (`total_bytes`, `node_bytes`,
+`rank_bytes`), its save time (`save_s`, `blocking_s`) and the stop's grace
+(`stop_grace_needed_s`, `recommended_stop_grace_s`, `recommended_kill_grace_s`). All memory
+in bytes, times in seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from moe_rl.plan.checkpoint import LAUNCHER_KILL_S, CheckpointPlan
 from moe_rl.plan.critic import has_critic
 from moe_rl.plan.hardware import GIB
 from moe_rl.plan.planner import Plan
@@ -30,6 +34,18 @@ def _gib(nbytes: float) -> str:
 
 def _b(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n:,}"
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def checkpoint_dict(c: CheckpointPlan) -> dict[str, Any]:
+    """The checkpoint as plain data: the fields and the derived sizes, times and graces."""
+    derived = ("total_bytes", "save_s", "blocking_s", "in_flight_s", "stop_grace_needed_s", "kill_grace_needed_s",
+               "recommended_stop_grace_s", "recommended_kill_grace_s", "stop_grace_ok", "kill_grace_ok")
+    out = {**vars(c), **{name: getattr(c, name) for name in derived}, "launcher_kill_s": LAUNCHER_KILL_S}
+    return {k: _finite(v) if isinstance(v, float) else v for k, v in out.items()}
 
 
 def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict[str, Any]:
@@ -63,6 +79,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict[str, Any]:
         },
         "fits": plan.fits,
         "times_s": {k: (v if math.isfinite(v) else None) for k, v in plan.times.items()},
+        "checkpoint": checkpoint_dict(plan.checkpoint),
         "suggestions": [{"changes": list(s.changes), "fits": s.plan.fits, "rollout_peak_bytes": s.plan.rollout_peak,
                          "update_peak_bytes": s.plan.update_peak,
                          "step_s": s.plan.times["total"] if math.isfinite(s.plan.times["total"]) else None}
@@ -179,9 +196,46 @@ def _time_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _grace_lines(c: CheckpointPlan) -> list[str]:
+    """Whether run.stop_grace_s and the launcher's kill delay let a stopped run save its step."""
+    lines = [f"  grace: a SIGTERM waits for the step in progress (up to {c.step_s:.0f} s), then "
+             f"{c.stop_grace_needed_s:.0f} s to " + ("finish a save in flight and " if c.async_save else "")
+             + "save the stopped step"]
+    verdict = "enough" if c.stop_grace_ok else f"too short: set run.stop_grace_s={c.recommended_stop_grace_s}"
+    lines.append(f"    run.stop_grace_s={c.stop_grace_s:g}: {verdict}")
+    if c.kill_grace_ok:
+        lines.append(f"    torchrun --shutdown-timeout / SLURM KillWait (default {LAUNCHER_KILL_S:g} s): enough")
+    elif c.recommended_kill_grace_s is None:
+        lines.append("    the launcher's kill delay: unknown (no step time: the engine cannot start)")
+    else:
+        k = c.recommended_kill_grace_s
+        lines.append(f"    torchrun --shutdown-timeout / SLURM KillWait (default {LAUNCHER_KILL_S:g} s): too short: "
+                     f"--shutdown-timeout {k}; under SLURM sbatch --signal=TERM@{k} (SIGTERM {k} s before the "
+                     "time limit) or a preemption GraceTime of it")
+    return lines
+
+
+def _checkpoint_lines(plan: Plan) -> list[str]:
+    """Size, save time at the stated rates, what the steps wait for, and the stop's grace."""
+    c, hw = plan.checkpoint, plan.hw
+    mode = ("run.async_save=true: the host copy; write and verify run beside the steps" if c.async_save
+            else "run.async_save=false: the whole save")
+    return [
+        "checkpoint (model + optimizer state: fp32 main params and Adam's moments; docs/plan.md \"Checkpoints\")",
+        f"  size: {c.total_bytes / GIB:.1f} GiB in all (weights {c.weights_bytes / GIB:.1f}, optimizer "
+        f"{c.optimizer_bytes / GIB:.1f}); per node {c.node_bytes / GIB:.1f} GiB, per rank {c.rank_bytes / GIB:.1f} "
+        "GiB at most (also its host copy)",
+        f"  save at {hw.storage_gbps:g} GB/s per node: {c.save_s:.0f} s = host copy {c.host_copy_s:.1f} s "
+        f"({hw.host_copy_gbps:g} GB/s per GPU) + write {c.write_s:.1f} s + manifest hashes {c.verify_s:.1f} s "
+        f"(each rank's files read back, SHA-256 at {hw.hash_gbps:g} GB/s per rank)",
+        f"  the steps wait {c.blocking_s:.1f} s per save ({mode})",
+        *_grace_lines(c),
+    ]
+
+
 def plan_text(plan: Plan, suggestions: list[Suggestion], recipe: str) -> str:
     """The plan for reading in a terminal."""
     lines = [f"plan for {recipe}"]
     lines += [*_model_lines(plan), *_setup_lines(plan), "", *_memory_lines(plan), ""]
-    lines += [*_verdict_lines(plan, suggestions), "", *_time_lines(plan)]
+    lines += [*_verdict_lines(plan, suggestions), "", *_time_lines(plan), "", *_checkpoint_lines(plan)]
     return "\n".join(lines)
