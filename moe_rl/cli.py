@@ -31,7 +31,7 @@ from typing import NoReturn, TypeVar
 
 from moe_rl.checkpoints.errors import CheckpointError
 from moe_rl.config import Config, ConfigError, describe
-from moe_rl.runtime.failures import RUN_FAULT, RunFaultError, causes, disk_full
+from moe_rl.runtime.failures import RUN_FAULT, RunFaultError, causes, disk_full, lost_peer
 from moe_rl.runtime.failures import describe as describe_error
 
 T = TypeVar("T")
@@ -153,6 +153,10 @@ def error_line(prog: str, e: BaseException) -> tuple[str, int]:
                 "elsewhere (run.output_dir / --out / --dst)", USER_ERROR)
     if isinstance(e, RunFaultError):
         return f"{prog}: error: {e}", RUN_FAULT
+    if lost_peer(e):
+        return (f"{prog}: error: another rank of this job ended while this one waited for it ({describe_error(e)}); "
+                "its own line or torchrun's report above names why; the latest checkpoint stays valid "
+                "(run.resume=true continues from it)", RUN_FAULT)
     if _is_user_error(e):
         return f"{prog}: error: {describe_error(e)}", USER_ERROR
     return f"{prog}: internal error: {describe_error(e)} (rerun with --debug for the traceback)", INTERNAL_ERROR

@@ -40,6 +40,7 @@ def test_a_background_save_holds_the_state_it_started_with(megatron_world, tmp_p
         learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
         before = {k: v.detach().clone() for k, v in learner.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
         path = tmp_path / "checkpoints" / "step_000001"
+        t0 = time.monotonic()
         pending = start_checkpoint(learner, path, {"trainer_step": 1}, config=cfg, background=True)
         with torch.no_grad():
             for p in learner.gpt.parameters():
@@ -48,7 +49,9 @@ def test_a_background_save_holds_the_state_it_started_with(megatron_world, tmp_p
                 state["exp_avg"].add_(1.0)
         assert latest_checkpoint(tmp_path) is None and not path.exists()
         assert pending.wait(60) and pending.step == 1
+        time.sleep(0.5)  # (a step the write overlapped: not part of the save's own time)
         assert pending.finish() == path and latest_checkpoint(tmp_path) == path
+        assert 0 < pending.seconds < time.monotonic() - t0 - 0.25  # (the sleep is not counted)
         fresh = learner_of(cfg, layout)
         load_checkpoint(fresh, path)
         loaded = {k: v for k, v in fresh.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -63,7 +66,8 @@ class FakeSave:
 
     def __init__(self, step: int, after_s: float | None, took_s: float = 0.0) -> None:
         self.step, self.after_s = step, after_s
-        self.started = time.monotonic() - took_s
+        self.started = time.monotonic()
+        self.seconds = took_s
         self.finished = self.abandoned = False
 
     def done(self) -> bool:

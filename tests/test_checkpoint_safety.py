@@ -3,7 +3,7 @@ run-directory ownership and retention, the restricted metadata reader, and the c
 (a real training process SIGKILLed at many points, resumed each time, bit-exact).
 
 The chaos test drives the test hook `MOE_RL_TEST_KILL_AT=<point>[#<n>]`
-(`moe_rl.checkpoints.chaos.kill_point`): the process SIGKILLs itself the n-th time it
+(`moe_rl.runtime.fault_hooks.kill_point`): the process SIGKILLs itself the n-th time it
 reaches a named point of a save.
 """
 
@@ -107,13 +107,18 @@ def test_no_manifest_needs_trust_and_a_bad_manifest_is_never_trusted(tmp_path):
 
 def test_kill_hook_fires_at_the_nth_hit_of_its_point_only():
     """The chaos hook counts hits of the named point alone (other points pass through)."""
-    code = ("from moe_rl.checkpoints.chaos import kill_point as k\n"
+    code = ("from moe_rl.runtime.fault_hooks import kill_point as k\n"
             "for p in ('save.file', 'save.meta', 'save.file', 'save.file'):\n"
             "    k(p); print(p, flush=True)")
     proc = subprocess.run([sys.executable, "-c", code], env=child_env(MOE_RL_TEST_KILL_AT="save.file#3"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert proc.stdout.split() == ["save.file", "save.meta", "save.file"]
+    for rank, killed in (("0", False), ("1", True)):  # `@<rank>`: on that global rank only
+        proc = subprocess.run([sys.executable, "-c", code], env={**child_env(MOE_RL_TEST_KILL_AT="save.file#2@1"),
+                                                                 "RANK": rank}, capture_output=True, text=True,
+                              timeout=120)
+        assert (proc.returncode == -signal.SIGKILL) == killed and proc.stdout.count("save.file") == (1 if killed else 3)
 
 
 def test_crafted_metadata_pickle_is_never_executed(tmp_path):
@@ -417,7 +422,7 @@ def _tagged(tag: str) -> list[int]:
 
 def _launch(out: Path, kill: str, first: bool, steps: int) -> tuple[int, str]:
     """One training process under a kill plan: a kill_point name for the test hook
-    (`moe_rl.checkpoints.chaos`, `<point>[#<n>]`) or `none`. Returns its exit status and
+    (`moe_rl.runtime.fault_hooks`, `<point>[#<n>]`) or `none`. Returns its exit status and
     the tail of its stderr after checking nothing it started lives."""
     tag = uuid.uuid4().hex
     env = child_env(MOE_RL_CHAOS_TAG=tag)

@@ -142,3 +142,30 @@ def test_a_separate_engine_rank_restarts_then_stops_every_rank_in_bounded_time(t
     assert [r["rollout/engine_restarts"] for r in got] == [0, 0, 2]
     assert [r["rollout/staleness_max"] for r in got] == [0, 1, 0]  # (step 3 sampled when due, with step 2's weights)
     assert latest_checkpoint(run).name == "step_000003"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_killed_engine_rank_ends_the_job_in_bounded_time_and_a_resume_finishes_it(tmp_path):
+    """The engine rank of a separate placement SIGKILLed in its 4th generate call (step 4,
+    sampled ahead during step 3): torchrun ends the learner within BOUND_S, whose line says a
+    peer ended rather than an internal error; the latest valid checkpoint is step 1's or
+    2's (step 2's save may still be in flight: background saves finish at the next step's
+    end), and run.resume=true finishes the run."""
+    overrides = [*SMALL, "run.steps=4", "sampler.placement=separate", "sampler.engine_ranks=1", "rl.max_staleness=1",
+                 "rl.rollout_correction=tis"]
+    run = tmp_path / "r"
+    killed = subprocess.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**env(), "MOE_RL_TEST_KILL_AT": "generate#4@1"})
+    ended_after = time.time() - (run / "metrics.jsonl").stat().st_mtime  # (from the last row: a bound on the kill)
+    print(f"the job ended {ended_after:.1f} s after its last row")
+    assert killed.returncode != 0 and "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-5000:]
+    assert ended_after < BOUND_S, (ended_after, killed.stderr[-5000:])
+    assert "internal error" not in killed.stderr, killed.stderr[-5000:]
+    done = [r["step"] for r in rows(run)]
+    latest = latest_checkpoint(run)
+    assert done and latest is not None and int(latest.name[5:]) >= done[-1] - 2, (done, latest)
+    resumed = subprocess.run([*command(RECIPE, overrides, tmp_path, "r"), "run.resume=true"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, env=env())
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]

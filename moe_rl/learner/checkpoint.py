@@ -44,7 +44,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_rl.checkpoints import MANIFEST_FILE, META_FILE
-from moe_rl.checkpoints.chaos import kill_point
 from moe_rl.checkpoints.directories import is_checkpoint, latest_checkpoint, read_meta
 from moe_rl.checkpoints.errors import CheckpointError
 from moe_rl.checkpoints.manifest import (
@@ -64,6 +63,7 @@ from moe_rl.learner.optimizer import schedule_kept_note
 from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.collectives import all_gather_object, broadcast_object
 from moe_rl.runtime.failures import RunFaultError, describe, disk_full
+from moe_rl.runtime.fault_hooks import kill_point
 
 log = logging.getLogger(__name__)
 
@@ -228,10 +228,14 @@ class PendingSave:
     does not exist for `latest_checkpoint`; `abandon` leaves only the temp directory, which
     the run directory removes at its next start."""
 
-    def __init__(self, path: Path, tmp: Path, write: DcpWrite, meta: dict[str, Any], config: Config) -> None:
+    def __init__(self, path: Path, tmp: Path, write: DcpWrite, meta: dict[str, Any], config: Config,
+                 start_seconds: float) -> None:
         self.path, self.tmp, self._write, self._meta, self._config = path, tmp, write, meta, config
         self.started = time.monotonic()
         """When the save began (time.monotonic())."""
+        self.seconds = start_seconds
+        """The save's own duration so far: its start, then (once finished) the writing of the
+        data files and the finish, not the steps a background write overlapped."""
 
     @property
     def step(self) -> int:
@@ -248,16 +252,21 @@ class PendingSave:
 
     def finish(self) -> Path:
         """Collective: complete the checkpoint and make it visible; returns its path."""
+        self._write.wait()
+        t0 = time.perf_counter()
         with _saving(self.path, self.tmp):
             self._write.finish()
             kill_point("save.dcp")
             _barrier()
-            names = [n for n in list_files(self.tmp) if n != META_FILE]
             digests: dict = {}
-            for part in all_gather_object(digest_files(self.tmp, share(names, _rank(), _world()))):
+            for part in all_gather_object(self._write.digests):  # (the data files, hashed by their writers)
+                digests.update(part)
+            rest = [n for n in list_files(self.tmp) if n != META_FILE and n not in digests]
+            for part in all_gather_object(digest_files(self.tmp, share(rest, _rank(), _world()))):
                 digests.update(part)
             _on_rank0(lambda: _finish(self._config, self.tmp, self.path, self._meta, digests))
         _barrier()
+        self.seconds += self._write.write_seconds + time.perf_counter() - t0
         return self.path
 
     def abandon(self) -> None:
@@ -286,6 +295,7 @@ def start_checkpoint(
     if config.model != learner.model_cfg:
         raise ValueError("save_checkpoint: config.model is not the learner's model section (config.yaml would "
                          "describe another model than the weights)")
+    t0 = time.perf_counter()
     path = Path(path)
     components = dict(components or {})
     _refuse_nonfinite(learner, path, components)
@@ -309,7 +319,7 @@ def start_checkpoint(
     }
     for name, model in components.items():
         meta[name] = _component_meta(model, name in optimizers)
-    return PendingSave(path, tmp, write, meta, config)
+    return PendingSave(path, tmp, write, meta, config, time.perf_counter() - t0)
 
 
 def _refuse_nonfinite(learner: Any, path: Path, components: Mapping[str, Any]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -31,7 +32,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-from moe_rl.checkpoints.chaos import kill_point
+from moe_rl.checkpoints.manifest import digest_files
+from moe_rl.runtime.fault_hooks import kill_point
 
 
 def _write_bucket(transform_list: list, use_msc: bool, i: int, bucket: Any) -> Any:
@@ -111,6 +113,10 @@ class DcpWrite:
     `finish` (collective)."""
 
     def __init__(self, sharded_state_dict: dict, tmp: Path, *, background: bool) -> None:
+        self.tmp = tmp
+        self.digests: dict[str, dict[str, Any]] = {}
+        """The manifest entries of the data files this rank wrote, hashed by the writer as
+        soon as they are written (in the background too: the finish hashes only the rest)."""
         with _in_process_writes(), one_openmp_thread():
             self._request = dist_checkpointing.save(sharded_state_dict, str(tmp), async_sharded_save=True)
         args = list(self._request.async_fn_args)
@@ -119,6 +125,8 @@ class DcpWrite:
         self._args = args
         self.error: BaseException | None = None
         """What the write raised outside megatron's own error reporting (re-raised by finish)."""
+        self.write_seconds = 0.0
+        """How long writing and hashing this rank's data files took (once done)."""
         self._thread: threading.Thread | None = None
         if background:  # (a daemon: an abandoned write never keeps a stopping process alive)
             self._thread = threading.Thread(target=self._write, name="ckpt-background", daemon=True)
@@ -127,11 +135,14 @@ class DcpWrite:
             self._write()
 
     def _write(self) -> None:
+        t0 = time.perf_counter()
         try:
             if self._request.async_fn is not None:
                 self._request.async_fn(*self._args, **self._request.async_fn_kwargs)
+                self.digests = digest_files(self.tmp, [name for _, name, _ in self._args[1]])
         except BaseException as e:  # (a thread's exception would otherwise only be printed)
             self.error = e
+        self.write_seconds = time.perf_counter() - t0
 
     def done(self) -> bool:
         """This rank's files are written (or failed)."""

@@ -48,7 +48,6 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from moe_rl.batch import TokenBatch
-from moe_rl.checkpoints.chaos import kill_point, nan_update_due
 from moe_rl.config import ModelConfig, OptimizerConfig, ParallelConfig
 from moe_rl.learner.finite import update_is_finite
 from moe_rl.learner.microbatch import (
@@ -76,13 +75,14 @@ from moe_rl.learner.routing_compare import sampler_disagreement
 from moe_rl.routing.record import ReplayIds, RoutingRecord, row_positions
 from moe_rl.runtime import manual_gc
 from moe_rl.runtime.collectives import all_gather_object
+from moe_rl.runtime.fault_hooks import kill_point, nan_update_due
 from moe_rl.step_batch import StepBatch, dp_rows
 
 log = logging.getLogger(__name__)
 
 
 def _poisoned(loss_fn: LossFn) -> LossFn:
-    """`loss_fn` with a NaN loss: what the test hook injects (`moe_rl.checkpoints.chaos`)."""
+    """`loss_fn` with a NaN loss: what the test hook injects (`moe_rl.runtime.fault_hooks`)."""
 
     def poisoned(logp_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
         out = loss_fn(logp_BT, mb)

@@ -27,7 +27,6 @@ import signal
 import time
 from typing import Any, NoReturn
 
-from moe_rl.checkpoints.chaos import kill_point
 from moe_rl.checkpoints.directories import latest_checkpoint, step_dir_name
 from moe_rl.config import Config
 from moe_rl.loop.interrupt import StopOnSignal, StoppedBySignal
@@ -35,6 +34,7 @@ from moe_rl.loop.program import Program
 from moe_rl.loop.rundir import RunDirectory
 from moe_rl.loop.saves import Saves
 from moe_rl.runtime.failures import RunFaultError
+from moe_rl.runtime.fault_hooks import kill_point
 
 log = logging.getLogger("moe_rl.loop")
 

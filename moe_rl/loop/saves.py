@@ -39,7 +39,8 @@ class Saves:
         self.pending: Any = None
         """The save in flight (a `PendingSave`), None when none is."""
         self.last_seconds: float | None = None
-        """How long the last complete save took, from its start to its finish."""
+        """How long the last complete save took: its own work (start, data files, finish),
+        not the steps a background write overlapped."""
         self._last_at = time.monotonic()
 
     def note(self) -> tuple[bool, bool]:
@@ -89,7 +90,7 @@ class Saves:
         """Collective: complete the save in flight; rank 0 then rotates out older checkpoints."""
         pending, self.pending = self.pending, None
         pending.finish()
-        self.last_seconds = time.monotonic() - pending.started
+        self.last_seconds = pending.seconds
         self._rotate()
 
     def _rotate(self) -> None:

@@ -49,6 +49,7 @@ from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.rollout.types import GroupSummary, Rollout, RowSample, Sampled, ScoredGroup
 from moe_rl.runtime.failures import describe
+from moe_rl.runtime.fault_hooks import kill_point
 from moe_rl.runtime.timing import StepTimer
 from moe_rl.sampler import Rollouts, Sampler
 from moe_rl.sampler.base import base_seeds
@@ -360,6 +361,7 @@ class RolloutCollector:
         while `sampler.max_restarts` lasts (`_recover`)."""
         while True:
             ro, fault = None, None
+            kill_point("generate")  # (a test hook: a no-op unless MOE_RL_TEST_KILL_AT names it)
             try:
                 ro = self.sampler.generate(prompt_ids, **kwargs)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)

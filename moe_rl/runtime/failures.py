@@ -111,3 +111,13 @@ def describe(exc: BaseException) -> str:
     if not type(exc).__module__.startswith("moe_rl."):  # our errors say what they are
         text = f"{type(exc).__name__}: {text}"
     return text if len(text) <= 500 else text[:497] + "..."
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Did `exc` come from another rank of the job ending mid-collective (gloo's closed or
+    reset connection, NCCL's remote exit)? This rank's failure is then a consequence, not
+    the cause: the rank that ended, or torchrun, reports the cause."""
+    return any(isinstance(e, RuntimeError | OSError) and any(m in str(e) for m in _PEER_GONE) for e in causes(exc))

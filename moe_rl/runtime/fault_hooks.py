@@ -1,20 +1,56 @@
-"""The engine-fault test's hook: the generate calls at which an engine fails on purpose
-(tests/test_engine_faults.py), so that the recovery path runs the code a real failure would.
+"""The fault tests' hooks: where a test makes this process fail on purpose, so that the
+recovery path runs the code a real fault would. Every hook is a no-op unless its variable
+is set, and keeps its count in the variable itself (each hit rewrites it), so it holds no
+state of its own and every process of a torchrun world counts its own hits.
 
-    engine_fail_point()    # first thing in every Sampler.generate; a no-op unless the variable is set
+    kill_point("save.manifest")   # MOE_RL_TEST_KILL_AT=<point>[#<n>][@<rank>]: SIGKILL here
+    nan_update_due(update)        # MOE_RL_TEST_NAN_AT=3,4: a NaN loss in those optimizer updates
+    engine_fail_point()           # MOE_RL_TEST_ENGINE_FAIL_AT=2,5: those generate calls raise
 
-With `MOE_RL_TEST_ENGINE_FAIL_AT=2,5` in the environment, this process's 2nd and 5th
-`generate` calls raise a RuntimeError, as an out-of-memory error or a crashed worker would.
-Like `moe_rl.checkpoints.chaos.kill_point`, the hook keeps its count in the variable itself
-(each call rewrites it to the calls left before each failure: `2,5` -> `1,4` -> `3`), so it
-holds no state of its own and every process of a torchrun world counts its own calls.
+Kill points (tests/test_checkpoint_safety.py, tests/test_engine_faults.py): the process
+kills itself the first (n-th) time it reaches point `name` (only on global rank `rank` when
+`@<rank>` is given). Points: start (the run loop's start, before the run directory is
+touched), update (mid-step: an optimizer update's gradients computed, before it is
+applied), step.logged (a step's metrics written, before its save), generate (an engine's
+generate call), save.begin, save.file (after each data file of a save), save.dcp,
+save.meta, save.config, save.manifest (before the rename), save.renamed (before retention).
+
+NaN updates (tests/test_nonfinite.py): the learner's updates (1-based, its own count) whose
+loss is multiplied by NaN. Engine failures (tests/test_engine_faults.py): this process's
+`Sampler.generate` calls that raise a RuntimeError, as an out-of-memory error or a crashed
+worker would (`2,5` -> `1,4` -> `3` as calls pass).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
+KILL_ENV = "MOE_RL_TEST_KILL_AT"
+NAN_ENV = "MOE_RL_TEST_NAN_AT"
 ENGINE_FAIL_ENV = "MOE_RL_TEST_ENGINE_FAIL_AT"
+
+
+def kill_point(name: str) -> None:
+    """SIGKILL this process here if the test hook asks for it (see the module doc)."""
+    want = os.environ.get(KILL_ENV)
+    if not want:
+        return
+    want, _, rank = want.partition("@")
+    point, _, nth = want.partition("#")
+    if point != name or (rank and rank != os.environ.get("RANK", "0")):
+        return
+    left = int(nth or 1)
+    if left <= 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.environ[KILL_ENV] = f"{name}#{left - 1}" + (f"@{rank}" if rank else "")
+
+
+def nan_update_due(update: int) -> bool:
+    """Whether the test hook asks for a NaN loss in optimizer update `update` (1-based, the
+    learner's count). Unset: never."""
+    want = os.environ.get(NAN_ENV)
+    return bool(want) and str(update) in want.split(",")
 
 
 class InjectedEngineError(RuntimeError):
