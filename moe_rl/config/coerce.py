@@ -1,7 +1,8 @@
 """Plain data (what YAML gives) -> typed config values, strictly, for any config dataclass.
 
 Field annotations drive the checks: bool / int / float / str, Literal choices, unions with
-None, dicts, and nested config dataclasses. A type that needs its own parsing implements
+None, dicts, lists (`tuple[str, ...]`: a YAML list, kept as a tuple so sections stay
+frozen), and nested config dataclasses. A type that needs its own parsing implements
 the `ConfigValue` protocol (a `from_config` classmethod, `to_config`, and the named
 sub-sections `--help-config` lists); the coercer calls it instead of knowing the type.
 
@@ -50,6 +51,8 @@ def type_name(hint: Any) -> str:
         return " | ".join(type_name(a) for a in typing.get_args(hint))
     if origin is dict or is_config_value(hint):
         return "mapping"
+    if origin is tuple:
+        return f"list of {type_name(typing.get_args(hint)[0])}"
     return getattr(hint, "__name__", str(hint))
 
 
@@ -117,6 +120,14 @@ def _coerce_union(value: Any, hint: Any, key: str) -> Any:
     raise ConfigError(f"{key}: {value!r} does not fit {type_name(hint)}")
 
 
+def _coerce_list(value: Any, hint: Any, key: str) -> tuple[Any, ...]:
+    """A YAML list for a `tuple[X, ...]` field, each item checked as an X."""
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{key}: expected a list, e.g. [a, b], got {type(value).__name__} {value!r}")
+    item = typing.get_args(hint)[0]
+    return tuple(coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+
+
 def _coerce_scalar(value: Any, hint: type, key: str) -> Any:
     if hint is bool:
         if not isinstance(value, bool):
@@ -151,6 +162,8 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
         return dict(value)
+    if origin is tuple:
+        return _coerce_list(value, hint, key)
     if is_config_value(hint):
         return hint.from_config(value, key)
     if dataclasses.is_dataclass(hint):

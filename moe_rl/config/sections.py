@@ -193,6 +193,22 @@ class LoggingConfig:
     rollouts_every: int = 0
     """Steps between dumps of the whole rollout (prompt and response ids, texts, rewards,
     advantages, sampler logprobs) to <run>/rollouts/step_<n>.jsonl; 0 disables them."""
+    wandb: bool = False
+    """Also log every step to Weights & Biases (global rank 0; `pip install moe_rl[wandb]`):
+    TensorBoard's metric names, the resolved recipe and package versions as the run's config,
+    its files under <run>/wandb. A resumed run continues the same W&B run (its id is the run's,
+    in <run>/run.json). WANDB_MODE=offline needs no account or network (upload later with
+    `wandb sync`); online needs `wandb login` or WANDB_API_KEY."""
+    wandb_project: str = "moe_rl"
+    """The W&B project the run is logged to."""
+    wandb_entity: str = ""
+    """The W&B user or team that owns the project ("": your default entity)."""
+    wandb_name: str = ""
+    """The W&B run's display name ("": run.name)."""
+    wandb_group: str = ""
+    """A W&B group to show related runs together, e.g. the seeds of one setting ("": none)."""
+    wandb_tags: tuple[str, ...] = ()
+    """W&B tags, a list: [rspo, tiny]. A resumed run's tags replace the earlier ones."""
 
 
 @dataclass(frozen=True)

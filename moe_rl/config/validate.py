@@ -323,8 +323,32 @@ def validate_task(t: Any) -> None:
             raise ConfigError(f"task.{key} must not be empty")
 
 
+WANDB_FORBIDDEN = "/\\#?%:"
+"""Characters W&B refuses in a project or entity name."""
+WANDB_TAG_MAX = 64
+"""W&B's longest tag."""
+
+
+def validate_logging(cfg: Config) -> None:
+    """The W&B names, checked here so that a bad one fails before the run starts, not at
+    `wandb.init` after the model is built (whether wandb is installed is checked by the
+    entry points: `moe_rl.runtime.wandb_log.require_wandb`)."""
+    lg = cfg.logging
+    for key in ("wandb_project", "wandb_entity"):
+        value = getattr(lg, key)
+        if any(c in WANDB_FORBIDDEN for c in value) or len(value) > 128:
+            raise ConfigError(f"logging.{key}={value!r}: W&B names are at most 128 characters, without any of "
+                              f"{' '.join(WANDB_FORBIDDEN)}")
+    if not lg.wandb_project.strip():
+        raise ConfigError("logging.wandb_project must not be empty (the W&B project to log to)")
+    for tag in lg.wandb_tags:
+        if not tag.strip() or len(tag) > WANDB_TAG_MAX:
+            raise ConfigError(f"logging.wandb_tags: {tag!r} must be a non-empty tag of at most {WANDB_TAG_MAX} "
+                              "characters")
+
+
 SECTION_CHECKS = (validate_finite, validate_ranges, validate_model, validate_parallel, validate_rl, validate_sampler, validate_optimizer, validate_run,
-                  validate_critic, validate_dpo, validate_reward_model)
+                  validate_logging, validate_critic, validate_dpo, validate_reward_model)
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

@@ -8,7 +8,8 @@ What the loop owns, the same for every program:
     names the checkpoint to resume from; the program restores it in `setup`;
   - stepping from the resumed step to run.steps, evaluation every run.eval_every steps and
     at the last (and once before step 1 for the programs that ask);
-  - metrics: metrics.jsonl, TensorBoard, the progress bar, `time/step` and `time/other`;
+  - metrics: metrics.jsonl, TensorBoard, W&B (logging.wandb), the progress bar, `time/step`
+    and `time/other`;
   - the agreed stop: SIGINT / SIGTERM on any rank stop every rank after the same step, which
     is saved; the process leaves with 130 / 143 and a line saying how to go on;
   - checkpoints every run.save_every steps and at the last, rotation, the program's finish
@@ -64,7 +65,7 @@ class RunLoop:
                            if prog.trains else None)
             start = prog.setup(resume_from)
             if self._writes:
-                stack.callback(self.run_dir.close)
+                stack.push(lambda _type, error, _tb: self.run_dir.close(error))  # (W&B records how it ended)
                 self.run_dir.start_logging(start)
             t0 = time.perf_counter()
             self._evaluate_at_start(start)

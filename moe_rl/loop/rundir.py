@@ -7,6 +7,7 @@ routing heat map, checkpoint rotation and summary.json (written by global rank 0
       config.yaml        resolved recipe, written once a start succeeded (what resume checks)
       metrics.jsonl      one JSON object per step
       tb/                TensorBoard events (scalars, routing flip-rate heat map)
+      wandb/             Weights & Biases files, with logging.wandb (`moe_rl.runtime.wandb_log`)
       rollouts/step_*.jsonl  whole rollouts, every `logging.rollouts_every` steps (the RL program's)
       checkpoints/step_* megatron checkpoints, this run's newest KEEP_CHECKPOINTS kept
       summary.json       first/last rewards, median timings, where the logs are
@@ -127,6 +128,7 @@ class RunDirectory:
         self.history: list[dict[str, Any]] = []
         self._flip_history: list[list[float]] = []
         self._writer = None
+        self._tracker: Any = None  # a `moe_rl.runtime.wandb_log.WandbRun` with logging.wandb
         self._num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers
         self.run_id: str | None = None
         self._lock_fd: int | None = None
@@ -281,8 +283,8 @@ class RunDirectory:
             self._lock_fd = None
 
     def start_logging(self, start_step: int) -> None:
-        """The start succeeded: write config.yaml and run.json, open TensorBoard and
-        metrics.jsonl, keeping the lines up to `start_step` (resume)."""
+        """The start succeeded: write config.yaml and run.json, open TensorBoard, W&B (the
+        run id's W&B run) and metrics.jsonl, keeping the lines up to `start_step` (resume)."""
         save_config(self.cfg, self.path / CONFIG_FILE)
         if self._owner() != self.run_id:
             atomic_write_text(self.path / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
@@ -290,6 +292,10 @@ class RunDirectory:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.path / "tb"), purge_step=start_step + 1)
+        if self.cfg.logging.wandb:
+            from moe_rl.runtime.wandb_log import WandbRun
+
+            self._tracker = WandbRun.start(self.cfg, self.path, self.run_id)
         path = self.path / METRICS_FILE
         if path.exists():
             self.history = self._set_aside_rows_after(start_step)
@@ -319,32 +325,40 @@ class RunDirectory:
         return [row for _, row in kept]
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append the step's metrics to metrics.jsonl and TensorBoard."""
+        """Append the step's metrics to metrics.jsonl, TensorBoard and W&B (the same names:
+        each finite number but `step`, and the routing heat map)."""
         row = {k: (float(v) if isinstance(v, float | int) else v) for k, v in metrics.items()}
         self.history.append(row)
         if self.cfg.logging.jsonl:
             with open(self.path / METRICS_FILE, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        if self._writer is None:
+        if self._writer is None and self._tracker is None:
             return
-        for k, v in row.items():
-            if k != "step" and isinstance(v, float) and math.isfinite(v):
+        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, float) and math.isfinite(v)}
+        heatmap = self._heatmap(step, row)
+        images = {"routing/flip_rate_heatmap": heatmap} if heatmap is not None else {}
+        if self._writer is not None:
+            for k, v in scalars.items():
                 self._writer.add_scalar(k, v, step)
-        self._log_heatmap(step, row)
-        self._writer.flush()
+            for k, img in images.items():
+                self._writer.add_image(k, img, step, dataformats="HWC")
+            self._writer.flush()
+        if self._tracker is not None:
+            self._tracker.log(step, scalars, images)
 
-    def _log_heatmap(self, step: int, row: dict[str, Any]) -> None:
+    def _heatmap(self, step: int, row: dict[str, Any]) -> np.ndarray | None:
+        """The routing flip-rate heat map (HWC uint8) when logging.heatmap_every says so."""
         flips = [row.get(f"routing/flip_rate_layer{i}") for i in range(self._num_moe_layers)]
         if not all(f is not None for f in flips):
-            return
+            return None
         self._flip_history.append(flips)
         every = self.cfg.logging.heatmap_every
-        if every and step % every == 0 and len(self._flip_history) > 1:
-            from moe_rl.routing.heatmap import heatmap_image
+        if not (every and step % every == 0 and len(self._flip_history) > 1):
+            return None
+        from moe_rl.routing.heatmap import heatmap_image
 
-            img = heatmap_image(np.array(self._flip_history), title="top-k flip rate (old vs current)",
-                                stat_label="flip rate")
-            self._writer.add_image("routing/flip_rate_heatmap", img, step, dataformats="HWC")
+        return heatmap_image(np.array(self._flip_history), title="top-k flip rate (old vs current)",
+                             stat_label="flip rate")
 
     def rotate_checkpoints(self) -> None:
         """Keep this run's newest KEEP_CHECKPOINTS complete checkpoints; never touch another
@@ -364,8 +378,15 @@ class RunDirectory:
         atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """Close the logs and release the directory (every way out of the loop); `error`:
+        what ended the run (None: it finished), which W&B records as the run's exit."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        self._unlock()
+        tracker, self._tracker = self._tracker, None
+        try:
+            if tracker is not None:
+                tracker.finish(error)
+        finally:
+            self._unlock()

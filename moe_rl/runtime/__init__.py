@@ -8,4 +8,5 @@
     registry      the name -> entry registry of the objective and advantage families
     timing        a step's phases and their seconds (StepTimer)
     metrics       combining per-update metric dicts into a step's (means, sums, maxima)
+    wandb_log     the run's Weights & Biases run (logging.wandb): open, log a step, finish
 """
