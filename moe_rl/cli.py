@@ -69,7 +69,7 @@ def parse(argv: list[str] | None, prog: str, doc: str, *, sft: bool = False,
         from moe_rl.recipe_source import load_resolved
         from moe_rl.runtime.wandb_log import require_wandb
 
-        cfg = load_resolved(args.config, args.overrides)
+        cfg = load_resolved(args.config, args.overrides, program=prog.removeprefix("python -m "))
         require_wandb(cfg)  # (an optional extra: named before anything is built)
         world = _check_world(args.nproc)
     except ConfigError as e:

@@ -170,16 +170,14 @@ def _where(problem: Any) -> str:
 def check_task_inputs(cfg: Config, *, completions: bool = False) -> None:
     """Raise a one-line ConfigError when the task, the tokenizer or the longest sequence
     does not fit the model (see the module docstring)."""
-    task, tok, prompts = _build(cfg)
+    task, _, prompts = _build(cfg)
     problems = getattr(task, "problems", None) or task.sample(SYNTHETIC_DRAWS, cfg.run.seed)
     positions = cfg.model.max_position_embeddings
-    if completions:
-        lengths = [sum(map(len, tok.encode_example(p.prompt, task.completion(p)))) for p in problems]
-    else:
-        try:
-            lengths = [len(prompts.encode(p)) for p in problems]
-        except ValueError as e:
-            raise ConfigError(" ".join(str(e).split())) from e
+    try:
+        lengths = [sum(map(len, prompts.encode_example(p, task.completion(p)))) if completions
+                   else len(prompts.encode(p)) for p in problems]
+    except ValueError as e:
+        raise ConfigError(" ".join(str(e).split())) from e
     i = max(range(len(lengths)), key=lengths.__getitem__)
     if completions and lengths[i] > positions:
         raise ConfigError(f"the longest SFT example{_where(problems[i])} has {lengths[i]} tokens but "

@@ -13,8 +13,9 @@ math is mapped (`model_config_from_hf`), a field the learner cannot honour is an
 naming it, and so is an unsupported architecture. Training settings config.json does not
 describe (layer spec, fp8, aux-loss coefficients, dispatcher) stay the recipe's. A model key
 the recipe *sets* must agree with config.json, except `model.params_dtype`, which follows
-config.json's dtype unless the recipe overrides it. `task.tokenizer` becomes "shipped" or a
-path, so checkpoints record which tokenizer their ids belong to.
+config.json's dtype unless the recipe overrides it; the error names the program's Hugging
+Face recipe to start from instead (`hf_recipe`: no model section). `task.tokenizer` becomes
+"shipped" or a path, so checkpoints record which tokenizer their ids belong to.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ from moe_rl.config import Config, ConfigError, load_recipe, validate
 
 OVERRIDABLE = frozenset({"params_dtype"})
 """Model keys a recipe may set differently from config.json (a training choice)."""
+HF_RECIPES = {"moe_rl.sft": "examples/hf_sft.yaml", "moe_rl.dpo": "examples/hf_dpo.yaml",
+              "moe_rl.reward_model": "examples/hf_rm.yaml"}
+"""Each program's recipe for a Hugging Face directory (no model section); moe_rl.train's
+depends on the advantage (`hf_recipe`)."""
+
+
+def hf_recipe(program: str, cfg: Config) -> str:
+    """The Hugging Face recipe of `program` (`moe_rl.dpo`, ...) for this recipe; "" when
+    the program has none."""
+    if program == "moe_rl.train":
+        return "examples/hf_ppo.yaml" if cfg.rl.uses_critic else "examples/hf_rspo.yaml"
+    return HF_RECIPES.get(program, "")
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
@@ -41,8 +54,9 @@ def read_config_json(directory: Path) -> dict[str, Any]:
     return data
 
 
-def model_from_checkpoint(cfg: Config, directory: Path, given: frozenset[str]) -> Config:
-    """`cfg` with its model section derived from `directory`/config.json."""
+def model_from_checkpoint(cfg: Config, directory: Path, given: frozenset[str], start_from: str = "") -> Config:
+    """`cfg` with its model section derived from `directory`/config.json (`start_from`: the
+    recipe a conflict's error suggests)."""
     from moe_rl.convert import ConvertError, model_config_from_hf
 
     hf = read_config_json(directory)
@@ -58,19 +72,22 @@ def model_from_checkpoint(cfg: Config, directory: Path, given: frozenset[str]) -
         elif mine != theirs:
             conflicts.append(f"model.{key}={mine!r} (config.json gives {theirs!r})")
     if conflicts:
+        instead = f", or start from {start_from}, which has no model section" if start_from else ""
         raise ConfigError(f"the recipe disagrees with run.init_checkpoint={directory}/config.json: "
-                          f"{'; '.join(conflicts[:4])}; remove these keys (the checkpoint defines the model)")
+                          f"{'; '.join(conflicts[:4])}; remove these keys (the checkpoint defines the model)"
+                          f"{instead}")
     return dataclasses.replace(cfg, model=dataclasses.replace(derived, **keep))
 
 
-def resolve_recipe(cfg: Config, given: frozenset[str] = frozenset()) -> Config:
+def resolve_recipe(cfg: Config, given: frozenset[str] = frozenset(), start_from: str = "") -> Config:
     """The recipe (as `load_recipe` gives it: typed, not validated) with the starting
-    checkpoint's model and a concrete tokenizer, validated (module doc)."""
+    checkpoint's model and a concrete tokenizer, validated (module doc); `start_from`: the
+    recipe a model conflict's error suggests."""
     from moe_rl.tokenization import resolve_spec
 
     init = cfg.run.init_checkpoint
     if init and (Path(init) / "config.json").is_file():
-        cfg = model_from_checkpoint(cfg, Path(init), given)
+        cfg = model_from_checkpoint(cfg, Path(init), given, start_from)
     try:
         tokenizer = resolve_spec(cfg.task.tokenizer, init or None)
     except ValueError as e:
@@ -82,6 +99,11 @@ def resolve_recipe(cfg: Config, given: frozenset[str] = frozenset()) -> Config:
     return cfg
 
 
-def load_resolved(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """The recipe at `path` with `overrides`, resolved and validated: what a CLI runs."""
-    return resolve_recipe(*load_recipe(path, overrides))
+def load_resolved(path: str | Path | None, overrides: list[str] | None = None, program: str = "") -> Config:
+    """The recipe at `path` with `overrides`, resolved and validated: what `program`'s CLI
+    runs (`python -m <program>`)."""
+    cfg, given = load_recipe(path, overrides)
+    suggest = hf_recipe(program, cfg)
+    if path and Path(path).name == Path(suggest).name:
+        suggest = ""  # already that recipe: the conflicting keys are the command line's
+    return resolve_recipe(cfg, given, suggest)

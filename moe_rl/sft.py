@@ -9,7 +9,8 @@ reward of sampling (`eval/expected_reward`) and stops once it reaches `sft.targe
 The run directory is every program's: config.yaml, metrics.jsonl, TensorBoard, checkpoints
 every `run.save_every` steps and at the last, `run.resume=true` continues, Ctrl-C or
 SIGTERM saves after the step in progress (exit status 130 / 143), summary.json. The
-finished model alone (no optimizer state) goes to `sft.output` (default `<run>/base`).
+finished model alone (no optimizer state) goes to `sft.output` (default `<run>/base`), and
+from a Hugging Face directory (examples/hf_sft.yaml) also to `<run>/hf` (run.export_hf).
 Errors are one line (exit 2); `--debug` shows the traceback. `--check [--nproc N]` only
 checks the recipe and its inputs for N ranks and prints one line.
 """

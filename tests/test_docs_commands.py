@@ -12,6 +12,7 @@ misspelt flag or key, or a recipe that does not exist, fails its case (FAST_FORM
 | `make TARGET VAR=...` | `make -n` (the target exists; `ablate-NAME` names a setting) |
 | `tensorboard ...`; `source FILE` | the executable is in the venv; FILE exists |
 | the programs in NOT_RUN_AS_WRITTEN | what it says instead, with the reason |
+| a command of a RUN_FOR_REAL recipe | not here: tests/test_hf_recipes.py runs it as written, for 2 steps |
 
 Outputs (`--dst`, `--out`, `sft.output=`) go to a temp dir; the paths in STAND_INS stand
 for the reader's own files or an earlier command's output and are replaced by tiny real
@@ -67,6 +68,9 @@ NOT_RUN_AS_WRITTEN = {
 SLOW = ("Qwen3-235B-A22B", "GLM-4.5-Air")  # plans of the large models: 10-20 s each on 2 cores
 # Programs whose documented commands run as written, every selected one of them in ONE child
 # process (tests/workers/doc_commands_worker.py: each command's own main(argv) in turn, from
+# Recipes whose documented commands tests/test_hf_recipes.py runs as written for 2 real steps
+# (stand-ins for their paths, test-sized batches), which a --check here would only repeat.
+RUN_FOR_REAL = frozenset({"examples/hf_sft.yaml", "examples/hf_dpo.yaml", "examples/hf_rm.yaml", "examples/hf_ppo.yaml"})
 # the repository root with the venv first on PATH), not one interpreter start-up (torch,
 # megatron: ~4 s) per command; the planner's meta-device builds are cached across its
 # commands too. Not this process: the planner joins a fake process group, which a pytest
@@ -80,7 +84,7 @@ IN_ONE_CHILD = ("moe_rl.plan", "tools/make_preference_data.py", "tools/convert_c
 def _excepted(argv: tuple[str, ...]) -> bool:
     words = [w for w in argv if not w.startswith("-")]
     return (argv[0] == "make" and len(words) > 1 and words[1] in EXCEPTED_MAKE_TARGETS) or "pytest" in words \
-        or argv[0] == "pip" or argv[1:3] == ("-m", "pip")
+        or argv[0] == "pip" or argv[1:3] == ("-m", "pip") or not RUN_FOR_REAL.isdisjoint(argv)
 
 
 def _cases() -> list:

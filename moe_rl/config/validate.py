@@ -216,8 +216,11 @@ def check_optimizer_section(o: Any, key: str) -> None:
         f"{key}.lr_warmup_steps": (o.lr_warmup_steps >= 0, f">= 0, got {o.lr_warmup_steps}"),
         f"{key}.offload_fraction": (0 <= o.offload_fraction <= 1, f"in [0, 1], got {o.offload_fraction}"),
         f"{key}.lr": (o.lr > 0, f"> 0, got {o.lr}"),
-        f"{key}.min_lr": (0 <= o.min_lr <= o.lr, f"in [0, {key}.lr={o.lr}], got {o.min_lr}"),
+        f"{key}.min_lr": (o.min_lr >= 0, f">= 0, got {o.min_lr}"),
     })
+    if o.min_lr > o.lr:
+        raise ConfigError(f"{key}.min_lr={o.min_lr:g} is above {key}.lr={o.lr:g} (the schedule decays from lr "
+                          f"to min_lr): lower {key}.min_lr with it, e.g. {key}.min_lr={o.lr / 10:g}, or 0")
     if o.offload_fraction and not o.distributed:
         raise ConfigError(f"{key}.offload_fraction needs {key}.distributed=true (megatron offloads "
                           "the distributed optimizer's shards)")

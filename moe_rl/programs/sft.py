@@ -4,14 +4,19 @@ a base policy with partial success.
 Each step draws `sft.batch_size` problems from the task (a pure function of run.seed and
 the step, so a resumed run draws what the uninterrupted one would) and minimises the
 token-mean negative log-likelihood of the reference completion (+ EOS) given the prompt,
-on the same megatron learner the RL program uses. Every `run.eval_every` steps (and before
-step 1) it measures the expected exact-match reward of sampling at temperature 1 on a
-fixed held-out set, mean_i exp(sum_t log pi(answer_it)), which is exactly the reward RL
-starts from (`eval/expected_reward`), and stops once it reaches `sft.target_reward`. The
-run directory is every program's (metrics.jsonl, TensorBoard, checkpoints with the
+on the same megatron learner the RL program uses. The prompt becomes ids as the RL
+sampler's prompts do (`PromptEncoder`: a Hugging Face checkpoint's chat template and
+system prompt), so the policy learns the completion after the prompt it will be sampled
+from. Every `run.eval_every` steps (and before step 1) it measures the expected
+exact-match reward of sampling at temperature 1 on a fixed held-out set,
+mean_i exp(sum_t log pi(answer_it)), which is exactly the reward RL starts from
+(`eval/expected_reward`), and stops once it reaches `sft.target_reward`. The run
+directory is every program's (metrics.jsonl, TensorBoard, checkpoints with the
 optimizer, `run.resume=true`, Ctrl-C saves); at the end the model alone (no optimizer
 state) is written to `sft.output` (default `<run>/base`; an existing checkpoint there is
-replaced once the new one is complete; any other existing directory is refused).
+replaced once the new one is complete; any other existing directory is refused), and a run
+that started from a Hugging Face directory also exports it as `<run>/hf` (`run.export_hf`),
+the directory the Hugging Face recipes take as run.init_checkpoint.
 """
 
 from __future__ import annotations
@@ -30,18 +35,17 @@ from moe_rl.config import Config, ConfigError
 from moe_rl.loop import Program
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
-from moe_rl.tasks.tokenizer import Tokenizer
-from moe_rl.tokenization import load_tokenizer
 
 log = logging.getLogger("moe_rl.sft")
 EVAL_SEED_OFFSET = 1_000_003
 """The held-out problems are drawn from run.seed + this (apart from every step's draw)."""
 
 
-def encode_problems(problems: list[Problem], task: Task, tok: Tokenizer, seq_multiple: int) -> TokenBatch:
-    """Prompt ids + reference completion ids (ending in EOS) for each problem."""
-    pairs = [tok.encode_example(p.prompt, task.completion(p)) for p in problems]
-    return TokenBatch.from_lists([a for a, _ in pairs], [b for _, b in pairs], pad_id=tok.pad_id,
+def encode_problems(problems: list[Problem], task: Task, encoder: Any, seq_multiple: int) -> TokenBatch:
+    """Prompt ids (`encoder`: the run's `PromptEncoder`) + reference completion ids (ending
+    in EOS) for each problem."""
+    pairs = [encoder.encode_example(p, task.completion(p)) for p in problems]
+    return TokenBatch.from_lists([a for a, _ in pairs], [b for _, b in pairs], pad_id=encoder.tokenizer.pad_id,
                                  seq_multiple=seq_multiple)
 
 
@@ -86,6 +90,14 @@ def check_output(cfg: Config) -> None:
                           "choose another path")
 
 
+def started_from_hf(cfg: Config) -> bool:
+    """run.init_checkpoint is a Hugging Face directory: the next program (a Hugging Face
+    recipe) takes the run's export, `<run>/hf`; the project's own models go on from the
+    moe_rl checkpoint `sft.output`."""
+    init = cfg.run.init_checkpoint
+    return bool(init) and (Path(init) / "config.json").is_file()
+
+
 class SFTProgram(Program):
     """One supervised run: the learner, the task, the held-out problems."""
 
@@ -95,14 +107,14 @@ class SFTProgram(Program):
 
     def __init__(self, cfg: Config) -> None:
         from moe_rl.learner import init_distributed
-        from moe_rl.preflight import check_run
+        from moe_rl.preflight import check_run, load_prompt_encoder
 
         check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")), sft=True)  # once, before anything is built
         check_output(cfg)
         self.cfg = cfg
         self.rank, self.world = init_distributed(cfg.parallel.distributed_backend)
         self.task = make_task(cfg.task)
-        self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint or None)
+        self.encoder = load_prompt_encoder(cfg)[1]
         self._stack = contextlib.ExitStack()
         self._evaluated: tuple[int, float] | None = None
         """(step, expected reward) of the latest evaluation."""
@@ -116,7 +128,7 @@ class SFTProgram(Program):
         torch.manual_seed(cfg.run.seed)
         self.learner = Learner(cfg.model, cfg.parallel, self.layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
         held_out = self.task.sample(cfg.sft.eval_problems, np.random.default_rng(cfg.run.seed + EVAL_SEED_OFFSET))
-        self.eval_batch = encode_problems(held_out, self.task, self.tok, self.layout.tp)
+        self.eval_batch = encode_problems(held_out, self.task, self.encoder, self.layout.tp)
         if resume_from is not None:
             meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint)
             log.info("resumed from %s at step %d", resume_from, int(meta["trainer_step"]))
@@ -127,7 +139,7 @@ class SFTProgram(Program):
 
     def step(self, step: int) -> dict[str, float]:
         rng = np.random.default_rng([self.cfg.run.seed, step])
-        batch = encode_problems(self.task.sample(self.cfg.sft.batch_size, rng), self.task, self.tok, self.layout.tp)
+        batch = encode_problems(self.task.sample(self.cfg.sft.batch_size, rng), self.task, self.encoder, self.layout.tp)
         update = self.learner.train_step(batch, nll_loss(batch))
         out = {"learner/loss": update["nll"]}
         from moe_rl.learner.microbatch import OPTIMIZER_METRICS
@@ -162,6 +174,11 @@ class SFTProgram(Program):
         if self.rank == 0:
             log.info("sft done: %d steps, expected reward %.3f, base model in %s", last_step, reward,
                      sft_output(self.cfg))
+            if self.cfg.run.export_hf and started_from_hf(self.cfg):
+                from moe_rl.convert import megatron_to_hf
+
+                log.info("exported the final model to %s",
+                         megatron_to_hf(sft_output(self.cfg), self.cfg.run_dir / "hf", force=True))
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         evals = [(int(h["step"]), h["eval/expected_reward"]) for h in history if "eval/expected_reward" in h]

@@ -10,6 +10,8 @@ as one user message), after `task.system_prompt` when set, become exactly the id
 `apply_chat_template(messages, add_generation_prompt=True)`: the rendered text encoded
 without adding special tokens (the template writes them). Without one, the prompt is
 encoded as `tokenizer(prompt)` would (a BOS where the tokenizer adds one).
+
+    prompt_ids, completion_ids = encoder.encode_example(problem, completion)   # SFT: + EOS
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class PromptEncoder:
             plain = getattr(self.tokenizer, "encode_with_specials", self.tokenizer.encode)
             return plain(problem.prompt)
         return self.tokenizer.encode(self.tokenizer.render_chat(self.messages(problem), self.template))
+
+    def encode_example(self, problem: Any, completion: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids + EOS) of a supervised example: the prompt exactly as
+        the sampler sees it (`encode`), the completion as the policy would sample it."""
+        return self.encode(problem), self.tokenizer.encode(completion, eos=True)
 
     def text(self, problem: Any) -> str:
         """The prompt as the model reads it (for logs and rollout dumps)."""
