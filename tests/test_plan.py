@@ -9,14 +9,14 @@ a pytest process that already holds a real one cannot.
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import WORKERS, torchrun
+from dist_helpers import torchrun
+from plan_jobs import run_plan_jobs, worker_env
 
 from moe_rl.config import ConfigError, ModelConfig, load_config, validate_layout
 from moe_rl.plan.published import CONFIGS as PUBLISHED_CONFIGS
@@ -67,12 +67,6 @@ RECIPES = {"qwen3_30b_a3b": ("examples/gpu/qwen3_30b_a3b.yaml", 16), "deepseek_v
            "glm45_air": ("examples/gpu/glm45_air.yaml", 64)}
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS.parent), env.get("PYTHONPATH", "")])
-    return env
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_configs")
@@ -109,12 +103,7 @@ def _jobs(dirs) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def planned(model_dirs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("planned")
-    (out / "jobs.json").write_text(json.dumps(_jobs(model_dirs)))
-    proc = subprocess.run([sys.executable, str(WORKERS / "plan_worker.py"), str(out / "jobs.json"), str(out / "plans.json")],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads((out / "plans.json").read_text())
+    return run_plan_jobs(_jobs(model_dirs), tmp_path_factory.mktemp("planned"), errors_allowed=True, timeout=600)
 
 
 def _plan(planned, name) -> dict:
@@ -274,7 +263,7 @@ def test_recompute_and_distribution_shrink_memory(planned):
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_rl.plan", *args], cwd=ROOT, env=_env(),
+    return subprocess.run([sys.executable, "-m", "moe_rl.plan", *args], cwd=ROOT, env=worker_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,13 +9,10 @@ group): a small bf16 model, seconds.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from dist_helpers import WORKERS
+from plan_jobs import run_plan_jobs
 
 from moe_rl.config import ModelConfig
 
@@ -58,17 +55,7 @@ def _jobs() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("checkpoint_plans")
-    (out / "jobs.json").write_text(json.dumps(_jobs()))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(WORKERS / "plan_worker.py"), str(out / "jobs.json"), str(out / "plans.json")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    result = json.loads((out / "plans.json").read_text())
-    for name, plan in result.items():
-        assert "error" not in plan, f"{name}: {plan['error']}"
-    return result
+    return run_plan_jobs(_jobs(), tmp_path_factory.mktemp("checkpoint_plans"), timeout=300)
 
 
 @pytest.mark.parametrize("name", ["one", "one/distributed"])

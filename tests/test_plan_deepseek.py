@@ -8,15 +8,11 @@ The planner runs in tests/workers/plan_worker.py (its meta build joins a fake pr
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import WORKERS
+from plan_jobs import run_plan_jobs
 
 from moe_rl.plan.published import CONFIGS, SIZES, write_config_dir
 
@@ -40,16 +36,7 @@ def planned(tmp_path_factory) -> dict[str, dict]:
              "overrides": [f"run.init_checkpoint={write_config_dir(name, root / name)}", *overrides]}
             for name, (gpus, overrides) in LAYOUTS.items()]
     jobs.append({"name": "recipe", "recipe": str(RECIPE), "overrides": [], "gpus": 256, "suggest": True})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(WORKERS / "plan_worker.py"), str(root / "jobs.json"),
-                           str(root / "plans.json")], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    plans = json.loads((root / "plans.json").read_text())
-    for name, p in plans.items():
-        assert "error" not in p, (name, p.get("error"))
-    return plans
+    return run_plan_jobs(jobs, root)
 
 
 def transformers_counts(name: str, tmp_path: Path) -> tuple[int, int]:

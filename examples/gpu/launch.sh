@@ -12,6 +12,10 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NODE_RANK=${NODE_RANK:?set NODE_RANK}
 MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR}
 MASTER_PORT=${MASTER_PORT:-29500}
+# torchrun kills its workers this long after forwarding a SIGTERM: the step in progress plus
+# the recipe's run.stop_grace_s (a save in flight and the stopped step's save), or the
+# preempted step is lost; python -m moe_rl.plan --config RECIPE says what a recipe needs.
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-1800}
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1        # megatron: keep TP/SP communication ordered
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
@@ -23,5 +27,5 @@ export OMP_NUM_THREADS=8
 python -m moe_rl.train --check --nproc "$((NNODES * GPUS_PER_NODE))" --config "$RECIPE" "$@"
 exec torchrun \
   --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "$NODE_RANK" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
   -m moe_rl.train --config "$RECIPE" "$@"
