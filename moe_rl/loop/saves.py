@@ -17,7 +17,6 @@ rank decides alike.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,6 @@ from moe_rl.checkpoints.directories import latest_checkpoint, step_dir_name
 from moe_rl.config import Config
 from moe_rl.loop.program import Program
 from moe_rl.loop.rundir import RunDirectory
-
-log = logging.getLogger("moe_rl.loop")
 
 
 class Saves:
