@@ -32,18 +32,23 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo bench lint ablations ablations-report ablations-sweep clean-runs
 
 help:
-	@echo "make demo       RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
-	@echo "make dpo-demo   DPO on the shipped tiny MoE from preference pairs (CPU, held-out accuracy >= 0.9)"
-	@echo "make rm-demo    a reward model on the same pairs, the starting point of PPO's critic (CPU)"
-	@echo "make ppo-demo   PPO with a critic pretrained on the base's rollouts (CPU, ~17 min once + ~4 min)"
-	@echo "make test       the full test suite (what CI runs; the 25 slowest tests are listed at the end)"
-	@echo "make test-fast  the tests without slow, multi-process or vLLM ones (a quick check while editing)"
-	@echo "make bench      benchmarks -> bench/results/"
-	@echo "make ablations  off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/"
-	@echo "make lint       ruff"
-	@echo "make install ACCEL=gpu [WHEELS=dir]   GPU stack on the machine's torch (tools/gpu/install.sh)"
-	@echo "make gpu-check [WHEELS=dir]          one Hopper GPU: install, pytest -m gpu, bench/bench_gpu.py (each under an 18-min timeout)"
-	@echo "make stage-wheels DIR=dir [TORCH=2.11.0+cu130]   wheels for a GPU machine without a registry"
+	@echo "make demo             RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
+	@echo "make dpo-demo         DPO on the shipped tiny MoE from preference pairs (CPU, held-out accuracy >= 0.9)"
+	@echo "make rm-demo          a reward model on the same pairs, the starting point of PPO's critic (CPU)"
+	@echo "make ppo-demo         PPO with a critic pretrained on the base's rollouts (CPU, ~17 min once + ~4 min)"
+	@echo "make install          the stack into $(VENV): CPU, or with nvidia-smi (ACCEL=gpu [WHEELS=dir]) the GPU one on the machine's torch"
+	@echo "make test             the full test suite (what CI runs; the 25 slowest tests are listed at the end)"
+	@echo "make test-fast        the tests without slow, multi-process or vLLM ones (a quick check while editing)"
+	@echo "make lint             ruff over moe_rl, tools, tests, examples and bench"
+	@echo "make bench            every bench/bench_*.py -> bench/results/"
+	@echo "make ablations        off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/ (resumable)"
+	@echo "make ablations-report runs/ablations/REPORT.md, results.json and plots from the runs that exist"
+	@echo "make ablations-sweep  the lr sweep of plain off-policy GRPO (LRS=1e-4,2e-4,4e-4 [SEEDS=1,2,3])"
+	@echo "make ablate-SETTING   one ablation setting, e.g. ablate-rspo-post-off (python -m moe_rl.ablations list)"
+	@echo "make gpu-check        one Hopper GPU: install, pytest -m gpu, bench/bench_gpu.py (each under an 18-min timeout)"
+	@echo "make stage-wheels     DIR=dir [TORCH=2.11.0+cu130]: wheels for a GPU machine without a registry"
+	@echo "make clean-runs       delete runs/ (every run directory: checkpoints, metrics, ablations)"
+	@echo "make help             this list"
 
 install: $(STAMP)
 

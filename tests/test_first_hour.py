@@ -44,6 +44,20 @@ def test_demo_tensorboard_hint_runs_as_printed():
     assert Path(exe).name == "tensorboard" and Path(exe).is_file()  # the venv's, not a bare name on PATH
 
 
+def test_make_help_lists_every_target_in_one_line():
+    """`make help` (make's default goal) names every .PHONY target, and the pattern target
+    ablate-%, on a line of its own that says what it does."""
+    makefile = (ROOT / "Makefile").read_text()
+    phony = [t for line in makefile.splitlines() if line.startswith(".PHONY:") for t in line.split(":", 1)[1].split()]
+    out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True).stdout
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("make ")}
+    assert "ablate-%" in makefile and "ablate-SETTING" in lines
+    for target in phony:
+        assert target in lines, f"make help does not list {target}:\n{out}"
+        assert len(lines[target].split()) > 3, f"no description: {lines[target]!r}"
+    assert len(lines) == len(out.splitlines()) == len(phony) + 1, out  # (one line each, nothing else)
+
+
 def test_ablations_help_states_the_recipes_model(capsys):
     from moe_rl.ablations.__main__ import main
 
