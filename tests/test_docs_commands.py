@@ -26,6 +26,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ STAND_INS = {
 }
 # Programs whose documented commands cannot run as written here: why, and what is checked.
 NOT_RUN_AS_WRITTEN = {
+    "sbatch": "submits to a SLURM cluster: the script parses (bash -n) and the overrides load with its recipe; "
+              "tests/test_slurm.py runs it in a faked allocation",
     "moe_rl.plan.table": "plans every layout of 3 models at 3 GPU counts (~4 min on 2 cores): its flags "
                          "parse and its recipe loads, in-process, without the planning",
     "tools/measure_mismatch.py": "samples and scores 128 prompts x 8 (minutes): its flags and settings parse, "
@@ -234,6 +237,16 @@ def _executable(argv: tuple[str, ...], env: Env) -> None:
     assert exe.is_file() and os.access(exe, os.X_OK), f"{argv[0]} is not installed in {VENV_BIN}"
 
 
+def _sbatch(argv: tuple[str, ...], env: Env) -> None:
+    """`sbatch [opts] SCRIPT [key=value ...]` -> SCRIPT parses and its recipe loads with the overrides."""
+    from moe_rl.config import load_config
+
+    script = next(Path(w) for w in argv if w.endswith(".sbatch"))
+    _run(["bash", "-n", str(script)])
+    recipe = re.search(r"examples/gpu/\w+\.yaml", (ROOT / script).read_text()).group(0)
+    load_config(ROOT / recipe, [w for w in argv[argv.index(str(script)) + 1:] if "=" in w])
+
+
 def _help_runs(argv: tuple[str, ...], env: Env) -> None:
     _run([argv[0], "--help"])
 
@@ -259,6 +272,7 @@ FAST_FORMS = {
     # NOT_RUN_AS_WRITTEN
     "moe_rl.plan.table": _plan_table, "tools/measure_mismatch.py": _measure_mismatch,
     "tools/gpu/stage_wheels.sh": _help_runs, "tools/gpu/lease.sh": _help_runs, "vllm": _executable,
+    "sbatch": _sbatch,
 }
 
 
