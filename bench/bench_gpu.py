@@ -11,11 +11,14 @@ random init, bf16 parameters, Transformer Engine spec. Every precision trains fr
 weights (a checkpoint of the bf16 learner), so drift and speed are comparable in one run:
 
 - learner tokens/s: median over timed `train_step`s of B x S tokens; MFU = model FLOPs /
-  (step time x peak dense bf16 FLOP/s of the GPU), model FLOPs = 6 x active parameters x
-  tokens + causal attention (6 x layers x S x heads x head_dim per token), the same formula
-  for the fp8 rows (fp8 speed-up = their tokens/s over bf16's); a bf16 row with Transformer
-  Engine's fused MoE token permutation (`model.moe_permute_fusion`), whose log-probs should
-  match bf16's (a reordering);
+  (step time x peak dense bf16 FLOP/s of the GPU), model FLOPs by `moe_rl.plan.flops`
+  (megatron's formula: every GEMM, router and output head included, and causal attention;
+  what a run's `perf/mfu_learner` counts), the same formula for the fp8 rows (fp8 speed-up =
+  their tokens/s over bf16's); a bf16 row with Transformer Engine's fused MoE token
+  permutation (`model.moe_permute_fusion`), whose log-probs should match bf16's (a
+  reordering). Results up to 2026-11-26 counted 6 x active parameters + attention, without
+  the output head: 0.80x this count at the 4-layer default, so 1.26x their MFU in it (the
+  H100's 1.4% is 1.8%);
 - fp8 drift against bf16 on the same batch and weights: mean and max |dlogp|, k3;
 - on-policy ratio: the update pass's logprobs against the scoring pass's (exactly 0 under
   current scaling);
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import sys
 import tempfile
 import time
@@ -45,12 +47,12 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bench.common import markdown_table, synced, time_fn, write_results  # noqa: E402
+from moe_rl.plan.flops import PEAK_BF16_TFLOPS, device_short_name, peak_bf16_flops, train_flops  # noqa: E402
 
 PRECISIONS = (("bf16", []), ("bf16, fused permutation", ["model.moe_permute_fusion=true"]),
               ("fp8 blockwise", ["model.fp8=hybrid", "model.fp8_recipe=blockwise"]),
               ("fp8 tensorwise", ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"]),
               ("fp8 delayed", ["model.fp8=hybrid", "model.fp8_recipe=delayed"]))
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0}  # dense, SXM datasheets
 
 
 def shape_overrides(layers: int, spec: str = "te") -> list[str]:
@@ -62,25 +64,9 @@ def shape_overrides(layers: int, spec: str = "te") -> list[str]:
             "model.moe_token_dispatcher_type=alltoall", "parallel.micro_batch_size=1"]
 
 
-def active_params(m: Any) -> int:
-    """Parameters a token passes through (no embedding / output layer)."""
-    h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
-    attn = h * (a + 2 * g) * d + a * d * h
-    experts = m.moe_router_topk * 3 * h * m.moe_ffn_hidden_size
-    return m.num_layers * (attn + h * m.num_experts + experts)
-
-
-def flops_per_token(m: Any, seq_len: int) -> float:
-    attention = 6 * m.num_layers * seq_len * m.num_attention_heads * m.kv_channels  # causal: half of 12
-    return 6 * active_params(m) + attention
-
-
 def peak_flops() -> float:
-    name = torch.cuda.get_device_name()
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return tflops * 1e12
-    return 989.0e12
+    """The GPU's dense bf16 peak (FLOP/s); an H100 SXM's for a GPU `moe_rl.plan.flops` lacks."""
+    return peak_bf16_flops(torch.cuda.get_device_name()) or PEAK_BF16_TFLOPS["H100"] * 1e12
 
 
 def bench_batch(batch_size: int, seq_len: int, vocab: int) -> tuple[Any, torch.Tensor]:
@@ -123,7 +109,7 @@ def run_precision(name: str, overrides: list[str], base: Path, layout: Any, batc
                      iters=iters)
     tokens = batch.batch_size * batch.seq_len
     out = {"precision": name, "step_s": timing["median_s"], "tokens_per_s": tokens / timing["median_s"],
-           "mfu": tokens * flops_per_token(cfg.model, batch.seq_len) / timing["median_s"] / peak_flops(),
+           "mfu": train_flops(cfg.model, [batch.seq_len] * batch.batch_size) / timing["median_s"] / peak_flops(),
            "on_policy_max_abs_dlogp": on_policy, "logp_BT": scored.logp_BT.float().cpu(),
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
     return out  # (the learner is freed by the caller's collection)
@@ -284,8 +270,7 @@ def main(part: str = "all", quick: bool = False, layers: int = 4, iters: int = 1
         raise SystemExit("bench_gpu --part learner needs Transformer Engine (transformer_engine.pytorch does not import)")
     init_distributed()
     batch, adv_B = bench_batch(2 if quick else 8, 1024 if quick else 2048, 32768)
-    device = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
-    short = next((k.lower() for k in PEAK_BF16_TFLOPS if k in torch.cuda.get_device_name()), device)
+    short = device_short_name(torch.cuda.get_device_name())
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as work, parallel_layout(_parallel(), seed=0) as layout:
         base = Path(work) / "base"
         learner = save_base(layout, base, spec)

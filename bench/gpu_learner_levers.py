@@ -24,7 +24,7 @@ blockwise on the fastest kept row (its speed over that row's: the issue's fp8 >=
 >= 64k tokens a step).
 
 Per row: median seconds of a timed `train_step` (`synced`, after one warm-up), tokens/s,
-model TFLOP/s and MFU by `train_flops` (megatron's throughput formula, every matmul: QKV and
+model TFLOP/s and MFU by `moe_rl.plan.flops.train_flops` (megatron's throughput formula, every matmul: QKV and
 output projections, causal attention scores and context, the router, the top-k experts'
 GEMMs, the output head over the vocabulary; forward + backward = 3x forward) over the GPU's
 dense bf16 peak, peak memory, and the on-policy max |dlogp| (the update pass's log-probs
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import re
 import sys
 import tempfile
 import time
@@ -57,10 +56,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bench.common import markdown_table, synced, time_fn, write_results  # noqa: E402
+from moe_rl.plan.flops import PEAK_BF16_TFLOPS, device_short_name, peak_bf16_flops, train_flops  # noqa: E402
 
 RECIPE = "examples/tiny_grpo.yaml"  # (its objective needs no router shift: the router-graph rows may run)
 COMMON = ["rl.capture_routing=false", "parallel.micro_batch_size=1"]
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0}  # dense, SXM datasheets
 SECTION = "## Settings ablation (bench/gpu_learner_levers.py)"
 
 
@@ -94,41 +93,16 @@ def levers(budget: int, gc_interval: int) -> list[Lever]:
     ]
 
 
-def train_flops(m: Any, seq_lens: list[int]) -> float:
-    """Model FLOPs of one training step over sequences of `seq_lens` tokens (megatron's
-    throughput formula, with the router's GEMM): per token and layer, forward, 2 FLOPs a
-    multiply-add: QKV 2h(a+2g)d, output projection 2adh, router 2hE, the top-k experts'
-    SwiGLU 2*3hfk (+ a shared expert's 2*3hf_s); a dense layer's MLP 2*3h*ffn instead of the
-    MoE; causal attention scores + context 2ad * s/2 each for an s-token sequence (megatron's
-    half of the square); once per token the output head 2hV. Training: 3x the forward."""
-    if m.multi_latent_attention:
-        raise ValueError("train_flops counts GQA attention; multi-latent attention is not counted")
-    h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
-    attn = 2 * h * (a + 2 * g) * d + 2 * a * d * h
-    moe = 2 * h * m.num_experts + 2 * 3 * h * m.moe_ffn_hidden_size * m.moe_router_topk
-    moe += 2 * 3 * h * m.moe_shared_expert_intermediate_size
-    dense = 2 * 3 * h * m.ffn_hidden_size
-    moe_layers = m.num_layers - m.num_dense_layers
-    per_token = m.num_layers * attn + moe_layers * moe + m.num_dense_layers * dense + 2 * h * m.vocab_size
-    tokens = sum(seq_lens)
-    core = sum(m.num_layers * 2 * (2 * a * d * s / 2) * s for s in seq_lens)  # scores + context, causal
-    return 3 * (per_token * tokens + core)
-
-
 def peak_flops() -> float | None:
-    """The GPU's dense bf16 peak (FLOP/s); None on CPU."""
+    """The GPU's dense bf16 peak (FLOP/s): an H100 SXM's for a GPU `moe_rl.plan.flops`
+    lacks; None on CPU."""
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((t for k, t in PEAK_BF16_TFLOPS.items() if k in name), 989.0) * 1e12
+    return peak_bf16_flops(torch.cuda.get_device_name()) or PEAK_BF16_TFLOPS["H100"] * 1e12
 
 
 def device_name() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name()
-    return next((k.lower() for k in PEAK_BF16_TFLOPS if k in name),
-                re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_"))
+    return device_short_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
 
 
 @dataclass

@@ -14,7 +14,6 @@ host list is a device-to-host wait), and the host ops whose kernels take the GPU
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from bench import bench_gpu  # noqa: E402
 from bench.common import markdown_table, synced, write_results  # noqa: E402
+from moe_rl.plan.flops import device_short_name  # noqa: E402
 
 TOP = 25
 
@@ -85,9 +85,7 @@ def profile(layers: int, steps: int, spec: str) -> None:
                                _rows(ops, "self_cpu_time_total", host_us * steps))
     table = summary + "\n" + gpu_table + "\n" + launch_table + "\n" + cpu_table
     print(table)
-    device = torch.cuda.get_device_name()
-    short = next((k.lower() for k in bench_gpu.PEAK_BF16_TFLOPS if k in device),
-                 re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
+    short = device_short_name(torch.cuda.get_device_name())
     notes = (f"`python -m bench.profile_gpu --layers {layers} --steps {steps} --spec {spec}`: torch.profiler over "
              f"{steps} bf16 train_steps of {batch.batch_size} x {batch.seq_len} tokens after 2 warm-up steps; "
              "times are totals over the profiled steps.")

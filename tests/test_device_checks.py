@@ -90,23 +90,25 @@ def test_learner_levers_dry_run_records_every_row(tmp_path):
     assert SECTION in learner_md and "| baseline: 1 sequence per micro-batch | ran |" in learner_md
 
 
-def test_learner_levers_flops_are_megatrons_formula_by_hand():
-    """`train_flops` at the default tiny shape (h 64, 4 heads / 2 groups of 32, 8 experts
-    top-2 of 64, vocab 128, 4 layers), counted by hand, forward per token and layer: QKV
-    2*64*8*32 = 32768, projection 2*4*32*64 = 16384, router 2*64*8 = 1024, experts
-    2*3*64*64*2 = 49152 (99328 in all), x 4 layers + head 2*64*128 = 16384: 413696; causal
-    attention per s-token sequence 4 layers * 2 * (2*4*32 * s/2) * s. Training 3x. At the
-    30B shape it is bench_gpu's count (6 x active parameters + attention) plus the head."""
-    from bench.bench_gpu import flops_per_token
-    from bench.gpu_learner_levers import train_flops
+def test_the_flop_count_is_megatrons_formula_by_hand():
+    """`moe_rl.plan.flops.train_flops` (what both GPU benchmarks and a run's perf/mfu_learner
+    count) at the default tiny shape (h 64, 4 heads / 2 groups of 32, 8 experts top-2 of 64,
+    vocab 128, 4 layers), counted by hand, forward per token and layer: QKV 2*64*8*32 =
+    32768, projection 2*4*32*64 = 16384, router 2*64*8 = 1024, experts 2*3*64*64*2 = 49152
+    (99328 in all), x 4 layers + head 2*64*128 = 16384: 413696; causal attention per s-token
+    sequence 4 layers * 2 * (2*4*32 * s/2) * s. Training 3x. At the 30B shape it is the
+    benchmark's former count (6 x active parameters + attention) plus the head."""
     from moe_rl.config import ModelConfig
+    from moe_rl.plan.flops import train_flops
 
     m = ModelConfig()
     assert train_flops(m, [16]) == 3 * (16 * 413696 + 4 * 2 * 2048 * 16) == 20_643_840
     assert train_flops(m, [16, 8]) == 3 * (24 * 413696 + 262144 + 65536) == 30_769_152
     big = ModelConfig(num_layers=4, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
                       num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768, vocab_size=32768)
-    assert train_flops(big, [2048] * 2) == 2 * 2048 * (flops_per_token(big, 2048) + 6 * 2048 * 32768)
+    active = 4 * (2048 * 40 * 128 + 32 * 128 * 2048 + 2048 * 128 + 8 * 3 * 2048 * 768)
+    former = 6 * active + 6 * 4 * 2048 * 32 * 128  # (per token at S = 2048)
+    assert train_flops(big, [2048] * 2) == 2 * 2048 * (former + 6 * 2048 * 32768)
 
 
 NO_TAPS = "rl.capture_routing=false"  # (a graphed router needs the routing taps off)

@@ -56,6 +56,7 @@ from moe_rl.learner.microbatch import (
     LossFn,
     MicroBatch,
     MicroBatchLoss,
+    PassWork,
     ScoreResult,
     UpdateResult,
     bins_needed,
@@ -256,7 +257,8 @@ class Learner:
         mbs = self._micro_batches(batch)
         self._num_microbatches = len(mbs)
         self._scoring = loss_fn is None
-        self._slots = [sum(mb.inp.slots for mb in mbs), sum(mb.inp.real_tokens for mb in mbs)]
+        self._slots = [sum(mb.inp.slots for mb in mbs), sum(mb.inp.real_tokens for mb in mbs),
+                       float((batch.tokens.total_lens_B.double() ** 2).sum())]
         forward_backward = get_forward_backward_func()
         with self.head.learner_pass():
             return forward_backward(
@@ -309,20 +311,23 @@ class Learner:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
         metrics["skipped_in_a_row_max"] = float(self.skipped_in_a_row)  # (max over a step's updates: a streak only grows within it)
-        metrics.update(self._throughput(time.perf_counter() - t0))
+        throughput, work = self._throughput(time.perf_counter() - t0)
+        metrics.update(throughput)
         manual_gc.tick(self.parallel_cfg.manual_gc_interval)  # (after the timing: parallel.manual_gc_interval)
-        return UpdateResult(metrics, logp, record)
+        return UpdateResult(metrics, logp, record, work)
 
-    def _throughput(self, seconds: float) -> dict[str, float]:
+    def _throughput(self, seconds: float) -> tuple[dict[str, float], PassWork]:
         """The last pass's token slots: padding fraction and real tokens per second over
-        every data-parallel rank (one small all-reduce), and this rank's micro-batches."""
+        every data-parallel rank (one small all-reduce), and this rank's micro-batches; and
+        the pass's work (real tokens, squared sequence lengths, seconds) for the program's
+        perf/* metrics."""
         slots = torch.tensor(self._slots, dtype=torch.float64)
         if self.layout.dp > 1:
             all_reduce_(slots, group=ps.get_data_parallel_group())
-        total, real = slots.tolist()
-        return {"pad_frac": (total - real) / total if total else 0.0,
-                "tokens_per_s": real / seconds if seconds > 0 else 0.0,
-                "microbatches": float(self._num_microbatches)}
+        total, real, squares = slots.tolist()
+        return ({"pad_frac": (total - real) / total if total else 0.0,
+                 "tokens_per_s": real / seconds if seconds > 0 else 0.0,
+                 "microbatches": float(self._num_microbatches)}, PassWork(real, squares, seconds))
 
     def _gradients(self, batch: StepBatch, loss_fn: LossFn, plan: RoutingPlan | None,
                    temperature: float) -> tuple[dict[str, float], torch.Tensor, RoutingRecord | None]:

@@ -216,6 +216,22 @@ OPTIMIZER_METRICS = ("grad_norm", "lr", "update_skipped", "skipped_in_a_row_max"
 it was skipped (a NaN or inf loss or gradient) and the updates skipped in a row so far."""
 
 
+@dataclass(frozen=True)
+class PassWork:
+    """What learner passes processed, over every data-parallel rank: what a program's
+    throughput and MFU metrics are computed from (`moe_rl.plan.flops`). Passes add up."""
+
+    tokens: float = 0.0
+    """Real tokens, prompt and response (no right, alignment or row padding)."""
+    squares: float = 0.0
+    """Sum of each sequence's squared real length (what causal attention's cost grows with)."""
+    seconds: float = 0.0
+    """Wall seconds of the passes (an update's: forward, backward and the optimizer step)."""
+
+    def __add__(self, other: PassWork) -> PassWork:
+        return PassWork(self.tokens + other.tokens, self.squares + other.squares, self.seconds + other.seconds)
+
+
 @dataclass
 class UpdateResult:
     """One optimizer update: its metrics, and what its forward computed before the update
@@ -227,6 +243,8 @@ class UpdateResult:
     """[b, T] fp32 logprobs of the batch's rows under the weights before the update."""
     record: RoutingRecord | None = None
     """This rank's routing record of the update's forward, when the plan captured it."""
+    work: PassWork = field(default_factory=PassWork)
+    """The update's tokens and seconds over every data-parallel rank (the same on every rank)."""
 
 
 class ForwardHooks:

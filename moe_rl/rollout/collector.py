@@ -260,7 +260,7 @@ class RolloutCollector:
             rollout = Rollout(None, torch.zeros(0), [], plan.stats)
         else:
             rollout = Rollout(*pack_rows(rows, plan, self.cfg, self.pad_id), stats=plan.stats)
-        rollout.stats.update(self._engine_stats(public.engine_seconds))
+        rollout.stats.update(self._engine_stats(public.engine_seconds, drawn))
         rollout.stats["reward/timeouts"] = float(public.reward_timeouts)
         rollout.stats["rollout/engine_restarts"] = float(restarts)
         rollout.stats.update({"time/learner_wait": self.learner_wait, "time/engine_wait": public.engine_wait})
@@ -288,7 +288,7 @@ class RolloutCollector:
               timer: StepTimer) -> tuple[list[GroupSummary], dict[int, ScoredGroup], list[float], int]:
         """One draw of `prompts_per_step` problems, G responses each, scored: this engine's
         block sampled here and kept (by prompt index) on its leader; every group's summary
-        gathered to every engine rank, with each engine's sampling seconds, and the number
+        gathered to every engine rank, with each engine's generation seconds, and the number
         of rewards cut at task.reward_timeout_s over the engines."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         problems = self.problems(step, draw)
@@ -300,6 +300,7 @@ class RolloutCollector:
             ro = self._generate(f"generating step {step}", prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
                                 temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
                                 prompt_seeds=[seeds[i] for i in share])
+        sample_seconds = time.perf_counter() - t0  # (generation alone, as segmented decoding counts it)
         with timer.phase("reward"):
             texts = [self.tok.decode(r) for r in ro.response_token_ids]
             scores = self.task.score([problems[share[i]] for i in ro.prompt_index], texts)
@@ -310,7 +311,6 @@ class RolloutCollector:
             mine[share[i]] = ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
                                          ro.finish_reasons[sl],
                                          ro.routed_experts[sl] if ro.routed_experts is not None else None, version)
-        sample_seconds = time.perf_counter() - t0
         with timer.phase("gather"):
             parts = self.placement.gather_engines(([g.summary() for g in mine.values()], sample_seconds,
                                                    scores.timeouts), self._engines_group)
@@ -413,11 +413,22 @@ class RolloutCollector:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _engine_stats(self, engine_seconds: list[list[float]]) -> dict[str, float]:
-        per_engine = np.sum(np.array(engine_seconds), axis=0)  # over draws
+    def _engine_stats(self, engine_seconds: list[list[float]], drawn: list[list[GroupSummary]]) -> dict[str, float]:
+        """Each engine's generation seconds over the step's draws (the slowest and the fastest
+        engine), and the engines' throughput (docs/step.md, "Throughput"): the response tokens
+        of every group drawn (dynamic sampling's discarded groups too: they were generated)
+        over each draw's slowest engine's seconds, summed (what the step waits for), and the
+        engines' GPUs (processes on CPU)."""
+        seconds_DE = np.array(engine_seconds)
+        per_engine = seconds_DE.sum(axis=0)  # over draws
+        tokens = float(sum(sum(g.response_lens) for draw in drawn for g in draw))
+        waited = float(seconds_DE.max(axis=1).sum())
+        gpus = self.placement.engines * self.placement.ranks_per_engine
         return {"sampler/engines": float(self.placement.engines),
                 "sampler/sample_seconds_max": float(per_engine.max()),
-                "sampler/sample_seconds_min": float(per_engine.min())}
+                "sampler/sample_seconds_min": float(per_engine.min()),
+                "perf/engine_tokens": tokens,
+                "perf/engine_tokens_per_s_per_gpu": tokens / waited / gpus if waited > 0 else 0.0}
 
     def _wake(self) -> None:
         wake = getattr(self.sampler, "wake_up", None)

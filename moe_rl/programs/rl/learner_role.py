@@ -200,10 +200,18 @@ class LearnerRole(Program):
         }
 
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        """The bar's figures: reward, routing, clipping, mismatch, the step's seconds and the
+        throughput per GPU of the engines and the learner (with its MFU on a GPU)."""
         keys = [("reward", "reward/mean"), ("gamma", "routing/gamma_mean"), ("flip", "routing/flip_rate_mean"),
                 ("clip", "policy/clip_frac"), ("k3", "mismatch/k3"), ("s/step", "time/step")]
         # (the learner's own metrics are logged as learner/loss, learner/grad_norm, learner/lr)
-        return {short: f"{metrics[k]:.3g}" for short, k in keys if k in metrics}
+        out = {short: f"{metrics[k]:.3g}" for short, k in keys if k in metrics}
+        rates = [("gen tok/s/gpu", "perf/engine_tokens_per_s_per_gpu"),
+                 ("train tok/s/gpu", "perf/learner_tokens_per_s_per_gpu")]
+        out.update({short: f"{metrics[k]:.0f}" for short, k in rates if k in metrics})
+        if "perf/mfu_learner" in metrics:
+            out["mfu"] = f"{metrics['perf/mfu_learner']:.1%}"
+        return out
 
     def close(self) -> None:
         """Release the sampler and the layout."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from moe_rl.config import Config
 from moe_rl.programs.rl.policy_loss import PolicyLossFn, minibatch_rows, shuffle_seed
+from moe_rl.programs.rl.throughput import device_peak, learner_perf
 from moe_rl.runtime.metrics import combine
 from moe_rl.step_batch import StepBatch
 
@@ -28,6 +29,7 @@ class UpdatePhase:
     def __init__(self, cfg: Config, learner: Any, components: list[Any], dp: int, rank: int) -> None:
         self.cfg, self.learner, self.components, self.dp, self.rank = cfg, learner, components, dp, rank
         self._said_fewer_updates = False
+        self._peak = device_peak()
 
     def actor_trains(self, step: int) -> bool:
         """False during a component's warm-up (PPO's critic: the first `critic.warmup_steps`)."""
@@ -64,12 +66,15 @@ class UpdatePhase:
         loss_fn = PolicyLossFn(cfg, on_policy=batch.old_logp_BT is None)
         plan = self.learner.routing_plan(cfg.rl.replay if batch.old_logp_BT is not None else "none", batch,
                                          capture=cfg.rl.records_routing)
-        updates = []
+        updates, works = [], []
         for rows in minibatches:
             result = self.learner.update(batch.take(rows), loss_fn, plan, cfg.sampler.temperature)
             if batch.old_logp_BT is None:
                 batch = batch.scored(result.logp_BT, result.record)
             updates.append({k if "/" in k else f"learner/{k}": v for k, v in result.metrics.items()})
+            works.append(result.work)
         metrics = combine(updates)
         metrics["policy/updates"] = float(len(updates))
+        layout = self.learner.layout
+        metrics.update(learner_perf(cfg.model, works, layout.tp * layout.pp * layout.dp, self._peak))
         return metrics, batch
