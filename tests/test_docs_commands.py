@@ -68,12 +68,12 @@ NOT_RUN_AS_WRITTEN = {
     "tools/gpu/lease.sh": "installs and runs on a lent GPU machine: the script's --help runs",
     "vllm": "serves a model on CUDA GPUs: the vllm executable is in the venv",
 }
-SLOW = ("Qwen3-235B-A22B", "GLM-4.5-Air")  # plans of the large models: 10-20 s each on 2 cores
-# Programs whose documented commands run as written, every selected one of them in ONE child
-# process (tests/workers/doc_commands_worker.py: each command's own main(argv) in turn, from
 # Recipes whose documented commands tests/test_hf_recipes.py runs as written for 2 real steps
 # (stand-ins for their paths, test-sized batches), which a --check here would only repeat.
 RUN_FOR_REAL = frozenset({"examples/hf_sft.yaml", "examples/hf_dpo.yaml", "examples/hf_rm.yaml", "examples/hf_ppo.yaml"})
+SLOW = ("Qwen3-235B-A22B", "GLM-4.5-Air")  # plans of the large models: 10-20 s each on 2 cores
+# Programs whose documented commands run as written, every selected one of them in ONE child
+# process (tests/workers/doc_commands_worker.py: each command's own main(argv) in turn, from
 # the repository root with the venv first on PATH), not one interpreter start-up (torch,
 # megatron: ~4 s) per command; the planner's meta-device builds are cached across its
 # commands too. Not this process: the planner joins a fake process group, which a pytest
