@@ -31,11 +31,17 @@ from typing import NoReturn, TypeVar
 
 from moe_rl.checkpoints.errors import CheckpointError
 from moe_rl.config import Config, ConfigError, describe
-from moe_rl.runtime.failures import RUN_FAULT, RunFaultError, causes, disk_full, lost_peer
+from moe_rl.runtime.failures import (
+    USER_ERROR,
+    RunFaultError,
+    causes,
+    disk_full,
+    exit_status,
+    lost_peer,
+)
 from moe_rl.runtime.failures import describe as describe_error
 
 T = TypeVar("T")
-USER_ERROR, INTERNAL_ERROR = 2, 1
 
 
 def add_debug_flag(ap: argparse.ArgumentParser) -> None:
@@ -135,17 +141,6 @@ def _debugging(flag: bool) -> bool:
     return flag or os.environ.get("MOE_RL_DEBUG") == "1"
 
 
-def _is_user_error(e: BaseException) -> bool:
-    """Errors about the user's input or machine, as opposed to bugs: our own error types,
-    ValueError / OSError (bad values, missing or unwritable files), safetensors' and torch
-    DCP's / megatron's checkpoint errors (a damaged or mismatched checkpoint)."""
-    if isinstance(e, ConfigError | CheckpointError | ValueError | OSError):
-        return True
-    name, module = type(e).__name__, type(e).__module__
-    return name in ("SafetensorError", "CheckpointException", "CheckpointingException") or module.startswith(
-        ("safetensors", "torch.distributed.checkpoint", "megatron.core.dist_checkpointing"))
-
-
 def error_line(prog: str, e: BaseException) -> tuple[str, int]:
     """The one line printed for `e`, and the exit status. Our own errors already say what
     happened; a full disk is named as such whatever error reported it."""
@@ -153,15 +148,16 @@ def error_line(prog: str, e: BaseException) -> tuple[str, int]:
         where = next((c.filename for c in causes(e) if getattr(c, "filename", None)), None)
         return (f"{prog}: error: disk full{f' writing {where}' if where else ''}: free space there or write "
                 "elsewhere (run.output_dir / --out / --dst)", USER_ERROR)
+    status = exit_status(e)
     if isinstance(e, RunFaultError):
-        return f"{prog}: error: {e}", RUN_FAULT
+        return f"{prog}: error: {e}", status
     if lost_peer(e):
         return (f"{prog}: error: another rank of this job ended while this one waited for it ({describe_error(e)}); "
                 "its own line or torchrun's report above names why; the latest checkpoint stays valid "
-                "(run.resume=true continues from it)", RUN_FAULT)
-    if _is_user_error(e):
-        return f"{prog}: error: {describe_error(e)}", USER_ERROR
-    return f"{prog}: internal error: {describe_error(e)} (rerun with --debug for the traceback)", INTERNAL_ERROR
+                "(run.resume=true continues from it)", status)
+    if status == USER_ERROR:
+        return f"{prog}: error: {describe_error(e)}", status
+    return f"{prog}: internal error: {describe_error(e)} (rerun with --debug for the traceback)", status
 
 
 def run_guarded(prog: str, fn: Callable[[], T], *, debug: bool = False) -> T | int:

@@ -14,8 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
-RUN_FAULT = 3
-"""Exit status of a run ended by a `RunFaultError` (2 is the user's input, 1 a bug)."""
+INTERNAL_ERROR, USER_ERROR, RUN_FAULT = 1, 2, 3
+"""Exit statuses: a bug; the user's input or machine (config, files, checkpoints, a full
+disk); a fault met while training (`RunFaultError`, a rank of the job that ended)."""
 
 
 class RunFaultError(RuntimeError):
@@ -121,3 +122,28 @@ def lost_peer(exc: BaseException) -> bool:
     reset connection, NCCL's remote exit)? This rank's failure is then a consequence, not
     the cause: the rank that ended, or torchrun, reports the cause."""
     return any(isinstance(e, RuntimeError | OSError) and any(m in str(e) for m in _PEER_GONE) for e in causes(exc))
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Errors about the user's input or machine, as opposed to bugs: our own error types,
+    ValueError / OSError (bad values, missing or unwritable files), safetensors' and torch
+    DCP's / megatron's checkpoint errors (a damaged or mismatched checkpoint)."""
+    from moe_rl.checkpoints.errors import CheckpointError
+
+    if isinstance(exc, CheckpointError | ValueError | OSError):  # (ConfigError is a ValueError)
+        return True
+    name, module = type(exc).__name__, type(exc).__module__
+    return name in ("SafetensorError", "CheckpointException", "CheckpointingException") or module.startswith(
+        ("safetensors", "torch.distributed.checkpoint", "megatron.core.dist_checkpointing"))
+
+
+def exit_status(exc: BaseException) -> int:
+    """The status a program leaves with after `exc` (the command-line programs' one line,
+    `moe_rl.cli.error_line`, and what an experiment tracker records)."""
+    from moe_rl.checkpoints.errors import CheckpointError
+
+    if not isinstance(exc, ValueError | CheckpointError) and disk_full(exc):
+        return USER_ERROR
+    if isinstance(exc, RunFaultError) or lost_peer(exc):
+        return RUN_FAULT
+    return USER_ERROR if is_user_error(exc) else INTERNAL_ERROR

@@ -64,9 +64,9 @@ def exit_code(error: BaseException | None) -> int:
         return error.code if isinstance(error.code, int) else int(error.code is not None)
     if isinstance(error, KeyboardInterrupt):
         return 130
-    from moe_rl.cli import error_line
+    from moe_rl.runtime.failures import exit_status
 
-    return error_line("", error)[1]  # (2: the user's input, 3: a fault met while training, 1: a bug)
+    return exit_status(error)  # (2: the user's input, 3: a fault met while training, 1: a bug)
 
 
 class WandbRun:
