@@ -156,6 +156,7 @@ def parallel_layout(cfg: ParallelConfig, seed: int = 1234) -> Iterator[Layout]:
 
     world = dist.get_world_size()
     validate_layout(Config(parallel=cfg), world)
+    before = set(dist.distributed_c10d._world.pg_map)  # (megatron's groups are those added by its initialisation)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
@@ -165,6 +166,7 @@ def parallel_layout(cfg: ParallelConfig, seed: int = 1234) -> Iterator[Layout]:
     # megatron's schedules consult a global "rerun state machine" (fault-injection /
     # result-validation replays); owned here, disabled, and torn down with the layout.
     rerun.initialize_rerun_state_machine(mode=rerun.RerunMode.DISABLED)
+    megatrons = [g for g in dist.distributed_c10d._world.pg_map if g not in before]
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         _layout_seed[:] = [seed]
@@ -184,6 +186,20 @@ def parallel_layout(cfg: ParallelConfig, seed: int = 1234) -> Iterator[Layout]:
         _layout_seed.clear()
         ps.destroy_model_parallel()
         rerun.destroy_rerun_state_machine()
+        _destroy_groups(megatrons)
+
+
+def _destroy_groups(groups: list) -> None:
+    """Destroy the process groups megatron created for the layout: `destroy_model_parallel`
+    only forgets them, while torch keeps every group (and each gloo group's transport
+    threads, which poll) until it is destroyed; a process that enters many layouts (the
+    tests, a tool) piled up 51 threads per layout, which took CPU from everything else.
+    Only megatron's own groups, and only those of the world installed now (another world
+    swapped in, `moe_rl.runtime.worlds`, keeps its own)."""
+    live = dist.distributed_c10d._world.pg_map
+    for group in groups:
+        if group in live:
+            dist.destroy_process_group(group)
 
 
 _layout_seed: list[int] = []  # the active layout's seed
