@@ -8,7 +8,8 @@
 Tasks: `reverse`, `sort`, `add` (synthetic, see `synthetic.py` for the formats), `repeat`
 (the same format, with a long tail of answer lengths under `task.length_profile=long_tail`;
 see `repeat.py`), `dataset` (a user's JSONL/Parquet file, `task.data_path`, rewards from
-`rewards.py`; see `dataset.py`; `math_jsonl` is its older name). The shipped tokenizer is in
+`rewards.py`; see `dataset.py`; `math_jsonl` is its older name), `calculator` (chat: long
+sums with an `add` tool; see `calculator.py`). The shipped tokenizer is in
 `tokenizer.py` (import it from there; it is not re-exported so `python -m
 moe_rl.tasks.tokenizer` runs cleanly).
 """
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 from moe_rl.config.errors import ConfigError
 from moe_rl.runtime.registry import Registry
 from moe_rl.tasks.base import Problem, Task, sft_examples
+from moe_rl.tasks.calculator import CalculatorTask
 from moe_rl.tasks.dataset import DatasetTask
 from moe_rl.tasks.repeat import RepeatTask
 from moe_rl.tasks.synthetic import AddTask, ReverseTask, SortTask
@@ -60,7 +62,7 @@ def tasks_with_profile(profile: str) -> list[str]:
     return [name for name, cls in owners.items() if profile in getattr(cls, "length_profiles", ())]
 
 
-for _task in (ReverseTask, SortTask, AddTask, RepeatTask):
+for _task in (ReverseTask, SortTask, AddTask, RepeatTask, CalculatorTask):
     register_task(_task.name, _task.from_config)
 register_task("math_jsonl", DatasetTask.from_config)  # the older name (same format, now strict)
 register_task(DatasetTask.name, TASKS["math_jsonl"])
@@ -68,6 +70,7 @@ register_task(DatasetTask.name, TASKS["math_jsonl"])
 __all__ = [
     "TASKS",
     "AddTask",
+    "CalculatorTask",
     "DatasetTask",
     "Problem",
     "RepeatTask",
