@@ -26,6 +26,7 @@ setup(
         "moe_rl.assets.long_tail_base": ["*", ".*"],  # the long-tail workload's (task repeat) base
         "moe_rl.tasks.assets": ["*.model"],  # the tiny task's SentencePiece tokenizer
         "moe_rl.assets.preferences": ["*.jsonl"],  # the DPO demo's preference pairs
+        "moe_rl.assets.tool_tokenizer": ["*.json", "*.jinja"],  # the tool task's BPE tokenizer and chat template
     },
     install_requires=[
         # torch is installed first by the Makefile (2.13.0 CPU build here); GPU machines

@@ -8,6 +8,12 @@ touching real tokens. Response token j of sequence b sits at absolute position
 Response-aligned tensors (`[B, T]`: logprobs, masks, advantages) index responses from 0;
 `T` is the response width (the longest response, or a fixed width such as the sampler's
 `max_new_tokens` so shapes stay equal across steps).
+
+Multi-turn episodes (`moe_rl.rollout.episodes`): the "response" is everything after the
+prompt, the policy's turns and the environment's observations (tool results, user turns)
+between them. `observed_BT` marks the observation tokens: they are fed, attended to and
+routed like any other, but the policy did not sample them, so `response_mask` (what every
+loss, log-prob and statistic counts) leaves them out; `span_mask` keeps them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ class TokenBatch:
     """[B] int64 response lengths (0 allowed: the sequence then contributes nothing)."""
     response_width: int
     """T: width of response-aligned tensors; >= every response length."""
+    observed_BT: torch.Tensor | None = None
+    """[B, T] bool: response-side tokens the environment put there (tool results, user
+    turns of a multi-turn episode), not sampled by the policy. None: there are none."""
 
     def __post_init__(self) -> None:
         B = self.tokens_BS.shape[0]
@@ -48,6 +57,10 @@ class TokenBatch:
                 f"response_width={self.response_width} is shorter than the longest response "
                 f"({int(self.response_lens_B.max())})"
             )
+        if self.observed_BT is not None and (self.observed_BT.shape != (B, self.response_width)
+                                             or self.observed_BT.dtype != torch.bool):
+            raise ValueError(f"observed_BT must be a bool [{B}, {self.response_width}] tensor, got "
+                             f"{self.observed_BT.dtype} {tuple(self.observed_BT.shape)}")
 
     @property
     def batch_size(self) -> int:
@@ -64,12 +77,21 @@ class TokenBatch:
     def to(self, device: torch.device | str) -> TokenBatch:
         """The same batch with its tensors on `device`."""
         return TokenBatch(self.tokens_BS.to(device), self.prompt_lens_B.to(device),
-                          self.response_lens_B.to(device), self.response_width)
+                          self.response_lens_B.to(device), self.response_width,
+                          None if self.observed_BT is None else self.observed_BT.to(device))
 
-    def response_mask(self) -> torch.Tensor:
-        """[B, T] bool: True where a response token exists."""
+    def span_mask(self) -> torch.Tensor:
+        """[B, T] bool: True where a response-side token exists (the policy's or an observation)."""
         j = torch.arange(self.response_width, device=self.tokens_BS.device)
         return j[None, :] < self.response_lens_B[:, None]
+
+    def response_mask(self) -> torch.Tensor:
+        """[B, T] bool: True at the tokens the policy sampled, the ones every loss, log-prob and
+        statistic counts (`span_mask` without the observations of a multi-turn episode)."""
+        span = self.span_mask()
+        if self.observed_BT is None:
+            return span
+        return span & ~self.observed_BT.to(span.device)
 
     def scoring_positions(self) -> torch.Tensor:
         """[B, T] int64: the position whose logits (and routing) score each response token,
@@ -79,17 +101,21 @@ class TokenBatch:
         return (self.prompt_lens_B[:, None] - 1 + j[None, :]).clamp(min=0, max=self.seq_len - 1)
 
     def scored_positions(self) -> torch.Tensor:
-        """[B, S] bool: True at the positions whose logits score a response token
-        (prompt_len - 1 ... prompt_len + response_len - 2)."""
+        """[B, S] bool: True at the positions whose logits score a token the policy sampled
+        (prompt_len - 1 ... prompt_len + response_len - 2, less the observations')."""
         s = torch.arange(self.seq_len, device=self.tokens_BS.device)[None, :]
         lo = (self.prompt_lens_B - 1)[:, None]
-        return (s >= lo) & (s < lo + self.response_lens_B[:, None])
+        out = (s >= lo) & (s < lo + self.response_lens_B[:, None])
+        if self.observed_BT is not None:
+            j = (s - lo).clamp(min=0, max=self.response_width - 1)
+            out &= ~self.observed_BT.to(out.device).gather(1, j)
+        return out
 
     def response_tokens(self) -> torch.Tensor:
         """[B, T] int64 response token ids (pad positions hold 0): each sits one position
         after the one that scores it."""
         idx = (self.scoring_positions() + 1).clamp(max=self.seq_len - 1)
-        return torch.where(self.response_mask(), self.tokens_BS.gather(1, idx), 0)
+        return torch.where(self.span_mask(), self.tokens_BS.gather(1, idx), 0)
 
     def select(self, index: torch.Tensor | slice) -> TokenBatch:
         """Sub-batch of the given rows (same S and T)."""
@@ -98,6 +124,7 @@ class TokenBatch:
             self.prompt_lens_B[index],
             self.response_lens_B[index],
             self.response_width,
+            None if self.observed_BT is None else self.observed_BT[index],
         )
 
     @staticmethod
@@ -108,9 +135,11 @@ class TokenBatch:
         response_width: int | None = None,
         seq_multiple: int = 1,
         min_seq_len: int = 1,
+        observed: Sequence[Sequence[bool]] | None = None,
     ) -> TokenBatch:
         """Pack token lists; S is at least `min_seq_len` (a width shared with other ranks'
-        rows) and rounded up to `seq_multiple` (e.g. the TP size)."""
+        rows) and rounded up to `seq_multiple` (e.g. the TP size). `observed`: per response,
+        which of its tokens are an environment's observations (None: none are)."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
@@ -123,11 +152,19 @@ class TokenBatch:
         width = max((len(r) for r in responses), default=0)
         if response_width is not None:
             width = response_width
+        observed_BT = None
+        if observed is not None:
+            observed_BT = torch.zeros(len(prompts), width, dtype=torch.bool)
+            for b, (flags, r) in enumerate(zip(observed, responses)):
+                if len(flags) != len(r):
+                    raise ValueError(f"row {b}: {len(flags)} observation flags for {len(r)} response tokens")
+                observed_BT[b, : len(flags)] = torch.tensor(list(flags), dtype=torch.bool)
         return TokenBatch(
             tokens,
             torch.tensor([len(p) for p in prompts], dtype=torch.long),
             torch.tensor([len(r) for r in responses], dtype=torch.long),
             width,
+            observed_BT,
         )
 
 

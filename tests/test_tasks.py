@@ -29,7 +29,7 @@ GARBAGE = ["", "   ", "</s>", "<pad>", "\x00\xff\n", "⁇ ⁇", "rev 48213 =", N
 
 
 def test_registry_names_and_default_task():
-    assert set(TASKS) == {"reverse", "sort", "add", "repeat", "math_jsonl", "dataset"}
+    assert set(TASKS) == {"reverse", "sort", "add", "repeat", "calculator", "math_jsonl", "dataset"}
     task = make_task(TaskConfig())
     assert isinstance(task, ReverseTask)
     assert (task.min_digits, task.max_digits) == (4, 6)
@@ -38,7 +38,7 @@ def test_registry_names_and_default_task():
 
 def test_unknown_task_lists_valid_names():
     with pytest.raises(
-        ValueError, match=r"unknown task 'revers'; valid names: reverse, sort, add, repeat, math_jsonl, dataset"
+        ValueError, match=r"unknown task 'revers'; valid names: reverse, sort, add, repeat, calculator, math_jsonl, dataset"
     ):
         make_task(TaskConfig(name="revers"))
 

@@ -179,6 +179,16 @@ class RLConfig:
     inflight_push_after_segments: int = 1
     """rl.async_schedule=deterministic: segments of the next batch decoded under the old
     weights before the engine takes the new ones (0: at once, the synchronous policy)."""
+    max_turns: int = 1
+    """Assistant turns per episode. 1: one prompt, one response (no environment). More: a
+    multi-turn episode (`moe_rl.rollout.episodes`): after each turn the task's environment
+    answers (tool results, a user turn) and the policy goes on, until the environment says
+    it is done or a limit is reached; sampler.max_new_tokens is then the whole episode's
+    budget after the prompt (turns and observations), the row's width. Needs a chat template."""
+    max_turn_tokens: int = 0
+    """Multi-turn: tokens one assistant turn may take (0: what is left of the episode's
+    budget). A turn cut at a limit ends its episode (scored as it is, counted in
+    rollout/truncated_frac)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; >0 keeps a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -200,6 +210,11 @@ class RLConfig:
     capture_routing: bool = True
     """Record per-layer top-k ids and log routing probabilities in the old-logprob pass
     (needed by rspo and the routing statistics)."""
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes of several turns with an environment (`moe_rl.rollout.episodes`)."""
+        return self.max_turns > 1
 
     @property
     def segmented(self) -> bool:

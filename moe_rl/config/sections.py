@@ -112,8 +112,9 @@ class TaskConfig:
     """Where prompts and rewards come from, and how prompts become token ids."""
 
     name: str = "reverse"
-    """Task name from moe_rl.tasks.TASKS: the synthetic reverse/sort/add/repeat, `dataset` (a JSONL
-    or Parquet file of prompts, `data_path`; `math_jsonl` is its older name)."""
+    """Task name from moe_rl.tasks.TASKS: the synthetic reverse/sort/add/repeat, `calculator`
+    (long additions with an `add` tool: multi-turn, rl.max_turns > 1), `dataset` (a JSONL or
+    Parquet file of prompts, `data_path`; `math_jsonl` is its older name)."""
     data_path: str = ""
     """The training prompts of file-backed tasks (.jsonl or .parquet), relative to the working
     directory. A path starting with moe_rl/ that does not exist there names a file shipped
@@ -155,6 +156,18 @@ class TaskConfig:
     apply_chat_template(messages, add_generation_prompt=True) makes them."""
     system_prompt: str = ""
     """A system message put before every prompt when a chat template is applied."""
+    environment: str = ""
+    """Multi-turn episodes (rl.max_turns > 1): a user's environment class `module.path:Class`
+    (a subclass of moe_rl.tasks.environment.Environment). "": the tool environment, which
+    runs the task's own tools and task.tools and scores the last turn with the verifier."""
+    tools: tuple[str, ...] = ()
+    """Multi-turn: further tools offered to the model, as `module.path:function` (plain
+    functions with type hints and a Google-style docstring: their JSON schemas go through the
+    chat template)."""
+    tool_parser: str = "auto"
+    """How the model writes tool calls: hermes (Qwen2.5 / Qwen3 `<tool_call>{json}</tool_call>`,
+    the shipped tool base), glm45 (GLM-4.5 `<arg_key>` / `<arg_value>`), or auto (read off
+    the chat template)."""
     reward_timeout_s: float = 60.0
     """Dataset: seconds one response's reward (math-verify or a user function) may take; one
     that runs longer is cut, scores 0.0 and is counted in reward/timeouts. Rewards run in a

@@ -150,9 +150,26 @@ def validate_rl(cfg: Config) -> None:
                           "separate engines or rl.max_staleness > 0 leave it false")
     if rl.segmented:
         _validate_segmented(cfg)
+    if rl.max_turns < 1 or rl.max_turn_tokens < 0:
+        raise ConfigError(f"rl.max_turns must be >= 1 and rl.max_turn_tokens >= 0, got {rl.max_turns} and "
+                          f"{rl.max_turn_tokens}")
+    if rl.multi_turn:
+        _validate_multi_turn(cfg)
     if rl.max_staleness and rl.rollout_correction == "none":
         raise ConfigError(f"rl.max_staleness={rl.max_staleness} trains on batches sampled by an older policy: set "
                           "rl.rollout_correction (tis, mis or icepop) to correct for the sampler-learner gap")
+
+
+def _validate_multi_turn(cfg: Config) -> None:
+    rl, t = cfg.rl, cfg.task
+    if t.chat_template == "none":
+        raise ConfigError(f"rl.max_turns={rl.max_turns} needs a chat template (tools, tool results and turns are "
+                          "rendered by it); set task.chat_template=auto with a tokenizer that has one, or a .jinja file")
+    if rl.uses_critic:
+        raise ConfigError(f"rl.max_turns={rl.max_turns} is not implemented with rl.advantage={rl.advantage} (a "
+                          "critic's values over observation tokens are undefined here); use a group estimator")
+    if t.tool_parser != "auto" and t.tool_parser not in ("hermes", "glm45"):
+        raise ConfigError(f"task.tool_parser={t.tool_parser}: use auto, hermes or glm45")
 
 
 def _validate_segmented(cfg: Config) -> None:
@@ -321,6 +338,9 @@ def validate_task(t: Any) -> None:
         raise ConfigError(f"task.reward={t.reward!r}: expected 'math' or a function 'module.path:function'")
     if t.chat_template not in ("auto", "none") and not t.chat_template.endswith(".jinja"):
         raise ConfigError(f"task.chat_template={t.chat_template!r}: expected auto, none or a .jinja file")
+    for field, spec in [("task.environment", t.environment)] + [("task.tools", x) for x in t.tools]:
+        if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
+            raise ConfigError(f"{field}={spec!r}: expected 'module.path:name'")
     for key in ("prompt_key", "messages_key", "answer_key", "metadata_key"):
         if not getattr(t, key):
             raise ConfigError(f"task.{key} must not be empty")

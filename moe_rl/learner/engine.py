@@ -168,7 +168,7 @@ class Learner:
         """This rank's rows in micro-batches, as many as on every other data-parallel rank,
         each carrying the pass's global counts (one small all-reduce of each over DP) and
         its model input (packed or padded, `model_input`)."""
-        lens = batch.tokens.response_lens_B
+        lens = batch.tokens.response_mask().sum(1)  # (the policy's tokens; an episode's observations are not)
         counts = torch.tensor([float(lens.sum()), float((lens > 0).sum()), float(batch.batch_size)],
                               dtype=torch.float64)
         most = torch.tensor([batch.batch_size], dtype=torch.int64)

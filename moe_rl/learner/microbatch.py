@@ -45,7 +45,7 @@ class BatchTotals:
     @staticmethod
     def of(batch: TokenBatch) -> BatchTotals:
         """The counts of `batch` alone (one rank's share of a pass)."""
-        lens = batch.response_lens_B
+        lens = batch.response_mask().sum(1)  # (the policy's tokens: an episode's observations are not trained on)
         return BatchTotals(float(lens.sum()), float((lens > 0).sum()), float(batch.batch_size))
 
 
@@ -170,7 +170,8 @@ def pad_rows(batch: StepBatch, rows: int, seq_len: int) -> StepBatch:
     tokens_BS = t.tokens_BS.new_zeros((rows, seq_len))
     tokens_BS[:b, : t.seq_len] = t.tokens_BS
     tokens = TokenBatch(tokens_BS, torch.cat([t.prompt_lens_B, t.prompt_lens_B.new_ones(extra)]),
-                        torch.cat([t.response_lens_B, t.response_lens_B.new_zeros(extra)]), t.response_width)
+                        torch.cat([t.response_lens_B, t.response_lens_B.new_zeros(extra)]), t.response_width,
+                        None if t.observed_BT is None else torch.cat([t.observed_BT, t.observed_BT.new_zeros((extra, t.response_width))]))
 
     def grow(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])

@@ -41,12 +41,32 @@ EVAL_SEED_OFFSET = 1_000_003
 """The held-out problems are drawn from run.seed + this (apart from every step's draw)."""
 
 
-def encode_problems(problems: list[Problem], task: Task, encoder: Any, seq_multiple: int) -> TokenBatch:
+def encode_problems(problems: list[Problem], task: Task, encoder: Any, seq_multiple: int,
+                    rng: np.random.Generator | None = None) -> TokenBatch:
     """Prompt ids (`encoder`: the run's `PromptEncoder`) + reference completion ids (ending
-    in EOS) for each problem."""
+    in EOS) for each problem; for a task with tools (`sft_conversation`), a whole tool-calling
+    conversation per problem, its tool results marked as observations (not trained on)."""
+    if hasattr(task, "sft_conversation"):
+        return encode_conversations([task.sft_conversation(p, rng) for p in problems], task, encoder, seq_multiple)
     pairs = [encoder.encode_example(p, task.completion(p)) for p in problems]
     return TokenBatch.from_lists([a for a, _ in pairs], [b for _, b in pairs], pad_id=encoder.tokenizer.pad_id,
                                  seq_multiple=seq_multiple)
+
+
+def encode_conversations(conversations: list[list[dict[str, Any]]], task: Task, encoder: Any,
+                         seq_multiple: int) -> TokenBatch:
+    """Supervised episodes built as the rollout builds them (`moe_rl.tokenization.turns`): the
+    task's tools shown by the chat template, assistant turns' ids, tool results' ids."""
+    from moe_rl.tokenization.turns import ChatTurns, encode_conversation
+
+    if encoder.template is None:
+        raise ConfigError(f"task.name={task.name} teaches tool calls, which need a chat template; set "
+                          "task.chat_template=auto with a tokenizer that has one (moe_rl/assets/tool_tokenizer)")
+    turns = ChatTurns(encoder.tokenizer, encoder.template, getattr(task, "tools", ()), encoder.system_prompt)
+    episodes = [encode_conversation(turns, c) for c in conversations]
+    return TokenBatch.from_lists([p for p, _, _ in episodes], [r for _, r, _ in episodes],
+                                 pad_id=encoder.tokenizer.pad_id, seq_multiple=seq_multiple,
+                                 observed=[o for _, _, o in episodes])
 
 
 def nll_loss(batch: TokenBatch):
@@ -54,7 +74,7 @@ def nll_loss(batch: TokenBatch):
     add up to the whole-batch loss)."""
     from moe_rl.learner import MicroBatchLoss
 
-    total = batch.response_lens_B.sum().clamp(min=1)
+    total = batch.response_mask().sum().clamp(min=1)  # (the policy's tokens: a conversation's tool results are not)
 
     def loss_fn(logp_BT: torch.Tensor, mb) -> MicroBatchLoss:
         mask = mb.batch.response_mask()
@@ -128,7 +148,8 @@ class SFTProgram(Program):
         torch.manual_seed(cfg.run.seed)
         self.learner = Learner(cfg.model, cfg.parallel, self.layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
         held_out = self.task.sample(cfg.sft.eval_problems, np.random.default_rng(cfg.run.seed + EVAL_SEED_OFFSET))
-        self.eval_batch = encode_problems(held_out, self.task, self.encoder, self.layout.tp)
+        self.eval_batch = encode_problems(held_out, self.task, self.encoder, self.layout.tp,
+                                          np.random.default_rng(cfg.run.seed + EVAL_SEED_OFFSET))
         if resume_from is not None:
             meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint)
             log.info("resumed from %s at step %d", resume_from, int(meta["trainer_step"]))
@@ -139,7 +160,8 @@ class SFTProgram(Program):
 
     def step(self, step: int) -> dict[str, float]:
         rng = np.random.default_rng([self.cfg.run.seed, step])
-        batch = encode_problems(self.task.sample(self.cfg.sft.batch_size, rng), self.task, self.encoder, self.layout.tp)
+        batch = encode_problems(self.task.sample(self.cfg.sft.batch_size, rng), self.task, self.encoder, self.layout.tp,
+                                rng)
         update = self.learner.train_step(batch, nll_loss(batch))
         out = {"learner/loss": update["nll"]}
         from moe_rl.learner.microbatch import OPTIMIZER_METRICS

@@ -42,10 +42,12 @@ from moe_rl.rollout.engine_faults import (
     RestartBudget,
     failure_line,
 )
+from moe_rl.rollout.episodes import Episodes
 from moe_rl.rollout.evaluate import EvalReport, evaluate_problems
 from moe_rl.rollout.learning_signal import LearningSignalWatch
 from moe_rl.rollout.packing import pack_rows, plan_step, staleness_stats
 from moe_rl.rollout.placement import EnginePlacement, concat
+from moe_rl.rollout.pool import RolloutPool
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.rollout.types import GroupSummary, Rollout, RowSample, Sampled, ScoredGroup
 from moe_rl.runtime.failures import describe
@@ -77,6 +79,8 @@ class RolloutCollector:
         self.task = make_task(cfg.task)
         self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)  # (checked by the preflight)
         self.prompts = PromptEncoder.from_config(cfg.task, self.tok)
+        self.episodes = Episodes(cfg, self.task, self.tok, self.prompts.template) if cfg.rl.multi_turn else None
+        """Multi-turn episodes' environments and template (`episodes`); None: one response each."""
         self.sampler: Sampler | None = None
         self._hf_dir: Path | None = None
         self.restarts = RestartBudget(cfg.sampler.max_restarts)
@@ -290,33 +294,72 @@ class RolloutCollector:
         block sampled here and kept (by prompt index) on its leader; every group's summary
         gathered to every engine rank, with each engine's generation seconds, and the number
         of rewards cut at task.reward_timeout_s over the engines."""
-        cfg, G = self.cfg, self.cfg.rl.group_size
         problems = self.problems(step, draw)
         seeds = self.seeds(step, draw, len(problems))
         share = self.placement.share(len(problems))
-        prompt_ids = [self.prompts.encode(problems[i]) for i in share]
-        t0 = time.perf_counter()
-        with timer.phase("sample"):
-            ro = self._generate(f"generating step {step}", prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
-                                temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p,
-                                prompt_seeds=[seeds[i] for i in share])
-        sample_seconds = time.perf_counter() - t0  # (generation alone, as segmented decoding counts it)
-        with timer.phase("reward"):
-            texts = [self.tok.decode(r) for r in ro.response_token_ids]
-            scores = self.task.score([problems[share[i]] for i in ro.prompt_index], texts)
-            rewards = scores.values
-        mine: dict[int, ScoredGroup] = {}
-        for i, ids in enumerate(prompt_ids):
-            sl = slice(i * G, (i + 1) * G)
-            mine[share[i]] = ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
-                                         ro.finish_reasons[sl],
-                                         ro.routed_experts[sl] if ro.routed_experts is not None else None, version)
+        draw_groups = self._draw_responses if self.episodes is None else self._draw_episodes
+        groups, sample_seconds, cut = draw_groups(step, [problems[i] for i in share], [seeds[i] for i in share],
+                                                  version, timer)
+        mine = {share[i]: g for i, g in enumerate(groups)}
         with timer.phase("gather"):
-            parts = self.placement.gather_engines(([g.summary() for g in mine.values()], sample_seconds,
-                                                   scores.timeouts), self._engines_group)
+            parts = self.placement.gather_engines(([g.summary() for g in mine.values()], sample_seconds, cut),
+                                                  self._engines_group)
         summaries = concat([part for part, _, _ in parts])
         return (summaries, (mine if self.placement.leader else {}), [seconds for _, seconds, _ in parts],
                 sum(cut for _, _, cut in parts))
+
+    def _draw_responses(self, step: int, problems: list[Problem], seeds: list[int], version: int,
+                        timer: StepTimer) -> tuple[list[ScoredGroup], float, int]:
+        """This engine's problems of a draw, G single responses each, scored: the groups, the
+        generation seconds and the rewards cut at task.reward_timeout_s."""
+        cfg, G = self.cfg, self.cfg.rl.group_size
+        prompt_ids = [self.prompts.encode(p) for p in problems]
+        t0 = time.perf_counter()
+        with timer.phase("sample"):
+            ro = self._generate(f"generating step {step}", prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
+                                temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, prompt_seeds=seeds)
+        sample_seconds = time.perf_counter() - t0  # (generation alone, as segmented decoding counts it)
+        with timer.phase("reward"):
+            texts = [self.tok.decode(r) for r in ro.response_token_ids]
+            scores = self.task.score([problems[i] for i in ro.prompt_index], texts)
+            rewards = scores.values
+        groups = []
+        for i, ids in enumerate(prompt_ids):
+            sl = slice(i * G, (i + 1) * G)
+            groups.append(ScoredGroup(ids, ro.response_token_ids[sl], ro.logprobs[sl], texts[sl], rewards[sl],
+                                      ro.finish_reasons[sl],
+                                      ro.routed_experts[sl] if ro.routed_experts is not None else None, version))
+        return groups, sample_seconds, scores.timeouts
+
+    def _draw_episodes(self, step: int, problems: list[Problem], seeds: list[int], version: int,
+                       timer: StepTimer) -> tuple[list[ScoredGroup], float, int]:
+        """This engine's problems of a draw, G multi-turn episodes each (`episodes`), decoded in
+        rounds of at most rl.max_turn_tokens tokens until every engine's episodes are over
+        (each round's failure agreed over the engine ranks, as `_generate`'s)."""
+        cfg, G = self.cfg, self.cfg.rl.group_size
+        pool = RolloutPool(cfg.sampler.max_new_tokens, self.episodes.max_turn_tokens, self.episodes)
+        for i, (problem, seed) in enumerate(zip(problems, seeds)):
+            prompt, states = self.episodes.start(problem, G)
+            pool.admit((step, 0, i), prompt, seed, G, states)
+        t0 = time.perf_counter()
+        with timer.phase("sample"):
+            while True:
+                kill_point("generate")
+                fault = None
+                if pool.running:
+                    try:
+                        pool.segment(self.sampler, version, cfg.sampler.temperature, cfg.sampler.top_p)
+                    except Exception as e:  # (whatever the engine raised; the round is retried on a rebuilt engine)
+                        fault = EngineFault(self.placement.rank, describe(e))
+                parts = self.placement.all_engines((fault, bool(pool.running)), self._engines_group)
+                faults = [f for f, _ in parts if f is not None]
+                if faults:
+                    self._recover(faults, f"generating step {step}", everywhere=self._engines_group is None)
+                elif not any(running for _, running in parts):
+                    break
+        groups = [g.scored([self.tok.decode(r.tokens) for r in g.responses], [r.episode.reward for r in g.responses])
+                  for g in sorted(pool.done, key=lambda g: g.key)]
+        return groups, time.perf_counter() - t0, 0
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy accuracy and pass@k on `task.eval_data_path` (`evaluate.py`), every engine

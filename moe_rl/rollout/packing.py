@@ -58,8 +58,10 @@ def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -
     """This rank's rows (ascending row id) as a StepBatch on the step's [b, S] grid, with
     their rewards and texts."""
     T = cfg.sampler.max_new_tokens
+    episodes = any(r.observed is not None for r in rows)
     tokens = TokenBatch.from_lists([r.prompt for r in rows], [r.response for r in rows], pad_id=pad_id,
-                                   response_width=T, min_seq_len=plan.seq_len)
+                                   response_width=T, min_seq_len=plan.seq_len,
+                                   observed=[r.observed or [False] * len(r.response) for r in rows] if episodes else None)
     row_ids = torch.tensor([r.row_id for r in rows], dtype=torch.long)
     batch = StepBatch(
         tokens, row_ids, plan.rows,
@@ -105,6 +107,12 @@ def rollout_stats(kept: list[GroupSummary], drawn: list[GroupSummary], draws: in
     }
     if adv_NG is not None:
         stats["advantage/abs_mean"] = float(adv_NG.abs().mean())
+    tallies = [t for g in kept for t in (g.episodes or ())]
+    if tallies:  # multi-turn episodes (`moe_rl.rollout.episodes`)
+        stats.update({"rollout/turns_mean": sum(t[0] for t in tallies) / len(tallies),
+                      "rollout/tool_calls_mean": sum(t[1] for t in tallies) / len(tallies),
+                      "rollout/tool_parse_errors": float(sum(t[2] for t in tallies)),
+                      "rollout/truncated_frac": stats["response/truncated_frac"]})
     return stats
 
 

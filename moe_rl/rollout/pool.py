@@ -35,9 +35,11 @@ x layers x top-k bytes (uint8 ids).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
+from moe_rl.rollout.types import ScoredGroup
 from moe_rl.sampler import Sampler
 
 
@@ -46,6 +48,50 @@ def segment_seed(base: int, j: int, segment: int) -> int:
     if segment == 0:
         return base + j
     return int(np.random.default_rng([base, j, segment]).integers(0, 2**31 - 1))
+
+
+@dataclass
+class EpisodeState:
+    """What an episode keeps besides its tokens: its environment and its tallies."""
+
+    env: Any = field(default=None, repr=False, compare=False)
+    """The episode's `Environment` (rebuilt by `Episodes.restore` after a resume)."""
+    turns: list[tuple[int, int]] = field(default_factory=list)
+    """[start, end) of each finished assistant turn in the episode's tokens."""
+    turn_start: int = 0
+    """Where the turn in progress starts."""
+    tool_calls: int = 0
+    parse_errors: int = 0
+    turn_rewards: float = 0.0
+    """Sum of the environment's per-turn rewards so far."""
+    truncated: bool = False
+    """Ended at a limit rather than by the environment."""
+    reward: float | None = None
+    """The episode's reward once it is over (final + per-turn)."""
+
+    def tally(self) -> tuple[int, int, int]:
+        """(turns, tool calls, parse errors): what the rollout statistics count."""
+        return len(self.turns), self.tool_calls, self.parse_errors
+
+    def to_json(self) -> dict:
+        return {"turns": self.turns, "turn_start": self.turn_start, "tool_calls": self.tool_calls,
+                "parse_errors": self.parse_errors, "turn_rewards": self.turn_rewards, "truncated": self.truncated,
+                "reward": self.reward}
+
+    @staticmethod
+    def from_json(d: dict) -> EpisodeState:
+        return EpisodeState(None, [tuple(t) for t in d["turns"]], d["turn_start"], d["tool_calls"],
+                            d["parse_errors"], d["turn_rewards"], d["truncated"], d["reward"])
+
+
+class EpisodeDriver(Protocol):
+    """What the pool asks of multi-turn episodes (`moe_rl.rollout.episodes.Episodes`)."""
+
+    def turn_room(self, r: PartialResponse) -> int:
+        """Tokens the turn in progress may still take."""
+
+    def end_turn(self, r: PartialResponse, ended_on_eos: bool) -> None:
+        """The turn in progress is over: the environment answers (or the episode ends)."""
 
 
 @dataclass
@@ -65,18 +111,25 @@ class PartialResponse:
     """Segments that decoded it (its next segment's seed index)."""
     carried: bool = False
     """It was unfinished when an earlier step's batch was taken (a partial rollout)."""
+    observed: list[bool] = field(default_factory=list)
+    """A multi-turn episode: per token, whether the environment put it there (an
+    observation) rather than the policy; empty for a single response."""
+    episode: EpisodeState | None = None
+    """A multi-turn episode's environment and tallies (`moe_rl.rollout.episodes`)."""
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "logprobs": self.logprobs, "versions": self.versions,
                 "routed": self.routed.tolist() if self.routed is not None else None,
                 "dtype": str(self.routed.dtype) if self.routed is not None else None,
-                "finish": self.finish, "segments": self.segments, "carried": self.carried}
+                "finish": self.finish, "segments": self.segments, "carried": self.carried,
+                "observed": self.observed, "episode": self.episode.to_json() if self.episode is not None else None}
 
     @staticmethod
     def from_json(d: dict) -> PartialResponse:
         routed = np.asarray(d["routed"], dtype=d["dtype"]) if d["routed"] is not None else None
+        episode = EpisodeState.from_json(d["episode"]) if d.get("episode") is not None else None
         return PartialResponse(d["tokens"], d["logprobs"], d["versions"], routed, d["finish"], d["segments"],
-                               d["carried"])
+                               d["carried"], d.get("observed", []), episode)
 
 
 @dataclass
@@ -99,6 +152,17 @@ class PoolGroup:
         """The version of its oldest token (None before its first segment)."""
         return min((r.versions[0] for r in self.responses if r.versions), default=None)
 
+    def scored(self, texts: list[str], rewards: list[float]) -> ScoredGroup:
+        """The finished group as the rollout's `ScoredGroup`, with its responses' `texts` and
+        `rewards`."""
+        rs = self.responses
+        routed = [r.routed for r in rs] if all(r.routed is not None for r in rs) else None
+        episodes = all(r.episode is not None for r in rs)
+        return ScoredGroup(self.prompt, [r.tokens for r in rs], [r.logprobs for r in rs], texts, rewards,
+                           [r.finish for r in rs], routed, self.oldest or 0, [r.versions for r in rs],
+                           [r.carried for r in rs], [r.observed for r in rs] if episodes else None,
+                           [r.episode.tally() for r in rs] if episodes else None)
+
     def to_json(self) -> dict:
         return {"key": list(self.key), "prompt": self.prompt, "seed": self.seed,
                 "responses": [r.to_json() for r in self.responses]}
@@ -110,18 +174,25 @@ class PoolGroup:
 
 class RolloutPool:
     """The groups an engine is decoding (`running`, admission order) and those finished but
-    not yet trained on (`done`, completion order)."""
+    not yet trained on (`done`, completion order). With `episodes`, each response is a
+    multi-turn episode whose turns end in its environment's answer (`moe_rl.rollout.episodes`)."""
 
-    def __init__(self, max_new_tokens: int, segment_tokens: int) -> None:
+    def __init__(self, max_new_tokens: int, segment_tokens: int, episodes: EpisodeDriver | None = None) -> None:
         self.max_new_tokens = max_new_tokens
         self.segment_tokens = segment_tokens
+        self.episodes = episodes
         self.running: list[PoolGroup] = []
         self.done: list[PoolGroup] = []
         self.dropped_stale = 0
         """Responses dropped for exceeding the staleness bound since the last batch taken."""
 
-    def admit(self, key: tuple[int, int, int], prompt: list[int], seed: int, group_size: int) -> None:
-        self.running.append(PoolGroup(key, list(prompt), seed, [PartialResponse() for _ in range(group_size)]))
+    def admit(self, key: tuple[int, int, int], prompt: list[int], seed: int, group_size: int,
+              episodes: list[EpisodeState] | None = None) -> None:
+        """A group of `group_size` responses to `prompt` (`episodes`: one fresh episode each)."""
+        responses = [PartialResponse() for _ in range(group_size)]
+        for r, ep in zip(responses, episodes or []):
+            r.episode = ep
+        self.running.append(PoolGroup(key, list(prompt), seed, responses))
 
     def segment(self, sampler: Sampler, version: int, temperature: float, top_p: float) -> int:
         """Decode one segment of every unfinished response with the engine's weights
@@ -144,6 +215,8 @@ class RolloutPool:
     def _extend(self, r: PartialResponse, prompt_len: int, tokens: list[int], logprobs: list[float], finish: str,
                 routed: np.ndarray | None, version: int) -> int:
         room = self.max_new_tokens - len(r.tokens)
+        if r.episode is not None:
+            room = min(room, self.episodes.turn_room(r))
         cut = len(tokens) > room
         tokens, logprobs = tokens[:room], logprobs[:room]
         if routed is not None:
@@ -153,11 +226,16 @@ class RolloutPool:
         r.tokens += tokens
         r.logprobs += logprobs
         r.versions += [version] * len(tokens)
+        if r.episode is not None:
+            r.observed += [False] * len(tokens)
         r.segments += 1
         if finish == "stop" and not cut:
             r.finish = "stop"
-        elif cut or len(r.tokens) >= self.max_new_tokens or len(tokens) < self.segment_tokens:
+        elif cut or len(r.tokens) >= self.max_new_tokens or len(tokens) < self.segment_tokens \
+                or (r.episode is not None and self.episodes.turn_room(r) <= 0):
             r.finish = "length"  # (fewer tokens than asked without an EOS: the context is full)
+        if r.episode is not None and r.finish is not None:  # a turn ended: the environment answers
+            self.episodes.end_turn(r, ended_on_eos=r.finish == "stop")
         return len(tokens)
 
     def ready(self, quota: int) -> bool:

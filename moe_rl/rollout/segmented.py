@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from moe_rl.rollout.ahead import read_engine_file, write_engine_file
 from moe_rl.rollout.pool import PoolGroup, RolloutPool
-from moe_rl.rollout.types import Sampled, ScoredGroup
+from moe_rl.rollout.types import Sampled
 from moe_rl.runtime.timing import StepTimer
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class SegmentedRollout:
         draws the problems of steps n + 1, ...)."""
         cfg = collector.cfg
         self.collector, self.cfg = collector, cfg
-        self.pool = RolloutPool(cfg.sampler.max_new_tokens, cfg.rl.inflight_segment_tokens)
+        self.pool = RolloutPool(cfg.sampler.max_new_tokens, cfg.rl.inflight_segment_tokens, collector.episodes)
         self.quota = len(collector.placement.share(cfg.rl.prompts_per_step))
         self.units = units
         """Units of problems admitted so far (`admit`)."""
@@ -98,7 +98,11 @@ class SegmentedRollout:
         problems = c.problems(self.units, 0)
         seeds = c.seeds(self.units, 0, len(problems))
         for i in c.placement.share(len(problems)):
-            self.pool.admit((self.units, 0, i), c.prompts.encode(problems[i]), seeds[i], G)
+            if c.episodes is not None:
+                prompt, episodes = c.episodes.start(problems[i], G)
+                self.pool.admit((self.units, 0, i), prompt, seeds[i], G, episodes)
+            else:
+                self.pool.admit((self.units, 0, i), c.prompts.encode(problems[i]), seeds[i], G)
 
     def fill(self, step: int, receive: Callable[[], None] | None, timer: StepTimer) -> None:
         """Decode segments until `step`'s batch is ready and `receive` (the learner's next
@@ -161,11 +165,14 @@ class SegmentedRollout:
         dropped, self.pool.dropped_stale = self.pool.dropped_stale, 0
         seconds, self.seconds = self.seconds, 0.0
         c, draws = self.collector, {}
-        problems = [self._problem(g, draws) for g in groups]
         texts = [[c.tok.decode(r.tokens) for r in g.responses] for g in groups]
+        if self.pool.episodes is not None:  # (scored as each episode ended)
+            scored = [g.scored(t, [r.episode.reward for r in g.responses]) for g, t in zip(groups, texts)]
+            return c.sampled_from_groups(step, scored, seconds, dropped)
+        problems = [self._problem(g, draws) for g in groups]
         scores = c.task.score([p for p, t in zip(problems, texts) for _ in t], [x for t in texts for x in t])
         starts = list(itertools.accumulate((len(t) for t in texts), initial=0))
-        scored = [self._scored(g, t, scores.values[start:start + len(t)]) for g, t, start in zip(groups, texts, starts)]
+        scored = [g.scored(t, scores.values[start:start + len(t)]) for g, t, start in zip(groups, texts, starts)]
         return c.sampled_from_groups(step, scored, seconds, dropped, scores.timeouts)
 
     def _problem(self, g: PoolGroup, draws: dict[tuple[int, int], list]) -> Problem:
@@ -173,13 +180,6 @@ class SegmentedRollout:
         if g.key[:2] not in draws:
             draws[g.key[:2]] = self.collector.problems(g.key[0], g.key[1])
         return draws[g.key[:2]][g.key[2]]
-
-    @staticmethod
-    def _scored(g: PoolGroup, texts: list[str], rewards: list[float]) -> ScoredGroup:
-        routed = [r.routed for r in g.responses] if all(r.routed is not None for r in g.responses) else None
-        return ScoredGroup(g.prompt, [r.tokens for r in g.responses], [r.logprobs for r in g.responses], texts,
-                           rewards, [r.finish for r in g.responses], routed, g.oldest or 0,
-                           [r.versions for r in g.responses], [r.carried for r in g.responses])
 
     # ------------------------------------------------------------------ resume
 
@@ -204,6 +204,11 @@ class SegmentedRollout:
                             "so the schedule differs from the uninterrupted run's", step, "; ".join(missing))
             return False
         self.pool.load_json(doc["pool"])
+        if self.pool.episodes is not None:  # (running episodes' environments, rebuilt from their turns)
+            draws: dict = {}
+            for g in self.pool.running:
+                for r in g.responses:
+                    self.pool.episodes.restore(self._problem(g, draws), r)
         self.units = doc["units"]
         self.seconds = doc["seconds"]
         return True

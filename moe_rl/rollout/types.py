@@ -47,6 +47,10 @@ class ScoredGroup:
     `moe_rl.rollout.pool`); None: every token was drawn with `version`."""
     carried: list[bool] | None = None
     """Per response, whether it continued across a step boundary (a partial rollout)."""
+    observed: list[list[bool]] | None = None
+    """Multi-turn episodes: per response, which tokens are the environment's observations."""
+    episodes: list[tuple[int, int, int]] | None = None
+    """Multi-turn episodes: per response, (turns, tool calls, tool-call parse errors)."""
 
     def summary(self) -> GroupSummary:
         runs = None
@@ -54,13 +58,15 @@ class ScoredGroup:
             runs = tuple(version_runs(v) for v in self.token_versions)
         return GroupSummary(len(self.prompt), tuple(len(r) for r in self.responses), tuple(self.rewards),
                             tuple(self.finish), self.version, runs,
-                            tuple(self.carried) if self.carried is not None else None)
+                            tuple(self.carried) if self.carried is not None else None,
+                            tuple(self.episodes) if self.episodes is not None else None)
 
     def row(self, j: int, row_id: int) -> RowSample:
         """Response j as training row `row_id`."""
         versions = self.token_versions[j] if self.token_versions is not None else None
         return RowSample(row_id, self.prompt, self.responses[j], self.logprobs[j], self.texts[j],
-                         self.routed[j] if self.routed is not None else None, self.version, versions)
+                         self.routed[j] if self.routed is not None else None, self.version, versions,
+                         self.observed[j] if self.observed is not None else None)
 
 
 def version_runs(versions: list[int]) -> tuple[tuple[int, int], ...]:
@@ -84,6 +90,8 @@ class GroupSummary:
     """Per response, its tokens' versions as (version, count) runs; None: all `version`."""
     carried: tuple[bool, ...] | None = None
     """Per response, whether it continued across a step boundary (a partial rollout)."""
+    episodes: tuple[tuple[int, int, int], ...] | None = None
+    """Multi-turn episodes: per response, (turns, tool calls, tool-call parse errors)."""
 
     def spans(self) -> tuple[int, ...]:
         """Per response, newest minus oldest token version (0: one version)."""
@@ -121,6 +129,8 @@ class RowSample:
     """The policy version that sampled it (its oldest token's)."""
     token_versions: list[int] | None = None
     """The version that drew each token, when they differ (segmented decoding)."""
+    observed: list[bool] | None = None
+    """A multi-turn episode: which response tokens are the environment's observations."""
 
 
 @dataclass
@@ -194,4 +204,6 @@ class Rollout:
                         "response_ids": b.tokens.tokens_BS[i, p:p + r].tolist(), "text": self.texts[i],
                         "reward": float(self.rewards_B[i]), "advantage": float(b.adv_B[i]),
                         "sampler_logprobs": b.sampler_logp_BT[i, :r].tolist()})
+            if b.tokens.observed_BT is not None:  # (a multi-turn episode: which tokens the environment put there)
+                out[-1]["observed"] = b.tokens.observed_BT[i, :r].tolist()
         return out

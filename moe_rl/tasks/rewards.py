@@ -44,7 +44,6 @@ trainer's `sys.path`) and state it keeps between calls starts afresh after a cut
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 import threading
@@ -56,6 +55,7 @@ import numpy as np
 
 from moe_rl.tasks.answers import last_boxed, reference_answer
 from moe_rl.tasks.base import Problem, clean_response
+from moe_rl.tasks.user_code import UserCodeError, load_object
 
 RewardFn = Callable[[Problem, str], float]
 """A reward: (problem, decoded response) -> float."""
@@ -205,21 +205,10 @@ class UserReward:
 
 def _import_function(spec: str) -> Callable[[str, str, str, Mapping[str, Any]], float]:
     """The callable at `module.path:function`; any failure is a one-line RewardError."""
-    module_name, attr = spec.split(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise RewardError(f"task.reward={spec}: cannot import {module_name!r} "
-                          f"({_one_line(repr(e))}); put the module on PYTHONPATH or fix the "
-                          "module path") from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise RewardError(f"task.reward={spec}: module {module_name!r} has no attribute "
-                          f"{attr!r}; fix the function name after ':'")
-    if not callable(fn):
-        raise RewardError(f"task.reward={spec}: {module_name}.{attr} is a "
-                          f"{type(fn).__name__}, not a function; point it at a function")
-    return fn
+        return load_object(spec, "task.reward")
+    except UserCodeError as e:
+        raise RewardError(str(e)) from e
 
 
 def row_of(problem: Problem) -> str:

@@ -115,8 +115,11 @@ class HFTokenizer:
     def pieces(self, ids: Sequence[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens([int(i) for i in ids])
 
-    def render_chat(self, messages: Sequence[dict[str, str]], template: str) -> str:
-        """The prompt text of `messages` under `template`, ending with the assistant turn's
-        opening (add_generation_prompt=True)."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], template: str, tools: Sequence[Any] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The text of `messages` under `template` (with `tools`: plain functions or JSON
+        schemas, shown as the template shows them), by default ending with the assistant
+        turn's opening."""
         return self._tok.apply_chat_template(list(messages), chat_template=template, tokenize=False,
-                                             add_generation_prompt=True)
+                                             tools=list(tools) if tools else None,
+                                             add_generation_prompt=add_generation_prompt)
