@@ -29,13 +29,14 @@ export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo bench lint ablations ablations-report ablations-sweep clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo bench lint ablations ablations-report ablations-sweep clean-runs
 
 help:
 	@echo "make demo             RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
 	@echo "make dpo-demo         DPO on the shipped tiny MoE from preference pairs (CPU, held-out accuracy >= 0.9)"
 	@echo "make rm-demo          a reward model on the same pairs, the starting point of PPO's critic (CPU)"
 	@echo "make ppo-demo         PPO with a critic pretrained on the base's rollouts (CPU, ~17 min once + ~4 min)"
+	@echo "make tool-demo        multi-turn RL with a calculator tool on the shipped tool base (CPU)"
 	@echo "make install          the stack into $(VENV): CPU, or with nvidia-smi (ACCEL=gpu [WHEELS=dir]) the GPU one on the machine's torch"
 	@echo "make test             the full test suite (what CI runs; the 25 slowest tests are listed at the end)"
 	@echo "make test-fast        the tests without slow, multi-process or vLLM ones (a quick check while editing)"
@@ -111,6 +112,11 @@ ppo-demo: install
 	$(PY) -m moe_rl.train --config examples/tiny_value.yaml run.resume=true
 	$(PY) -m moe_rl.train --config examples/tiny_ppo.yaml critic.init_checkpoint=$(VALUE_CKPT) critic.optimizer.lr=5e-4 \
 		run.name=tiny_ppo_pretrained run.overwrite=true
+
+# Multi-turn RL with a tool (docs/tools.md): RSPO from the shipped tool base on the calculator
+# task, episodes of up to 3 turns with an `add` tool -> runs/tool_demo (metrics.jsonl, tb/).
+tool-demo: install
+	$(PY) -m moe_rl.train --config examples/tiny_tools.yaml run.name=tool_demo run.overwrite=true
 
 bench: install
 	$(PY) -m bench.run_all

@@ -24,6 +24,7 @@ setup(
         # `.metadata` is what makes it loadable
         "moe_rl.assets.tiny_base": ["*", ".*"],
         "moe_rl.assets.long_tail_base": ["*", ".*"],  # the long-tail workload's (task repeat) base
+        "moe_rl.assets.tool_base": ["*", ".*"],  # the tool task's (calculator) base, made by examples/tool_sft.yaml
         "moe_rl.tasks.assets": ["*.model"],  # the tiny task's SentencePiece tokenizer
         "moe_rl.assets.preferences": ["*.jsonl"],  # the DPO demo's preference pairs
         "moe_rl.assets.tool_tokenizer": ["*.json", "*.jinja"],  # the tool task's BPE tokenizer and chat template

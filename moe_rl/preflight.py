@@ -174,8 +174,7 @@ def check_task_inputs(cfg: Config, *, completions: bool = False) -> None:
     problems = getattr(task, "problems", None) or task.sample(SYNTHETIC_DRAWS, cfg.run.seed)
     positions = cfg.model.max_position_embeddings
     try:
-        lengths = [sum(map(len, prompts.encode_example(p, task.completion(p)))) if completions
-                   else len(prompts.encode(p)) for p in problems]
+        lengths = _lengths(cfg, task, prompts, problems, completions)
     except ValueError as e:
         raise ConfigError(" ".join(str(e).split())) from e
     i = max(range(len(lengths)), key=lengths.__getitem__)
@@ -191,6 +190,26 @@ def check_task_inputs(cfg: Config, *, completions: bool = False) -> None:
                           f"sampler.max_new_tokens={new} a sequence needs {lengths[i] + new} positions but "
                           f"model.max_position_embeddings={positions}: {fix} (or raise "
                           "model.max_position_embeddings)")
+
+
+def _lengths(cfg: Config, task: Any, prompts: Any, problems: list[Any], completions: bool) -> list[int]:
+    """Each problem's prompt ids (with `completions`, its whole supervised example) as the run
+    will build them: a multi-turn episode's opening shows its environment's tools, a tool
+    task's supervised example is a whole conversation (`moe_rl.tokenization.turns`). Building
+    them loads a user's environment and tools, so their import errors surface here."""
+    if completions and hasattr(task, "sft_conversation"):
+        from moe_rl.programs.sft import encode_conversations
+
+        batch = encode_conversations([task.sft_conversation(p, None) for p in problems], task, prompts, 1)
+        return batch.total_lens_B.tolist()
+    if completions:
+        return [sum(map(len, prompts.encode_example(p, task.completion(p)))) for p in problems]
+    if cfg.rl.multi_turn:
+        from moe_rl.rollout.episodes import Episodes
+
+        episodes = Episodes(cfg, task, prompts.tokenizer, prompts.template)
+        return [len(episodes.start(p, 1)[0]) for p in problems]
+    return [len(prompts.encode(p)) for p in problems]
 
 
 def check_init_model(cfg: Config) -> None:

@@ -41,6 +41,20 @@ def fixed_batch() -> tuple[TokenBatch, torch.Tensor]:
     return TokenBatch.from_lists(prompts, responses, response_width=10), adv_B
 
 
+def episode_batch() -> tuple[TokenBatch, torch.Tensor]:
+    """The fixed batch as multi-turn episodes: observation tokens (an environment's, between
+    the policy's turns) marked inside most responses (`TokenBatch.observed_BT`)."""
+    import dataclasses
+
+    batch, adv_B = fixed_batch()
+    observed = torch.zeros(batch.batch_size, batch.response_width, dtype=torch.bool)
+    for b in range(batch.batch_size):
+        n = int(batch.response_lens_B[b])
+        if n >= 4:
+            observed[b, 1:n - 1:2] = True  # (interleaved: observation tokens between the policy's)
+    return dataclasses.replace(batch, observed_BT=observed), adv_B
+
+
 def reinforce_loss(batch: TokenBatch):
     """-sum_i A_i sum_t logp_it / (total tokens): contributions with a global normaliser."""
     from moe_rl.learner import MicroBatchLoss

@@ -9,22 +9,10 @@ import dataclasses
 
 import pytest
 import torch
-from learner_utils import fixed_batch, learner_of
+from learner_utils import episode_batch, learner_of
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import load_config
-
-
-def observed_batch() -> tuple[TokenBatch, torch.Tensor]:
-    """The fixed batch with a run of observation tokens inside most responses (an episode's
-    tool result between two turns)."""
-    batch, adv_B = fixed_batch()
-    observed = torch.zeros(batch.batch_size, batch.response_width, dtype=torch.bool)
-    for b in range(batch.batch_size):
-        n = int(batch.response_lens_B[b])
-        if n >= 4:
-            observed[b, 1:n - 1:2] = True  # (interleaved: obs tokens between policy ones)
-    return dataclasses.replace(batch, observed_BT=observed), adv_B
 
 
 def reinforce_loss(batch: TokenBatch):
@@ -53,7 +41,7 @@ def learner(megatron_world):
 
 
 def test_masks_count_only_the_policys_tokens():
-    batch, _ = observed_batch()
+    batch, _ = episode_batch()
     span, policy = batch.span_mask(), batch.response_mask()
     assert int(batch.observed_BT.sum()) > 8
     assert torch.equal(policy, span & ~batch.observed_BT)
@@ -72,7 +60,7 @@ def test_observation_tokens_get_no_gradient_and_no_place_in_the_token_count(lear
 
     from moe_rl.learner.microbatch import BatchTotals
 
-    batch, adv_B = observed_batch()
+    batch, adv_B = episode_batch()
     assert BatchTotals.of(batch).response_tokens == float(batch.response_mask().sum())
     total = batch.response_mask().sum()
 
@@ -104,7 +92,7 @@ def test_the_policy_loss_and_its_statistics_ignore_observations():
     (gspo) objective."""
     from moe_rl.objectives import PolicyBatch, policy_loss
 
-    batch, adv_B = observed_batch()
+    batch, adv_B = episode_batch()
     g = torch.Generator().manual_seed(3)
     mask = batch.response_mask()
     old = torch.where(batch.span_mask(), -torch.rand(batch.response_mask().shape, generator=g) - 0.5, 0.0)

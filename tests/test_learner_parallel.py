@@ -36,6 +36,20 @@ def test_logprobs_match_one_process(runs, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_episodes_logprobs_match_one_process(runs, layout):
+    """Multi-turn episodes (observation tokens between the policy's turns, issue #49): the
+    policy's tokens score as at one process, the observations score nothing."""
+    from learner_utils import episode_batch
+
+    ref, lay, _ = runs
+    batch = episode_batch()[0]
+    assert (lay[layout]["logp_episode"] - ref["logp_episode"]).abs().max() <= 1e-5
+    assert lay[layout]["logp_episode"][batch.observed_BT].abs().max() == 0
+    policy = batch.response_mask()
+    assert (lay[layout]["logp_episode"][policy] - ref["logp"][policy]).abs().max() <= 1e-5  # (same ids, same logits)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_optimizer_step_matches_one_process(runs, layout):
     ref, lay, _ = runs
     params = lay[layout]["params"]

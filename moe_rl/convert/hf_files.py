@@ -99,6 +99,24 @@ def write_from_source(out_dir: Path, source: Path, m: ModelConfig, dtype: torch.
             shutil.copyfile(source / name, out_dir / name)
 
 
+def _write_own_hf_tokenizer(out_dir: Path, m: ModelConfig, dtype: torch.dtype, directory: Path) -> None:
+    """`write_own` for a model trained with a Hugging Face tokenizer directory: its files
+    copied, EOS ids (every one it declares) and pad from it."""
+    from moe_rl.tokenization import TOKENIZER_FILES, HFTokenizer
+
+    tok = HFTokenizer(directory)
+    if tok.vocab_size > m.vocab_size:
+        raise ConvertError(f"tokenizer {directory} has {tok.vocab_size} tokens but model.vocab_size={m.vocab_size}")
+    ids = {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "eos_token_id": tok.eos_ids[0],
+           "pad_token_id": tok.pad_id}
+    (out_dir / "config.json").write_text(json.dumps(hf_config(m, dtype, **ids), indent=2) + "\n")
+    gen = generation_config(**{**ids, "eos_token_id": tok.eos_ids})  # (a turn may end on any of them)
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (directory / name).is_file():
+            shutil.copyfile(directory / name, out_dir / name)
+
+
 def source_dtype(source: Path) -> torch.dtype | None:
     """The dtype the source config.json declares (exports keep it unless asked otherwise)."""
     try:
@@ -111,10 +129,16 @@ def source_dtype(source: Path) -> torch.dtype | None:
 
 def write_own(out_dir: Path, m: ModelConfig, dtype: torch.dtype, tokenizer: str | None) -> None:
     """The project's own model: config.json and generation_config.json from the model
-    config, tokenizer files from the SentencePiece model (token ids: bos / eos / pad)."""
+    config, tokenizer files from the SentencePiece model (token ids: bos / eos / pad), or a
+    copy of the Hugging Face tokenizer directory the model was trained with (the tool base's
+    BPE with its chat template)."""
     from moe_rl.tasks.tokenizer import Tokenizer, write_hf_tokenizer
 
-    tok = Tokenizer(None if tokenizer in (None, "", "auto", "shipped") else tokenizer)
+    spec = None if tokenizer in (None, "", "auto", "shipped") else tokenizer
+    if spec is not None and not spec.endswith(".model") and Path(spec).is_dir() \
+            and (Path(spec) / "tokenizer.json").is_file():
+        return _write_own_hf_tokenizer(out_dir, m, dtype, Path(spec))
+    tok = Tokenizer(spec)
     if tok.vocab_size > m.vocab_size:
         raise ConvertError(f"tokenizer {tok.path} has {tok.vocab_size} pieces but model.vocab_size={m.vocab_size}")
     ids = {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "eos_token_id": tok.eos_id,

@@ -45,7 +45,8 @@ def encode_problems(problems: list[Problem], task: Task, encoder: Any, seq_multi
                     rng: np.random.Generator | None = None) -> TokenBatch:
     """Prompt ids (`encoder`: the run's `PromptEncoder`) + reference completion ids (ending
     in EOS) for each problem; for a task with tools (`sft_conversation`), a whole tool-calling
-    conversation per problem, its tool results marked as observations (not trained on)."""
+    conversation per problem drawn with `rng` (None: the task's reference one), its tool
+    results marked as observations (not trained on)."""
     if hasattr(task, "sft_conversation"):
         return encode_conversations([task.sft_conversation(p, rng) for p in problems], task, encoder, seq_multiple)
     pairs = [encoder.encode_example(p, task.completion(p)) for p in problems]
@@ -148,8 +149,7 @@ class SFTProgram(Program):
         torch.manual_seed(cfg.run.seed)
         self.learner = Learner(cfg.model, cfg.parallel, self.layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
         held_out = self.task.sample(cfg.sft.eval_problems, np.random.default_rng(cfg.run.seed + EVAL_SEED_OFFSET))
-        self.eval_batch = encode_problems(held_out, self.task, self.encoder, self.layout.tp,
-                                          np.random.default_rng(cfg.run.seed + EVAL_SEED_OFFSET))
+        self.eval_batch = encode_problems(held_out, self.task, self.encoder, self.layout.tp)
         if resume_from is not None:
             meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint)
             log.info("resumed from %s at step %d", resume_from, int(meta["trainer_step"]))

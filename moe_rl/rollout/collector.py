@@ -381,7 +381,7 @@ class RolloutCollector:
                     mine = evaluate_problems(GenerateOnly(self.sampler), self.prompts, self.tok, task,
                                              [problems[i] for i in share], k=self.cfg.run.eval_k,
                                              temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                             seed=self.cfg.run.seed + 7 * share.start)
+                                             seed=self.cfg.run.seed + 7 * share.start, episodes=self.episodes)
             except GenerateError as e:  # (the engine's failure, not the rewards')
                 fault = EngineFault(self.placement.rank, str(e))
             parts = self.placement.all_gather((fault, self.restarts.used))

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from moe_rl.rollout.pool import EpisodeState, PartialResponse
+from moe_rl.rollout.pool import EpisodeState, PartialResponse, PoolGroup, RolloutPool
 from moe_rl.tasks.environment import (
     AssistantTurn,
     Environment,
@@ -90,6 +90,18 @@ class Episodes:
         states = [EpisodeState(self.make_env(problem)) for _ in range(group_size)]
         openings = [s.env.start() for s in states]
         return self.turns_for(states[0].env).opening(openings[0]), states
+
+    def run(self, sampler: Any, problems: Sequence[Problem], n: int, temperature: float, top_p: float,
+            seeds: Sequence[int]) -> list[PoolGroup]:
+        """`n` episodes of each problem decoded to the end on `sampler` (one engine alone: an
+        evaluation), the groups in problem order; seeds as `base_seeds` gives them."""
+        pool = RolloutPool(self.max_new_tokens, self.max_turn_tokens, self)
+        for i, (problem, seed) in enumerate(zip(problems, seeds)):
+            prompt, states = self.start(problem, n)
+            pool.admit((0, 0, i), prompt, seed, n, states)
+        while pool.running:
+            pool.segment(sampler, 0, temperature, top_p)
+        return sorted(pool.done, key=lambda g: g.key)
 
     def turn_room(self, r: PartialResponse) -> int:
         """Tokens the turn in progress may still take."""

@@ -56,26 +56,38 @@ class EvalReport:
 
 def evaluate_problems(sampler: Any, encoder: Any, tok: Any, task: Any, problems: Sequence[Any], *, k: int,
                       temperature: float, top_p: float, max_new_tokens: int, seed: int,
-                      examples: int = 4) -> EvalReport:
-    """Greedy + `k` sampled responses per problem on `sampler`, scored by `task`."""
+                      examples: int = 4, episodes: Any = None) -> EvalReport:
+    """Greedy + `k` sampled responses per problem on `sampler`, scored by `task`; with
+    `episodes` (`moe_rl.rollout.episodes.Episodes`), whole multi-turn episodes scored by their
+    environments."""
     report = EvalReport(k)
     if not problems:
         return report
-    prompt_ids = [encoder.encode(p) for p in problems]
-    greedy = sampler.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
-                              prompt_seeds=base_seeds(seed, len(problems), 1))
-    sampled = sampler.generate(prompt_ids, n=k, max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_p=top_p, prompt_seeds=base_seeds(seed + 1, len(problems), k))
-    greedy_texts = [tok.decode(r) for r in greedy.response_token_ids]
-    texts = [tok.decode(r) for r in sampled.response_token_ids]
-    scores = task.score(list(problems) + [problems[i] for i in sampled.prompt_index], greedy_texts + texts)
-    greedy_r, sampled_r = scores.values[:len(problems)], scores.values[len(problems):]
-    report.reward_timeouts = scores.timeouts
+    if episodes is not None:
+        greedy_groups = episodes.run(sampler, problems, 1, 0.0, 1.0, base_seeds(seed, len(problems), 1))
+        sampled_groups = episodes.run(sampler, problems, k, temperature, top_p, base_seeds(seed + 1, len(problems), k))
+        greedy_ids = [r.tokens for g in greedy_groups for r in g.responses]
+        sampled_ids = [r.tokens for g in sampled_groups for r in g.responses]
+        greedy_r = [r.episode.reward for g in greedy_groups for r in g.responses]
+        sampled_r = [r.episode.reward for g in sampled_groups for r in g.responses]
+        greedy_texts = [tok.decode(ids) for ids in greedy_ids]
+    else:
+        prompt_ids = [encoder.encode(p) for p in problems]
+        greedy = sampler.generate(prompt_ids, n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
+                                  prompt_seeds=base_seeds(seed, len(problems), 1))
+        sampled = sampler.generate(prompt_ids, n=k, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, prompt_seeds=base_seeds(seed + 1, len(problems), k))
+        greedy_ids, sampled_ids = greedy.response_token_ids, sampled.response_token_ids
+        greedy_texts = [tok.decode(r) for r in greedy_ids]
+        texts = [tok.decode(r) for r in sampled_ids]
+        scores = task.score(list(problems) + [problems[i] for i in sampled.prompt_index], greedy_texts + texts)
+        greedy_r, sampled_r = scores.values[:len(problems)], scores.values[len(problems):]
+        report.reward_timeouts = scores.timeouts
     report.problems = len(problems)
     report.greedy_correct = float(sum(r >= CORRECT for r in greedy_r))
     report.sample_reward = float(sum(sampled_r))
     report.any_correct = sum(any(r >= CORRECT for r in sampled_r[i * k:(i + 1) * k]) for i in range(len(problems)))
-    report.response_tokens = sum(map(len, greedy.response_token_ids)) + sum(map(len, sampled.response_token_ids))
+    report.response_tokens = sum(map(len, greedy_ids)) + sum(map(len, sampled_ids))
     report.examples = [{"prompt": p.prompt, "answer": p.answer, "greedy": t, "reward": r}
                        for p, t, r in list(zip(problems, greedy_texts, greedy_r))[:examples]]
     return report

@@ -19,7 +19,7 @@ k uniform in [min_digits, max_digits], drawn independently for A and B.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -119,6 +119,19 @@ class CalculatorTask(Task):
 
     def reward(self, problem: Problem, response: str) -> float:
         return 1.0 if final_answer(response) == problem.answer else 0.0
+
+    SFT_TOOL_FRAC: ClassVar[float] = 0.25
+    """The share of supervised conversations that call `add`; the others answer the sum
+    directly. A base taught this mix calls the tool in about a quarter of its episodes and
+    fails most direct sums of 5-7 digits, so RL has a reward gap to close by choosing the
+    tool (`make tool-demo`)."""
+
+    def sft_conversation(self, problem: Problem, rng: np.random.Generator | None) -> list[dict[str, Any]]:
+        """A supervised conversation (`moe_rl.programs.sft`): with the tool with probability
+        `SFT_TOOL_FRAC` under `rng`, else the direct answer; `rng=None` (the held-out set,
+        whose expected reward is then that of always calling the tool): with the tool."""
+        use_tool = rng is None or bool(rng.random() < self.SFT_TOOL_FRAC)
+        return tool_conversation(problem, use_tool)
 
 
 def tool_conversation(problem: Problem, use_tool: bool, answer: str | None = None) -> list[dict[str, Any]]:

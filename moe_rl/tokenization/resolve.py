@@ -45,7 +45,11 @@ def _recorded_tokenizer(checkpoint: Path) -> str:
     except (OSError, yaml.YAMLError) as e:
         raise TokenizerError(f"{checkpoint}/config.yaml: cannot read the recorded tokenizer ({e})") from None
     recorded = str(((data.get("task") or {}).get("tokenizer")) or "")
-    return SHIPPED if recorded in ("", "auto", SHIPPED) else recorded
+    if recorded in ("", "auto", SHIPPED):
+        return SHIPPED
+    from moe_rl.config.shipped import shipped_path
+
+    return shipped_path(recorded)  # (a shipped base records its shipped tokenizer by its place in the tree)
 
 
 def resolve_spec(spec: str, checkpoint: str | os.PathLike | None) -> str:

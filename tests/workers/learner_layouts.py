@@ -14,7 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from learner_utils import fixed_batch, learner_of, reinforce_loss
+from learner_utils import episode_batch, fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 from moe_rl.learner.parallel import init_distributed, parallel_layout
@@ -67,6 +67,7 @@ def main() -> None:
             learner = learner_of(cfg, layout)
             save_checkpoint(learner, f"{out}/ckpt0", config=cfg)
             result["logp"] = learner.logprobs(batch)
+            result["logp_episode"] = learner.logprobs(episode_batch()[0])
             result["metrics"], result["params"] = step_and_gather(learner, batch, adv_B)
             result["logp_after"] = learner.logprobs(batch)
     elif mode == "layouts":
@@ -75,7 +76,8 @@ def main() -> None:
             with parallel_layout(cfg.parallel, seed=3) as layout:
                 learner = learner_of(cfg, layout)
                 load_checkpoint(learner, f"{out}/ckpt0")
-                r = {"layout": layout.name, "logp": learner.logprobs(batch)}
+                r = {"layout": layout.name, "logp": learner.logprobs(batch),
+                     "logp_episode": learner.logprobs(episode_batch()[0])}
                 if name == "tp2":  # a NaN update first: skipped on every rank, it must leave no trace in the step
                     r["nan"] = learner.train_step(batch, nan_loss(batch), extras={"adv_B": adv_B})
                 r["metrics"], r["params"] = step_and_gather(learner, batch, adv_B)
