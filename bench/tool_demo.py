@@ -61,8 +61,9 @@ def plot(summary: dict[str, Any], out: Path) -> None:
     ax.plot(x, [c["reward/mean"] for c in curve], label="reward/mean", marker="o", markersize=3)
     ax.plot(x, [c["rollout/tool_calls_mean"] for c in curve], label="rollout/tool_calls_mean")
     ax.plot(x, [c["rollout/turns_mean"] - 1 for c in curve], label="rollout/turns_mean - 1", linestyle=":")
-    ax.axvline(summary["minutes"], color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xlabel("minutes of RL (2 CPU cores; the warm start not counted)")
+    if summary["minutes"] <= summary["total_minutes"]:
+        ax.axvline(summary["minutes"], color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel(f"minutes of RL (2 CPU cores; the warm start not counted): reward {summary['gain']:+.2f}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("make tool-demo: calculator task, RSPO, episodes of up to 3 turns")

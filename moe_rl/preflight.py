@@ -198,7 +198,7 @@ def _lengths(cfg: Config, task: Any, prompts: Any, problems: list[Any], completi
     task's supervised example is a whole conversation (`moe_rl.tokenization.turns`). Building
     them loads a user's environment and tools, so their import errors surface here."""
     if completions and hasattr(task, "sft_conversation"):
-        from moe_rl.programs.sft import encode_conversations
+        from moe_rl.tokenization.turns import encode_conversations
 
         batch = encode_conversations([task.sft_conversation(p, None) for p in problems], task, prompts, 1)
         return batch.total_lens_B.tolist()

@@ -23,9 +23,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def megatron_world():
-    """A one-process gloo world for in-process learner tests (megatron shims applied)."""
+    """A one-process gloo world for in-process learner tests (megatron shims applied): made
+    once per module (a no-op while it lives), so a module after one whose in-process run ended
+    it (`moe_rl.cli` destroys the process group at a program's end) finds it again, whatever
+    order the modules run in."""
     from moe_rl.learner import init_distributed
 
     return init_distributed()

@@ -35,6 +35,7 @@ from moe_rl.config import Config, ConfigError
 from moe_rl.loop import Program
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
+from moe_rl.tokenization.turns import encode_conversations
 
 log = logging.getLogger("moe_rl.sft")
 EVAL_SEED_OFFSET = 1_000_003
@@ -49,25 +50,10 @@ def encode_problems(problems: list[Problem], task: Task, encoder: Any, seq_multi
     results marked as observations (not trained on)."""
     if hasattr(task, "sft_conversation"):
         return encode_conversations([task.sft_conversation(p, rng) for p in problems], task, encoder, seq_multiple)
+
     pairs = [encoder.encode_example(p, task.completion(p)) for p in problems]
     return TokenBatch.from_lists([a for a, _ in pairs], [b for _, b in pairs], pad_id=encoder.tokenizer.pad_id,
                                  seq_multiple=seq_multiple)
-
-
-def encode_conversations(conversations: list[list[dict[str, Any]]], task: Task, encoder: Any,
-                         seq_multiple: int) -> TokenBatch:
-    """Supervised episodes built as the rollout builds them (`moe_rl.tokenization.turns`): the
-    task's tools shown by the chat template, assistant turns' ids, tool results' ids."""
-    from moe_rl.tokenization.turns import ChatTurns, encode_conversation
-
-    if encoder.template is None:
-        raise ConfigError(f"task.name={task.name} teaches tool calls, which need a chat template; set "
-                          "task.chat_template=auto with a tokenizer that has one (moe_rl/assets/tool_tokenizer)")
-    turns = ChatTurns(encoder.tokenizer, encoder.template, getattr(task, "tools", ()), encoder.system_prompt)
-    episodes = [encode_conversation(turns, c) for c in conversations]
-    return TokenBatch.from_lists([p for p, _, _ in episodes], [r for _, r, _ in episodes],
-                                 pad_id=encoder.tokenizer.pad_id, seq_multiple=seq_multiple,
-                                 observed=[o for _, _, o in episodes])
 
 
 def nll_loss(batch: TokenBatch):

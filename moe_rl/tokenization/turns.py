@@ -123,3 +123,20 @@ def encode_conversation(turns: ChatTurns,
         response += ids
         observed += [flag] * len(ids)
     return prompt, response, observed
+
+
+def encode_conversations(conversations: Sequence[Sequence[dict[str, Any]]], task: Any, encoder: Any,
+                         seq_multiple: int) -> Any:
+    """Supervised episodes (a `TokenBatch`) built as the rollout builds them: the task's tools
+    shown by `encoder`'s chat template (a `PromptEncoder`), each conversation through
+    `encode_conversation`, its observations marked (`TokenBatch.observed_BT`)."""
+    from moe_rl.batch import TokenBatch
+
+    if encoder.template is None:
+        raise TokenizerError(f"task.name={task.name} teaches tool calls, which need a chat template; set "
+                             "task.chat_template=auto with a tokenizer that has one (moe_rl/assets/tool_tokenizer)")
+    turns = ChatTurns(encoder.tokenizer, encoder.template, getattr(task, "tools", ()), encoder.system_prompt)
+    episodes = [encode_conversation(turns, c) for c in conversations]
+    return TokenBatch.from_lists([p for p, _, _ in episodes], [r for _, r, _ in episodes],
+                                 pad_id=encoder.tokenizer.pad_id, seq_multiple=seq_multiple,
+                                 observed=[o for _, _, o in episodes])
