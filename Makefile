@@ -10,6 +10,7 @@ ACCEL     ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 TORCH_CPU := torch==2.13.0
 STAMP     := $(VENV)/.moe_rl-installed-$(ACCEL)
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 # GPU machines (ACCEL=gpu): PYTHON is the machine's interpreter, the one with its CUDA torch.
 # The venv is made from it with --system-site-packages: the machine's torch (and its CUDA
 # wheels) show through and are never reinstalled, while everything we add lands in $(VENV),
@@ -82,8 +83,10 @@ endif
 	@rm -f $(VENV)/.moe_rl-installed-*
 	@touch $@
 
+# Two pytest workers (pytest-xdist), one test file each at a time: most tests wait on child
+# processes or one thread, and two files at once keep both cores busy (TEST_WORKERS=0: serial).
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not slow and not multiproc and not vllm" $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    _heavy_modules_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -23,12 +24,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(scope="module")
-def megatron_world():
-    """A one-process gloo world for in-process learner tests (megatron shims applied): made
-    once per module (a no-op while it lives), so a module after one whose in-process run ended
-    it (`moe_rl.cli` destroys the process group at a program's end) finds it again, whatever
-    order the modules run in."""
-    from moe_rl.learner import init_distributed
+def _heavy_modules_first(items) -> None:
+    """The longest modules first (their measured seconds, tests/module_seconds.json; file
+    order kept within a module), so that `make test`'s workers (pytest-xdist, one file at a
+    time) end on short files instead of one worker finishing a long one alone. Modules not
+    measured go after, multi-process and slow ones first."""
+    import json
+    from pathlib import Path
 
-    return init_distributed()
+    seconds = json.loads((Path(__file__).parent / "module_seconds.json").read_text())
+
+    def key(item) -> tuple[int, float]:
+        name = item.module.__name__.rpartition(".")[2]
+        if name in seconds:
+            return (0, -seconds[name])
+        return (1, 0 if "multiproc" in item.keywords else 1 if "slow" in item.keywords else 2)
+
+    best: dict[str, tuple[int, float]] = {}
+    for item in items:
+        best[item.module.__name__] = min(best.get(item.module.__name__, (9, 0.0)), key(item))
+    items.sort(key=lambda item: best[item.module.__name__])  # (stable: the order within a module stays)
