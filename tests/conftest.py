@@ -44,3 +44,14 @@ def _heavy_modules_first(items) -> None:
     for item in items:
         best[item.module.__name__] = min(best.get(item.module.__name__, (9, 0.0)), key(item))
     items.sort(key=lambda item: best[item.module.__name__])  # (stable: the order within a module stays)
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """A one-process gloo world for in-process learner tests (megatron shims applied): made
+    once per module (a no-op while it lives), so a module after one whose in-process run ended
+    it (`moe_rl.cli` destroys the process group at a program's end) finds it again, whatever
+    order the modules run in."""
+    from moe_rl.learner import init_distributed
+
+    return init_distributed()

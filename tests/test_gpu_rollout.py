@@ -104,3 +104,33 @@ def test_push_staging_is_ordered_before_the_next_update_on_the_stream():
     staged = _unpacked(flat, metas)[0][1]
     assert staged.data_ptr() != weight.data_ptr()
     assert torch.equal(staged, before) and not torch.equal(weight, before)
+
+
+def test_vllm_routes_every_position_of_a_multi_turn_episode(tmp_path_factory):
+    """Issue #49 with vLLM's routed experts (CPU has none): episodes of up to 3 turns on the
+    tool tokenizer's tiny model, fp32, each position's routes the round's that first fed it
+    (`moe_rl.rollout.pool`); with fixed weights that is vLLM's own prefill routing of the whole
+    episode, which a 1-token generate on it returns (positions whose top-k is a numerical tie
+    aside)."""
+    import numpy as np
+    from sampler_utils import router_margin
+    from test_episodes import episode_cfg, run_episodes, tool_moe
+
+    from moe_rl.sampler import VLLMEngineConfig, make_sampler
+    from moe_rl.sampler.hf_backend import HFSampler
+
+    path = tool_moe.__wrapped__(tmp_path_factory)
+    s = make_sampler(path, VLLMEngineConfig(precision="fp32", gpu_memory_utilization=0.3, return_routed_experts=True))
+    _, _, groups, _ = run_episodes(s, episode_cfg(), num=3, seed=5)
+    ref = HFSampler(path)
+    checked = 0
+    for g in groups:
+        for r in g.responses:
+            seq = g.prompt + r.tokens
+            assert r.routed is not None and r.routed.shape[0] == len(seq) - 1
+            if len(r.episode.turns) > 1 and router_margin(ref.model, g.prompt, r.tokens) > 1e-3:
+                whole = s.generate([seq[:-1]], n=1, max_new_tokens=1, temperature=0.0, prompt_seeds=[0])
+                np.testing.assert_array_equal(r.routed, whole.routed_experts[0][: len(seq) - 1])
+                checked += 1
+    assert checked >= 1
+    s.close()

@@ -1,6 +1,6 @@
 """Multi-turn tool episodes in real runs (issue #49): the shipped tool base on the calculator
 task under torchrun with one learner rank and one engine rank (separate placement, the
-engines a step ahead, in-flight updates and partial rollouts), the transformers sampler
+engines a step ahead: one-step-off, and in-flight updates with partial rollouts), the transformers sampler
 recording routes: R3 replays every position of whole episodes exactly (the loud used =
 replayed check), episodes call the tool and take several turns. And a transformers-made
 Qwen3-MoE directory whose chat template offers tools runs the tool task through the
@@ -20,12 +20,19 @@ RECIPE = ROOT / "examples" / "tiny_tools.yaml"
 TOOL_TOKENIZER = ROOT / "moe_rl" / "assets" / "tool_tokenizer"
 
 
+SCHEDULES = {
+    "one-step-off": ["rl.max_staleness=1"],
+    "inflight-partial": ["rl.max_staleness=2", "rl.inflight_weight_updates=true", "rl.partial_rollouts=true",
+                         "rl.inflight_segment_tokens=16"],
+}
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_r3_replays_whole_episodes_exactly_with_a_separate_engine_running_ahead(tmp_path):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_r3_replays_whole_episodes_exactly_with_a_separate_engine_running_ahead(tmp_path, schedule):
     rows = train(RECIPE, ["sampler.backend=transformers", "sampler.placement=separate", "sampler.engine_ranks=1",
-                          "rl.max_staleness=2", "rl.rollout_correction=tis", "rl.inflight_weight_updates=true",
-                          "rl.partial_rollouts=true", "rl.inflight_segment_tokens=16", "rl.replay=R3",
+                          *SCHEDULES[schedule], "rl.rollout_correction=tis", "rl.replay=R3",
                           "rl.prompts_per_step=4", "rl.group_size=4", "run.steps=3", "run.save_every=0",
                           "logging.progress=false", "logging.tensorboard=false"], tmp_path, "r3")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -40,7 +47,6 @@ def tool_hf_dir(out: Path) -> Path:
     tool-calling chat template in the directory (as a Hugging Face checkpoint ships them)."""
     import torch
     import transformers
-
     from hf_fixtures import qwen3_moe_config
 
     ids = json.loads((TOOL_TOKENIZER / "tokenizer.json").read_text())["added_tokens"]
@@ -59,8 +65,9 @@ def tool_hf_dir(out: Path) -> Path:
 def test_a_hugging_face_directory_with_a_tool_template_runs_the_tool_task(megatron_world, tmp_path):
     """examples/hf_rspo.yaml (vLLM) with the directory's own tokenizer: the prompts show the
     `add` tool through its chat template, episodes run (`rollout/turns_mean`), 2 steps."""
-    import moe_rl.train
     from in_process import run_main
+
+    import moe_rl.train
 
     hf = tool_hf_dir(tmp_path / "hf")
     ran = run_main(moe_rl.train, ["--config", str(ROOT / "examples" / "hf_rspo.yaml"), f"run.init_checkpoint={hf}",

@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from moe_rl.tasks.base import Problem, Task, as_rng, check_count
-from moe_rl.tasks.synthetic import MAX_DIGITS
+from moe_rl.tasks.base import Problem
+from moe_rl.tasks.synthetic import DigitTask
 
 if TYPE_CHECKING:
-    from typing import Self
 
-    from moe_rl.config import TaskConfig
+    pass
 
 # What a decoded final message may end with when special tokens are not skipped: the chat
 # template's end of turn and the end of text (both are EOS ids of the tool tokenizer).
@@ -68,50 +67,30 @@ def final_answer(response: object) -> str:
     return text
 
 
-class CalculatorTask(Task):
-    """`What is A + B?`, answered with the exact decimal sum; the `add` tool is allowed."""
+class CalculatorTask(DigitTask):
+    """`What is A + B?`, answered with the exact decimal sum; the `add` tool is allowed. The
+    operands are drawn as the digit tasks draw theirs (`DigitTask.number`); the prompt is a
+    question and the answer the final assistant message."""
 
     name = "calculator"
+    keyword = "add"
 
     def __init__(self, min_digits: int = 5, max_digits: int = 7) -> None:
-        if not 1 <= min_digits <= max_digits <= MAX_DIGITS:
-            raise ValueError(
-                f"task {self.name}: need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, "
-                f"got min_digits={min_digits}, max_digits={max_digits}"
-            )
-        self.min_digits = min_digits
-        self.max_digits = max_digits
-
-    @classmethod
-    def from_config(cls, cfg: TaskConfig) -> Self:
-        return cls(cfg.min_digits, cfg.max_digits)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(min_digits={self.min_digits}, max_digits={self.max_digits})"
+        super().__init__(min_digits, max_digits)
 
     @property
     def tools(self) -> list[Callable[..., Any]]:
         """The functions a policy may call (a fresh list: callers may extend it)."""
         return [add]
 
-    def sample(self, n: int, seed: int | np.random.Generator) -> list[Problem]:
-        rng = as_rng(seed)
-        return [self.make_problem(rng) for _ in range(check_count(n))]
-
     def make_problem(self, rng: np.random.Generator) -> Problem:
         """One problem drawn from `rng` (A first, then B)."""
-        a, b = self.number(rng), self.number(rng)
+        a, b = int(self.number(rng)), int(self.number(rng))
         return Problem(
             prompt=f"What is {a} + {b}?",
             answer=str(a + b),
             meta={"task": self.name, "a": a, "b": b, "digits": max(len(str(a)), len(str(b)))},
         )
-
-    def number(self, rng: np.random.Generator) -> int:
-        """A random operand with a random number of digits in [min_digits, max_digits]."""
-        k = int(rng.integers(self.min_digits, self.max_digits + 1))
-        low = 0 if k == 1 else 10 ** (k - 1)
-        return int(rng.integers(low, 10**k))
 
     def completion(self, problem: Problem) -> str:
         """The direct answer: the sum alone (the final assistant message's content)."""
