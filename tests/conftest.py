@@ -9,9 +9,16 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on 2 cores: each (and every child it starts) on one OpenMP
+    # thread, or two workers' thread pools spin against each other (~6x slower matmuls)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

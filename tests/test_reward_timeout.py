@@ -51,10 +51,27 @@ def task_of(tmp_path, monkeypatch):
     sys.modules.pop("hang_rewards", None)
 
 
+_BEFORE: set[int] = set()
+"""Reward workers of this process that earlier tests' tasks left (another module's, when
+pytest-xdist runs several modules in one process): not this module's to account for."""
+
+
+@pytest.fixture(autouse=True)
+def _earlier_workers() -> None:
+    _BEFORE.clear()
+    _BEFORE.update(p.pid for p in _workers())
+
+
 def _workers() -> list[psutil.Process]:
-    """This process's reward workers still running."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if "reward_worker" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    """This process's reward workers still running (started since the test began)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:  # (a child may exit between the listing and the look: that one is not running)
+            if "reward_worker" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return [p for p in out if p.pid not in _BEFORE]
 
 
 def test_a_hung_reward_is_cut_scored_zero_and_counted(task_of, caplog):
