@@ -53,3 +53,23 @@ def test_the_collapse_rule_at_its_edges():
     assert stress_collapsed([0.5] * 35 + [0.19] * 5)          # 0.31 below it
     assert stress_collapsed([0.02] * 40)                      # never rose: below the floor all along
     assert not stress_collapsed([0.3] + [0.6] * 39) and not stress_collapsed([])
+
+
+def test_the_stress_sweep_picks_the_plans_regime_from_committed_result_files(tmp_path):
+    """The regime rule, and SWEEP.md regenerated from result files alone (no run directory)."""
+    import json
+
+    from moe_rl.ablations.stress import pick_regime, result, write_sweep
+
+    assert pick_regime({2e-4: (0, 4), 3e-4: (1, 4), 4e-4: (2, 4), 6e-4: (4, 4)}) == 4e-4
+    assert pick_regime({2e-4: (0, 4), 6e-4: (4, 4)}) is None
+    for lr, finals in {2e-4: [0.6, 0.6, 0.5, 0.6], 4e-4: [0.01, 0.6, 0.02, 0.5]}.items():
+        for seed, final in enumerate(finals, 1):
+            rows = [{"reward/mean": 0.4, "step": 1}] + [{"reward/mean": final, "step": s} for s in range(2, 41)]
+            doc = result(rows, {"setting": "grpo-off", "lr": lr, "seed": seed, "commit": "abc1234"})
+            assert doc["collapsed"] == (final < 0.05) and doc["per_step"]["reward/mean"][0] == 0.4
+            d = tmp_path / "sweep" / f"lr{lr:g}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"seed{seed}.json").write_text(json.dumps(doc))
+    text = write_sweep(tmp_path).read_text()
+    assert "| 0.0004 | 4 | 2/4 |" in text and "picks **lr = 0.0004**" in text and "abc1234" in text

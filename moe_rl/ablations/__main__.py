@@ -10,6 +10,7 @@ from pathlib import Path
 import moe_rl.ablations as pkg
 from moe_rl.ablations.runner import OUT, RECIPE, ROOT, Run, run_all
 from moe_rl.ablations.settings import DEFAULT_SEEDS, parse_seeds, settings
+from moe_rl.ablations.stress import PLAN_LRS
 
 
 def _seeds(text: str | None) -> tuple[int, ...]:
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sweep", parents=[common], help="plain off-policy GRPO at several learning rates")
     s.add_argument("--lrs", default="1e-4,2e-4,4e-4",
                    help="comma-separated learning rates (default 1e-4,2e-4,4e-4: docs/ablations/lr_sweep.md)")
+    st = sub.add_parser("stress-sweep", parents=[common],
+                        help="issue 47's regime sweep: off-policy GRPO at the plan's rates (docs/ablations/STRESS_PLAN.md)")
+    st.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in PLAN_LRS), help="comma-separated learning rates")
     rep = sub.add_parser("report", help="write REPORT.md, results.json and plots")
     rep.add_argument("--out", type=Path, default=OUT)
     sub.add_parser("list", help="list the settings")
@@ -69,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     seeds = _seeds(args.seeds)
     t0 = time.perf_counter()
-    if args.cmd == "sweep":
+    if args.cmd == "stress-sweep":
+        from moe_rl.ablations.stress import run_sweep as run_stress_sweep
+        from moe_rl.ablations.stress import write_sweep as write_stress_sweep
+
+        failed = run_stress_sweep(args.out, _lrs(args.lrs), seeds, args.base, args.jobs)
+        print(write_stress_sweep().read_text())
+    elif args.cmd == "sweep":
         from moe_rl.ablations.sweep import run_sweep, write_sweep
 
         lrs = _lrs(args.lrs)
