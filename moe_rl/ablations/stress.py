@@ -63,13 +63,14 @@ def run_sweep(out: Path, lrs: list[float], seeds: tuple[int, ...], base: Path | 
               results: Path = RESULTS) -> list[Run]:
     """GRPO off-policy at each lr and seed (missing runs only), every finished run recorded."""
     base = ensure_base(out, base, os.cpu_count() or 1)
+    commit = _commit()  # (the code the runs use: committing result files later moves HEAD, not the code)
     failed: list[Run] = []
     for lr in lrs:
         runs = [Run(SETTING, s, (f"optimizer.lr={lr:g}",)) for s in seeds]
         failed += run_all(runs, sweep_dir(out, lr), base, jobs)
         for r in runs:
             record(r, sweep_dir(out, lr), results / "sweep" / f"lr{lr:g}", {"setting": SETTING, "lr": lr,
-                                                                             "commit": _commit()})
+                                                                             "commit": commit})
     return failed
 
 
