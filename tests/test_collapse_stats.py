@@ -72,4 +72,4 @@ def test_the_stress_sweep_picks_the_plans_regime_from_committed_result_files(tmp
             d.mkdir(parents=True, exist_ok=True)
             (d / f"seed{seed}.json").write_text(json.dumps(doc))
     text = write_sweep(tmp_path).read_text()
-    assert "| 0.0004 | 4 | 2/4 |" in text and "picks **lr = 0.0004**" in text and "abc1234" in text
+    assert "| 0.0004 | 4 | 2/4 |" in text and "picks **lr = 0.0004 at 4 updates per rollout**" in text and "abc1234" in text

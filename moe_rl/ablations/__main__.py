@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("stress-sweep", parents=[common],
                         help="issue 47's regime sweep: off-policy GRPO at the plan's rates (docs/ablations/STRESS_PLAN.md)")
     st.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in PLAN_LRS), help="comma-separated learning rates")
+    st.add_argument("--updates", type=int, default=4, choices=(4, 8),
+                    help="mini-batch updates per rollout: 4, or the plan's fallback 8")
     rep = sub.add_parser("report", help="write REPORT.md, results.json and plots")
     rep.add_argument("--out", type=Path, default=OUT)
     sub.add_parser("list", help="list the settings")
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         from moe_rl.ablations.stress import run_sweep as run_stress_sweep
         from moe_rl.ablations.stress import write_sweep as write_stress_sweep
 
-        failed = run_stress_sweep(args.out, _lrs(args.lrs), seeds, args.base, args.jobs)
+        failed = run_stress_sweep(args.out, _lrs(args.lrs), seeds, args.base, args.jobs, updates=args.updates)
         print(write_stress_sweep().read_text())
     elif args.cmd == "sweep":
         from moe_rl.ablations.sweep import run_sweep, write_sweep

@@ -21,6 +21,7 @@ from typing import Any
 
 from moe_rl.ablations.collapse_stats import LAST, stress_collapsed
 from moe_rl.ablations.runner import MARKER, ROOT, Run, ensure_base, run_all
+from moe_rl.ablations.settings import OFF_POLICY_UPDATES
 from moe_rl.runtime.atomic import atomic_write_text
 
 SETTING = "grpo-off"
@@ -44,8 +45,14 @@ def result(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
             "per_step": {k: [r.get(k) for r in rows] for k in KEPT}}
 
 
-def sweep_dir(out: Path, lr: float) -> Path:
-    return out / "stress" / "sweep" / f"lr{lr:g}"
+def block(updates: int) -> str:
+    """The sweep's directory name for `updates` mini-batch updates per rollout (the plan's
+    first block, 4, is `sweep`; its fallback, 8, `sweep-updates8`)."""
+    return "sweep" if updates == OFF_POLICY_UPDATES else f"sweep-updates{updates}"
+
+
+def sweep_dir(out: Path, lr: float, updates: int = 4) -> Path:
+    return out / "stress" / block(updates) / f"lr{lr:g}"
 
 
 def record(run: Run, runs_dir: Path, results_dir: Path, meta: dict[str, Any]) -> Path | None:
@@ -60,17 +67,18 @@ def record(run: Run, runs_dir: Path, results_dir: Path, meta: dict[str, Any]) ->
 
 
 def run_sweep(out: Path, lrs: list[float], seeds: tuple[int, ...], base: Path | None, jobs: int,
-              results: Path = RESULTS) -> list[Run]:
-    """GRPO off-policy at each lr and seed (missing runs only), every finished run recorded."""
+              results: Path = RESULTS, updates: int = 4) -> list[Run]:
+    """GRPO off-policy at each lr and seed with `updates` mini-batch updates per rollout
+    (missing runs only), every finished run recorded."""
     base = ensure_base(out, base, os.cpu_count() or 1)
     commit = _commit()  # (the code the runs use: committing result files later moves HEAD, not the code)
     failed: list[Run] = []
     for lr in lrs:
-        runs = [Run(SETTING, s, (f"optimizer.lr={lr:g}",)) for s in seeds]
-        failed += run_all(runs, sweep_dir(out, lr), base, jobs)
+        runs = [Run(SETTING, s, (f"optimizer.lr={lr:g}", f"rl.num_minibatches={updates}")) for s in seeds]
+        failed += run_all(runs, sweep_dir(out, lr, updates), base, jobs)
         for r in runs:
-            record(r, sweep_dir(out, lr), results / "sweep" / f"lr{lr:g}", {"setting": SETTING, "lr": lr,
-                                                                             "commit": commit})
+            record(r, sweep_dir(out, lr, updates), results / block(updates) / f"lr{lr:g}",
+                   {"setting": SETTING, "lr": lr, "updates": updates, "commit": commit})
     return failed
 
 
@@ -88,10 +96,9 @@ def pick_regime(collapses: dict[float, tuple[int, int]]) -> float | None:
     return ok[0] if ok else None
 
 
-def write_sweep(results: Path = RESULTS) -> Path:
-    """docs/ablations/stress/SWEEP.md from the committed result files alone."""
+def _block_table(directory: Path) -> tuple[list[str], dict[float, tuple[int, int]]]:
     rows, collapses = [], {}
-    for lr_dir in sorted((results / "sweep").glob("lr*"), key=lambda p: float(p.name[2:])):
+    for lr_dir in sorted(directory.glob("lr*"), key=lambda p: float(p.name[2:])):
         files = [json.loads(p.read_text()) for p in sorted(lr_dir.glob("seed*.json"))]
         if not files:
             continue
@@ -102,17 +109,31 @@ def write_sweep(results: Path = RESULTS) -> Path:
         rows.append(f"| {lr:g} | {len(files)} | {c}/{len(files)} | {means['first_reward']:.3f} | "
                     f"{means['final_reward']:.3f} | {means['reward_auc']:.3f} | "
                     + ", ".join(f"{f['final_reward']:.2f}" for f in files) + " |")
-    pick = pick_regime(collapses)
-    commits = sorted({json.loads(p.read_text())["commit"] for p in (results / "sweep").glob("lr*/seed*.json")})
+    return rows, collapses
+
+
+def write_sweep(results: Path = RESULTS) -> Path:
+    """docs/ablations/stress/SWEEP.md from the committed result files alone: a table per block
+    (4 updates per rollout, then the plan's fallback of 8) and the regime the rule picks."""
+    commits = sorted({json.loads(p.read_text())["commit"] for p in results.glob("sweep*/lr*/seed*.json")})
     text = ("# Stress regime sweep: plain off-policy GRPO (issue 47)\n\n"
             "Pre-registered in `STRESS_PLAN.md`; written by `python -m moe_rl.ablations stress-sweep` from the "
-            f"result files under `sweep/` (runs made at commit {', '.join(commits) or '-'}). Collapse: the last "
-            f"{LAST} steps' mean reward below 0.05 or more than 0.3 below the first step's.\n\n"
-            "| lr | seeds | collapses | first-step reward | final reward | reward AUC | final reward per seed |\n"
-            "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n")
-    text += (f"The plan's rule (the smallest lr with GRPO collapsing in at least half and not all seeds) picks "
-             f"**lr = {pick:g}**.\n" if pick is not None else
-             "No swept lr meets the plan's rule (collapses in at least half and not all seeds).\n")
+            f"result files under `sweep*/` (runs made at commit {', '.join(commits) or '-'}). Collapse: the last "
+            f"{LAST} steps' mean reward below 0.05 or more than 0.3 below the first step's.\n")
+    pick = None
+    for updates in (OFF_POLICY_UPDATES, 8):
+        rows, collapses = _block_table(results / block(updates))
+        if not rows:
+            continue
+        text += (f"\n## {updates} mini-batch updates per rollout\n\n"
+                 "| lr | seeds | collapses | first-step reward | final reward | reward AUC | final reward per seed |\n"
+                 "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+        if pick is None and pick_regime(collapses) is not None:
+            pick = (pick_regime(collapses), updates)
+    text += ("\n" + (f"The plan's rule (the smallest lr, at 4 updates first, with GRPO collapsing in at least half "
+                      f"and not all seeds) picks **lr = {pick[0]:g} at {pick[1]} updates per rollout**.\n"
+                      if pick is not None else
+                      "No swept setting meets the plan's rule (collapses in at least half and not all seeds) yet.\n"))
     path = results / "SWEEP.md"
     atomic_write_text(path, text)
     return path
