@@ -112,9 +112,7 @@ def test_vllm_routes_every_position_of_a_multi_turn_episode(tmp_path_factory):
     (`moe_rl.rollout.pool`); with fixed weights that is vLLM's own prefill routing of the whole
     episode, which a 1-token generate on it returns (positions whose top-k is a numerical tie
     aside)."""
-    import numpy as np
-    from sampler_utils import router_margin
-    from test_episodes import episode_cfg, run_episodes, tool_moe
+    from test_episodes import check_episode_routes, episode_cfg, run_episodes, tool_moe
 
     from moe_rl.sampler import VLLMEngineConfig, make_sampler
     from moe_rl.sampler.hf_backend import HFSampler
@@ -122,15 +120,10 @@ def test_vllm_routes_every_position_of_a_multi_turn_episode(tmp_path_factory):
     path = tool_moe.__wrapped__(tmp_path_factory)
     s = make_sampler(path, VLLMEngineConfig(precision="fp32", gpu_memory_utilization=0.3, return_routed_experts=True))
     _, _, groups, _ = run_episodes(s, episode_cfg(), num=3, seed=5)
+    def whole(seq: list[int]):  # vLLM's prefill routing of the episode: a 1-token generate on it
+        return s.generate([seq[:-1]], n=1, max_new_tokens=1, temperature=0.0,
+                          prompt_seeds=[0]).routed_experts[0][: len(seq) - 1]
+
     ref = HFSampler(path)
-    checked = 0
-    for g in groups:
-        for r in g.responses:
-            seq = g.prompt + r.tokens
-            assert r.routed is not None and r.routed.shape[0] == len(seq) - 1
-            if len(r.episode.turns) > 1 and router_margin(ref.model, g.prompt, r.tokens) > 1e-3:
-                whole = s.generate([seq[:-1]], n=1, max_new_tokens=1, temperature=0.0, prompt_seeds=[0])
-                np.testing.assert_array_equal(r.routed, whole.routed_experts[0][: len(seq) - 1])
-                checked += 1
-    assert checked >= 1
+    assert check_episode_routes(groups, ref, whole, margin=1e-3, multi_turn_only=True) >= 1
     s.close()

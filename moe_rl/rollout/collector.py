@@ -339,8 +339,7 @@ class RolloutCollector:
         cfg, G = self.cfg, self.cfg.rl.group_size
         pool = RolloutPool(cfg.sampler.max_new_tokens, self.episodes.max_turn_tokens, self.episodes)
         for i, (problem, seed) in enumerate(zip(problems, seeds)):
-            prompt, states = self.episodes.start(problem, G)
-            pool.admit((step, 0, i), prompt, seed, G, states)
+            self.episodes.admit(pool, (step, 0, i), problem, seed, G)
         t0 = time.perf_counter()
         with timer.phase("sample"):
             while True:

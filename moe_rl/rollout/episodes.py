@@ -91,14 +91,19 @@ class Episodes:
         openings = [s.env.start() for s in states]
         return self.turns_for(states[0].env).opening(openings[0]), states
 
+    def admit(self, pool: RolloutPool, key: tuple[int, int, int], problem: Problem, seed: int,
+              group_size: int) -> None:
+        """`problem`'s group into `pool`: its prompt and one fresh episode per response."""
+        prompt, states = self.start(problem, group_size)
+        pool.admit(key, prompt, seed, group_size, states)
+
     def run(self, sampler: Any, problems: Sequence[Problem], n: int, temperature: float, top_p: float,
             seeds: Sequence[int]) -> list[PoolGroup]:
         """`n` episodes of each problem decoded to the end on `sampler` (one engine alone: an
         evaluation), the groups in problem order; seeds as `base_seeds` gives them."""
         pool = RolloutPool(self.max_new_tokens, self.max_turn_tokens, self)
         for i, (problem, seed) in enumerate(zip(problems, seeds)):
-            prompt, states = self.start(problem, n)
-            pool.admit((0, 0, i), prompt, seed, n, states)
+            self.admit(pool, (0, 0, i), problem, seed, n)
         while pool.running:
             pool.segment(sampler, 0, temperature, top_p)
         return sorted(pool.done, key=lambda g: g.key)
@@ -131,11 +136,16 @@ class Episodes:
         r.finish = None
         return None
 
-    def _step(self, ep: EpisodeState, turn_ids: Sequence[int]) -> Observation:
+    def _turn(self, turn_ids: Sequence[int]) -> AssistantTurn:
+        """A turn's ids as the environment sees them: decoded, its calls parsed."""
         parsed = self.parse(self.tokenizer.decode(turn_ids))
-        ep.tool_calls += len(parsed.calls)
-        ep.parse_errors += parsed.error is not None
-        obs = ep.env.step(AssistantTurn(parsed.content, parsed.calls, parsed.error))
+        return AssistantTurn(parsed.content, parsed.calls, parsed.error)
+
+    def _step(self, ep: EpisodeState, turn_ids: Sequence[int]) -> Observation:
+        turn = self._turn(turn_ids)
+        ep.tool_calls += len(turn.calls)
+        ep.parse_errors += turn.error is not None
+        obs = ep.env.step(turn)
         ep.turn_rewards += float(obs.reward)
         return obs
 
@@ -156,8 +166,4 @@ class Episodes:
         if r.finish is not None:
             return
         ep.env = self.make_env(problem)
-        turns = []
-        for start, end in ep.turns:
-            parsed = self.parse(self.tokenizer.decode(r.tokens[start:end]))
-            turns.append(AssistantTurn(parsed.content, parsed.calls, parsed.error))
-        replay(ep.env, turns)
+        replay(ep.env, [self._turn(r.tokens[start:end]) for start, end in ep.turns])

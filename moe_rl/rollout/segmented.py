@@ -99,8 +99,7 @@ class SegmentedRollout:
         seeds = c.seeds(self.units, 0, len(problems))
         for i in c.placement.share(len(problems)):
             if c.episodes is not None:
-                prompt, episodes = c.episodes.start(problems[i], G)
-                self.pool.admit((self.units, 0, i), prompt, seeds[i], G, episodes)
+                c.episodes.admit(self.pool, (self.units, 0, i), problems[i], seeds[i], G)
             else:
                 self.pool.admit((self.units, 0, i), c.prompts.encode(problems[i]), seeds[i], G)
 

@@ -43,6 +43,8 @@ class ChatTurns:
         self.template = template
         self.tools = list(tools)
         self.system_prompt = system_prompt
+        self._probe = self._render(_PROBE, add_generation_prompt=False)
+        """The fixed conversation rendered once (every observation is cut out after it)."""
         self.end_of_turn = self._end_of_turn_text()
 
     def _render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -50,10 +52,9 @@ class ChatTurns:
 
     def _end_of_turn_text(self) -> str:
         """The text of the EOS token the template closes an assistant turn with."""
-        text = self._render(_PROBE, add_generation_prompt=False)
         for eos in self.tokenizer.eos_ids:
             piece = self.tokenizer.hf.convert_ids_to_tokens(eos)
-            if piece and f"a{piece}" in text:  # (right after the probe's assistant content "a")
+            if piece and f"a{piece}" in self._probe:  # (right after the probe's assistant content "a")
                 return piece
         raise TokenizerError("the chat template does not close an assistant turn with one of the tokenizer's EOS "
                              f"tokens ({self.tokenizer.eos_ids}); the engine could not stop at the end of a turn")
@@ -73,7 +74,7 @@ class ChatTurns:
     def observation(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The ids appended after an assistant turn's EOS: `messages` (tool results, a user
         turn) and the next assistant turn's opening."""
-        before = self._render(_PROBE, add_generation_prompt=False)
+        before = self._probe
         after = self._render([*_PROBE, *messages], add_generation_prompt=True)
         if not after.startswith(before):
             raise TokenizerError("the chat template renders a conversation differently once messages follow it, so "
