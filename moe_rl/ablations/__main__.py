@@ -10,7 +10,7 @@ from pathlib import Path
 import moe_rl.ablations as pkg
 from moe_rl.ablations.runner import OUT, RECIPE, ROOT, Run, run_all
 from moe_rl.ablations.settings import DEFAULT_SEEDS, parse_seeds, settings
-from moe_rl.ablations.stress import PLAN_LRS
+from moe_rl.ablations.stress import PLAN_LRS, RESULTS
 
 
 def _seeds(text: str | None) -> tuple[int, ...]:
@@ -60,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in PLAN_LRS), help="comma-separated learning rates")
     st.add_argument("--updates", type=int, default=4, choices=(4, 8),
                     help="mini-batch updates per rollout: 4, or the plan's fallback 8")
+    sr = sub.add_parser("stress", parents=[common],
+                        help="issue 47's runs at the swept regime: repeat, main, stage2, contrast (what is missing)")
+    sr.add_argument("--block", choices=("repeat", "main", "stage2", "contrast"),
+                    help="one block only (default: all, in the plan's order)")
+    sr.add_argument("--settings", help="comma-separated settings of --block (default: the block's)")
+    sr.add_argument("--commit", action="store_true", help="git-commit each run's result file as it lands")
+    sr.add_argument("--results", type=Path, default=RESULTS,
+                    help="where the result files go (default docs/ablations/stress of this checkout; another "
+                         "checkout's lets the runs import a fixed commit while work goes on in that one)")
     rep = sub.add_parser("report", help="write REPORT.md, results.json and plots")
     rep.add_argument("--out", type=Path, default=OUT)
     sub.add_parser("list", help="list the settings")
@@ -73,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "report":
         print(report(args.out))
         return 0
-    seeds = _seeds(args.seeds)
     t0 = time.perf_counter()
+    if args.cmd == "stress":
+        from moe_rl.ablations.stress_runs import plan, run_stress
+
+        names = [n.strip() for n in args.settings.split(",") if n.strip()] if args.settings else None
+        blocks = plan(args.results, names, _seeds(args.seeds) if args.seeds else None, args.block)
+        failed = run_stress(args.out, blocks, args.base, args.jobs, args.results, args.commit)
+        return _finish(t0, failed)
+    seeds = _seeds(args.seeds)
     if args.cmd == "stress-sweep":
         from moe_rl.ablations.stress import run_sweep as run_stress_sweep
         from moe_rl.ablations.stress import write_sweep as write_stress_sweep
@@ -95,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         # seed-major: a stopped run leaves whole seeds of every setting, not all seeds of a few
         failed = run_all([Run(n, s) for s in seeds for n in names], args.out, args.base, args.jobs)
         print(report(args.out))
+    return _finish(t0, failed)
+
+
+def _finish(t0: float, failed: list[Run]) -> int:
     print(f"done in {(time.perf_counter() - t0) / 60:.1f} min")
     if failed:
         print("failed: " + ", ".join(f"{r.setting} seed {r.seed}" for r in failed), file=sys.stderr)

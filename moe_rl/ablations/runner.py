@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,8 +105,11 @@ def train_one(run: Run, out: Path, base: Path, threads: int) -> tuple[Run, float
     return run, seconds
 
 
-def run_all(runs: Iterable[Run], out: Path, base: Path | None = None, jobs: int = 2) -> list[Run]:
-    """Train every run not done yet, `jobs` at a time; returns the runs that failed."""
+def run_all(runs: Iterable[Run], out: Path, base: Path | None = None, jobs: int = 2,
+            on_done: Callable[[Run], None] | None = None) -> list[Run]:
+    """Train every run not done yet, `jobs` at a time; returns the runs that failed.
+    `on_done(run)` is called as each run finishes (recording its result before the next
+    starts, so a stop loses nothing finished)."""
     cores = os.cpu_count() or 1
     jobs = max(1, min(jobs, cores))
     threads = max(1, cores // jobs)
@@ -115,7 +118,15 @@ def run_all(runs: Iterable[Run], out: Path, base: Path | None = None, jobs: int 
     print(f"== {len(todo)} run(s) to train, {jobs} at a time, {threads} thread(s) each", flush=True)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda r: train_one(r, out, base_path, threads), todo))
+        results = list(pool.map(lambda r: _train_and_report(r, out, base_path, threads, on_done), todo))
     failed = [r for r, s in results if s is None]
     print(f"== trained {len(todo) - len(failed)} run(s) in {time.perf_counter() - t0:.0f}s", flush=True)
     return failed
+
+
+def _train_and_report(run: Run, out: Path, base: Path, threads: int,
+                      on_done: Callable[[Run], None] | None) -> tuple[Run, float | None]:
+    run, seconds = train_one(run, out, base, threads)
+    if seconds is not None and on_done is not None:
+        on_done(run)
+    return run, seconds

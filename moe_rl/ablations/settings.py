@@ -20,6 +20,7 @@ METHODS: dict[str, list[str]] = {
     "gmpo": ["rl.objective=gmpo", "rl.replay=none"],
     "rspo-post": ["rl.objective=rspo", "rl.replay=none", "rl.objective_args.rspo.gamma_placement=post_clip"],
     "rspo-pre": ["rl.objective=rspo", "rl.replay=none", "rl.objective_args.rspo.gamma_placement=pre_clip"],
+    "sapo": ["rl.objective=sapo", "rl.replay=none"],
 }
 """Off-policy methods, each run with and without TIS."""
 

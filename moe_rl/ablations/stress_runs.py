@@ -1,0 +1,209 @@
+"""The stress ablations' runs (issue 47, docs/ablations/STRESS_PLAN.md): every setting at the
+regime the sweep picked, the pre-registered second stage, a repeated run (bit-reproducibility)
+and the 3-seed contrast at the comfortable rate, each finished run's result kept as a small
+committed file so the experiment spans sessions.
+
+    python -m moe_rl.ablations stress                  # everything missing, in the plan's order
+    python -m moe_rl.ablations stress --block main --settings grpo-off,gspo-off --seeds 11-20
+
+Blocks (runs under `runs/ablations/stress/<block>/<setting>/seed<k>/`, results under
+`docs/ablations/stress/<block>/<setting>/seed<k>.json`):
+    repeat    off-policy GRPO seed 1 again at the regime: compared with main's, bit for bit
+    main      all 17 settings, seeds 1-10, at the regime (seed-major: a stop leaves whole seeds)
+    stage2    seeds 11-20 of off-policy GRPO, GSPO, GRPO+R3 and RSPO post-clip (the plan's stage 2)
+    contrast  all 17 settings, seeds 1-3, at the recipe's own lr (the committed report's rate)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_rl.ablations.collapse_stats import LAST, stress_collapsed
+from moe_rl.ablations.runner import MARKER, ROOT, Run, ensure_base, run_all
+from moe_rl.ablations.settings import OFF_POLICY_UPDATES, settings
+from moe_rl.ablations.stress import RESULTS, block, pick_regime
+from moe_rl.runtime.atomic import atomic_write_text
+
+MAIN_SEEDS = tuple(range(1, 11))
+STAGE2_SEEDS = tuple(range(11, 21))
+STAGE2_SETTINGS = ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off")
+"""The plan's pre-registered second stage: GRPO and the settings the design documents single out."""
+CONTRAST_SEEDS = (1, 2, 3)
+CONTRAST_LR = 2e-4
+"""The committed 3-seed report's learning rate (examples/ablations.yaml's own)."""
+KEPT_PREFIXES = ("reward/mean", "reward/zero_variance_frac", "learner/grad_norm", "policy/", "routing/flip_rate",
+                 "routing/dlogr", "routing/gamma", "routing/frac_gamma", "routing/sampler_disagree_any",
+                 "mismatch/k3", "response/length_mean")
+"""Per-step metrics a result file keeps: the outcomes and the mechanism plots need them."""
+_UNTIMED = ("time/", "seconds", "per_s")
+"""Metric keys that measure wall time: everything else must repeat bit for bit."""
+
+
+def regime(results: Path = RESULTS) -> tuple[float, int]:
+    """(lr, updates per rollout) from the committed sweep files by the plan's rule: the smallest
+    lr, at 4 updates first, collapsing at least half and not all seeds; failing that (step 3)
+    the smallest lr at which any seed collapsed, in the same block order."""
+    blocks = []
+    for updates in (OFF_POLICY_UPDATES, 8):
+        collapses: dict[float, tuple[int, int]] = {}
+        for lr_dir in (results / block(updates)).glob("lr*"):
+            files = [json.loads(p.read_text()) for p in lr_dir.glob("seed*.json")]
+            if files:
+                collapses[float(lr_dir.name[2:])] = (sum(f["collapsed"] for f in files), len(files))
+        blocks.append((updates, collapses))
+    for updates, collapses in blocks:
+        if (lr := pick_regime(collapses)) is not None:
+            return lr, updates
+    for updates, collapses in blocks:
+        hit = [lr for lr, (c, _) in sorted(collapses.items()) if c > 0]
+        if hit:
+            return hit[0], updates
+    raise SystemExit(f"no stress regime: no sweep result under {results} has a collapsed run; "
+                     "run `python -m moe_rl.ablations stress-sweep` first")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One group of runs sharing a learning rate and a result directory."""
+
+    name: str
+    lr: float
+    updates: int
+    runs: tuple[Run, ...]
+
+
+def plan(results: Path = RESULTS, names: list[str] | None = None, seeds: tuple[int, ...] | None = None,
+         only: str | None = None) -> list[Block]:
+    """The blocks in the plan's order (repeat, main, stage2, contrast), or one block with the
+    given settings and seeds."""
+    lr, updates = regime(results)
+    extra = () if updates == OFF_POLICY_UPDATES else (f"rl.num_minibatches={updates}",)
+
+    def runs(lr_: float, setting_names: list[str] | tuple[str, ...], seed_list: tuple[int, ...]) -> tuple[Run, ...]:
+        # seed-major: a stop leaves whole seeds of every setting, not all seeds of a few
+        return tuple(Run(n, s, (f"optimizer.lr={lr_:g}", *(extra if n.endswith("-off") else ())))
+                     for s in seed_list for n in setting_names)
+
+    every = list(settings())
+    blocks = [Block("repeat", lr, updates, runs(lr, ["grpo-off"], (1,))),
+              Block("main", lr, updates, runs(lr, every, MAIN_SEEDS)),
+              Block("stage2", lr, updates, runs(lr, STAGE2_SETTINGS, STAGE2_SEEDS)),
+              Block("contrast", CONTRAST_LR, OFF_POLICY_UPDATES, runs(CONTRAST_LR, every, CONTRAST_SEEDS))]
+    if only is None:
+        if names or seeds:
+            raise SystemExit("error: --settings/--seeds need --block (main, stage2, contrast or repeat)")
+        return blocks
+    chosen = {b.name: b for b in blocks}.get(only)
+    if chosen is None:
+        raise SystemExit(f"error: --block {only!r}: choose one of {', '.join(b.name for b in blocks)}")
+    unknown = [n for n in names or [] if n not in settings()]
+    if unknown:
+        raise SystemExit(f"error: --settings {','.join(unknown)}: unknown; valid: {', '.join(settings())}")
+    picked_names = names or sorted({r.setting for r in chosen.runs}, key=every.index)
+    picked_seeds = seeds or tuple(sorted({r.seed for r in chosen.runs}))
+    return [Block(chosen.name, chosen.lr, chosen.updates, runs(chosen.lr, picked_names, picked_seeds))]
+
+
+def metrics_digest(rows: list[dict[str, Any]]) -> str:
+    """sha256 of every logged number except wall times: equal digests = the run repeated bit for bit."""
+    kept = [{k: v for k, v in sorted(r.items()) if not any(t in k for t in _UNTIMED)} for r in rows]
+    return hashlib.sha256(json.dumps(kept).encode()).hexdigest()
+
+
+def run_result(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """One run's result file: outcomes under the plan's definitions, the digest, kept metrics."""
+    rewards = [float(r["reward/mean"]) for r in rows if "reward/mean" in r]
+    tail = rewards[-LAST:]
+    keys = sorted({k for r in rows for k in r if k.startswith(KEPT_PREFIXES)})
+    return {**meta, "steps": len(rewards), "first_reward": rewards[0] if rewards else None,
+            "final_reward": sum(tail) / len(tail) if tail else None,
+            "reward_auc": sum(rewards) / len(rewards) if rewards else None,
+            "collapsed": stress_collapsed(rewards), "metrics_sha256": metrics_digest(rows),
+            "per_step": {k: [_round(r.get(k)) for r in rows] for k in keys}}
+
+
+def _round(x: Any) -> Any:
+    return float(f"{x:.6g}") if isinstance(x, float) else x
+
+
+def result_path(results: Path, block_name: str, run: Run) -> Path:
+    return results / block_name / run.setting / f"seed{run.seed}.json"
+
+
+class Recorder:
+    """Writes each finished run's result file and, with `commit`, commits it at once (only that
+    path: whatever else the working tree holds stays out of the commit)."""
+
+    def __init__(self, runs_dir: Path, results: Path, blk: Block, code_commit: str, commit: bool) -> None:
+        self.runs_dir, self.results, self.block, self.code_commit, self.commit = runs_dir, results, blk, code_commit, commit
+        self._lock = threading.Lock()
+
+    def __call__(self, run: Run) -> None:
+        d = run.directory(self.runs_dir)
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        seconds = json.loads((d / MARKER).read_text()).get("seconds")
+        meta = {"block": self.block.name, "setting": run.setting, "seed": run.seed, "lr": self.block.lr,
+                "updates": self.block.updates if run.setting.endswith("-off") else 1,
+                "commit": self.code_commit, "seconds": seconds}
+        path = result_path(self.results, self.block.name, run)
+        out = run_result(rows, meta)
+        with self._lock:
+            atomic_write_text(path, json.dumps(out, separators=(",", ":")) + "\n")
+            if self.commit:
+                state = "collapsed" if out["collapsed"] else "survived"
+                _git_commit(path, f"stress {self.block.name}: {run.setting} seed {run.seed} {state} "
+                                  f"(final reward {out['final_reward']:.3f}, issue 47)")
+
+
+def _git_commit(path: Path, message: str) -> None:
+    repo = path.parent
+    for attempt in range(20):  # another git command may hold the index for a moment
+        add = subprocess.run(["git", "add", "--", str(path)], cwd=repo, capture_output=True, text=True)
+        if add.returncode == 0:
+            proc = subprocess.run(["git", "commit", "-q", "-m", message, "--", str(path)], cwd=repo,
+                                  capture_output=True, text=True)
+            if proc.returncode == 0:
+                return
+            err = proc.stderr
+        else:
+            err = add.stderr
+        if "index.lock" not in err:
+            print(f"!! could not commit {path}: {err.strip() or 'nothing to commit'}", flush=True)
+            return
+        time.sleep(0.5 * (attempt + 1))
+    print(f"!! could not commit {path}: the index stayed locked", flush=True)
+
+
+def code_commit() -> str:
+    """The commit the runs' code is at (committing results later moves HEAD of the results'
+    repository, not the code the runs import)."""
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "moe_rl", "examples"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return (proc.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
+
+
+def run_stress(out: Path, blocks: list[Block], base: Path | None, jobs: int, results: Path = RESULTS,
+               commit: bool = False) -> list[Run]:
+    """Train every missing run of `blocks` in order, recording (and committing) each as it lands."""
+    base = ensure_base(out, base, os.cpu_count() or 1)
+    sha = code_commit()
+    failed: list[Run] = []
+    for blk in blocks:
+        runs_dir = out / "stress" / blk.name
+        todo = [r for r in blk.runs if not result_path(results, blk.name, r).is_file()]
+        print(f"== stress {blk.name}: lr {blk.lr:g}, {len(todo)} of {len(blk.runs)} run(s) missing", flush=True)
+        recorder = Recorder(runs_dir, results, blk, sha, commit)
+        for r in todo:  # finished earlier but not recorded (stopped between the two)
+            if r.done(runs_dir):
+                recorder(r)
+        failed += run_all(todo, runs_dir, base, jobs, on_done=recorder)
+    return failed
