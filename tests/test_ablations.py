@@ -20,13 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_settings_cover_the_issue_grid_and_are_valid():
     s = settings()
-    methods = ("grpo", "grpo-r2", "grpo-r3", "gspo", "gmpo", "rspo-post", "rspo-pre")
+    methods = ("grpo", "grpo-r2", "grpo-r3", "gspo", "gmpo", "rspo-post", "rspo-pre", "sapo")
     assert set(s) == {"grpo-on"} | {f"{m}{t}-off" for m in methods for t in ("", "-tis")}
     for name, overrides in s.items():
         cfg = load_config(ROOT / "examples/ablations.yaml", overrides)
         assert cfg.rl.num_minibatches == (1 if name == "grpo-on" else 4)
         assert (cfg.rl.rollout_correction == "tis") == ("-tis" in name)
         assert cfg.rl.replay == ("R2" if "-r2" in name else "R3" if "-r3" in name else "none")
+        assert cfg.rl.objective == name.split("-")[0]
         if name.startswith("rspo"):
             want = "pre_clip" if name.startswith("rspo-pre") else "post_clip"
             assert cfg.rl.objective_args["rspo"].gamma_placement == want

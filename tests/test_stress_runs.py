@@ -1,0 +1,120 @@
+"""The stress runs of issue 47: the regime read back from committed sweep files by the
+pre-registered rule, the blocks the plan names, each run's result file (outcomes, a digest
+that ignores only wall times) and its commit of exactly that file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from moe_rl.ablations.runner import MARKER, Run
+from moe_rl.ablations.settings import settings
+from moe_rl.ablations.stress_runs import Block, Recorder, metrics_digest, plan, regime, run_result
+
+
+def _sweep(results: Path, block: str, lr: str, collapsed: list[bool]) -> None:
+    d = results / block / f"lr{lr}"
+    d.mkdir(parents=True, exist_ok=True)
+    for seed, c in enumerate(collapsed, 1):
+        (d / f"seed{seed}.json").write_text(json.dumps({"collapsed": c}))
+
+
+def test_regime_follows_the_plans_rule_then_its_step_3(tmp_path):
+    none, all4 = [False] * 4, [True] * 4
+    _sweep(tmp_path / "a", "sweep", "0.0002", none)
+    _sweep(tmp_path / "a", "sweep", "0.0003", [True, True, False, False])  # half: the rule's pick
+    _sweep(tmp_path / "a", "sweep", "0.0004", [True, True, True, False])
+    assert regime(tmp_path / "a") == (3e-4, 4)
+    _sweep(tmp_path / "b", "sweep", "0.0002", none)
+    _sweep(tmp_path / "b", "sweep", "0.0003", all4)
+    _sweep(tmp_path / "b", "sweep", "0.0004", all4)
+    _sweep(tmp_path / "b", "sweep-updates8", "0.0002", all4)
+    assert regime(tmp_path / "b") == (3e-4, 4)  # step 3: the smallest collapsing rate at 4 updates first
+    _sweep(tmp_path / "c", "sweep", "0.0002", none)
+    _sweep(tmp_path / "c", "sweep-updates8", "0.0002", [True, False, False, False])  # 1 of 4: below half
+    _sweep(tmp_path / "c", "sweep-updates8", "0.0003", [True, True, False, False])
+    assert regime(tmp_path / "c") == (3e-4, 8)
+    _sweep(tmp_path / "d", "sweep", "0.0002", none)
+    with pytest.raises(SystemExit, match="no stress regime"):
+        regime(tmp_path / "d")
+
+
+def test_plan_blocks_match_the_pre_registration(tmp_path):
+    _sweep(tmp_path, "sweep", "0.0003", [True] * 4)
+    blocks = {b.name: b for b in plan(tmp_path)}
+    assert list(blocks) == ["repeat", "main", "stage2", "contrast"]
+    main = blocks["main"]
+    assert len(settings()) == 17 and len(main.runs) == 170 and main.lr == 3e-4
+    # seed-major: the first 17 runs are seed 1 of every setting
+    assert {r.seed for r in main.runs[:17]} == {1} and {r.setting for r in main.runs[:17]} == set(settings())
+    assert all(r.overrides == ("optimizer.lr=0.0003",) for r in main.runs)
+    assert {(r.setting, r.seed) for r in blocks["stage2"].runs} == {
+        (n, s) for n in ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off") for s in range(11, 21)}
+    assert blocks["repeat"].runs == (Run("grpo-off", 1, ("optimizer.lr=0.0003",)),)
+    assert blocks["contrast"].lr == 2e-4 and len(blocks["contrast"].runs) == 51
+    one = plan(tmp_path, ["gspo-off"], (11, 12), "main")
+    assert [(r.setting, r.seed) for r in one[0].runs] == [("gspo-off", 11), ("gspo-off", 12)]
+    with pytest.raises(SystemExit, match="--settings nope: unknown"):
+        plan(tmp_path, ["nope"], None, "main")
+    with pytest.raises(SystemExit, match="need --block"):
+        plan(tmp_path, ["gspo-off"])
+
+
+def _rows(rewards: list[float], **extra: float) -> list[dict]:
+    return [{"step": i + 1, "reward/mean": r, "time/step": 1.0 + i, "sync/seconds": 0.1 * i,
+             "perf/learner_tokens_per_s_per_gpu": 900.0 + i, "policy/clip_frac": 0.1, "routing/dlogr_layer0": 0.03,
+             "routing/sampler_disagree_layer0": 0.05, "perf/learner_tokens": 100.0, **extra}
+            for i, r in enumerate(rewards)]
+
+
+def test_result_outcomes_and_a_digest_blind_only_to_wall_times():
+    rows = _rows([0.4] * 35 + [0.0] * 5)
+    out = run_result(rows, {"setting": "grpo-off"})
+    assert out["collapsed"] and out["final_reward"] == 0.0 and out["reward_auc"] == pytest.approx(0.35)
+    assert out["first_reward"] == 0.4 and out["steps"] == 40
+    # kept: the outcome and mechanism metrics; not the per-layer sampler disagreement or throughput
+    assert set(out["per_step"]) == {"reward/mean", "policy/clip_frac", "routing/dlogr_layer0"}
+    survived = run_result(_rows([0.4] * 35 + [0.2] * 5), {})
+    assert not survived["collapsed"]  # 0.2 below the first step: within 0.3
+    retimed = [{**r, "time/step": 99.0, "sync/seconds": 5.0, "perf/learner_tokens_per_s_per_gpu": 1.0} for r in rows]
+    assert metrics_digest(retimed) == metrics_digest(rows)
+    for key in ("perf/learner_tokens", "policy/clip_frac", "reward/mean"):
+        nudged = [dict(r) for r in rows]
+        nudged[7][key] = nudged[7][key] + 1e-12
+        assert metrics_digest(nudged) != metrics_digest(rows), key
+
+
+def test_recorder_writes_and_commits_exactly_the_result_file(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True).stdout  # noqa: E731
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (repo / "other.txt").write_text("work in progress\n")
+    git("add", "other.txt")  # staged by someone else: must not ride along
+    run = Run("grpo-off", 3)
+    run_dir = tmp_path / "runs" / "grpo-off" / "seed3"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([0.3] * 40)) + "\n")
+    (run_dir / MARKER).write_text(json.dumps({"seconds": 150.0}))
+    blk = Block("main", 3e-4, 4, (run,))
+    Recorder(tmp_path / "runs", repo / "stress", blk, "abc1234", commit=True)(run)
+    path = repo / "stress" / "main" / "grpo-off" / "seed3.json"
+    saved = json.loads(path.read_text())
+    assert saved["commit"] == "abc1234" and saved["lr"] == 3e-4 and saved["updates"] == 4 and saved["seconds"] == 150.0
+    assert not saved["collapsed"] and saved["final_reward"] == pytest.approx(0.3)
+    assert git("show", "--name-only", "--format=%s", "HEAD").split() == [
+        "stress", "main:", "grpo-off", "seed", "3", "survived", "(final", "reward", "0.300,", "issue", "47)",
+        "stress/main/grpo-off/seed3.json"]
+    assert "A  other.txt" in git("status", "--porcelain")
+
+
+def test_the_cli_names_the_block_a_seed_list_needs():
+    from moe_rl.ablations.__main__ import main
+
+    with pytest.raises(SystemExit, match="need --block"):
+        main(["stress", "--seeds", "11-20"])
