@@ -30,7 +30,7 @@ export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo bench lint ablations ablations-report ablations-sweep ablations-stress clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo bench lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep clean-runs
 
 help:
 	@echo "make demo             RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
@@ -45,7 +45,8 @@ help:
 	@echo "make bench            every bench/bench_*.py -> bench/results/"
 	@echo "make ablations        off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/ (resumable)"
 	@echo "make ablations-report runs/ablations/REPORT.md, results.json and plots from the runs that exist"
-	@echo "make ablations-stress the stress regime sweep of issue 47 [SEEDS=1-4] -> docs/ablations/stress/ (resumable)"
+	@echo "make ablations-stress issue 47's stress runs (what is missing) + docs/ablations/STRESS.md [SEEDS= SETTINGS=]"
+	@echo "make ablations-stress-sweep  the stress regime sweep [SEEDS=1-4] -> docs/ablations/stress/SWEEP.md"
 	@echo "make ablations-sweep  the lr sweep of plain off-policy GRPO (LRS=1e-4,2e-4,4e-4 [SEEDS=1,2,3])"
 	@echo "make ablate-SETTING   one ablation setting, e.g. ablate-rspo-post-off (python -m moe_rl.ablations list)"
 	@echo "make gpu-check        one Hopper GPU: install, pytest -m gpu, bench/bench_gpu.py (each under an 18-min timeout)"
@@ -136,10 +137,19 @@ ablations: install
 ablations-report: install
 	$(PY) -m moe_rl.ablations report
 
-# Issue 47's stress ablations (docs/ablations/STRESS_PLAN.md), so far the pre-registered regime
-# sweep: off-policy GRPO at the plan's rates, SEEDS each; runs what is missing and writes each
-# finished run's result file under docs/ablations/stress/ (commit them as they land).
+# Issue 47's stress ablations (docs/ablations/STRESS_PLAN.md): every run the plan names that has
+# no result file yet (the repeat, 17 settings x seeds 1-10 at the swept regime, stage 2, the
+# 3-seed contrast), two one-thread runs at a time, each finished run's result file written under
+# docs/ablations/stress/ and committed as it lands; then docs/ablations/STRESS.md. Add seeds to
+# settings with `make ablations-stress SEEDS=11-15 SETTINGS=gspo-off` (main block).
+SETTINGS ?=
+STRESS_ARGS = $(if $(SEEDS)$(SETTINGS),--block main $(if $(SETTINGS),--settings $(SETTINGS)) $(SEED_ARG))
 ablations-stress: install
+	$(PY) -m moe_rl.ablations stress --commit $(STRESS_ARGS)
+	$(PY) -m moe_rl.ablations stress-report
+
+# The regime sweep the stress runs read their learning rate from (docs/ablations/stress/SWEEP.md).
+ablations-stress-sweep: install
 	$(PY) -m moe_rl.ablations stress-sweep $(SEED_ARG)
 
 # The lr sweep the report shows: plain off-policy GRPO at LRS.

@@ -33,6 +33,21 @@ def test_settings_cover_the_issue_grid_and_are_valid():
             assert cfg.rl.objective_args["rspo"].gamma_placement == want
 
 
+def test_holm_adjusted_p_and_welch_interval_by_hand():
+    # m = 3: 0.01 x 3 = 0.03; 0.02 x 2 = 0.04; 0.04 x 1 = 0.04 (monotone: max(0.04, 0.04))
+    adj = stats.holm_adjusted({"a": 0.01, "b": 0.02, "c": 0.04, "d": float("nan")})
+    assert adj["a"] == pytest.approx(0.03) and adj["b"] == pytest.approx(0.04) and adj["c"] == pytest.approx(0.04)
+    assert math.isnan(adj["d"])
+    # monotone: 0.02 x 2 = 0.04 < 0.015 x 3 = 0.045, so b's adjusted p is lifted to a's
+    adj = stats.holm_adjusted({"a": 0.015, "b": 0.02, "c": 0.9})
+    assert adj == pytest.approx({"a": 0.045, "b": 0.045, "c": 0.9})
+    # Welch with a = (1, 2, 3), b = (4, 5, 6): se = sqrt(2/3), df = 4, t(0.975, 4) = 2.776445
+    lo, hi = stats.welch_interval([1, 2, 3], [4, 5, 6])
+    half = 2.776445 * math.sqrt(2 / 3)
+    assert lo == pytest.approx(-3 - half, rel=1e-6) and hi == pytest.approx(-3 + half, rel=1e-6)
+    assert stats.welch_interval([1, 1], [0, 0]) == (1.0, 1.0) and math.isnan(stats.welch_interval([1], [2, 3])[0])
+
+
 def test_parse_seeds():
     assert parse_seeds("1,2,3") == (1, 2, 3) and parse_seeds("4-6") == (4, 5, 6) and parse_seeds("1, 3-4") == (1, 3, 4)
     for bad in ("", "a", "1,1", "2-x"):

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     sr.add_argument("--results", type=Path, default=RESULTS,
                     help="where the result files go (default docs/ablations/stress of this checkout; another "
                          "checkout's lets the runs import a fixed commit while work goes on in that one)")
+    srep = sub.add_parser("stress-report", help="write docs/ablations/STRESS.md and its plots from the result files")
+    srep.add_argument("--results", type=Path, default=RESULTS)
     rep = sub.add_parser("report", help="write REPORT.md, results.json and plots")
     rep.add_argument("--out", type=Path, default=OUT)
     sub.add_parser("list", help="list the settings")
@@ -78,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "list":
         for n, o in settings().items():
             print(f"{n:20s} {' '.join(o)}")
+        return 0
+    if args.cmd == "stress-report":
+        from moe_rl.ablations.stress_report import write_report
+
+        print(write_report(args.results).read_text())
         return 0
     if args.cmd == "report":
         print(report(args.out))

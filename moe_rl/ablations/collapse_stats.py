@@ -43,7 +43,8 @@ def fisher(a: int, n_a: int, b: int, n_b: int) -> float:
     return float(sps.fisher_exact([[a, n_a - a], [b, n_b - b]])[1])
 
 
-def _wilson(x: int, n: int, z: float) -> tuple[float, float]:
+def wilson(x: int, n: int, z: float) -> tuple[float, float]:
+    """Wilson's score interval for a rate of x in n (z: the normal quantile of the level)."""
     p = x / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
@@ -57,8 +58,8 @@ def rate_difference_interval(a: int, n_a: int, b: int, n_b: int, level: float = 
         raise ValueError("rate_difference_interval: each side needs at least one run")
     z = sps.norm.ppf(0.5 + level / 2)
     p_a, p_b = a / n_a, b / n_b
-    l_a, u_a = _wilson(a, n_a, z)
-    l_b, u_b = _wilson(b, n_b, z)
+    l_a, u_a = wilson(a, n_a, z)
+    l_b, u_b = wilson(b, n_b, z)
     d = p_a - p_b
     lo = d - math.sqrt((p_a - l_a) ** 2 + (u_b - p_b) ** 2)
     hi = d + math.sqrt((u_a - p_a) ** 2 + (p_b - l_b) ** 2)

@@ -108,6 +108,34 @@ def holm(pvalues: dict[Any, float], alpha: float = 0.05) -> set[Any]:
     return rejected
 
 
+def holm_adjusted(pvalues: dict[Any, float]) -> dict[Any, float]:
+    """Holm's adjusted p-values: p_(i) x (m - i + 1), made monotone over the ranks and capped at
+    1 (a key is rejected at family-wise alpha exactly when its adjusted p <= alpha). nan stays nan
+    and does not count towards m."""
+    ranked = sorted((p, k) for k, p in pvalues.items() if math.isfinite(p))
+    out: dict[Any, float] = {k: float("nan") for k, p in pvalues.items() if not math.isfinite(p)}
+    running, m = 0.0, len(ranked)
+    for i, (p, k) in enumerate(ranked):
+        running = max(running, min(1.0, (m - i) * p))
+        out[k] = running
+    return out
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Welch's interval for mean(a) - mean(b) (Welch-Satterthwaite degrees of freedom); nan
+    below 2 values a side, a point when neither side has spread."""
+    a, b = [x for x in a if math.isfinite(x)], [x for x in b if math.isfinite(x)]
+    if len(a) < 2 or len(b) < 2:
+        return float("nan"), float("nan")
+    d = _mean(a) - _mean(b)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return d, d
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = sps.t.ppf(0.5 + level / 2, df) * math.sqrt(va + vb)
+    return d - half, d + half
+
+
 def compare(per_seed: dict[str, list[float]], alpha: float = 0.05) -> list[dict[str, Any]]:
     """Every pair of settings: difference of means, Welch p, and whether it is significant
     alone and after Holm's correction over all pairs. Sorted by p."""

@@ -1,0 +1,101 @@
+"""The stress report (issue 47) from synthetic result files: the pre-registered tests against
+hand-derived Fisher and Holm values, the collapse onset, the mechanism window, the plain-language
+answer the numbers write, and the reproducibility line from digests."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from moe_rl.ablations.settings import settings
+from moe_rl.ablations.stress_report import (
+    against_baseline,
+    collapse_onset,
+    merged,
+    window,
+    write_report,
+)
+
+LAYERS = 2
+
+
+def _run(setting: str, seed: int, collapsed: bool, block: str = "main", digest: str = "d") -> dict:
+    rewards = [0.35] * 20 + ([0.0] * 20 if collapsed else [0.4] * 20)
+    flips = [0.9 if collapsed else 0.1] * 40
+    per_step = {"reward/mean": rewards, "routing/flip_rate_mean": flips, "routing/dlogr_mean": flips,
+                "policy/clip_frac": [0.0] * 40, **{f"routing/dlogr_layer{i}": flips for i in range(LAYERS)},
+                **{f"routing/flip_rate_layer{i}": flips for i in range(LAYERS)}}
+    return {"block": block, "setting": setting, "seed": seed, "commit": "abc1234", "steps": 40, "collapsed": collapsed,
+            "first_reward": 0.35, "final_reward": sum(rewards[-5:]) / 5, "reward_auc": sum(rewards) / 40,
+            "metrics_sha256": digest, "per_step": per_step}
+
+
+def _write(results: Path, run: dict) -> None:
+    p = results / run["block"] / run["setting"] / f"seed{run['seed']}.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(run))
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    r = tmp_path / "stress"
+    for seed in range(1, 5):  # the sweep: 4/4 collapses at 3e-4 -> the plan's step 3 picks it
+        p = r / "sweep" / "lr0.0003" / f"seed{seed}.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({**_run("grpo-off", seed, True), "block": "sweep"}))
+    for name in settings():
+        for seed in range(1, 11):
+            # grpo-off collapses 9/10, gspo-off 0/10, every other setting 5/10
+            c = seed <= 9 if name == "grpo-off" else False if name == "gspo-off" else seed <= 5
+            _write(r, _run(name, seed, c))
+    _write(r, _run("grpo-off", 1, True, block="repeat"))
+    return r
+
+
+def test_fisher_and_holm_by_hand(results):
+    rows = {r["setting"]: r for r in against_baseline(merged(results))}
+    assert len(rows) == 16
+    # 0/10 vs 9/10: the two tables as extreme as the observed one each have C(11,10)/C(20,10)
+    p = 2 * math.comb(11, 10) / math.comb(20, 10)
+    assert rows["gspo-off"]["fisher_p"] == pytest.approx(p, rel=1e-9)
+    assert rows["gspo-off"]["fisher_holm"] == pytest.approx(16 * p, rel=1e-9)  # the smallest of 16
+    # 5/10 vs 9/10: P = sum of hypergeometric terms <= P(observed), 14 collapses of 20, 10 drawn
+    hyper = [math.comb(14, k) * math.comb(6, 10 - k) / math.comb(20, 10) for k in range(4, 11)]
+    obs = hyper[5 - 4]
+    assert rows["gmpo-off"]["fisher_p"] == pytest.approx(sum(h for h in hyper if h <= obs * (1 + 1e-7)), rel=1e-9)
+    assert rows["gmpo-off"]["fisher_holm"] == pytest.approx(min(1.0, 15 * rows["gmpo-off"]["fisher_p"]), rel=1e-9)
+    assert rows["gspo-off"]["rate_diff"] == pytest.approx(-0.9)
+    lo, hi = rows["gspo-off"]["rate_ci"]
+    assert -1 < lo < -0.9 < hi < 0  # Newcombe: inside [-1, 1], excludes 0 here
+    # final reward: gspo 0.4 in every seed vs grpo 0.0 in 9 and 0.4 in 1
+    assert rows["gspo-off"]["final_reward"]["diff"] == pytest.approx(0.4 - 0.04)
+
+
+def test_collapse_onset_and_the_mechanism_window():
+    assert collapse_onset([0.35] * 20 + [0.0] * 20) == 21  # every 5-step window from step 21 on is 0
+    assert collapse_onset([0.3, 0.1, 0.0, 0.05, 0.0, 0.0] + [0.0] * 10) == 2  # (0.1 + 0.05) / 5 < 0.05
+    assert collapse_onset([0.35] * 40) is None
+    assert collapse_onset([0.35] * 10 + [0.0] * 10 + [0.35] * 20) is None  # recovered: no lasting onset
+    assert window(_run("grpo-off", 1, True)) == list(range(10, 20))  # steps 11-20, before step 21
+    assert window(_run("grpo-off", 1, False)) == list(range(30, 40))
+
+
+def test_the_report_says_what_the_numbers_say(results):
+    text = write_report(results).read_text()
+    assert "lr 0.0003, 4 mini-batch updates per rollout" in text and "Main runs finished: 170 of 170." in text
+    answer = text.split("## The answer")[1].split("##")[0]
+    assert "collapsed in 9 of 10 seeds" in answer
+    assert "gspo-off (0/10, Holm p 0.0019)" in answer  # 16 x 2 x 11 / 184756
+    assert "**GSPO**: fewer collapses than GRPO (Holm): gspo-off" in text
+    assert "**RSPO**: not separable" in text
+    assert "identical" in text.split("## Reproducibility")[1]
+    for png in ("collapse_rates", "mechanism", "layers"):
+        assert (results / "plots" / f"{png}.png").stat().st_size > 10_000
+
+
+def test_a_differing_repeat_is_reported_loudly(results):
+    _write(results, _run("grpo-off", 1, True, block="repeat", digest="other"))
+    assert "**DIFFERS**" in write_report(results).read_text()
