@@ -27,8 +27,7 @@ def _train(out: Path, name: str, *extra: str) -> list[dict]:
 def test_segmented_decoding_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match=r"rl\.inflight_weight_updates=true needs rl\.max_staleness >= 1"):
         load_config(RECIPE, ["rl.max_staleness=0"])
-    with pytest.raises(ConfigError, match=r"not implemented with rl\.dynamic_sampling"):
-        load_config(RECIPE, ["rl.dynamic_sampling=true"])
+    assert load_config(RECIPE, ["rl.dynamic_sampling=true"]).rl.dynamic_sampling  # (screened as groups finish)
     with pytest.raises(ConfigError, match=r"rl\.inflight_segment_tokens must be >= 1"):
         load_config(RECIPE, ["rl.inflight_segment_tokens=0"])
     with pytest.raises(ConfigError, match=r"needs sampler\.placement=separate"):
@@ -81,3 +80,26 @@ def test_r3_replays_routes_recorded_across_a_weight_update(tmp_path):
                   "rl.inflight_segment_tokens=4")
     assert max(r["rollout/version_span_max"] for r in rows) >= 1
     assert all(r["routing/sampler_used_disagree_any"] == 0 for r in rows)
+
+
+DYNAMIC = ["sampler.backend=transformers", "rl.dynamic_sampling=true", "rl.max_draws=10", "run.steps=4"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_dynamic_sampling_screens_groups_as_they_finish_and_resumes_the_same_schedule(tmp_path):
+    """Partial rollouts with dynamic sampling: groups with equal rewards are set aside as they
+    finish and new problems take their places, so every step trains prompts_per_step groups
+    with signal (the budget of 9 x 4 groups aside is not reached here); the statistics count
+    the groups set aside; a stop and resume (the groups aside saved with the pool) gives the
+    uninterrupted run's rewards."""
+    rows = _train(tmp_path, "a", *DYNAMIC)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["sampling/groups"] == 4 and r["reward/zero_variance_frac"] == 0 for r in rows)
+    assert any(r["sampling/groups_with_signal_frac"] < 1 for r in rows)  # some groups were set aside
+    assert max(r["rollout/version_span_max"] for r in rows) >= 1  # in flight, as without screening
+    stopped, _, _ = stopped_after_first_rows(RECIPE, [*SMALL, *DYNAMIC], tmp_path, "r")
+    assert 1 <= stopped < 4
+    resumed = _train(tmp_path, "r", *DYNAMIC, "run.resume=true")
+    for key in ("reward/mean", "sampling/groups_with_signal_frac", "reward/mean_all_draws", "rollout/version_span_max"):
+        assert [r[key] for r in resumed] == [r[key] for r in rows], key

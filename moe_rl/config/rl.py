@@ -164,7 +164,7 @@ class RLConfig:
     partial_rollouts: bool = False
     """Segmented decoding: a step trains on the first prompts_per_step groups to finish (a
     group trains whole); unfinished responses continue into later steps instead of being
-    waited for. Needs rl.max_staleness >= 1; not with rl.dynamic_sampling."""
+    waited for. Needs rl.max_staleness >= 1."""
     partial_oversample: float = 0.5
     """rl.partial_rollouts: spare groups the engines keep decoding, as a fraction of
     prompts_per_step (further draws of the step's problems): the batch takes the first
@@ -194,7 +194,9 @@ class RLConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator used for the penalty in the loss (with rl.kl_in_reward the reward's is k1)."""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and draw more prompts."""
+    """DAPO: drop groups whose rewards are all equal and draw more prompts. Under segmented
+    decoding each group is screened as it finishes and a new problem's group takes its
+    place (`moe_rl.rollout.segmented`)."""
     max_draws: int = 3
     """With dynamic sampling: at most this many prompt batches are drawn per step. When they
     hold fewer groups with signal than prompts_per_step, the step trains on those it has: a

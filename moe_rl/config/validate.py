@@ -178,9 +178,6 @@ def _validate_segmented(cfg: Config) -> None:
     if rl.max_staleness < 1:
         raise ConfigError(f"{which}=true needs rl.max_staleness >= 1 (the engines run ahead of the learner) and "
                           "sampler.placement=separate")
-    if rl.dynamic_sampling:
-        raise ConfigError(f"{which}=true is not implemented with rl.dynamic_sampling (the pool keeps no draws "
-                          "aside for groups without signal); set rl.dynamic_sampling=false")
     if rl.inflight_segment_tokens < 1:
         raise ConfigError(f"rl.inflight_segment_tokens must be >= 1, got {rl.inflight_segment_tokens}")
     if rl.inflight_push_after_segments < 0:

@@ -24,7 +24,7 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,18 +176,20 @@ class RolloutCollector:
         return out
 
     def sampled_from_groups(self, step: int, mine: list[ScoredGroup], seconds: float, dropped: int,
-                            reward_timeouts: int = 0) -> Sampled:
+                            reward_timeouts: int = 0, aside: Sequence[ScoredGroup] = ()) -> Sampled:
         """Step `step`'s batch from groups this engine decoded in segments
         (`moe_rl.rollout.segmented`): every engine's summaries, in engine order, on every
-        engine rank, and its own groups kept on its leader. Collective over the engine ranks."""
+        engine rank, and its own groups kept on its leader; the groups dynamic sampling set
+        aside follow the kept ones in the draw (the statistics count them, nothing trains on
+        them). Collective over the engine ranks."""
         p = self.placement
-        parts = p.gather_engines(([g.summary() for g in mine], seconds, dropped, reward_timeouts),
-                                 self._engines_group)
+        parts = p.gather_engines(([g.summary() for g in mine], seconds, dropped, reward_timeouts,
+                                  [g.summary() for g in aside]), self._engines_group)
         offset = sum(len(part[0]) for part in parts[: p.engine])
         summaries = concat([part[0] for part in parts])
         out = Sampled(step, self.weight_sync.held_version or 0, [(0, i) for i in range(len(summaries))],
-                      [summaries], [[part[1] for part in parts]], dropped_stale=sum(part[2] for part in parts),
-                      reward_timeouts=sum(part[3] for part in parts))
+                      [summaries + concat([part[4] for part in parts])], [[part[1] for part in parts]],
+                      dropped_stale=sum(part[2] for part in parts), reward_timeouts=sum(part[3] for part in parts))
         if p.leader:
             out.held = {(0, offset + i): g for i, g in enumerate(mine)}
         return out

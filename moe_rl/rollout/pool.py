@@ -142,6 +142,9 @@ class PoolGroup:
     seed: int
     """Base seed of its responses (`base_seeds` of the step and draw)."""
     responses: list[PartialResponse]
+    rewards: list[float] | None = None
+    """Its responses' rewards once scored as it finished (dynamic sampling screens groups
+    then); None: scored when its batch is taken."""
 
     @property
     def finished(self) -> bool:
@@ -165,11 +168,12 @@ class PoolGroup:
 
     def to_json(self) -> dict:
         return {"key": list(self.key), "prompt": self.prompt, "seed": self.seed,
-                "responses": [r.to_json() for r in self.responses]}
+                "responses": [r.to_json() for r in self.responses], "rewards": self.rewards}
 
     @staticmethod
     def from_json(d: dict) -> PoolGroup:
-        return PoolGroup(tuple(d["key"]), d["prompt"], d["seed"], [PartialResponse.from_json(r) for r in d["responses"]])
+        return PoolGroup(tuple(d["key"]), d["prompt"], d["seed"], [PartialResponse.from_json(r) for r in d["responses"]],
+                         d.get("rewards"))
 
 
 class RolloutPool:

@@ -29,6 +29,14 @@ groups that finish first. A group holding a token more than `rl.max_staleness` v
 older than the policy it would train under is dropped (counted in rollout/dropped_stale);
 should that leave the pool dry before the batch is full, a further unit is admitted.
 
+Dynamic sampling (`rl.dynamic_sampling`): each group is scored as it finishes, and one whose
+rewards are all equal (no group advantage) is set aside, counted in the batch's
+`sampling/groups_with_signal_frac` and never trained on; a group of the next unit takes its
+place, so the batch still fills with `prompts_per_step` groups with signal. At most
+(`rl.max_draws` - 1) x quota groups are set aside per batch (the extra groups the synchronous
+step's further draws would decode); past that, groups train as they finish, equal rewards and
+all (zero advantages), where the synchronous step would train on fewer groups instead.
+
 Resume: at each weight receipt the pool is saved (`<run>/rollout_pool/step_<n>.engine<e>.json`)
 before the weights of step n are loaded, i.e. in the state a resume from step n's
 checkpoint starts in; a resume loads it and continues the same schedule. Without the file
@@ -78,6 +86,10 @@ class SegmentedRollout:
         """Units of problems admitted so far (`admit`)."""
         self.seconds = 0.0
         """Sampling seconds since the last batch was taken."""
+        self.screened: list[PoolGroup] = []
+        """Dynamic sampling: finished groups set aside since the last batch for equal rewards."""
+        self.reward_timeouts = 0
+        """Rewards cut at task.reward_timeout_s since the last batch was taken."""
 
     # ------------------------------------------------------------------ schedule
 
@@ -92,12 +104,14 @@ class SegmentedRollout:
             while len(self.pool.running) + len(self.pool.done) < target:
                 self._admit_unit()
 
-    def _admit_unit(self) -> None:
+    def _admit_unit(self, groups: int | None = None) -> None:
+        """The next unit's problems (`groups`: only the first that many of this engine's share,
+        the places of groups dynamic sampling set aside; the rest of that unit is skipped)."""
         self.units += 1
         c, G = self.collector, self.cfg.rl.group_size
         problems = c.problems(self.units, 0)
         seeds = c.seeds(self.units, 0, len(problems))
-        for i in c.placement.share(len(problems)):
+        for i in c.placement.share(len(problems))[:groups]:
             if c.episodes is not None:
                 c.episodes.admit(self.pool, (self.units, 0, i), problems[i], seeds[i], G)
             else:
@@ -112,6 +126,8 @@ class SegmentedRollout:
         self.pool.drop_older_than(step - 1 - rl.max_staleness)
         segments = 0
         while True:
+            if rl.dynamic_sampling and (short := self.quota - len(self.pool.done) - len(self.pool.running)) > 0:
+                self._admit_unit(short)  # in the places of the groups set aside
             ready = len(self.pool.done) >= self._wanted(step)
             if receive is not None and (self._due(segments, ready) or (ready and not self.pool.running)):
                 receive()
@@ -136,11 +152,51 @@ class SegmentedRollout:
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 raise self.collector.failed_alone(f"generating step {step}", e) from e
         self.seconds += time.perf_counter() - t0
+        if self.cfg.rl.dynamic_sampling:
+            with timer.phase("reward"):
+                self._screen()
+
+    def _screen(self) -> None:
+        """Score the groups that just finished; set aside those with all rewards equal, at
+        most (rl.max_draws - 1) x quota per batch (past that they train as they are)."""
+        new = {id(g) for g in self.pool.done if g.rewards is None}
+        if not new:
+            return
+        self._score([g for g in self.pool.done if id(g) in new])
+        budget = (self.cfg.rl.max_draws - 1) * self.quota
+        kept = []
+        for g in self.pool.done:
+            if id(g) in new and len(set(g.rewards)) == 1 and len(self.screened) < budget:
+                self.screened.append(g)
+            else:
+                kept.append(g)
+        self.pool.done = kept
+
+    def _score(self, groups: list[PoolGroup]) -> None:
+        """Each group's rewards (an episode's were given as it ended); timeouts counted."""
+        if not groups:
+            return
+        if self.pool.episodes is not None:
+            for g in groups:
+                g.rewards = [r.episode.reward for r in g.responses]
+            return
+        draws: dict[tuple[int, int], list] = {}
+        texts = [self._texts(g) for g in groups]
+        scores = self.collector.task.score([self._problem(g, draws) for g, t in zip(groups, texts) for _ in t],
+                                           [x for t in texts for x in t])
+        starts = list(itertools.accumulate((len(t) for t in texts), initial=0))
+        for g, start, t in zip(groups, starts, texts):
+            g.rewards = scores.values[start:start + len(t)]
+        self.reward_timeouts += scores.timeouts
+
+    def _texts(self, g: PoolGroup) -> list[str]:
+        return [self.collector.tok.decode(r.tokens) for r in g.responses]
 
     def _wanted(self, step: int) -> int:
-        """Finished groups the batch waits for: the quota (partial rollouts), or every group
-        in the pool (the unit admitted for `step`: nothing carries over then)."""
-        if self.cfg.rl.partial_rollouts:
+        """Finished groups the batch waits for: the quota (partial rollouts; dynamic sampling,
+        whose replacements keep the pool at the quota), or every group in the pool (the unit
+        admitted for `step`: nothing carries over then)."""
+        if self.cfg.rl.partial_rollouts or self.cfg.rl.dynamic_sampling:
             return self.quota
         return len(self.pool.done) + len(self.pool.running)
 
@@ -158,21 +214,18 @@ class SegmentedRollout:
     # ------------------------------------------------------------------ batches
 
     def batch(self, step: int) -> Sampled:
-        """Take step `step`'s batch from the pool, scored (collective over the engine ranks)."""
+        """Take step `step`'s batch from the pool, scored (collective over the engine ranks),
+        with the groups dynamic sampling set aside since the last one (for the statistics)."""
         self.pool.drop_older_than(step - 1 - self.cfg.rl.max_staleness)
         groups = self.pool.take(self.quota)
+        self._score([g for g in groups if g.rewards is None])
         dropped, self.pool.dropped_stale = self.pool.dropped_stale, 0
         seconds, self.seconds = self.seconds, 0.0
-        c, draws = self.collector, {}
-        texts = [[c.tok.decode(r.tokens) for r in g.responses] for g in groups]
-        if self.pool.episodes is not None:  # (scored as each episode ended)
-            scored = [g.scored(t, [r.episode.reward for r in g.responses]) for g, t in zip(groups, texts)]
-            return c.sampled_from_groups(step, scored, seconds, dropped)
-        problems = [self._problem(g, draws) for g in groups]
-        scores = c.task.score([p for p, t in zip(problems, texts) for _ in t], [x for t in texts for x in t])
-        starts = list(itertools.accumulate((len(t) for t in texts), initial=0))
-        scored = [g.scored(t, scores.values[start:start + len(t)]) for g, t, start in zip(groups, texts, starts)]
-        return c.sampled_from_groups(step, scored, seconds, dropped, scores.timeouts)
+        timeouts, self.reward_timeouts = self.reward_timeouts, 0
+        aside, self.screened = self.screened, []
+        scored = [g.scored(self._texts(g), g.rewards) for g in groups]
+        return self.collector.sampled_from_groups(step, scored, seconds, dropped, timeouts,
+                                                  [g.scored(self._texts(g), g.rewards) for g in aside])
 
     def _problem(self, g: PoolGroup, draws: dict[tuple[int, int], list]) -> Problem:
         """The problem of a pooled group (the draws of its unit made once per batch)."""
@@ -188,7 +241,8 @@ class SegmentedRollout:
         if not p.leader:
             return
         doc = {"step": step, "layout": [p.engines, p.ranks_per_engine], "pool": self.pool.to_json(),
-               "units": self.units, "seconds": self.seconds}
+               "units": self.units, "seconds": self.seconds, "screened": [g.to_json() for g in self.screened],
+               "reward_timeouts": self.reward_timeouts}
         write_engine_file(pool_path(run_dir, step, p.engine), doc, p.engine, KEEP)
 
     def load(self, run_dir: Path, step: int) -> bool:
@@ -210,4 +264,6 @@ class SegmentedRollout:
                     self.pool.episodes.restore(self._problem(g, draws), r)
         self.units = doc["units"]
         self.seconds = doc["seconds"]
+        self.screened = [PoolGroup.from_json(g) for g in doc.get("screened", [])]
+        self.reward_timeouts = doc.get("reward_timeouts", 0)
         return True
