@@ -360,7 +360,8 @@ class RolloutCollector:
                     break
         groups = [g.scored([self.tok.decode(r.tokens) for r in g.responses], [r.episode.reward for r in g.responses])
                   for g in sorted(pool.done, key=lambda g: g.key)]
-        return groups, time.perf_counter() - t0, 0
+        cut = sum(r.episode.reward_timeouts for g in pool.done for r in g.responses)
+        return groups, time.perf_counter() - t0, cut
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy accuracy and pass@k on `task.eval_data_path` (`evaluate.py`), every engine

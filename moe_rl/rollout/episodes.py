@@ -157,6 +157,7 @@ class Episodes:
         ep.truncated = truncated
         r.finish = "length" if truncated else "stop"
         ep.reward = float(ep.env.reward()) + ep.turn_rewards
+        ep.reward_timeouts = int(getattr(ep.env, "reward_timeouts", 0))  # (a user's environment may not count)
         ep.env = None
 
     def restore(self, problem: Problem, r: PartialResponse) -> None:

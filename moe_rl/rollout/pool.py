@@ -68,6 +68,8 @@ class EpisodeState:
     """Ended at a limit rather than by the environment."""
     reward: float | None = None
     """The episode's reward once it is over (final + per-turn)."""
+    reward_timeouts: int = 0
+    """Its final reward was cut at task.reward_timeout_s (the environment's `reward_timeouts`)."""
 
     def tally(self) -> tuple[int, int, int]:
         """(turns, tool calls, parse errors): what the rollout statistics count."""
@@ -76,12 +78,13 @@ class EpisodeState:
     def to_json(self) -> dict:
         return {"turns": self.turns, "turn_start": self.turn_start, "tool_calls": self.tool_calls,
                 "parse_errors": self.parse_errors, "turn_rewards": self.turn_rewards, "truncated": self.truncated,
-                "reward": self.reward}
+                "reward": self.reward, "reward_timeouts": self.reward_timeouts}
 
     @staticmethod
     def from_json(d: dict) -> EpisodeState:
         return EpisodeState(None, [tuple(t) for t in d["turns"]], d["turn_start"], d["tool_calls"],
-                            d["parse_errors"], d["turn_rewards"], d["truncated"], d["reward"])
+                            d["parse_errors"], d["turn_rewards"], d["truncated"], d["reward"],
+                            d.get("reward_timeouts", 0))
 
 
 class EpisodeDriver(Protocol):

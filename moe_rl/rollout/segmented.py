@@ -179,6 +179,7 @@ class SegmentedRollout:
         if self.pool.episodes is not None:
             for g in groups:
                 g.rewards = [r.episode.reward for r in g.responses]
+                self.reward_timeouts += sum(r.episode.reward_timeouts for r in g.responses)
             return
         draws: dict[tuple[int, int], list] = {}
         texts = [self._texts(g) for g in groups]

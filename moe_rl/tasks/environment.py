@@ -95,6 +95,8 @@ class ToolEnvironment(Environment):
 
     def __init__(self, problem: Problem, task: Task, tools: Sequence[Callable[..., Any]] = ()) -> None:
         super().__init__(problem, task)
+        self.reward_timeouts = 0
+        """Rewards of this episode cut at task.reward_timeout_s (0 or 1)."""
         self._tools = list(tools)
         self._by_name = {f.__name__: f for f in self._tools}
         self.answer = ""
@@ -124,7 +126,11 @@ class ToolEnvironment(Environment):
         return result if isinstance(result, str) else json.dumps(result)
 
     def reward(self) -> float:
-        return float(self.task.reward(self.problem, self.answer))
+        """The task's verifier on the answer, through `Task.score`: under task.reward_timeout_s
+        a hanging reward is cut (0.0) and counted in `reward_timeouts`, as in single-turn runs."""
+        scores = self.task.score([self.problem], [self.answer])
+        self.reward_timeouts = scores.timeouts
+        return float(scores.values[0])
 
 
 EnvironmentFactory = Callable[[Problem], Environment]
