@@ -99,3 +99,12 @@ def test_the_report_says_what_the_numbers_say(results):
 def test_a_differing_repeat_is_reported_loudly(results):
     _write(results, _run("grpo-off", 1, True, block="repeat", digest="other"))
     assert "**DIFFERS**" in write_report(results).read_text()
+
+
+def test_a_regime_where_every_method_collapses_is_called_what_it_is(results):
+    for name in settings():
+        if name.endswith("-off"):
+            for seed in range(1, 11):
+                _write(results, _run(name, seed, seed <= 9))
+    answer = write_report(results).read_text().split("## The answer")[1].split("##")[0]
+    assert "Every off-policy setting collapsed in at least 90% of its seeds" in answer

@@ -210,6 +210,8 @@ MECHANISM = (("routing/flip_rate_mean", "top-k flip rate"), ("routing/dlogr_mean
              ("policy/approx_kl", "approx KL"), ("learner/grad_norm", "grad norm"))
 """The routing and policy metrics read in the steps before a collapse (or a survivor's last steps)."""
 WINDOW = 10
+HARSH = 0.8
+"""A regime in which every off-policy setting collapses at least this often ranks nothing."""
 
 
 def window(run: dict[str, Any]) -> list[int]:
@@ -290,6 +292,13 @@ def answer(res: Results, rows: list[dict[str, Any]], m: int, lr: float, updates:
                    + ", ".join(f"{r['setting']} ({r['collapses']}/{r['n']})" for r in lower) + ".")
     if worse:
         out.append("More collapses than GRPO after Holm: " + ", ".join(r["setting"] for r in worse) + ".")
+    off = [r for r in rows if r["setting"].endswith("-off")]
+    if off and min(r["collapses"] / r["n"] for r in off) >= HARSH:
+        least = min(r["collapses"] / r["n"] for r in off)
+        out.append(f"Every off-policy setting collapsed in at least {least:.0%} of its seeds: in this regime none of "
+                   "the methods keeps training, so it cannot rank them; the question lives at a gentler step (a "
+                   "learning rate between the sweep's last surviving rate and this one), which these runs do not "
+                   "cover.")
     if reward_sig:
         out.append("Higher final reward than GRPO after Holm: "
                    + ", ".join(f"{r['setting']} ({r['final_reward']['diff']:+.3f})" for r in reward_sig) + ".")
