@@ -86,7 +86,10 @@ def _mechanism(res: Results, path: Path) -> Path:
         if key == "policy/ratio_max":
             ax.set_yscale("log")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle("A collapsing off-policy GRPO seed beside surviving RSPO (post-clip), GSPO and GRPO+R3 seeds", fontsize=10)
+    survivors = sum(run is not None and not run["collapsed"] for run, _ in picks[1:])
+    fig.suptitle("A collapsing off-policy GRPO seed beside RSPO (post-clip), GSPO and GRPO+R3: "
+                 + (f"{survivors} of them a surviving seed" if survivors else
+                    "none of them has a surviving seed yet (their best final reward shown)"), fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -241,10 +241,16 @@ def mechanism_table(res: Results) -> str:
             onset = "-"
             if collapsed:
                 onset = f"{statistics.fmean(collapse_onset(r['per_step']['reward/mean']) for r in group):.1f}"
-            cells = [f"{statistics.fmean(window_mean(r, k) for r in group):.3g}" for k, _ in MECHANISM]
+            cells = [_finite_mean(window_mean(r, k) for r in group) for k, _ in MECHANISM]
             state = "collapsed" if collapsed else "survived"
             lines.append(f"| {name} | {len(group)} {state} | {onset} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _finite_mean(xs: Any) -> str:
+    """Mean over the runs that log the metric (on-policy runs log no routing shift): '-' if none."""
+    kept = [x for x in xs if math.isfinite(x)]
+    return f"{statistics.fmean(kept):.3g}" if kept else "-"
 
 
 def contrast_section(results: Path) -> str:
@@ -295,7 +301,8 @@ def answer(res: Results, rows: list[dict[str, Any]], m: int, lr: float, updates:
     off = [r for r in rows if r["setting"].endswith("-off")]
     if off and min(r["collapses"] / r["n"] for r in off) >= HARSH:
         least = min(r["collapses"] / r["n"] for r in off)
-        out.append(f"Every off-policy setting collapsed in at least {least:.0%} of its seeds: in this regime none of "
+        how = "every one of its seeds" if least == 1 else f"at least {least:.0%} of its seeds"
+        out.append(f"Every off-policy setting collapsed in {how}: in this regime none of "
                    "the methods keeps training, so it cannot rank them; the question lives at a gentler step (a "
                    "learning rate between the sweep's last surviving rate and this one), which these runs do not "
                    "cover.")
