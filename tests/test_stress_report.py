@@ -108,3 +108,17 @@ def test_a_regime_where_every_method_collapses_is_called_what_it_is(results):
                 _write(results, _run(name, seed, seed <= 9))
     answer = write_report(results).read_text().split("## The answer")[1].split("##")[0]
     assert "Every off-policy setting collapsed in at least 90% of its seeds" in answer
+    for seed in (4, 5, 6, 7):  # 4/4 and 0/4 of 4 seeds: Wilson's bounds meet the rate (the plot's error bars)
+        _write(results, _run("grpo-on", seed, True))
+        _write(results, _run("gmpo-off", seed, False))
+    for name in settings():
+        if name not in ("grpo-on", "gmpo-off"):
+            for seed in range(1, 11):
+                _write(results, _run(name, seed, True))
+    for p in (results / "main" / "grpo-on").glob("seed*.json"):
+        if int(p.stem[4:]) not in (4, 5, 6, 7):
+            p.unlink()
+    for p in (results / "main" / "gmpo-off").glob("seed*.json"):
+        if int(p.stem[4:]) not in (4, 5, 6, 7):
+            p.unlink()
+    assert "collapsed in 10 of 10 seeds" in write_report(results).read_text()
