@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,20 @@ KEPT = ("reward/mean", "policy/clip_frac", "policy/token_ratio_std", "routing/fl
 """Per-step metrics a result file keeps (the outcomes and the mechanism plots need them)."""
 
 
-def result(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """One run's result file: its outcomes under the plan's definitions, and its kept metrics."""
+def outcomes(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's outcomes under the plan's definitions, from its metrics rows (every result
+    file, sweep and stress runs alike, holds these)."""
     rewards = [float(r["reward/mean"]) for r in rows if "reward/mean" in r]
     tail = rewards[-LAST:]
-    return {**meta, "steps": len(rewards), "first_reward": rewards[0] if rewards else None,
+    return {"steps": len(rewards), "first_reward": rewards[0] if rewards else None,
             "final_reward": sum(tail) / len(tail) if tail else None,
             "reward_auc": sum(rewards) / len(rewards) if rewards else None,
-            "collapsed": stress_collapsed(rewards),
-            "per_step": {k: [r.get(k) for r in rows] for k in KEPT}}
+            "collapsed": stress_collapsed(rewards)}
+
+
+def result(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """One sweep run's result file: its outcomes and its kept metrics."""
+    return {**meta, **outcomes(rows), "per_step": {k: [r.get(k) for r in rows] for k in KEPT}}
 
 
 def block(updates: int) -> str:
@@ -71,7 +77,7 @@ def run_sweep(out: Path, lrs: list[float], seeds: tuple[int, ...], base: Path | 
     """GRPO off-policy at each lr and seed with `updates` mini-batch updates per rollout
     (missing runs only), every finished run recorded."""
     base = ensure_base(out, base, os.cpu_count() or 1)
-    commit = _commit()  # (the code the runs use: committing result files later moves HEAD, not the code)
+    commit = code_commit()
     failed: list[Run] = []
     for lr in lrs:
         runs = [Run(SETTING, s, (f"optimizer.lr={lr:g}", f"rl.num_minibatches={updates}")) for s in seeds]
@@ -82,11 +88,13 @@ def run_sweep(out: Path, lrs: list[float], seeds: tuple[int, ...], base: Path | 
     return failed
 
 
-def _commit() -> str:
-    import subprocess
-
+def code_commit() -> str:
+    """The commit the runs' code is at, `+dirty` when moe_rl/ or examples/ differ from it
+    (taken when runs start: committing result files later moves HEAD, not the code they import)."""
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return proc.stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "moe_rl", "examples"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return (proc.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
 
 
 def pick_regime(collapses: dict[float, tuple[int, int]]) -> float | None:
@@ -96,15 +104,26 @@ def pick_regime(collapses: dict[float, tuple[int, int]]) -> float | None:
     return ok[0] if ok else None
 
 
-def _block_table(directory: Path) -> tuple[list[str], dict[float, tuple[int, int]]]:
-    rows, collapses = [], {}
-    for lr_dir in sorted(directory.glob("lr*"), key=lambda p: float(p.name[2:])):
+def sweep_files(results: Path, updates: int) -> dict[float, list[dict[str, Any]]]:
+    """The committed sweep result files of one block (`updates` per rollout), by lr ascending."""
+    out = {}
+    for lr_dir in sorted((results / block(updates)).glob("lr*"), key=lambda p: float(p.name[2:])):
         files = [json.loads(p.read_text()) for p in sorted(lr_dir.glob("seed*.json"))]
-        if not files:
-            continue
-        lr = float(lr_dir.name[2:])
-        c = sum(f["collapsed"] for f in files)
-        collapses[lr] = (c, len(files))
+        if files:
+            out[float(lr_dir.name[2:])] = files
+    return out
+
+
+def collapse_counts(files_by_lr: dict[float, list[dict[str, Any]]]) -> dict[float, tuple[int, int]]:
+    """{lr: (collapsed runs, runs)}: what the plan's rule reads."""
+    return {lr: (sum(f["collapsed"] for f in files), len(files)) for lr, files in files_by_lr.items()}
+
+
+def _block_table(results: Path, updates: int) -> tuple[list[str], dict[float, tuple[int, int]]]:
+    rows, by_lr = [], sweep_files(results, updates)
+    collapses = collapse_counts(by_lr)
+    for lr, files in by_lr.items():
+        c = collapses[lr][0]
         means = {k: sum(f[k] for f in files) / len(files) for k in ("first_reward", "final_reward", "reward_auc")}
         rows.append(f"| {lr:g} | {len(files)} | {c}/{len(files)} | {means['first_reward']:.3f} | "
                     f"{means['final_reward']:.3f} | {means['reward_auc']:.3f} | "
@@ -122,7 +141,7 @@ def write_sweep(results: Path = RESULTS) -> Path:
             f"{LAST} steps' mean reward below 0.05 or more than 0.3 below the first step's.\n")
     pick = None
     for updates in (OFF_POLICY_UPDATES, 8):
-        rows, collapses = _block_table(results / block(updates))
+        rows, collapses = _block_table(results, updates)
         if not rows:
             continue
         text += (f"\n## {updates} mini-batch updates per rollout\n\n"

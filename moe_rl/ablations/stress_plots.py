@@ -105,10 +105,11 @@ def _layers(res: Results, path: Path, window: Callable[[dict[str, Any]], list[in
             layers = sorted({int(k[len(prefix):]) for r in runs for k in r["per_step"] if k.startswith(prefix)})
             if not runs or not layers:
                 continue
+            steps = [window(r) for r in runs]
             means = []
             for layer in layers:
-                per_run = [statistics.fmean(v for i in window(r) if (v := r["per_step"][f"{prefix}{layer}"][i]) is not None)
-                           for r in runs if f"{prefix}{layer}" in r["per_step"] and window(r)]
+                per_run = [statistics.fmean(v for i in st if (v := r["per_step"][f"{prefix}{layer}"][i]) is not None)
+                           for r, st in zip(runs, steps) if f"{prefix}{layer}" in r["per_step"] and st]
                 means.append(statistics.fmean(per_run) if per_run else float("nan"))
             label = f"{'collapsed' if collapsed else 'surviving'} runs ({len(runs)}): " + (
                 "10 steps before the onset" if collapsed else "last 10 steps")

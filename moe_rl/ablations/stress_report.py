@@ -14,6 +14,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from scipy import stats as sps
+
 from moe_rl.ablations import stats
 from moe_rl.ablations.collapse_stats import (
     DROP,
@@ -21,12 +23,13 @@ from moe_rl.ablations.collapse_stats import (
     LAST,
     fisher,
     fisher_power,
+    min_detectable_rate,
     rate_difference_interval,
     wilson,
 )
 from moe_rl.ablations.settings import settings
-from moe_rl.ablations.stress import RESULTS
-from moe_rl.ablations.stress_runs import MAIN_SEEDS, STAGE2_SETTINGS, regime
+from moe_rl.ablations.stress import RESULTS, sweep_files
+from moe_rl.ablations.stress_runs import MAIN_SEEDS, STAGE2_SETTINGS, regime, rounded
 from moe_rl.runtime.atomic import atomic_write_text
 
 BASELINE = "grpo-off"
@@ -145,8 +148,6 @@ def detectable(res: Results, m: int) -> str:
              f"a never-collapsing method is {fisher_power(n, n, p_g, 0.0, first):.2f} at Holm's first threshold."]
     finals = [r["final_reward"] for r in base]
     if len(finals) >= 2:
-        from scipy import stats as sps
-
         sd = statistics.stdev(finals)
         z = sps.norm.ppf(1 - first / 2) + sps.norm.ppf(0.8)
         lines.append(f"- Final reward, Welch, 80% power at Holm's first threshold (normal approximation, both sides "
@@ -155,8 +156,6 @@ def detectable(res: Results, m: int) -> str:
 
 
 def _mdr(n: int, alpha: float) -> str:
-    from moe_rl.ablations.collapse_stats import min_detectable_rate
-
     r = min_detectable_rate(n, alpha)
     return "not reachable" if math.isnan(r) else f"{r:.2f}"
 
@@ -176,20 +175,14 @@ def reproducibility(results: Path) -> str:
                      f"wall times {'**identical** (equal sha256 over' if same else '**DIFFERS** (sha256 over'} "
                      f"{r['steps']} steps: {r['metrics_sha256'][:12]} vs {other['metrics_sha256'][:12]}).")
     lr, updates = regime(results)
-    sweep_dir = results / ("sweep" if updates == 4 else f"sweep-updates{updates}") / f"lr{lr:g}"
-    for p in sorted(sweep_dir.glob("seed*.json")):
-        s = json.loads(p.read_text())
+    for s in sweep_files(results, updates).get(lr, []):
         m = main.get(s["seed"])
         if m is None:
             continue
-        same = [_r(x) for x in s["per_step"]["reward/mean"]] == [_r(x) for x in m["per_step"]["reward/mean"]]
+        same = [rounded(x) for x in s["per_step"]["reward/mean"]] == m["per_step"]["reward/mean"]  # (main's: rounded)
         lines.append(f"- {BASELINE} seed {s['seed']}: the sweep's run (commit {s['commit']}) and main's (commit "
                      f"{m['commit']}) have {'the same' if same else '**different**'} per-step rewards.")
     return "\n".join(lines) + "\n" if lines else "No repeated run yet.\n"
-
-
-def _r(x: float | None) -> float | None:
-    return None if x is None else float(f"{x:.6g}")
 
 
 def collapse_onset(rewards: list[float]) -> int | None:
@@ -223,9 +216,10 @@ def window(run: dict[str, Any]) -> list[int]:
     return list(range(max(0, end - WINDOW), end))
 
 
-def window_mean(run: dict[str, Any], key: str) -> float:
-    xs = [run["per_step"].get(key, [None] * run["steps"])[i] for i in window(run)]
-    xs = [x for x in xs if x is not None]
+def window_mean(run: dict[str, Any], key: str, steps: list[int]) -> float:
+    """`key`'s mean over the run's `steps` (its `window`); nan when it logs none there."""
+    values = run["per_step"].get(key)
+    xs = [values[i] for i in steps if values[i] is not None] if values is not None else []
     return statistics.fmean(xs) if xs else float("nan")
 
 
@@ -233,6 +227,7 @@ def mechanism_table(res: Results) -> str:
     head = " | ".join(t for _, t in MECHANISM)
     lines = [f"| setting | runs | onset step (mean) | {head} |", "|---|---|---|" + "---|" * len(MECHANISM)]
     pooled = {"all settings": [r for runs in res.values() for r in runs]}
+    steps = {id(r): window(r) for r in pooled["all settings"]}
     for name, runs in {**pooled, **res}.items():
         for collapsed in (True, False):
             group = [r for r in runs if r["collapsed"] == collapsed]
@@ -241,7 +236,7 @@ def mechanism_table(res: Results) -> str:
             onset = "-"
             if collapsed:
                 onset = f"{statistics.fmean(collapse_onset(r['per_step']['reward/mean']) for r in group):.1f}"
-            cells = [_finite_mean(window_mean(r, k) for r in group) for k, _ in MECHANISM]
+            cells = [_finite_mean(window_mean(r, k, steps[id(r)]) for r in group) for k, _ in MECHANISM]
             state = "collapsed" if collapsed else "survived"
             lines.append(f"| {name} | {len(group)} {state} | {onset} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

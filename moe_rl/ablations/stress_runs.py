@@ -26,10 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_rl.ablations.collapse_stats import LAST, stress_collapsed
-from moe_rl.ablations.runner import MARKER, ROOT, Run, ensure_base, run_all
+from moe_rl.ablations.runner import MARKER, Run, ensure_base, run_all
 from moe_rl.ablations.settings import OFF_POLICY_UPDATES, settings
-from moe_rl.ablations.stress import RESULTS, block, pick_regime
+from moe_rl.ablations.stress import (
+    RESULTS,
+    code_commit,
+    collapse_counts,
+    outcomes,
+    pick_regime,
+    sweep_files,
+)
 from moe_rl.runtime.atomic import atomic_write_text
 
 MAIN_SEEDS = tuple(range(1, 11))
@@ -51,14 +57,7 @@ def regime(results: Path = RESULTS) -> tuple[float, int]:
     """(lr, updates per rollout) from the committed sweep files by the plan's rule: the smallest
     lr, at 4 updates first, collapsing at least half and not all seeds; failing that (step 3)
     the smallest lr at which any seed collapsed, in the same block order."""
-    blocks = []
-    for updates in (OFF_POLICY_UPDATES, 8):
-        collapses: dict[float, tuple[int, int]] = {}
-        for lr_dir in (results / block(updates)).glob("lr*"):
-            files = [json.loads(p.read_text()) for p in lr_dir.glob("seed*.json")]
-            if files:
-                collapses[float(lr_dir.name[2:])] = (sum(f["collapsed"] for f in files), len(files))
-        blocks.append((updates, collapses))
+    blocks = [(updates, collapse_counts(sweep_files(results, updates))) for updates in (OFF_POLICY_UPDATES, 8)]
     for updates, collapses in blocks:
         if (lr := pick_regime(collapses)) is not None:
             return lr, updates
@@ -120,17 +119,13 @@ def metrics_digest(rows: list[dict[str, Any]]) -> str:
 
 def run_result(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """One run's result file: outcomes under the plan's definitions, the digest, kept metrics."""
-    rewards = [float(r["reward/mean"]) for r in rows if "reward/mean" in r]
-    tail = rewards[-LAST:]
     keys = sorted({k for r in rows for k in r if k.startswith(KEPT_PREFIXES)})
-    return {**meta, "steps": len(rewards), "first_reward": rewards[0] if rewards else None,
-            "final_reward": sum(tail) / len(tail) if tail else None,
-            "reward_auc": sum(rewards) / len(rewards) if rewards else None,
-            "collapsed": stress_collapsed(rewards), "metrics_sha256": metrics_digest(rows),
-            "per_step": {k: [_round(r.get(k)) for r in rows] for k in keys}}
+    return {**meta, **outcomes(rows), "metrics_sha256": metrics_digest(rows),
+            "per_step": {k: [rounded(r.get(k)) for r in rows] for k in keys}}
 
 
-def _round(x: Any) -> Any:
+def rounded(x: Any) -> Any:
+    """A kept metric as a result file stores it: floats to 6 significant digits."""
     return float(f"{x:.6g}") if isinstance(x, float) else x
 
 
@@ -180,15 +175,6 @@ def _git_commit(path: Path, message: str) -> None:
             return
         time.sleep(0.5 * (attempt + 1))
     print(f"!! could not commit {path}: the index stayed locked", flush=True)
-
-
-def code_commit() -> str:
-    """The commit the runs' code is at (committing results later moves HEAD of the results'
-    repository, not the code the runs import)."""
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "moe_rl", "examples"],
-                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return (proc.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
 
 
 def run_stress(out: Path, blocks: list[Block], base: Path | None, jobs: int, results: Path = RESULTS,

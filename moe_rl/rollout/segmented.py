@@ -159,10 +159,11 @@ class SegmentedRollout:
     def _screen(self) -> None:
         """Score the groups that just finished; set aside those with all rewards equal, at
         most (rl.max_draws - 1) x quota per batch (past that they train as they are)."""
-        new = {id(g) for g in self.pool.done if g.rewards is None}
-        if not new:
+        fresh = [g for g in self.pool.done if g.rewards is None]
+        if not fresh:
             return
-        self._score([g for g in self.pool.done if id(g) in new])
+        self._score(fresh)
+        new = {id(g) for g in fresh}
         budget = (self.cfg.rl.max_draws - 1) * self.quota
         kept = []
         for g in self.pool.done:
