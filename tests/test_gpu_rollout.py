@@ -6,7 +6,9 @@
 - a trainer step with the engine asleep during the update gives the same rewards as awake;
 - expert-parallel rollout inside a 2-GPU rollout group (needs 2 GPUs);
 - the asynchronous weight push stages each tensor on the current CUDA stream, so the next
-  update's in-place writes cannot reach what NCCL sends (`rollout.weight_sync._packed`).
+  update's in-place writes cannot reach what NCCL sends (`rollout.weight_sync._packed`);
+- vLLM's routed experts under in-flight updates (issue #46) and across a multi-turn episode
+  (issue #49): each position keeps the routes of the computation that fed it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,3 +130,43 @@ def test_vllm_routes_every_position_of_a_multi_turn_episode(tmp_path_factory):
     ref = HFSampler(path)
     assert check_episode_routes(groups, ref, whole, margin=1e-3, multi_turn_only=True) >= 1
     s.close()
+
+
+def test_vllm_routes_of_a_response_spanning_a_weight_update(tiny_dir, tmp_path):
+    """Issue #46 with vLLM's routed experts (CPU has none): a pool decodes segments of 4
+    tokens on vLLM (fp32), the weights replaced after the first. Every token keeps the
+    version and log-prob of the computation that drew it (the old weights' for tokens 0-3,
+    the new weights' after, teacher-forced by transformers), and the routes of the positions
+    fed in segment 0 are the old model's, the rest the new one's: what R3 replays per position.
+    Sequences whose top-k is a numerical tie under either model are left out of the route check."""
+    from sampler_utils import perturbed, prompts, router_margin, save_stream
+    from test_rollout_pool import BUDGET, T, _pool, _routes
+
+    from moe_rl.sampler import VLLMEngineConfig, make_sampler
+    from moe_rl.sampler.hf_backend import HFSampler
+
+    new_dir = save_stream(perturbed(tiny_dir, scale=0.1), tiny_dir, tmp_path / "new")
+    s = make_sampler(tiny_dir, VLLMEngineConfig(precision="fp32", gpu_memory_utilization=0.3, return_routed_experts=True))
+    old, new = HFSampler(tiny_dir), HFSampler(new_dir)
+    pool = _pool(prompts(4, length=6, seed=3), segment=4, seed=5)
+    pool.segment(s, 0, T, 1.0)
+    s.update_weights(perturbed(tiny_dir, scale=0.1))
+    while pool.running:
+        pool.segment(s, 1, T, 1.0)
+    s.close()
+    rows = [(g.prompt, r) for g in pool.done for r in g.responses]
+    old_lp = old.score([p for p, _ in rows], [r.tokens for _, r in rows], T)
+    new_lp = new.score([p for p, _ in rows], [r.tokens for _, r in rows], T)
+    spanning = 0
+    for (prompt, r), lp0, lp1 in zip(rows, old_lp, new_lp):
+        n0 = min(4, len(r.tokens))
+        assert len(r.tokens) <= BUDGET and r.versions == [0] * n0 + [1] * (len(r.tokens) - n0)
+        torch.testing.assert_close(r.logprobs, lp0[:n0] + lp1[n0:], atol=2e-3, rtol=0)
+        seq = prompt + r.tokens
+        assert r.routed.shape[0] == len(seq) - 1
+        if n0 < len(r.tokens) and min(router_margin(m.model, prompt, r.tokens) for m in (old, new)) > 1e-3:
+            spanning += 1
+            cut = len(prompt) + n0 - 1  # positions fed in segment 0
+            np.testing.assert_array_equal(np.sort(r.routed[:cut], -1), np.sort(_routes(old, seq)[:cut], -1))
+            np.testing.assert_array_equal(np.sort(r.routed[cut:], -1), np.sort(_routes(new, seq)[cut:], -1))
+    assert spanning >= 3
