@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -139,8 +138,8 @@ def test_vllm_routes_of_a_response_spanning_a_weight_update(tiny_dir, tmp_path):
     the new weights' after, teacher-forced by transformers), and the routes of the positions
     fed in segment 0 are the old model's, the rest the new one's: what R3 replays per position.
     Sequences whose top-k is a numerical tie under either model are left out of the route check."""
-    from sampler_utils import perturbed, prompts, router_margin, save_stream
-    from test_rollout_pool import BUDGET, T, _pool, _routes
+    from sampler_utils import perturbed, prompts, save_stream
+    from test_rollout_pool import T, _pool, check_spanning
 
     from moe_rl.sampler import VLLMEngineConfig, make_sampler
     from moe_rl.sampler.hf_backend import HFSampler
@@ -154,19 +153,4 @@ def test_vllm_routes_of_a_response_spanning_a_weight_update(tiny_dir, tmp_path):
     while pool.running:
         pool.segment(s, 1, T, 1.0)
     s.close()
-    rows = [(g.prompt, r) for g in pool.done for r in g.responses]
-    old_lp = old.score([p for p, _ in rows], [r.tokens for _, r in rows], T)
-    new_lp = new.score([p for p, _ in rows], [r.tokens for _, r in rows], T)
-    spanning = 0
-    for (prompt, r), lp0, lp1 in zip(rows, old_lp, new_lp):
-        n0 = min(4, len(r.tokens))
-        assert len(r.tokens) <= BUDGET and r.versions == [0] * n0 + [1] * (len(r.tokens) - n0)
-        torch.testing.assert_close(r.logprobs, lp0[:n0] + lp1[n0:], atol=2e-3, rtol=0)
-        seq = prompt + r.tokens
-        assert r.routed.shape[0] == len(seq) - 1
-        if n0 < len(r.tokens) and min(router_margin(m.model, prompt, r.tokens) for m in (old, new)) > 1e-3:
-            spanning += 1
-            cut = len(prompt) + n0 - 1  # positions fed in segment 0
-            np.testing.assert_array_equal(np.sort(r.routed[:cut], -1), np.sort(_routes(old, seq)[:cut], -1))
-            np.testing.assert_array_equal(np.sort(r.routed[cut:], -1), np.sort(_routes(new, seq)[cut:], -1))
-    assert spanning >= 3
+    assert check_spanning(pool, old, new, atol=2e-3, margin=1e-3) >= 3
