@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import markdown_table, write_results
+from bench.long_tail_base import BASE, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "tiny_long_tail.yaml"
@@ -49,7 +50,6 @@ MODES = {
 }
 BASELINE, CANDIDATE = "one-step-off (k=1)", "in-flight + partial, throughput (k=6)"
 RESULTS = "async_long_tail"
-BASE = ROOT / "moe_rl" / "assets" / "long_tail_base"
 HELDOUT_PROBLEMS, HELDOUT_SAMPLES = 256, 4
 REWARD_STEPS = 200
 
@@ -71,8 +71,6 @@ def run(overrides: list[str], steps: int, heldout: bool = False) -> list[dict] |
 
 def heldout_reward(policy: Path) -> float:
     """Mean reward of `policy` (an HF directory or a checkpoint) on the fixed held-out set."""
-    from bench.long_tail_base import sample
-
     return statistics.fmean(sample(str(policy), HELDOUT_PROBLEMS, HELDOUT_SAMPLES)["rewards"])
 
 
@@ -190,7 +188,7 @@ def main(rounds: int = 3, seeds: list[int] | None = None, steps: int = 40) -> No
     known = {m: {int(k): v for k, v in per_seed.items()} for m, per_seed in prev.get("reward_runs", {}).items()}
     runs = reward_runs(seeds, known) if seeds else known
     if runs:
-        base = prev.get("heldout_base") if "heldout_base" in prev and not seeds else heldout_reward(BASE)
+        base = prev["heldout_base"] if "heldout_base" in prev and not seeds else heldout_reward(BASE)
         raw.update(reward_runs=runs, heldout_base=base)
         table += reward_summary(runs, base)
     notes = (f"examples/tiny_long_tail.yaml (repeat, length_profile=long_tail, long_tail_base), 1 learner rank + 1 "

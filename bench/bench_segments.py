@@ -26,22 +26,17 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bench.common import markdown_table, write_results  # noqa: E402
+from bench.long_tail_base import BASE, held_out, hf_policy  # noqa: E402
 
-RECIPE = ROOT / "examples" / "tiny_long_tail.yaml"
-BASE = ROOT / "moe_rl" / "assets" / "long_tail_base"
-HELD_OUT_SEED = 20_260_517
 MODES = ("one call", "segments, KV reused", "segments, KV recomputed")
 
 
@@ -76,23 +71,12 @@ def decode(sampler: Any, mode: str, prompts: list[list[int]], group: int, budget
 def measure(block_size: int | None, problems: int, rounds: int) -> dict[str, dict[str, Any]]:
     """Every mode once per round on one engine (rounds interleaved, after a discarded warm-up
     round): median seconds."""
-    from moe_rl.config import load_config
-    from moe_rl.convert import megatron_to_hf
     from moe_rl.sampler import make_sampler
     from moe_rl.sampler.engine_config import engine_config
-    from moe_rl.tasks import make_task
-    from moe_rl.tokenization import PromptEncoder, load_tokenizer
 
-    cfg = load_config(RECIPE, [f"run.init_checkpoint={BASE}"])
-    task = make_task(cfg.task)
-    tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)
-    encoder = PromptEncoder.from_config(cfg.task, tok)
-    prompts = [encoder.encode(p) for p in task.sample(problems, np.random.default_rng(HELD_OUT_SEED))]
-    with tempfile.TemporaryDirectory(prefix="bench_segments_") as tmp:
-        hf = Path(tmp) / "hf"
-        megatron_to_hf(BASE, hf, force=True)
-        engine = dataclasses.replace(engine_config(cfg, tok.eos_ids), block_size=block_size)
-        sampler = make_sampler(hf, engine)
+    cfg, tok, _, _, prompts = held_out(BASE, problems)
+    with hf_policy(BASE) as hf:
+        sampler = make_sampler(hf, dataclasses.replace(engine_config(cfg, tok.eos_ids), block_size=block_size))
         try:
             runs: dict[str, list[dict]] = {m: [] for m in MODES}
             for r in range(-1, rounds):  # (round -1: the warm-up)

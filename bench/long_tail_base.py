@@ -16,8 +16,10 @@ lengths' percentiles over all responses; and the fraction cut at max_new_tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +32,32 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from bench.common import markdown_table, write_results  # noqa: E402
 
 RECIPE = ROOT / "examples" / "tiny_long_tail.yaml"
+BASE = ROOT / "moe_rl" / "assets" / "long_tail_base"
+"""The shipped base model of the long-tail recipe."""
 HELD_OUT_SEED = 20_260_517
 BUCKETS = ((1, 12), (13, 50), (51, 100), (101, 400))
 """Answer tokens (the space and the digits, EOS excluded), inclusive ranges."""
 
 
-def sample(checkpoint: str, problems: int, samples: int) -> dict[str, Any]:
-    """Rewards and response lengths of `samples` responses to each of `problems` problems."""
-    from moe_rl.config import load_config
+@contextlib.contextmanager
+def hf_policy(checkpoint: str | Path) -> Iterator[Path]:
+    """`checkpoint` as an HF directory the engines load (converted into a temporary one when it
+    is a learner checkpoint)."""
     from moe_rl.convert import megatron_to_hf
-    from moe_rl.rollout.sampler_start import build_sampler
+
+    hf = Path(checkpoint)
+    if (hf / "config.json").is_file():
+        yield hf
+        return
+    with tempfile.TemporaryDirectory(prefix="long_tail_policy_") as tmp:
+        megatron_to_hf(hf, Path(tmp) / "hf", force=True)
+        yield Path(tmp) / "hf"
+
+
+def held_out(checkpoint: str | Path, problems: int) -> tuple[Any, Any, Any, list[Any], list[list[int]]]:
+    """The recipe's config (starting from `checkpoint`), tokenizer and task, and its first
+    `problems` held-out problems with their prompt token ids."""
+    from moe_rl.config import load_config
     from moe_rl.tasks import make_task
     from moe_rl.tokenization import PromptEncoder, load_tokenizer
 
@@ -48,15 +66,19 @@ def sample(checkpoint: str, problems: int, samples: int) -> dict[str, Any]:
     tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)
     encoder = PromptEncoder.from_config(cfg.task, tok)
     drawn = task.sample(problems, np.random.default_rng(HELD_OUT_SEED))
-    with tempfile.TemporaryDirectory(prefix="long_tail_base_") as tmp:
-        hf = Path(checkpoint)
-        if not (hf / "config.json").is_file():
-            hf = Path(tmp) / "hf"
-            megatron_to_hf(Path(checkpoint), hf, force=True)
+    return cfg, tok, task, drawn, [encoder.encode(p) for p in drawn]
+
+
+def sample(checkpoint: str, problems: int, samples: int) -> dict[str, Any]:
+    """Rewards and response lengths of `samples` responses to each of `problems` problems."""
+    from moe_rl.rollout.sampler_start import build_sampler
+
+    cfg, tok, task, drawn, prompt_ids = held_out(checkpoint, problems)
+    with hf_policy(checkpoint) as hf:
         sampler = build_sampler(cfg, hf, tok.eos_ids)
         try:
-            ro = sampler.generate([encoder.encode(p) for p in drawn], n=samples,
-                                  max_new_tokens=cfg.sampler.max_new_tokens, temperature=1.0, seed=0)
+            ro = sampler.generate(prompt_ids, n=samples, max_new_tokens=cfg.sampler.max_new_tokens,
+                                  temperature=1.0, seed=0)
         finally:
             sampler.close()
     texts = [tok.decode(r) for r in ro.response_token_ids]
@@ -89,7 +111,7 @@ def summarize(raw: dict[str, Any]) -> tuple[list[list[Any]], dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=str(ROOT / "moe_rl" / "assets" / "long_tail_base"))
+    ap.add_argument("--checkpoint", default=str(BASE))
     ap.add_argument("--problems", type=int, default=256)
     ap.add_argument("--samples", type=int, default=4, help="responses per problem")
     ap.add_argument("--quick", action="store_true", help="16 problems x 1 sample")

@@ -153,4 +153,4 @@ def test_vllm_routes_of_a_response_spanning_a_weight_update(tiny_dir, tmp_path):
     while pool.running:
         pool.segment(s, 1, T, 1.0)
     s.close()
-    assert check_spanning(pool, old, new, atol=2e-3, margin=1e-3) >= 3
+    assert check_spanning(pool, old, new, atol=2e-3, margin=1e-3, any_order=True) >= 3
