@@ -34,6 +34,15 @@ def test_segmented_decoding_refuses_what_it_cannot_do():
         load_config(RECIPE, ["sampler.placement=colocated", "sampler.engine_ranks=0"])
 
 
+def test_kept_kv_needs_vllm_and_the_throughput_schedule():
+    with pytest.raises(ConfigError, match=r"rl\.inflight_kv=keep pauses the engine when the learner's push arrives"):
+        load_config(RECIPE, ["rl.inflight_kv=keep"])  # (the recipe's schedule is deterministic)
+    with pytest.raises(ConfigError, match=r"rl\.inflight_kv=keep runs vLLM's asynchronous engine"):
+        load_config(RECIPE, ["rl.inflight_kv=keep", "rl.async_schedule=throughput", "sampler.backend=transformers"])
+    with pytest.raises(ConfigError, match=r"rl\.inflight_kv: 'kept' is not one of \['recompute', 'keep'\]"):
+        load_config(RECIPE, ["rl.inflight_kv=kept"])
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[dict]:
     return _train(tmp_path_factory.mktemp("inflight"), "a")
@@ -69,6 +78,23 @@ def test_a_stopped_inflight_run_resumes_the_same_schedule(uninterrupted, tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for key in ("reward/mean", "rollout/staleness_max", "rollout/version_span_mean", "response/length_mean"):
         assert [r[key] for r in rows] == [r[key] for r in uninterrupted], key
+
+
+@pytest.mark.multiproc
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_streaming_engine_keeps_the_kv_through_updates_within_the_staleness_bound(tmp_path):
+    """rl.inflight_kv=keep: vLLM's asynchronous engine decodes the pool continuously and is
+    paused at each push with its requests kept (per-token versions checked against vLLM's own
+    weight-version spans at every finish, or the run fails); the bound holds, every trained
+    token is counted in one version-span class, and TIS sees the sampler's older policy."""
+    rows = _train(tmp_path, "keep", "rl.inflight_kv=keep", "rl.async_schedule=throughput", "run.save_every=0")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["rollout/staleness_max"] <= 2 for r in rows)
+    assert max(r["rollout/staleness_max"] for r in rows) >= 1  # (the engine ran ahead)
+    for r in rows:
+        assert r["mismatch/num_tokens_span0"] + r["mismatch/num_tokens_span1plus"] == r["mismatch/num_tokens"]
+    assert any(r["mismatch/k3"] > 1e-7 and r["policy/rollout_weight_mean"] != 1.0 for r in rows)
 
 
 @pytest.mark.multiproc

@@ -174,6 +174,13 @@ class RLConfig:
     rl.inflight_push_after_segments segments of the next batch (the same seed gives the same
     rewards: tests, papers); `throughput` at the first pause point after the learner's push
     has begun to arrive (the engine never waits for the learner mid-batch)."""
+    inflight_kv: Literal["recompute", "keep"] = "recompute"
+    """What an in-flight update does to the running responses' KV: `recompute` (segmented
+    decoding: each segment re-feeds the response under the weights of the moment) or `keep`
+    (vLLM's asynchronous engine decodes continuously and is paused with its requests and
+    their KV kept, `pause_generation(mode="keep", clear_cache=False)`, as PipelineRL does:
+    `moe_rl.sampler.vllm_stream`). keep needs sampler.backend=vllm and
+    rl.async_schedule=throughput (it pauses when the push arrives, not at token counts)."""
     inflight_segment_tokens: int = 32
     """Segmented decoding: tokens decoded per response between two pause points."""
     inflight_push_after_segments: int = 1

@@ -186,11 +186,31 @@ def _validate_segmented(cfg: Config) -> None:
         raise ConfigError(f"rl.partial_oversample must be >= 0, got {rl.partial_oversample}")
     if rl.async_schedule not in ("deterministic", "throughput"):
         raise ConfigError(f"rl.async_schedule={rl.async_schedule!r}: choose deterministic or throughput")
+    if rl.inflight_kv == "keep":
+        _validate_kept_kv(cfg)
     if cfg.sampler.max_restarts:
         raise ConfigError(f"sampler.max_restarts={cfg.sampler.max_restarts} is not implemented with {which}=true (the "
                           "engines decode segments at their own pace, so a failed one cannot be rebuilt and retried "
                           "in step with the others); set sampler.max_restarts=0 (an engine failure then ends the run "
                           "with one line)")
+
+
+def _validate_kept_kv(cfg: Config) -> None:
+    """rl.inflight_kv=keep: vLLM's streaming engine, paused when the push arrives."""
+    rl, s = cfg.rl, cfg.sampler
+    if s.backend != "vllm":
+        raise ConfigError(f"rl.inflight_kv=keep runs vLLM's asynchronous engine; sampler.backend={s.backend} "
+                          "decodes in segments: set sampler.backend=vllm or rl.inflight_kv=recompute")
+    if rl.async_schedule != "throughput":
+        raise ConfigError("rl.inflight_kv=keep pauses the engine when the learner's push arrives, which is not a fixed "
+                          "token count: set rl.async_schedule=throughput (or rl.inflight_kv=recompute for the "
+                          "deterministic schedule)")
+    if s.tensor_parallel_size > 1 or s.sleep_between_steps:
+        raise ConfigError("rl.inflight_kv=keep runs one engine process per engine rank: set "
+                          "sampler.tensor_parallel_size=1 and sampler.sleep_between_steps=false")
+    if rl.multi_turn:
+        raise ConfigError(f"rl.max_turns={rl.max_turns}: multi-turn episodes decode in segments for now; set "
+                          "rl.inflight_kv=recompute")
 
 
 def validate_sampler(cfg: Config) -> None:

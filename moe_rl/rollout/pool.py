@@ -34,6 +34,7 @@ x layers x top-k bytes (uint8 ids).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,6 +86,18 @@ class EpisodeState:
         return EpisodeState(None, [tuple(t) for t in d["turns"]], d["turn_start"], d["tool_calls"],
                             d["parse_errors"], d["turn_rewards"], d["truncated"], d["reward"],
                             d.get("reward_timeouts", 0))
+
+
+class StreamingEngine(Protocol):
+    """What the pool asks of a streaming engine (`moe_rl.sampler.vllm_stream`)."""
+
+    def submit(self, request_id: str, prompt: Sequence[int], *, seed: int, max_new_tokens: int,
+               temperature: float, top_p: float) -> None: ...
+
+    def poll(self, wait_s: float) -> list[Any]:
+        """`StreamDelta`s: request_id, tokens, logprobs, epochs, finish, routed."""
+
+    def abort(self, request_ids: Iterable[str]) -> None: ...
 
 
 class EpisodeDriver(Protocol):
@@ -190,6 +203,8 @@ class RolloutPool:
         self.episodes = episodes
         self.running: list[PoolGroup] = []
         self.done: list[PoolGroup] = []
+        self.requests: dict[str, tuple[PoolGroup, PartialResponse]] = {}
+        """A streaming engine's running requests (`stream`), by request id."""
         self.dropped_stale = 0
         """Responses dropped for exceeding the staleness bound since the last batch taken."""
 
@@ -213,37 +228,92 @@ class RolloutPool:
         decoded = 0
         for i, (g, r, _) in enumerate(rows):
             routed = ro.routed_experts[i] if ro.routed_experts is not None else None
-            decoded += self._extend(r, len(g.prompt), ro.response_token_ids[i], ro.logprobs[i],
-                                    ro.finish_reasons[i], routed, version)
-        self.done += [g for g in self.running if g.finished]
-        self.running = [g for g in self.running if not g.finished]
+            tokens = ro.response_token_ids[i]
+            n, cut = self._extend(r, len(g.prompt), tokens, ro.logprobs[i], [version] * len(tokens), routed)
+            r.segments += 1
+            # (fewer tokens than asked without an EOS: the context is full)
+            self._end(r, "stop" if ro.finish_reasons[i] == "stop" else
+                      "length" if len(tokens) < self.segment_tokens or len(r.tokens) >= self.max_new_tokens else None,
+                      cut)
+            decoded += n
+        self._retire()
         return decoded
 
-    def _extend(self, r: PartialResponse, prompt_len: int, tokens: list[int], logprobs: list[float], finish: str,
-                routed: np.ndarray | None, version: int) -> int:
+    def stream(self, engine: StreamingEngine, version_of: Callable[[int], int], temperature: float, top_p: float,
+               wait_s: float) -> int:
+        """The streaming engine's turn (`rl.inflight_kv: keep`): abort the requests of groups no
+        longer in the pool, submit every unfinished response not yet running (its prompt and
+        tokens so far, up to its room), and take what the engine decoded within `wait_s`
+        (`version_of`: the policy version of an engine epoch). Returns the tokens decoded."""
+        live = {self._request_id(g, j, r): (g, r) for g in self.running for j, r in enumerate(g.responses)
+                if r.finish is None}
+        engine.abort([rid for rid in self.requests if rid not in live])
+        self.requests = {rid: v for rid, v in self.requests.items() if rid in live}
+        for g in self.running:
+            for j, r in enumerate(g.responses):
+                if r.finish is None and (rid := self._request_id(g, j, r)) not in self.requests:
+                    engine.submit(rid, g.prompt + r.tokens, seed=segment_seed(g.seed, j, r.segments),
+                                  max_new_tokens=self._room(r), temperature=temperature, top_p=top_p)
+                    self.requests[rid] = (g, r)
+        decoded = 0
+        for d in engine.poll(wait_s):
+            if (gr := self.requests.get(d.request_id)) is None:
+                continue  # (a request of a group dropped meanwhile)
+            g, r = gr
+            n, cut = self._extend(r, len(g.prompt), d.tokens, d.logprobs, [version_of(e) for e in d.epochs], d.routed)
+            decoded += n
+            if d.finish is not None or cut:
+                if d.finish is None:
+                    engine.abort([d.request_id])
+                del self.requests[d.request_id]
+                r.segments += 1  # (its next request, after a turn, draws from the next seed)
+                self._end(r, d.finish if not cut else "length", cut)
+        self._retire()
+        return decoded
+
+    @staticmethod
+    def _request_id(g: PoolGroup, j: int, r: PartialResponse) -> str:
+        """A response's engine request (its seed index tells a continuation from the first)."""
+        return f"{'-'.join(map(str, g.key))}-{j}-{r.segments}"
+
+    def _room(self, r: PartialResponse) -> int:
         room = self.max_new_tokens - len(r.tokens)
-        if r.episode is not None:
-            room = min(room, self.episodes.turn_room(r))
+        return min(room, self.episodes.turn_room(r)) if r.episode is not None else room
+
+    def _extend(self, r: PartialResponse, prompt_len: int, tokens: list[int], logprobs: list[float],
+                versions: list[int], routed: np.ndarray | None) -> tuple[int, bool]:
+        """Append decoded tokens (at most the response's room) with their log-probs and
+        versions, and the routes of the positions fed for the first time. Returns (tokens
+        kept, whether the room cut them)."""
+        room = self._room(r)
         cut = len(tokens) > room
-        tokens, logprobs = tokens[:room], logprobs[:room]
+        tokens, logprobs, versions = tokens[:room], logprobs[:room], versions[:room]
         if routed is not None:
             fed_before = 0 if r.routed is None else len(r.routed)  # (prompt + tokens - 1 after a segment)
             new = routed[fed_before:prompt_len + len(r.tokens) + len(tokens) - 1]
             r.routed = new if r.routed is None else np.concatenate([r.routed, new])
         r.tokens += tokens
         r.logprobs += logprobs
-        r.versions += [version] * len(tokens)
+        r.versions += versions
         if r.episode is not None:
             r.observed += [False] * len(tokens)
-        r.segments += 1
+        return len(tokens), cut
+
+    def _end(self, r: PartialResponse, finish: str | None, cut: bool) -> None:
+        """Set the finish a decoding call reported ("stop" on EOS unless the room cut it,
+        "length" at a limit, None: it goes on); a multi-turn turn that ended is answered by
+        the environment."""
         if finish == "stop" and not cut:
             r.finish = "stop"
-        elif cut or len(r.tokens) >= self.max_new_tokens or len(tokens) < self.segment_tokens \
-                or (r.episode is not None and self.episodes.turn_room(r) <= 0):
-            r.finish = "length"  # (fewer tokens than asked without an EOS: the context is full)
+        elif cut or finish is not None or (r.episode is not None and self.episodes.turn_room(r) <= 0):
+            r.finish = "length"
         if r.episode is not None and r.finish is not None:  # a turn ended: the environment answers
             self.episodes.end_turn(r, ended_on_eos=r.finish == "stop")
-        return len(tokens)
+
+    def _retire(self) -> None:
+        """Move the groups that finished to `done`."""
+        self.done += [g for g in self.running if g.finished]
+        self.running = [g for g in self.running if not g.finished]
 
     def ready(self, quota: int) -> bool:
         """`quota` finished groups wait, or nothing is left running."""

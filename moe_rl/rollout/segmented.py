@@ -37,10 +37,19 @@ place, so the batch still fills with `prompts_per_step` groups with signal. At m
 step's further draws would decode); past that, groups train as they finish, equal rewards and
 all (zero advantages), where the synchronous step would train on fewer groups instead.
 
+`rl.inflight_kv: keep` (throughput schedule, vLLM): the pool runs on vLLM's asynchronous
+engine instead (`moe_rl.sampler.vllm_stream`, `RolloutPool.stream`). Every unfinished
+response is one request that decodes until it finishes; a turn of the schedule waits
+`POLL_S` for the engine's tokens, and at the push the engine is paused with its requests and
+their KV kept, loads the weights and goes on. Each token's version is the engine epoch it was
+drawn in, mapped to the policy version received then (`epoch_versions`).
+
 Resume: at each weight receipt the pool is saved (`<run>/rollout_pool/step_<n>.engine<e>.json`)
 before the weights of step n are loaded, i.e. in the state a resume from step n's
-checkpoint starts in; a resume loads it and continues the same schedule. Without the file
-(or under another engine layout) the engines start a fresh pool and the log says so.
+checkpoint starts in; a resume loads it and continues the same schedule (streaming: a
+running response goes on from the tokens saved; with R3, whose routes come with the finish,
+it starts over). Without the file (or under another engine layout) the engines start a
+fresh pool and the log says so.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_rl.rollout.ahead import read_engine_file, write_engine_file
-from moe_rl.rollout.pool import PoolGroup, RolloutPool
+from moe_rl.rollout.pool import PartialResponse, PoolGroup, RolloutPool
 from moe_rl.rollout.types import Sampled
 from moe_rl.runtime.timing import StepTimer
 
@@ -66,6 +75,10 @@ log = logging.getLogger("moe_rl.rollout")
 
 KEEP = 3
 """Saved pools kept per engine (the newest)."""
+
+POLL_S = 0.02
+"""Streaming (`rl.inflight_kv: keep`): how long one turn of the schedule waits for the
+engine's tokens before it looks at the batch and the learner's push again."""
 
 
 def pool_path(run_dir: Path, step: int, engine: int) -> Path:
@@ -90,6 +103,12 @@ class SegmentedRollout:
         """Dynamic sampling: finished groups set aside since the last batch for equal rewards."""
         self.reward_timeouts = 0
         """Rewards cut at task.reward_timeout_s since the last batch was taken."""
+        self.streaming = cfg.rl.inflight_kv == "keep"
+        """vLLM's streaming engine decodes the pool continuously (`RolloutPool.stream`)."""
+        self.epoch_versions: dict[int, int] = {}
+        """Streaming: the policy version of each engine epoch (weight loads) seen."""
+        if self.streaming:
+            self.epoch_versions[collector.sampler.epoch] = collector.weight_sync.held_version or 0
 
     # ------------------------------------------------------------------ schedule
 
@@ -132,6 +151,8 @@ class SegmentedRollout:
             if receive is not None and (self._due(segments, ready) or (ready and not self.pool.running)):
                 receive()
                 receive = None
+                if self.streaming:  # (tokens drawn from now on: the new epoch, the version just received)
+                    self.epoch_versions[self.collector.sampler.epoch] = self.collector.weight_sync.held_version
                 self.pool.drop_older_than(step - 1 - rl.max_staleness)
                 continue
             if ready and receive is None:
@@ -144,11 +165,13 @@ class SegmentedRollout:
     def _segment(self, step: int, timer: StepTimer) -> None:
         """One segment of the pool; an engine that fails ends the run (the engines decode at
         their own pace, so they cannot agree on a restart: sampler.max_restarts is 0 here)."""
-        s, t0 = self.cfg.sampler, time.perf_counter()
+        s, t0, sampler = self.cfg.sampler, time.perf_counter(), self.collector.sampler
         with timer.phase("sample"):
             try:
-                self.pool.segment(self.collector.sampler, self.collector.weight_sync.held_version or 0,
-                                  s.temperature, s.top_p)
+                if self.streaming:
+                    self.pool.stream(sampler, self.epoch_versions.__getitem__, s.temperature, s.top_p, POLL_S)
+                else:
+                    self.pool.segment(sampler, self.collector.weight_sync.held_version or 0, s.temperature, s.top_p)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 raise self.collector.failed_alone(f"generating step {step}", e) from e
         self.seconds += time.perf_counter() - t0
@@ -237,6 +260,14 @@ class SegmentedRollout:
 
     # ------------------------------------------------------------------ resume
 
+    def _restart_running(self) -> None:
+        """Streaming with R3: a response's routes arrive with its finish, so a saved running
+        response has none for the tokens it holds, and a continuation would route them again
+        under other weights: such responses start over (from their next seed)."""
+        for g in self.pool.running:
+            g.responses = [r if r.finish is not None or not r.tokens else
+                           PartialResponse(segments=r.segments + 1, carried=r.carried) for r in g.responses]
+
     def save(self, run_dir: Path, step: int) -> None:
         """Keep the pool as it is before step `step`'s weights load (an engine leader)."""
         p = self.collector.placement
@@ -259,6 +290,8 @@ class SegmentedRollout:
                             "so the schedule differs from the uninterrupted run's", step, "; ".join(missing))
             return False
         self.pool.load_json(doc["pool"])
+        if self.streaming and self.collector.sampler.returns_routed_experts:
+            self._restart_running()
         if self.pool.episodes is not None:  # (running episodes' environments, rebuilt from their turns)
             draws: dict = {}
             for g in self.pool.running:

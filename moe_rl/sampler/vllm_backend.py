@@ -221,6 +221,81 @@ def _engine_settings(model_dir: str, config: VLLMEngineConfig, on_gpu: bool) -> 
     return kwargs, env
 
 
+@contextlib.contextmanager
+def weights_on_disk(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[str]:
+    """The tensors written as safetensors shards of `bucket_bytes` to a temporary directory
+    (under /dev/shm when it exists) that an engine process reloads from; removed after."""
+    # here, not at the top: `moe_rl.convert` loads torch.distributed.checkpoint (~2 s)
+    from moe_rl.convert.safetensors_writer import write_safetensors_buckets
+
+    shm = Path("/dev/shm")
+    with tempfile.TemporaryDirectory(prefix="moe_rl_weights_", dir=shm if shm.is_dir() else None) as d:
+        write_safetensors_buckets(named_tensors, d, bucket_bytes)
+        yield d
+
+
+def sampling_params(n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                    eos_token_ids: Sequence[int], **extra: Any) -> Any:
+    """A request's `SamplingParams`: n samples (sample j seeded `seed + j` by vLLM), each
+    sampled token's processed log-prob, token ids only."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                          logprobs=0, stop_token_ids=list(eos_token_ids), detokenize=False, **extra)
+
+
+def completion_of(c: Any, request_id: str) -> tuple[list[int], list[float], str]:
+    """(token ids, their log-probs, finish reason) of a finished `CompletionOutput`."""
+    if c.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM request {request_id} ended with {c.finish_reason!r}")
+    ids = list(c.token_ids)
+    return ids, [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)], c.finish_reason
+
+
+def rollouts_of(prompts: list[list[int]], outputs: Sequence[Any], routed_experts: bool) -> Rollouts:
+    """`Rollouts` from vLLM's finished `RequestOutput`s, one per prompt, in prompt order."""
+    prompt_index, responses, logprobs, finish, routed = [], [], [], [], []
+    for i, out in enumerate(outputs):
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids, lps, why = completion_of(c, out.request_id)
+            prompt_index.append(i)
+            responses.append(ids)
+            logprobs.append(lps)
+            finish.append(why)
+            if routed_experts:
+                routed.append(c.routed_experts)
+    return Rollouts(prompts, prompt_index, responses, logprobs, finish, routed if routed_experts else None)
+
+
+def scoring_requests(prompt_token_ids: Sequence[Sequence[int]], response_token_ids: Sequence[Sequence[int]],
+                     temperature: float) -> tuple[list[list[int]], Any]:
+    """(prompt + response of each row, the `SamplingParams` that return their prompt log-probs)."""
+    from vllm import SamplingParams
+
+    if len(prompt_token_ids) != len(response_token_ids):
+        raise ValueError("score: one prompt per response")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    seqs = [[int(t) for t in p] + [int(t) for t in r] for p, r in zip(prompt_token_ids, response_token_ids)]
+    full_vocab = temperature != 1.0
+    return seqs, SamplingParams(max_tokens=1, prompt_logprobs=-1 if full_vocab else 0, detokenize=False, seed=0)
+
+
+def scores_of(prompt_len: int, seq: list[int], out: Any, temperature: float) -> list[float]:
+    """Teacher-forced `log_softmax(logits / T)` of `seq[prompt_len:]` from its prompt log-probs
+    (raw in vLLM: at T != 1 renormalised over the full vocabulary)."""
+    row = []
+    for pos in range(prompt_len, len(seq)):
+        lp = out.prompt_logprobs[pos]
+        if temperature != 1.0:
+            ids = list(lp)
+            v = torch.tensor([lp[k].logprob for k in ids], dtype=torch.float64) / temperature
+            row.append(float(v[ids.index(seq[pos])] - torch.logsumexp(v, 0)))
+        else:
+            row.append(lp[seq[pos]].logprob)
+    return row
+
+
 class VLLMSampler:
     """`Sampler` on a vLLM engine, run as `config` says (`VLLMEngineConfig`)."""
 
@@ -296,8 +371,6 @@ class VLLMSampler:
         seed: int | None = None,
         prompt_seeds: Sequence[int] | None = None,
     ) -> Rollouts:
-        from vllm import SamplingParams
-
         engine_fail_point()  # (a test hook: a no-op unless asked for)
         check_generate_args(n, max_new_tokens, temperature, top_p)
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
@@ -306,41 +379,10 @@ class VLLMSampler:
                 seed = int(self._seed_stream.integers(2**31))
             prompt_seeds = base_seeds(seed, len(prompts), n)
         seeds = expand_seeds(prompt_seeds, len(prompts), n)
-        params = [
-            SamplingParams(
-                n=n,
-                max_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seeds[i * n],  # vLLM seeds sample j with seed + j
-                logprobs=0,  # just the sampled token's
-                stop_token_ids=self.eos_token_ids,
-                detokenize=False,
-            )
-            for i in range(len(prompts))
-        ]
+        params = [sampling_params(n, max_new_tokens, temperature, top_p, seeds[i * n], self.eos_token_ids)
+                  for i in range(len(prompts))]
         outputs = self._call(self.llm.generate, [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-        prompt_index, responses, logprobs, finish, routed = [], [], [], [], []
-        for i, out in enumerate(outputs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM request {out.request_id} ended with {c.finish_reason!r}")
-                ids = list(c.token_ids)
-                prompt_index.append(i)
-                responses.append(ids)
-                logprobs.append([c.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
-                finish.append(c.finish_reason)
-                if self.returns_routed_experts:
-                    routed.append(c.routed_experts)
-        return Rollouts(
-            prompt_token_ids=prompts,
-            prompt_index=prompt_index,
-            response_token_ids=responses,
-            logprobs=logprobs,
-            finish_reasons=finish,
-            routed_experts=routed if self.returns_routed_experts else None,
-        )
+        return rollouts_of(prompts, outputs, self.returns_routed_experts)
 
     def score(
         self,
@@ -349,29 +391,9 @@ class VLLMSampler:
         temperature: float = 1.0,
     ) -> list[list[float]]:
         """Teacher-forced logprobs from vLLM's prompt logprobs over prompt + response."""
-        from vllm import SamplingParams
-
-        if len(prompt_token_ids) != len(response_token_ids):
-            raise ValueError("score: one prompt per response")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        seqs = [[int(t) for t in p] + [int(t) for t in r] for p, r in zip(prompt_token_ids, response_token_ids)]
-        full_vocab = temperature != 1.0
-        params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full_vocab else 0, detokenize=False, seed=0)
+        seqs, params = scoring_requests(prompt_token_ids, response_token_ids, temperature)
         outputs = self._call(self.llm.generate, [{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
-        scores = []
-        for p, seq, out in zip(prompt_token_ids, seqs, outputs):
-            row = []
-            for pos in range(len(p), len(seq)):
-                lp = out.prompt_logprobs[pos]
-                if full_vocab:
-                    ids = list(lp)
-                    v = torch.tensor([lp[k].logprob for k in ids], dtype=torch.float64) / temperature
-                    row.append(float(v[ids.index(seq[pos])] - torch.logsumexp(v, 0)))
-                else:
-                    row.append(lp[seq[pos]].logprob)
-            scores.append(row)
-        return scores
+        return [scores_of(len(p), seq, out, temperature) for p, seq, out in zip(prompt_token_ids, seqs, outputs)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.wake_up()
@@ -380,12 +402,7 @@ class VLLMSampler:
         if self.weight_sync == "stream":
             self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights": stream, "repack_moe": repack})
         else:
-            # here, not at the top: `moe_rl.convert` loads torch.distributed.checkpoint (~2 s)
-            from moe_rl.convert.safetensors_writer import write_safetensors_buckets
-
-            shm = Path("/dev/shm")
-            with tempfile.TemporaryDirectory(prefix="moe_rl_weights_", dir=shm if shm.is_dir() else None) as d:
-                write_safetensors_buckets(stream, d, self.bucket_bytes)
+            with weights_on_disk(stream, self.bucket_bytes) as d:
                 self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights_path": d, "repack_moe": repack})
         if self.reset_prefix_cache_after_reload:  # cached KV blocks were computed by the old weights
             self._call(self.llm.reset_prefix_cache)
