@@ -7,7 +7,8 @@
 - expert-parallel rollout inside a 2-GPU rollout group (needs 2 GPUs);
 - the asynchronous weight push stages each tensor on the current CUDA stream, so the next
   update's in-place writes cannot reach what NCCL sends (`rollout.weight_sync._packed`);
-- vLLM's routed experts under in-flight updates (issue #46) and across a multi-turn episode
+- vLLM's routed experts under in-flight updates (issue #46; segments, and the streaming engine
+  with the KV kept) and across a multi-turn episode
   (issue #49): each position keeps the routes of the computation that fed it.
 """
 
@@ -154,3 +155,68 @@ def test_vllm_routes_of_a_response_spanning_a_weight_update(tiny_dir, tmp_path):
         pool.segment(s, 1, T, 1.0)
     s.close()
     assert check_spanning(pool, old, new, atol=2e-3, margin=1e-3, any_order=True) >= 3
+
+
+def test_vllm_routes_of_a_streamed_response_with_the_kv_kept_across_an_update(tiny_dir, tmp_path):
+    """rl.inflight_kv=keep with vLLM's routed experts (CPU has none): six streaming requests
+    are paused after 4+ tokens, the weights replaced, and resumed with their KV kept. A
+    position fed before the pause keeps the old model's routes; a later one those of the new
+    weights reading the old KV (transformers: the old model's cache fed to the new one), and
+    so do the tokens' log-probs. Near-ties under either model are left out of the route check."""
+    import numpy as np
+    from sampler_utils import perturbed, prompts, router_margin, save_stream
+    from test_rollout_pool import _routes
+    from test_sampler_vllm_stream import kept_kv_logprobs
+
+    from moe_rl.sampler import VLLMEngineConfig, make_sampler
+    from moe_rl.sampler.hf_backend import HFSampler
+
+    new_dir = save_stream(perturbed(tiny_dir, scale=0.1), tiny_dir, tmp_path / "new")
+    s = make_sampler(tiny_dir, VLLMEngineConfig(precision="fp32", gpu_memory_utilization=0.3, return_routed_experts=True,
+                                                streaming=True, eos_token_ids=()))
+    P, got = prompts(6, length=8, seed=3), {}
+    for i, p in enumerate(P):
+        s.submit(f"r{i}", p, seed=100 + i, max_new_tokens=24, ignore_eos=True)
+        got[f"r{i}"] = {"tokens": [], "logprobs": [], "epochs": [], "routed": None}
+
+    def poll_until(done) -> None:
+        while not done():
+            for d in s.poll(0.01):
+                g = got[d.request_id]
+                g["tokens"] += d.tokens
+                g["logprobs"] += d.logprobs
+                g["epochs"] += d.epochs
+                g["routed"] = d.routed if d.routed is not None else g["routed"]
+
+    poll_until(lambda: min(len(g["tokens"]) for g in got.values()) >= 4)
+    s.update_weights(perturbed(tiny_dir, scale=0.1))
+    poll_until(lambda: all(g["routed"] is not None for g in got.values()))
+    s.close()
+    old, new = HFSampler(tiny_dir), HFSampler(new_dir)
+    checked = 0
+    for p, g in zip(P, got.values()):
+        tokens, k = g["tokens"], g["epochs"].count(0)
+        assert len(tokens) == 24 and 4 <= k < 24 and g["epochs"] == [0] * k + [1] * (24 - k)
+        assert g["routed"].shape[0] == len(p) + 24 - 1
+        want = old.score([p], [tokens[:k]])[0] + kept_kv_logprobs(old.model, new.model, p, tokens, k)
+        torch.testing.assert_close(g["logprobs"], want, atol=2e-3, rtol=0)
+        if min(router_margin(m.model, p, tokens) for m in (old, new)) <= 1e-3:
+            continue
+        checked += 1
+        fed_old = len(p) + k - 1
+        ref = np.concatenate([_routes(old, p + tokens)[:fed_old], _kept_kv_routes(old, new, p + tokens, fed_old)])
+        np.testing.assert_array_equal(np.sort(g["routed"], -1), np.sort(ref, -1))
+    assert checked >= 3
+
+
+def _kept_kv_routes(old, new, seq: list[int], fed_old: int):
+    """Routed experts of positions fed_old .. len(seq) - 2 when the new model reads the old
+    model's cache of the positions before them ([len - 1 - fed_old, L, K])."""
+    with torch.no_grad():
+        cache = old.model(torch.tensor([seq[:fed_old]]), use_cache=True).past_key_values
+        caps = new._routers
+        caps.enabled, caps.calls = True, []
+        caps.new_call()
+        new.model(torch.tensor([seq[fed_old:-1]]), past_key_values=cache, use_cache=True)
+        caps.enabled = False
+    return caps.stacked(caps.calls.pop(), 1)[0].numpy()
