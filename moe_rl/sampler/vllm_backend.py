@@ -244,9 +244,10 @@ def sampling_params(n: int, max_new_tokens: int, temperature: float, top_p: floa
                           logprobs=0, stop_token_ids=list(eos_token_ids), detokenize=False, **extra)
 
 
-def completion_of(c: Any, request_id: str) -> tuple[list[int], list[float], str]:
-    """(token ids, their log-probs, finish reason) of a finished `CompletionOutput`."""
-    if c.finish_reason not in ("stop", "length"):
+def tokens_of(c: Any, request_id: str) -> tuple[list[int], list[float], str | None]:
+    """(token ids, their log-probs, finish reason or None while it runs) of a
+    `CompletionOutput`; a request that ended otherwise than "stop" or "length" is an error."""
+    if c.finish_reason is not None and c.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM request {request_id} ended with {c.finish_reason!r}")
     ids = list(c.token_ids)
     return ids, [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)], c.finish_reason
@@ -257,7 +258,7 @@ def rollouts_of(prompts: list[list[int]], outputs: Sequence[Any], routed_experts
     prompt_index, responses, logprobs, finish, routed = [], [], [], [], []
     for i, out in enumerate(outputs):
         for c in sorted(out.outputs, key=lambda c: c.index):
-            ids, lps, why = completion_of(c, out.request_id)
+            ids, lps, why = tokens_of(c, out.request_id)
             prompt_index.append(i)
             responses.append(ids)
             logprobs.append(lps)

@@ -59,6 +59,7 @@ from moe_rl.sampler.vllm_backend import (
     sampling_params,
     scores_of,
     scoring_requests,
+    tokens_of,
     weights_on_disk,
 )
 from moe_rl.sampler.weights import iter_checkpoint
@@ -212,18 +213,16 @@ class StreamingVLLMSampler:
         if d.cached_tokens is None:
             d.cached_tokens = out.num_cached_tokens
         for c in out.outputs:  # (n = 1: one completion)
-            ids = list(c.token_ids)
+            ids, logprobs, finish = tokens_of(c, rid)
             if ids and (not self._spans[rid] or self._spans[rid][-1][0] != self.epoch):
                 self._spans[rid].append((self.epoch, self._counts[rid]))
             self._counts[rid] += len(ids)
             d.tokens += ids
-            d.logprobs += [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
+            d.logprobs += logprobs
             d.epochs += [self.epoch] * len(ids)
-            if c.finish_reason is not None:
-                if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM request {rid} ended with {c.finish_reason!r}")
+            if finish is not None:
                 self._check_spans(rid, c.weight_versions)
-                d.finish = c.finish_reason
+                d.finish = finish
                 if self.returns_routed_experts:
                     d.routed = c.routed_experts
 
@@ -320,8 +319,6 @@ class StreamingVLLMSampler:
                     want.discard(d.request_id)
         for d in others:  # (handed back: `poll` returns them next time)
             self._pending[d.request_id] = d
-            if d.finish is not None:
-                self._live[d.request_id] = _Finished()
         return done
 
     def score(
@@ -362,13 +359,6 @@ class StreamingVLLMSampler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Finished:
-    """The collector of a request whose finished delta waits in `_pending`: nothing more."""
-
-    def get_nowait(self) -> None:
-        return None
 
 
 async def _shutdown(llm: Any) -> None:
