@@ -14,6 +14,7 @@ from moe_rl.ablations.settings import settings
 from moe_rl.ablations.stress_report import (
     against_baseline,
     collapse_onset,
+    mechanism_reading,
     merged,
     window,
     write_report,
@@ -22,11 +23,12 @@ from moe_rl.ablations.stress_report import (
 LAYERS = 2
 
 
-def _run(setting: str, seed: int, collapsed: bool, block: str = "main", digest: str = "d") -> dict:
+def _run(setting: str, seed: int, collapsed: bool, block: str = "main", digest: str = "d",
+         ratio_max: float = 1.0) -> dict:
     rewards = [0.35] * 20 + ([0.0] * 20 if collapsed else [0.4] * 20)
     flips = [0.9 if collapsed else 0.1] * 40
     per_step = {"reward/mean": rewards, "routing/flip_rate_mean": flips, "routing/dlogr_mean": flips,
-                "policy/clip_frac": [0.0] * 40, **{f"routing/dlogr_layer{i}": flips for i in range(LAYERS)},
+                "policy/clip_frac": [0.0] * 40, "policy/ratio_max": [ratio_max] * 40, **{f"routing/dlogr_layer{i}": flips for i in range(LAYERS)},
                 **{f"routing/flip_rate_layer{i}": flips for i in range(LAYERS)}}
     return {"block": block, "setting": setting, "seed": seed, "commit": "abc1234", "steps": 40, "collapsed": collapsed,
             "first_reward": 0.35, "final_reward": sum(rewards[-5:]) / 5, "reward_auc": sum(rewards) / 40,
@@ -122,3 +124,23 @@ def test_a_regime_where_every_method_collapses_is_called_what_it_is(results):
         if int(p.stem[4:]) not in (4, 5, 6, 7):
             p.unlink()
     assert "collapsed in 10 of 10 seeds" in write_report(results).read_text()
+
+
+def test_the_mechanism_reading_weighs_bounded_ratios_against_grpos():
+    """GRPO's token ratios reach 30 before it falls; the sequence-level objectives (GSPO, GMPO,
+    RSPO: 8 settings) keep theirs at 1.4. Falling as often, they show the ratio is not what
+    decides the collapse; never falling, the sentence says so and draws no such conclusion."""
+    def res(seq_collapses: bool) -> dict:
+        out = {n: [_run(n, s, s <= 9, ratio_max=30.0 if n.startswith(("grpo", "sapo")) else 1.4)
+                   for s in range(1, 11)] for n in settings()}
+        for n in ("gspo-off", "gspo-tis-off", "gmpo-off", "gmpo-tis-off", "rspo-post-off", "rspo-post-tis-off",
+                  "rspo-pre-off", "rspo-pre-tis-off"):
+            out[n] = [_run(n, s, seq_collapses and s <= 9, ratio_max=1.4) for s in range(1, 11)]
+        return out
+
+    fell = mechanism_reading(res(True))
+    assert "largest token ratio averaged 30.0" in fell and "kept theirs at 1.40 and collapsed in 72 of 80 runs" in fell
+    assert "Bounding the ratio did not prevent the collapse" in fell
+    assert "On-policy GRPO" in fell and "collapsed in 9 of 10" in fell
+    kept = mechanism_reading(res(False))
+    assert "kept theirs at 1.40 and never collapsed (80 runs)" in kept and "did not prevent" not in kept
