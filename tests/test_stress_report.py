@@ -86,6 +86,9 @@ def test_collapse_onset_and_the_mechanism_window():
 
 
 def test_the_report_says_what_the_numbers_say(results):
+    for name in ("grpo-off", "rspo-post-off", "gspo-off", "grpo-r3-off", "sapo-off"):
+        for seed in (1, 2, 3):
+            _write(results, _run(name, seed, name == "sapo-off", block="contrast"))
     text = write_report(results).read_text()
     assert "lr 0.0003, 4 mini-batch updates per rollout" in text and "Main runs finished: 170 of 170." in text
     answer = text.split("## The answer")[1].split("##")[0]
@@ -94,7 +97,9 @@ def test_the_report_says_what_the_numbers_say(results):
     assert "**GSPO**: fewer collapses than GRPO (Holm): gspo-off" in text
     assert "**RSPO**: not separable" in text
     assert "identical" in text.split("## Reproducibility")[1]
-    for png in ("collapse_rates", "mechanism", "layers"):
+    assert ("at the contrast's lr 0.0002: grpo-off 3/3, rspo-post-off 3/3, gspo-off 3/3, grpo-r3-off 3/3" in text
+            and "collapses came only in sapo-off (3/3)" in text)
+    for png in ("collapse_rates", "mechanism", "layers", "mechanism_contrast"):
         assert (results / "plots" / f"{png}.png").stat().st_size > 10_000
 
 
@@ -142,5 +147,8 @@ def test_the_mechanism_reading_weighs_bounded_ratios_against_grpos():
     assert "largest token ratio averaged 30.0" in fell and "kept theirs at 1.40 and collapsed in 72 of 80 runs" in fell
     assert "Bounding the ratio did not prevent the collapse" in fell
     assert "On-policy GRPO" in fell and "collapsed in 9 of 10" in fell
+    gentle = {"grpo-off": [_run("grpo-off", s, False, block="contrast", ratio_max=8.0) for s in (1, 2, 3)]}
+    assert "kept training at lr 0.0002 saw a largest token ratio of 8.0 (8.0-8.0 per run)" in mechanism_reading(
+        res(True), gentle)
     kept = mechanism_reading(res(False))
     assert "kept theirs at 1.40 and never collapsed (80 runs)" in kept and "did not prevent" not in kept

@@ -1,6 +1,7 @@
 """The stress report's plots (issue 47): collapse rates per setting, a collapsing GRPO seed
-beside surviving RSPO / GSPO / R3 seeds step by step, and the routing per layer in the steps
-before a collapse against a survivor's last steps."""
+beside surviving RSPO / GSPO / R3 seeds step by step (in the stress regime, and against the
+contrast block's seeds at the gentler rate, where they survive), and the routing per layer in
+the steps before a collapse against a survivor's last steps."""
 
 from __future__ import annotations
 
@@ -15,17 +16,30 @@ Results = dict[str, list[dict[str, Any]]]
 PANELS = (("reward/mean", "reward"), ("routing/flip_rate_mean", "top-k flip rate (mean over layers)"),
           ("routing/dlogr_mean", "|d log router prob| (mean over layers)"),
           ("routing/gamma_p05", "router-shift weight, 5th percentile"), ("policy/clip_frac", "clip fraction"),
-          ("policy/ratio_max", "largest token ratio (log)"))
+          ("policy/ratio_max", "largest objective ratio (log; a sequence's for GSPO, RSPO)"))
 SURVIVORS = ("rspo-post-off", "gspo-off", "grpo-r3-off")
 
 
-def plot_all(res: Results, out: Path, window: Callable[[dict[str, Any]], list[int]]) -> list[Path]:
+def plot_all(res: Results, out: Path, window: Callable[[dict[str, Any]], list[int]],
+             contrast: Results | None = None, rates: tuple[str, str] = ("", "")) -> list[Path]:
+    """`contrast`: the gentler rate's runs (labelled with `rates`: the stress regime's and the
+    contrast's learning rates) for a second mechanism plot."""
     import matplotlib
 
     matplotlib.use("Agg")
     out.mkdir(parents=True, exist_ok=True)
-    return [_rates(res, out / "collapse_rates.png"), _mechanism(res, out / "mechanism.png"),
-            _layers(res, out / "layers.png", window)]
+    paths = [_rates(res, out / "collapse_rates.png"), _mechanism(res, out / "mechanism.png"),
+             _layers(res, out / "layers.png", window)]
+    grpo = _pick(res, "grpo-off", True)
+    if contrast and grpo[0] is not None:
+        stress_lr, gentle_lr = rates
+        picks = [(grpo[0], f"{grpo[1]}, lr {stress_lr}"),
+                 *((run, f"{label}, lr {gentle_lr}") for run, label in
+                   (_pick(contrast, n, False) for n in ("grpo-off", *SURVIVORS)) if run is not None)]
+        paths.append(_mechanism_plot(picks, out / "mechanism_contrast.png",
+                                     f"A collapsing off-policy GRPO seed at lr {stress_lr} beside seeds at lr "
+                                     f"{gentle_lr} (GRPO, RSPO post-clip, GSPO, GRPO+R3)"))
+    return paths
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -70,26 +84,31 @@ def _pick(res: Results, name: str, collapsed: bool) -> tuple[dict[str, Any] | No
 
 
 def _mechanism(res: Results, path: Path) -> Path:
+    picks = [_pick(res, "grpo-off", True), *(_pick(res, n, False) for n in SURVIVORS)]
+    survivors = sum(run is not None and not run["collapsed"] for run, _ in picks[1:])
+    return _mechanism_plot(picks, path, "A collapsing off-policy GRPO seed beside RSPO (post-clip), GSPO and GRPO+R3: "
+                           + (f"{survivors} of them a surviving seed" if survivors else
+                              "none of them has a surviving seed yet (their best final reward shown)"))
+
+
+def _mechanism_plot(picks: list[tuple[dict[str, Any] | None, str]], path: Path, title: str) -> Path:
+    """The runs of `picks` step by step, one panel per routing or policy metric (the first run red)."""
     import matplotlib.pyplot as plt
 
-    picks = [_pick(res, "grpo-off", True), *(_pick(res, n, False) for n in SURVIVORS)]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, panel) in zip(axes.flat, PANELS):
         for i, (run, label) in enumerate(picks):
             if run is None or key not in run["per_step"]:
                 continue
             ys = run["per_step"][key]
-            ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], color=f"C{3 if i == 0 else i - 1}",
-                    label=label, lw=1.4)
-        ax.set_title(title, fontsize=9)
+            ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys],
+                    color=f"C{3 if i == 0 else (i - 1 if i < 4 else i)}", label=label, lw=1.4)
+        ax.set_title(panel, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         if key == "policy/ratio_max":
             ax.set_yscale("log")
     axes.flat[0].legend(fontsize=7)
-    survivors = sum(run is not None and not run["collapsed"] for run, _ in picks[1:])
-    fig.suptitle("A collapsing off-policy GRPO seed beside RSPO (post-clip), GSPO and GRPO+R3: "
-                 + (f"{survivors} of them a surviving seed" if survivors else
-                    "none of them has a surviving seed yet (their best final reward shown)"), fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -29,7 +29,8 @@ from moe_rl.ablations.collapse_stats import (
 )
 from moe_rl.ablations.settings import settings
 from moe_rl.ablations.stress import RESULTS, sweep_files
-from moe_rl.ablations.stress_runs import MAIN_SEEDS, STAGE2_SETTINGS, regime, rounded
+from moe_rl.ablations.stress_plots import SURVIVORS
+from moe_rl.ablations.stress_runs import CONTRAST_LR, MAIN_SEEDS, STAGE2_SETTINGS, regime, rounded
 from moe_rl.runtime.atomic import atomic_write_text
 
 BASELINE = "grpo-off"
@@ -250,7 +251,7 @@ def objective_level(name: str) -> str:
     return OBJECTIVES[objective].level
 
 
-def mechanism_reading(res: Results) -> str:
+def mechanism_reading(res: Results, contrast: Results | None = None) -> str:
     """What the windows before the collapses say about the ratio mechanism, in words the
     numbers write: whether the objectives whose ratio is a per-sequence geometric mean (and so
     cannot be driven by one token's ratio) collapse as often as GRPO, and what separates the
@@ -273,6 +274,14 @@ def mechanism_reading(res: Results) -> str:
         out.append("Bounding the ratio did not prevent the collapse: whatever drives it here, methods without "
                    "volatile ratios in their objective fall as often, so this regime cannot test the design "
                    "documents' ratio mechanism.")
+    gentle = [r for r in (contrast or {}).get(BASELINE, []) if not r["collapsed"]]
+    if gentle:
+        def span(group: list[dict[str, Any]]) -> str:
+            xs = [window_mean(r, "policy/ratio_max", window(r)) for r in group]
+            return f"{statistics.fmean(xs):.1f} ({min(xs):.1f}-{max(xs):.1f} per run)"
+
+        out.append(f"Off-policy GRPO's seeds that kept training at lr {CONTRAST_LR:g} saw a largest token ratio of "
+                   f"{span(gentle)} over their last {WINDOW} steps, against {span(grpo)} before the collapses.")
     on = res.get("grpo-on", [])
     if on:
         out.append(f"On-policy GRPO (every ratio 1, and one optimizer step per rollout where the off-policy "
@@ -293,7 +302,7 @@ def contrast_section(results: Path) -> str:
         return "The contrast block has not run yet.\n"
     fell = [f"{n} ({sum(r['collapsed'] for r in rs)}/{len(rs)})" for n, rs in res.items() if any(r["collapsed"] for r in rs)]
     runs = sum(len(rs) for rs in res.values())
-    text = (f"At lr 2e-4 ({runs} runs) " + (f"collapses came only in {', '.join(fell)}; every other setting kept "
+    text = (f"At lr {CONTRAST_LR:g} ({runs} runs) " + (f"collapses came only in {', '.join(fell)}; every other setting kept "
             "training in every seed." if fell else "no run collapsed.") + "\n\n" + setting_table(res))
     old = ROOT_DOCS / "results.json"
     if old.is_file() and BASELINE in res:
@@ -384,7 +393,8 @@ def write_report(results: Path = RESULTS) -> Path:
     if BASELINE in stage1:
         rows = against_baseline(stage1)
         m = len(rows)
-        parts += ["\n## The answer\n\n", answer(stage1, rows, m, lr, updates), "\n", mechanism_reading(res),
+        parts += ["\n## The answer\n\n", answer(stage1, rows, m, lr, updates), "\n",
+                  mechanism_reading(res, load(results, "contrast")),
                   "\nPer claim of the design documents: "
                   + "; ".join(f"**{k}**: {v}" for k, v in verdicts(rows).items()) + ".\n",
                   f"\n## Per setting (seeds 1-{max(MAIN_SEEDS)})\n\n", setting_table(stage1),
@@ -402,7 +412,14 @@ def write_report(results: Path = RESULTS) -> Path:
                   "ratio is a token's for GRPO and SAPO and a sequence's (a geometric mean over its tokens) for GSPO, "
                   "GMPO and RSPO; the token-ratio std is over tokens for every setting.\n\n", mechanism_table(res),
                   "\n![mechanism](stress/plots/mechanism.png)\n\n![per layer](stress/plots/layers.png)\n"]
-        plot_all(res, results / "plots", window)
+        if contrast := load(results, "contrast"):
+            def alive(rs: Results, names: tuple[str, ...]) -> str:
+                return ", ".join(f"{n} {sum(not r['collapsed'] for r in rs[n])}/{len(rs[n])}" for n in names if n in rs)
+
+            parts += [f"\nSeeds that kept training, at lr {lr:g}: {alive(res, SURVIVORS)}; at the contrast's lr "
+                      f"{CONTRAST_LR:g}: {alive(contrast, (BASELINE, *SURVIVORS))}. The same collapsing GRPO seed "
+                      "beside the contrast's seeds:\n\n![mechanism against the contrast](stress/plots/mechanism_contrast.png)\n"]
+        plot_all(res, results / "plots", window, load(results, "contrast"), (f"{lr:g}", f"{CONTRAST_LR:g}"))
     parts += ["\n## Reproducibility\n\n", reproducibility(results),
               "\n## The contrast: every setting at the comfortable lr (2e-4), 3 seeds, same code\n\n",
               contrast_section(results)]
