@@ -152,3 +152,25 @@ def test_the_mechanism_reading_weighs_bounded_ratios_against_grpos():
         res(True), gentle)
     kept = mechanism_reading(res(False))
     assert "kept theirs at 1.40 and never collapsed (80 runs)" in kept and "did not prevent" not in kept
+
+
+def test_the_exploratory_section_checks_the_code_then_tests_at_the_chosen_rate(results):
+    """Change 6 of the plan: the code check against main's digest, GRPO's sweep between the
+    two rates and the rule's pick, then the tests at that rate over its 3 comparisons alone."""
+    section = lambda: write_report(results).read_text().split("## Exploratory: between the two rates")[1]  # noqa: E731
+    assert "Not run yet" in section()
+    _write(results, _run("grpo-off", 1, True, block="explore-repeat"))  # main's seed 1 digest: "d"
+    for seed in (1, 2, 3, 4):
+        _write(results, _run("grpo-off", seed, seed <= 2, block="explore-sweep-0.00025"))
+    text = section()
+    assert "**identical**" in text and "lr 0.00025: 2 of 4 seeds collapsed" in text and "The rule: lr 0.00025." in text
+    for name in ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off"):
+        for seed in range(1, 11):  # GRPO 5/10, GSPO 0/10, the other two 5/10
+            _write(results, _run(name, seed, name != "gspo-off" and seed <= 5, block="explore-0.00025"))
+    text = section()
+    assert "Holm over the 3 comparisons" in text and "off-policy GRPO collapsed in 5 of 10 seeds" in text
+    # 0/10 vs 5/10: the two tables as extreme, C(15,10)/C(20,10) each; Holm x3 (the smallest p)
+    p = 2 * math.comb(15, 10) / math.comb(20, 10)
+    assert "| gspo-off | 0/10 | -0.50" in text and f"{3 * p:.2g}" in text
+    _write(results, _run("grpo-off", 1, True, block="explore-repeat", digest="moved"))
+    assert "**DIFFERS**" in section()

@@ -10,9 +10,20 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.ablations import stress_runs
 from moe_rl.ablations.runner import MARKER, Run
 from moe_rl.ablations.settings import settings
-from moe_rl.ablations.stress_runs import Block, Recorder, metrics_digest, plan, regime, run_result
+from moe_rl.ablations.stress_explore import ExploreRate, explore_rate
+from moe_rl.ablations.stress_runs import (
+    Block,
+    Recorder,
+    metrics_digest,
+    plan,
+    regime,
+    result_path,
+    run_plan,
+    run_result,
+)
 
 
 def _sweep(results: Path, block: str, lr: str, collapsed: list[bool]) -> None:
@@ -45,7 +56,7 @@ def test_regime_follows_the_plans_rule_then_its_step_3(tmp_path):
 def test_plan_blocks_match_the_pre_registration(tmp_path):
     _sweep(tmp_path, "sweep", "0.0003", [True] * 4)
     blocks = {b.name: b for b in plan(tmp_path)}
-    assert list(blocks) == ["repeat", "main", "stage2", "contrast"]
+    assert list(blocks) == ["repeat", "main", "stage2", "contrast", "explore-repeat", "explore-sweep-0.00025"]
     main = blocks["main"]
     assert len(settings()) == 17 and len(main.runs) == 170 and main.lr == 3e-4
     # seed-major: the first 17 runs are seed 1 of every setting
@@ -118,3 +129,50 @@ def test_the_cli_names_the_block_a_seed_list_needs():
 
     with pytest.raises(SystemExit, match="need --block"):
         main(["stress", "--seeds", "11-20"])
+
+
+def _explore_sweep(results: Path, lr: str, collapsed: list[bool]) -> None:
+    for seed, c in enumerate(collapsed, 1):
+        p = results / f"explore-sweep-{lr}" / "grpo-off" / f"seed{seed}.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({"collapsed": c}))
+
+
+def test_the_exploratory_rate_follows_the_plans_change_6(tmp_path):
+    """GRPO at 2.5e-4 first; 1-3 collapses of 4 choose it; none sends the second point above
+    (2.75e-4), all below (2.25e-4); a second point outside 1-3 ends the rule without a rate."""
+    assert explore_rate(tmp_path / "a") == ExploreRate((2.5e-4,), None, False)
+    _explore_sweep(tmp_path / "a", "0.00025", [True, False, False])  # 3 of 4 seeds finished: undecided
+    assert explore_rate(tmp_path / "a").lr is None and not explore_rate(tmp_path / "a").concluded
+    _explore_sweep(tmp_path / "a", "0.00025", [True, False, False, True])
+    assert explore_rate(tmp_path / "a").lr == 2.5e-4
+    _explore_sweep(tmp_path / "b", "0.00025", [False] * 4)
+    assert explore_rate(tmp_path / "b").sweep_lrs == (2.5e-4, 2.75e-4) and explore_rate(tmp_path / "b").lr is None
+    _explore_sweep(tmp_path / "b", "0.000275", [True, False, False, False])
+    assert explore_rate(tmp_path / "b").lr == 2.75e-4
+    _explore_sweep(tmp_path / "c", "0.00025", [True] * 4)
+    _explore_sweep(tmp_path / "c", "0.000225", [True] * 4)
+    rate = explore_rate(tmp_path / "c")
+    assert rate.sweep_lrs == (2.5e-4, 2.25e-4) and rate.lr is None and rate.concluded
+
+
+def test_the_runner_reads_the_plan_again_as_the_exploratory_sweep_lands(tmp_path, monkeypatch):
+    """One `make ablations-stress` goes from the code check through the sweep to the chosen
+    rate's 40 runs: after each pass the plan is read again; it stops when nothing is missing."""
+    _sweep(tmp_path, "sweep", "0.0003", [True] * 4)
+    passes = []
+
+    def fake_run_stress(out, blocks, base, jobs, results, commit):
+        passes.append([b.name for b in blocks if any(not result_path(results, b.name, r).is_file() for r in b.runs)])
+        for b in blocks:
+            for r in b.runs:  # GRPO at 2.5e-4: seeds 1 and 2 collapse, 3 and 4 do not
+                p = result_path(results, b.name, r)
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(json.dumps({"collapsed": r.seed <= 2}))
+        return []
+
+    monkeypatch.setattr(stress_runs, "run_stress", fake_run_stress)
+    assert run_plan(tmp_path / "runs", lambda: plan(tmp_path, None, None, "explore"), None, 1, tmp_path) == []
+    assert passes == [["explore-repeat", "explore-sweep-0.00025"], ["explore-0.00025"]]
+    chosen = {b.name: b for b in plan(tmp_path, None, None, "explore")}["explore-0.00025"]
+    assert len(chosen.runs) == 40 and chosen.runs[0].overrides == ("optimizer.lr=0.00025",)

@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="mini-batch updates per rollout: 4, or the plan's fallback 8")
     sr = sub.add_parser("stress", parents=[common],
                         help="issue 47's runs at the swept regime: repeat, main, stage2, contrast (what is missing)")
-    sr.add_argument("--block", choices=("repeat", "main", "stage2", "contrast"),
-                    help="one block only (default: all, in the plan's order)")
+    sr.add_argument("--block", choices=("repeat", "main", "stage2", "contrast", "explore"),
+                    help="one block only (default: all, in the plan's order; explore: the exploratory blocks "
+                         "the plan's change 6 adds, as far as its rule has got)")
     sr.add_argument("--settings", help="comma-separated settings of --block (default: the block's)")
     sr.add_argument("--commit", action="store_true", help="git-commit each run's result file as it lands")
     sr.add_argument("--results", type=Path, default=RESULTS,
@@ -91,11 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     if args.cmd == "stress":
-        from moe_rl.ablations.stress_runs import plan, run_stress
+        from moe_rl.ablations.stress_runs import plan, run_plan
 
         names = [n.strip() for n in args.settings.split(",") if n.strip()] if args.settings else None
-        blocks = plan(args.results, names, _seeds(args.seeds) if args.seeds else None, args.block)
-        failed = run_stress(args.out, blocks, args.base, args.jobs, args.results, args.commit)
+        seeds = _seeds(args.seeds) if args.seeds else None
+        failed = run_plan(args.out, lambda: plan(args.results, names, seeds, args.block), args.base, args.jobs,
+                          args.results, args.commit)
         return _finish(t0, failed)
     seeds = _seeds(args.seeds)
     if args.cmd == "stress-sweep":

@@ -29,6 +29,7 @@ from moe_rl.ablations.collapse_stats import (
 )
 from moe_rl.ablations.settings import settings
 from moe_rl.ablations.stress import RESULTS, sweep_files
+from moe_rl.ablations.stress_explore import explore_section
 from moe_rl.ablations.stress_plots import SURVIVORS
 from moe_rl.ablations.stress_runs import CONTRAST_LR, MAIN_SEEDS, STAGE2_SETTINGS, regime, rounded
 from moe_rl.runtime.atomic import atomic_write_text
@@ -422,7 +423,7 @@ def write_report(results: Path = RESULTS) -> Path:
         plot_all(res, results / "plots", window, load(results, "contrast"), (f"{lr:g}", f"{CONTRAST_LR:g}"))
     parts += ["\n## Reproducibility\n\n", reproducibility(results),
               "\n## The contrast: every setting at the comfortable lr (2e-4), 3 seeds, same code\n\n",
-              contrast_section(results)]
+              contrast_section(results), "\n## Exploratory: between the two rates\n\n", explore_section(results)]
     path = results.parent / "STRESS.md"
     atomic_write_text(path, "".join(parts))
     return path

@@ -12,6 +12,7 @@ Blocks (runs under `runs/ablations/stress/<block>/<setting>/seed<k>/`, results u
     main      all 17 settings, seeds 1-10, at the regime (seed-major: a stop leaves whole seeds)
     stage2    seeds 11-20 of off-policy GRPO, GSPO, GRPO+R3 and RSPO post-clip (the plan's stage 2)
     contrast  all 17 settings, seeds 1-3, at the recipe's own lr (the committed report's rate)
+    explore   the exploratory blocks between the two rates (`stress_explore`, the plan's change 6)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from moe_rl.ablations.stress import (
     pick_regime,
     sweep_files,
 )
+from moe_rl.ablations.stress_explore import explore_specs
 from moe_rl.runtime.atomic import atomic_write_text
 
 MAIN_SEEDS = tuple(range(1, 11))
@@ -96,13 +99,15 @@ def plan(results: Path = RESULTS, names: list[str] | None = None, seeds: tuple[i
               Block("main", lr, updates, runs(lr, every, MAIN_SEEDS)),
               Block("stage2", lr, updates, runs(lr, STAGE2_SETTINGS, STAGE2_SEEDS)),
               Block("contrast", CONTRAST_LR, OFF_POLICY_UPDATES, runs(CONTRAST_LR, every, CONTRAST_SEEDS))]
-    if only is None:
+    explore = [Block(name, lr_, OFF_POLICY_UPDATES, runs(lr_, names_, seeds_))
+               for name, lr_, names_, seeds_ in explore_specs(results, lr)]
+    if only is None or only == "explore":
         if names or seeds:
             raise SystemExit("error: --settings/--seeds need --block (main, stage2, contrast or repeat)")
-        return blocks
+        return explore if only else blocks + explore
     chosen = {b.name: b for b in blocks}.get(only)
     if chosen is None:
-        raise SystemExit(f"error: --block {only!r}: choose one of {', '.join(b.name for b in blocks)}")
+        raise SystemExit(f"error: --block {only!r}: choose one of {', '.join(b.name for b in blocks)}, explore")
     unknown = [n for n in names or [] if n not in settings()]
     if unknown:
         raise SystemExit(f"error: --settings {','.join(unknown)}: unknown; valid: {', '.join(settings())}")
@@ -175,6 +180,22 @@ def _git_commit(path: Path, message: str) -> None:
             return
         time.sleep(0.5 * (attempt + 1))
     print(f"!! could not commit {path}: the index stayed locked", flush=True)
+
+
+def missing(results: Path, blocks: list[Block]) -> int:
+    """Runs of `blocks` without a result file."""
+    return sum(not result_path(results, b.name, r).is_file() for b in blocks for r in b.runs)
+
+
+def run_plan(out: Path, make_blocks: Callable[[], list[Block]], base: Path | None, jobs: int,
+             results: Path = RESULTS, commit: bool = False) -> list[Run]:
+    """Train what `make_blocks` names until nothing is missing: the plan is read again after
+    each pass, since the exploratory rule adds blocks as its sweep's results land."""
+    while before := missing(results, blocks := make_blocks()):
+        failed = run_stress(out, blocks, base, jobs, results, commit)
+        if failed or missing(results, blocks) >= before:  # (no progress: stop rather than loop)
+            return failed
+    return []
 
 
 def run_stress(out: Path, blocks: list[Block], base: Path | None, jobs: int, results: Path = RESULTS,

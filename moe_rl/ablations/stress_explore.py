@@ -1,0 +1,120 @@
+"""The stress ablations' exploratory block (docs/ablations/STRESS_PLAN.md, change 6): a rate
+between the contrast's (where nothing but SAPO collapses) and the main regime's (where every
+off-policy setting does), chosen by the plan's stated rule from a small GRPO sweep, then the
+stage-2 settings at 10 seeds there. Tested apart from the pre-registered blocks.
+
+Blocks, in order (each a result directory under `docs/ablations/stress/`):
+    explore-repeat        off-policy GRPO seed 1 at the main regime, on this block's commit:
+                          its digest against main's says whether the numerics moved
+    explore-sweep-<lr>    off-policy GRPO seeds 1-4 at 2.5e-4, then (by the rule) 2.75e-4 or 2.25e-4
+    explore-<lr>          GRPO, GSPO, GRPO+R3, RSPO post-clip (off-policy), seeds 1-10, at the rate chosen
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_rl.ablations.settings import OFF_POLICY_UPDATES
+
+FIRST_LR = 2.5e-4
+BELOW_LR, ABOVE_LR = 2.25e-4, 2.75e-4
+"""The second point: below when GRPO collapsed in all 4 seeds at FIRST_LR, above when in none."""
+SWEEP_SEEDS = (1, 2, 3, 4)
+SEEDS = tuple(range(1, 11))
+SETTINGS = ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off")
+REPEAT = "explore-repeat"
+
+
+def sweep_block(lr: float) -> str:
+    return f"explore-sweep-{lr:g}"
+
+
+def runs_block(lr: float) -> str:
+    return f"explore-{lr:g}"
+
+
+@dataclass(frozen=True)
+class ExploreRate:
+    """What the rule has read so far: the sweep points to run (in order), the rate chosen
+    (None while undecided or when none qualifies), and whether the rule has concluded."""
+
+    sweep_lrs: tuple[float, ...]
+    lr: float | None
+    concluded: bool
+
+
+def _collapses(results: Path, lr: float) -> tuple[int, int]:
+    files = list((results / sweep_block(lr) / "grpo-off").glob("seed*.json"))
+    return sum(json.loads(p.read_text())["collapsed"] for p in files), len(files)
+
+
+def explore_rate(results: Path) -> ExploreRate:
+    """The plan's rule on the committed sweep files: a point qualifies when 1-3 of GRPO's 4
+    seeds collapse; the first point decides where the second goes; two points at most."""
+    c, n = _collapses(results, FIRST_LR)
+    if n < len(SWEEP_SEEDS):
+        return ExploreRate((FIRST_LR,), None, False)
+    if 0 < c < n:
+        return ExploreRate((FIRST_LR,), FIRST_LR, True)
+    second = BELOW_LR if c == n else ABOVE_LR
+    c2, n2 = _collapses(results, second)
+    if n2 < len(SWEEP_SEEDS):
+        return ExploreRate((FIRST_LR, second), None, False)
+    return ExploreRate((FIRST_LR, second), second if 0 < c2 < n2 else None, True)
+
+
+def explore_specs(results: Path, main_lr: float) -> list[tuple[str, float, tuple[str, ...], tuple[int, ...]]]:
+    """The exploratory blocks as far as the rule has got: (block name, lr, settings, seeds)."""
+    rate = explore_rate(results)
+    out = [(REPEAT, main_lr, ("grpo-off",), (1,))]
+    out += [(sweep_block(lr), lr, ("grpo-off",), SWEEP_SEEDS) for lr in rate.sweep_lrs]
+    if rate.lr is not None:
+        out.append((runs_block(rate.lr), rate.lr, SETTINGS, SEEDS))
+    return out
+
+
+def _load(results: Path, block: str) -> dict[str, list[dict]]:
+    from moe_rl.ablations.stress_report import load
+
+    return load(results, block)
+
+
+def explore_section(results: Path) -> str:
+    """The report's exploratory section: the code check, the sweep and the rule's outcome, and
+    at the chosen rate the plan's tables and tests (Holm over this block's comparisons)."""
+    from moe_rl.ablations.stress_report import (
+        BASELINE,
+        against_baseline,
+        answer,
+        detectable,
+        setting_table,
+        tests_table,
+    )
+
+    repeat = _load(results, REPEAT).get(BASELINE, [])
+    if not repeat:
+        return "Not run yet (`make ablations-stress` runs it after the pre-registered blocks).\n"
+    main = {r["seed"]: r for r in _load(results, "main").get(BASELINE, [])}
+    r, m = repeat[0], main.get(repeat[0]["seed"])
+    lines = ["Exploratory (`STRESS_PLAN.md`, change 6): its rate was chosen after the pre-registered blocks were "
+             "read, so its tests stand apart from theirs.\n"]
+    if m is not None:
+        same = r["metrics_sha256"] == m["metrics_sha256"]
+        lines.append(f"- Code check: {BASELINE} seed {r['seed']} at the main regime on commit {r['commit']} and on main's "
+                     f"commit {m['commit']}: " + ("**identical** (equal sha256 of every untimed number)." if same else
+                                                  "**DIFFERS**: these runs are not on the main runs' numerics."))
+    rate = explore_rate(results)
+    for lr in rate.sweep_lrs:
+        c, n = _collapses(results, lr)
+        lines.append(f"- Off-policy GRPO at lr {lr:g}: {c} of {n} seeds collapsed.")
+    lines.append("- The rule: " + (f"lr {rate.lr:g}." if rate.lr is not None else
+                                   "no rate between the two qualifies; no further run." if rate.concluded else
+                                   "undecided until the sweep's seeds have finished."))
+    text = "\n".join(lines) + "\n"
+    if rate.lr is None or not (res := _load(results, runs_block(rate.lr))) or BASELINE not in res:
+        return text
+    rows = against_baseline(res)
+    return (text + "\n" + setting_table(res) + "\n" + tests_table(rows, res[BASELINE]) + "\n"
+            + answer(res, rows, len(rows), rate.lr, OFF_POLICY_UPDATES) + "\n" + detectable(res, len(rows)))
