@@ -24,7 +24,7 @@ LAYERS = 2
 
 
 def _run(setting: str, seed: int, collapsed: bool, block: str = "main", digest: str = "d",
-         ratio_max: float = 1.0) -> dict:
+         ratio_max: float = 1.0, warm: str | None = None) -> dict:
     rewards = [0.35] * 20 + ([0.0] * 20 if collapsed else [0.4] * 20)
     flips = [0.9 if collapsed else 0.1] * 40
     per_step = {"reward/mean": rewards, "routing/flip_rate_mean": flips, "routing/dlogr_mean": flips,
@@ -32,7 +32,7 @@ def _run(setting: str, seed: int, collapsed: bool, block: str = "main", digest: 
                 **{f"routing/flip_rate_layer{i}": flips for i in range(LAYERS)}}
     return {"block": block, "setting": setting, "seed": seed, "commit": "abc1234", "steps": 40, "collapsed": collapsed,
             "first_reward": 0.35, "final_reward": sum(rewards[-5:]) / 5, "reward_auc": sum(rewards) / 40,
-            "metrics_sha256": digest, "per_step": per_step}
+            "metrics_sha256": digest, "per_step": per_step, **({"warm_start": warm} if warm else {})}
 
 
 def _write(results: Path, run: dict) -> None:
@@ -174,3 +174,36 @@ def test_the_exploratory_section_checks_the_code_then_tests_at_the_chosen_rate(r
     assert "| gspo-off | 0/10 | -0.50" in text and f"{3 * p:.2g}" in text
     _write(results, _run("grpo-off", 1, True, block="explore-repeat", digest="moved"))
     assert "**DIFFERS**" in section()
+
+
+def test_a_remade_warm_start_is_named_per_block_and_tested_apart(results):
+    """Change 7 of the plan: stage-2 seeds on a remade warm start are listed as such and the
+    stage-2 tests are given again on the first warm start's seeds alone (here GRPO 11-18 all
+    collapse, GSPO's none; seeds 19-20 on the remade one: both collapse)."""
+    for name in ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off"):
+        for seed in range(11, 21):
+            remade = seed >= 19
+            c = True if remade else name != "gspo-off"
+            _write(results, _run(name, seed, c, block="stage2", warm="feedfacecafebeef" if remade else None))
+    text = write_report(results).read_text()
+    assert ("- `stage2`: feedfacecafebeef: seeds 19-20; first (not recorded): seeds 11-18 (**two warm starts**)"
+            in text)
+    assert "- `main`: first (not recorded): seeds 1-10\n" in text
+    first = text.split("The same tests on the first warm start's seeds alone:")[1].split("## The mechanism")[0]
+    # GRPO 17/18 (9/10 + 8/8), GSPO 0/18: Fisher two-sided = P(the table) + P(the mirror), both C(18,17)C(18,0)/C(36,17)
+    assert "off-policy GRPO collapsed in 17 of 18 seeds" in first and "| gspo-off | 0/18 |" in first
+    p = 2 * 18 / math.comb(36, 17)
+    assert f"{16 * p:.2g}" in first  # Holm's first step over the 16 comparisons against GRPO
+    everything = text.split("## Stage 2")[1].split("The same tests on")[0]
+    assert "off-policy GRPO collapsed in 19 of 20 seeds" in everything and "| gspo-off | 2/20 |" in everything
+
+
+def test_the_warm_start_check_separates_code_from_warm_start(results):
+    """The repeat on a later commit differs from main's; the check on main's commit and the
+    remade warm start says the warm start moved the numbers, not the code."""
+    _write(results, _run("grpo-off", 1, True, block="explore-repeat", digest="e" * 64, warm="feedfacecafebeef"))
+    _write(results, _run("grpo-off", 1, True, block="warm-start-check", digest="e" * 64, warm="feedfacecafebeef"))
+    text = write_report(results).read_text().split("## Exploratory: between the two rates")[1]
+    assert "warm start feedfacecafebeef) and main's (commit abc1234, warm start first (not recorded)): **DIFFERS**" in text
+    assert ("against main's run (same code, the other warm start) **DIFFERS** (eeeeeeeeeeee vs d); against the repeat "
+            "above (commit abc1234, the same warm start) **identical**") in text

@@ -113,9 +113,10 @@ def test_recorder_writes_and_commits_exactly_the_result_file(tmp_path):
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([0.3] * 40)) + "\n")
     (run_dir / MARKER).write_text(json.dumps({"seconds": 150.0}))
     blk = Block("main", 3e-4, 4, (run,))
-    Recorder(tmp_path / "runs", repo / "stress", blk, "abc1234", commit=True)(run)
+    Recorder(tmp_path / "runs", repo / "stress", blk, "abc1234", "0123456789abcdef", commit=True)(run)
     path = repo / "stress" / "main" / "grpo-off" / "seed3.json"
     saved = json.loads(path.read_text())
+    assert saved["warm_start"] == "0123456789abcdef"
     assert saved["commit"] == "abc1234" and saved["lr"] == 3e-4 and saved["updates"] == 4 and saved["seconds"] == 150.0
     assert not saved["collapsed"] and saved["final_reward"] == pytest.approx(0.3)
     assert git("show", "--name-only", "--format=%s", "HEAD").split() == [
@@ -176,3 +177,28 @@ def test_the_runner_reads_the_plan_again_as_the_exploratory_sweep_lands(tmp_path
     assert passes == [["explore-repeat", "explore-sweep-0.00025"], ["explore-0.00025"]]
     chosen = {b.name: b for b in plan(tmp_path, None, None, "explore")}["explore-0.00025"]
     assert len(chosen.runs) == 40 and chosen.runs[0].overrides == ("optimizer.lr=0.00025",)
+
+
+def _checkpoint(path: Path, hashes: dict[str, str], config: str) -> Path:
+    path.mkdir(parents=True)
+    files = {name: {"size": 1, "sha256": h} for name, h in hashes.items()}
+    (path / "manifest.json").write_text(json.dumps({"format": 1, "unhashed": ["config.yaml"], "files": files}))
+    (path / "config.yaml").write_text(config)
+    return path
+
+
+def test_the_warm_start_id_is_its_file_hashes_not_its_place(tmp_path):
+    """Change 7 of the plan: the id names the SFT checkpoint by its manifest's hashes, so the
+    same warm start gets the same id wherever it lies (config.yaml holds its path) and any
+    other checkpoint another; a directory without a manifest is refused with the fix."""
+    hashes = {"__0_0.distcp": "aa" * 32, ".metadata": "bb" * 32}
+    here = stress_runs.warm_start_id(_checkpoint(tmp_path / "a", hashes, "output: /a\n"))
+    there = stress_runs.warm_start_id(_checkpoint(tmp_path / "b", dict(reversed(hashes.items())), "output: /b\n"))
+    other = stress_runs.warm_start_id(_checkpoint(tmp_path / "c", {**hashes, ".metadata": "cc" * 32}, "output: /a\n"))
+    assert here == there != other and len(here) == 16
+    import hashlib
+    expect = hashlib.sha256(json.dumps({".metadata": "bb" * 32, "__0_0.distcp": "aa" * 32}).encode()).hexdigest()
+    assert here == expect[:16]
+    (tmp_path / "d").mkdir()
+    with pytest.raises(SystemExit, match=r"--base .*d: cannot read the file hashes in .*manifest.json"):
+        stress_runs.warm_start_id(tmp_path / "d")

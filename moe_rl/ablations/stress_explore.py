@@ -25,6 +25,9 @@ SWEEP_SEEDS = (1, 2, 3, 4)
 SEEDS = tuple(range(1, 11))
 SETTINGS = ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off")
 REPEAT = "explore-repeat"
+WARM_CHECK = "warm-start-check"
+"""Off-policy GRPO seed 1 at the main regime on the main runs' commit but the remade warm start
+(STRESS_PLAN.md, change 7): against main's run it isolates the warm start, against explore-repeat the code."""
 
 
 def sweep_block(lr: float) -> str:
@@ -81,6 +84,28 @@ def _load(results: Path, block: str) -> dict[str, list[dict]]:
     return load(results, block)
 
 
+def _same(a: dict, b: dict) -> str:
+    return ("**identical** (equal sha256 of every untimed number)" if a["metrics_sha256"] == b["metrics_sha256"]
+            else f"**DIFFERS** ({a['metrics_sha256'][:12]} vs {b['metrics_sha256'][:12]})")
+
+
+def _numerics_checks(repeat: dict, main: dict, warm_check: list[dict]) -> list[str]:
+    """The repeat against main's same seed and, when the warm start was remade, which of the
+    two (code, warm start) moved the numbers."""
+    from moe_rl.ablations.stress_report import BASELINE, warm_start
+
+    seed = f"{BASELINE} seed {repeat['seed']} at the main regime"
+    lines = [f"- Code check: {seed} on commit {repeat['commit']} (warm start {warm_start(repeat)}) and main's (commit "
+             f"{main['commit']}, warm start {warm_start(main)}): {_same(repeat, main)}"
+             + ("." if repeat["metrics_sha256"] == main["metrics_sha256"] else
+                ": these runs are not on the main runs' numerics.")]
+    for w in warm_check:
+        lines.append(f"- Warm-start check: {seed} on main's commit {w['commit']} and the warm start {warm_start(w)}: "
+                     f"against main's run (same code, the other warm start) {_same(w, main)}; against the repeat "
+                     f"above (commit {repeat['commit']}, the same warm start) {_same(w, repeat)}.")
+    return lines
+
+
 def explore_section(results: Path) -> str:
     """The report's exploratory section: the code check, the sweep and the rule's outcome, and
     at the chosen rate the plan's tables and tests (Holm over this block's comparisons)."""
@@ -101,10 +126,7 @@ def explore_section(results: Path) -> str:
     lines = ["Exploratory (`STRESS_PLAN.md`, change 6): its rate was chosen after the pre-registered blocks were "
              "read, so its tests stand apart from theirs.\n"]
     if m is not None:
-        same = r["metrics_sha256"] == m["metrics_sha256"]
-        lines.append(f"- Code check: {BASELINE} seed {r['seed']} at the main regime on commit {r['commit']} and on main's "
-                     f"commit {m['commit']}: " + ("**identical** (equal sha256 of every untimed number)." if same else
-                                                  "**DIFFERS**: these runs are not on the main runs' numerics."))
+        lines += _numerics_checks(r, m, _load(results, WARM_CHECK).get(BASELINE, []))
     rate = explore_rate(results)
     for lr in rate.sweep_lrs:
         c, n = _collapses(results, lr)

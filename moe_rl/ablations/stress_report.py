@@ -187,6 +187,46 @@ def reproducibility(results: Path) -> str:
     return "\n".join(lines) + "\n" if lines else "No repeated run yet.\n"
 
 
+FIRST_WARM_START = "first (not recorded)"
+"""The warm start of the runs whose result files predate the `warm_start` field (STRESS_PLAN.md, change 7)."""
+
+
+def warm_start(run: dict[str, Any]) -> str:
+    return run.get("warm_start") or FIRST_WARM_START
+
+
+def on_first_warm_start(res: Results) -> Results:
+    """Only the runs on the first warm start: the pre-registered blocks' own condition."""
+    out = {n: [r for r in rs if warm_start(r) == FIRST_WARM_START] for n, rs in res.items()}
+    return {n: rs for n, rs in out.items() if rs}
+
+
+def warm_starts(results: Path) -> str:
+    """Which warm start each block's runs trained from, block by block (seeds per warm start)."""
+    lines = []
+    for block in sorted(p for p in results.iterdir() if p.is_dir() and p.name != "plots"):
+        seeds: dict[str, set[int]] = {}
+        for f in block.glob("*/seed*.json"):
+            run = json.loads(f.read_text())
+            seeds.setdefault(warm_start(run), set()).add(run["seed"])
+        if not seeds:
+            continue
+        parts = [f"{w}: seeds {_span(sorted(s))}" for w, s in sorted(seeds.items())]
+        lines.append(f"- `{block.name}`: " + "; ".join(parts) + (" (**two warm starts**)" if len(seeds) > 1 else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _span(seeds: list[int]) -> str:
+    """1,2,3,5 -> '1-3, 5'."""
+    out, start = [], None
+    for i, s in enumerate(seeds):
+        start = s if start is None else start
+        if i + 1 == len(seeds) or seeds[i + 1] != s + 1:
+            out.append(f"{start}-{s}" if s != start else f"{s}")
+            start = None
+    return ", ".join(out)
+
+
 def collapse_onset(rewards: list[float]) -> int | None:
     """The step (1-based) the collapse starts at: the first step from which every `LAST`-step
     window's mean reward (that step and the next LAST - 1) stays below the collapse line,
@@ -406,6 +446,12 @@ def write_report(results: Path = RESULTS) -> Path:
             rows2 = against_baseline(res)
             parts += [f"\n## Stage 2: all seeds (1-20 for {', '.join(STAGE2_SETTINGS)})\n\n", setting_table(res),
                       "\n", tests_table(rows2, res[BASELINE]), "\n", answer(res, rows2, len(rows2), lr, updates)]
+            first = on_first_warm_start(res)
+            if first != res and BASELINE in first:
+                rows3 = against_baseline(first)
+                parts += ["\nSome of these seeds ran on a remade warm start (see Reproducibility). The same tests on "
+                          "the first warm start's seeds alone:\n\n", setting_table(first), "\n",
+                          tests_table(rows3, first[BASELINE]), "\n", answer(first, rows3, len(rows3), lr, updates)]
         parts += ["\n## The mechanism (descriptive)\n\n",
                   f"Means over each run's {WINDOW} steps before its collapse's onset (the first step from which every "
                   f"{LAST}-step window's mean reward stays below the collapse line; fewer steps when the onset "
@@ -422,6 +468,8 @@ def write_report(results: Path = RESULTS) -> Path:
                       "beside the contrast's seeds:\n\n![mechanism against the contrast](stress/plots/mechanism_contrast.png)\n"]
         plot_all(res, results / "plots", window, load(results, "contrast"), (f"{lr:g}", f"{CONTRAST_LR:g}"))
     parts += ["\n## Reproducibility\n\n", reproducibility(results),
+              "\nThe warm start each block's runs trained from (an id over the SFT checkpoint's file hashes; "
+              "STRESS_PLAN.md, change 7):\n\n", warm_starts(results),
               "\n## The contrast: every setting at the comfortable lr (2e-4), 3 seeds, same code\n\n",
               contrast_section(results), "\n## Exploratory: between the two rates\n\n", explore_section(results)]
     path = results.parent / "STRESS.md"

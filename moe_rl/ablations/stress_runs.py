@@ -13,6 +13,7 @@ Blocks (runs under `runs/ablations/stress/<block>/<setting>/seed<k>/`, results u
     stage2    seeds 11-20 of off-policy GRPO, GSPO, GRPO+R3 and RSPO post-clip (the plan's stage 2)
     contrast  all 17 settings, seeds 1-3, at the recipe's own lr (the committed report's rate)
     explore   the exploratory blocks between the two rates (`stress_explore`, the plan's change 6)
+Each result names the commit and the warm start (`warm_start_id`) it ran on (the plan's change 7).
 """
 
 from __future__ import annotations
@@ -134,6 +135,23 @@ def rounded(x: Any) -> Any:
     return float(f"{x:.6g}") if isinstance(x, float) else x
 
 
+def warm_start_id(base: Path) -> str:
+    """The warm start a run trained from, as the first 16 hex digits of a sha256 over its
+    checkpoint manifest's file hashes (config.yaml, which holds paths, is not among them): the
+    same SFT checkpoint gives the same id wherever it lies. The first blocks' warm start was
+    never recorded and did not outlive its machine (STRESS_PLAN.md, change 7); this id keeps a
+    block from mixing warm starts unseen again."""
+    manifest = base / "manifest.json"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"--base {base}: cannot read the file hashes in {manifest} ({err}); a warm start "
+                         "made by moe_rl.sft has one, remake it with `python -m moe_rl.ablations stress` "
+                         "and no --base") from None
+    text = json.dumps({name: f["sha256"] for name, f in sorted(files.items())})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def result_path(results: Path, block_name: str, run: Run) -> Path:
     return results / block_name / run.setting / f"seed{run.seed}.json"
 
@@ -142,8 +160,10 @@ class Recorder:
     """Writes each finished run's result file and, with `commit`, commits it at once (only that
     path: whatever else the working tree holds stays out of the commit)."""
 
-    def __init__(self, runs_dir: Path, results: Path, blk: Block, code_commit: str, commit: bool) -> None:
-        self.runs_dir, self.results, self.block, self.code_commit, self.commit = runs_dir, results, blk, code_commit, commit
+    def __init__(self, runs_dir: Path, results: Path, blk: Block, code_commit: str, warm_start: str,
+                 commit: bool) -> None:
+        self.runs_dir, self.results, self.block, self.commit = runs_dir, results, blk, commit
+        self.code_commit, self.warm_start = code_commit, warm_start
         self._lock = threading.Lock()
 
     def __call__(self, run: Run) -> None:
@@ -152,7 +172,7 @@ class Recorder:
         seconds = json.loads((d / MARKER).read_text()).get("seconds")
         meta = {"block": self.block.name, "setting": run.setting, "seed": run.seed, "lr": self.block.lr,
                 "updates": self.block.updates if run.setting.endswith("-off") else 1,
-                "commit": self.code_commit, "seconds": seconds}
+                "commit": self.code_commit, "warm_start": self.warm_start, "seconds": seconds}
         path = result_path(self.results, self.block.name, run)
         out = run_result(rows, meta)
         with self._lock:
@@ -202,13 +222,13 @@ def run_stress(out: Path, blocks: list[Block], base: Path | None, jobs: int, res
                commit: bool = False) -> list[Run]:
     """Train every missing run of `blocks` in order, recording (and committing) each as it lands."""
     base = ensure_base(out, base, os.cpu_count() or 1)
-    sha = code_commit()
+    sha, warm = code_commit(), warm_start_id(base)
     failed: list[Run] = []
     for blk in blocks:
         runs_dir = out / "stress" / blk.name
         todo = [r for r in blk.runs if not result_path(results, blk.name, r).is_file()]
         print(f"== stress {blk.name}: lr {blk.lr:g}, {len(todo)} of {len(blk.runs)} run(s) missing", flush=True)
-        recorder = Recorder(runs_dir, results, blk, sha, commit)
+        recorder = Recorder(runs_dir, results, blk, sha, warm, commit)
         for r in todo:  # finished earlier but not recorded (stopped between the two)
             if r.done(runs_dir):
                 recorder(r)
