@@ -189,15 +189,17 @@ def _checkpoint(path: Path, hashes: dict[str, str], config: str) -> Path:
 
 def test_the_warm_start_id_is_its_file_hashes_not_its_place(tmp_path):
     """Change 7 of the plan: the id names the SFT checkpoint by its manifest's hashes, so the
-    same warm start gets the same id wherever it lies (config.yaml holds its path) and any
-    other checkpoint another; a directory without a manifest is refused with the fix."""
+    same warm start gets the same id wherever it lies (config.yaml and .metadata hold its path)
+    and any other checkpoint another; a directory without a manifest is refused with the fix."""
     hashes = {"__0_0.distcp": "aa" * 32, ".metadata": "bb" * 32}
     here = stress_runs.warm_start_id(_checkpoint(tmp_path / "a", hashes, "output: /a\n"))
     there = stress_runs.warm_start_id(_checkpoint(tmp_path / "b", dict(reversed(hashes.items())), "output: /b\n"))
-    other = stress_runs.warm_start_id(_checkpoint(tmp_path / "c", {**hashes, ".metadata": "cc" * 32}, "output: /a\n"))
-    assert here == there != other and len(here) == 16
+    # .metadata holds the path it was written to: another place, other bytes, the same tensors
+    moved = stress_runs.warm_start_id(_checkpoint(tmp_path / "c", {**hashes, ".metadata": "cc" * 32}, "output: /c\n"))
+    other = stress_runs.warm_start_id(_checkpoint(tmp_path / "e", {**hashes, "__0_0.distcp": "dd" * 32}, "output: /a\n"))
+    assert here == there == moved != other and len(here) == 16
     import hashlib
-    expect = hashlib.sha256(json.dumps({".metadata": "bb" * 32, "__0_0.distcp": "aa" * 32}).encode()).hexdigest()
+    expect = hashlib.sha256(json.dumps({"__0_0.distcp": "aa" * 32}).encode()).hexdigest()
     assert here == expect[:16]
     (tmp_path / "d").mkdir()
     with pytest.raises(SystemExit, match=r"--base .*d: cannot read the file hashes in .*manifest.json"):

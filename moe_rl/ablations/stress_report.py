@@ -211,7 +211,7 @@ def warm_starts(results: Path) -> str:
             seeds.setdefault(warm_start(run), set()).add(run["seed"])
         if not seeds:
             continue
-        parts = [f"{w}: seeds {_span(sorted(s))}" for w, s in sorted(seeds.items())]
+        parts = [f"{w}: seed{'s' if len(s) > 1 else ''} {_span(sorted(s))}" for w, s in sorted(seeds.items())]
         lines.append(f"- `{block.name}`: " + "; ".join(parts) + (" (**two warm starts**)" if len(seeds) > 1 else ""))
     return "\n".join(lines) + "\n"
 

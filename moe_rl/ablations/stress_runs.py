@@ -135,12 +135,17 @@ def rounded(x: Any) -> Any:
     return float(f"{x:.6g}") if isinstance(x, float) else x
 
 
+_PLACED = (".metadata",)
+"""Checkpoint files whose bytes hold the directory they were written to (config.yaml is not hashed at all)."""
+
+
 def warm_start_id(base: Path) -> str:
     """The warm start a run trained from, as the first 16 hex digits of a sha256 over its
-    checkpoint manifest's file hashes (config.yaml, which holds paths, is not among them): the
-    same SFT checkpoint gives the same id wherever it lies. The first blocks' warm start was
-    never recorded and did not outlive its machine (STRESS_PLAN.md, change 7); this id keeps a
-    block from mixing warm starts unseen again."""
+    checkpoint manifest's file hashes, less the two files that hold the path it was written to
+    (config.yaml, and torch.distributed.checkpoint's `.metadata`, whose bytes the tensors do not
+    decide): the same SFT checkpoint gives the same id wherever it lies. The first blocks' warm
+    start was never recorded and did not outlive its machine (STRESS_PLAN.md, change 7); this id
+    keeps a block from mixing warm starts unseen again."""
     manifest = base / "manifest.json"
     try:
         files = json.loads(manifest.read_text())["files"]
@@ -148,7 +153,7 @@ def warm_start_id(base: Path) -> str:
         raise SystemExit(f"--base {base}: cannot read the file hashes in {manifest} ({err}); a warm start "
                          "made by moe_rl.sft has one, remake it with `python -m moe_rl.ablations stress` "
                          "and no --base") from None
-    text = json.dumps({name: f["sha256"] for name, f in sorted(files.items())})
+    text = json.dumps({name: f["sha256"] for name, f in sorted(files.items()) if name not in _PLACED})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
