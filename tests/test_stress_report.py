@@ -150,6 +150,13 @@ def test_the_mechanism_reading_weighs_bounded_ratios_against_grpos():
     gentle = {"grpo-off": [_run("grpo-off", s, False, block="contrast", ratio_max=8.0) for s in (1, 2, 3)]}
     assert "kept training at lr 0.0002 saw a largest token ratio of 8.0 (8.0-8.0 per run)" in mechanism_reading(
         res(True), gentle)
+    # a GRPO seed whose reward is below the line from step 1 has no steps before its onset: left
+    # out of the mean and counted, not a nan in the sentence
+    from_start = res(True)
+    from_start["grpo-off"][0]["per_step"]["reward/mean"] = [0.0] * 40
+    text = mechanism_reading(from_start, gentle)
+    assert "against 30.0 (30.0-30.0 per run; 1 collapsing from step 1 left out) before the collapses" in text
+    assert "nan" not in text
     kept = mechanism_reading(res(False))
     assert "kept theirs at 1.40 and never collapsed (80 runs)" in kept and "did not prevent" not in kept
 

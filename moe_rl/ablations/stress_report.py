@@ -318,8 +318,11 @@ def mechanism_reading(res: Results, contrast: Results | None = None) -> str:
     gentle = [r for r in (contrast or {}).get(BASELINE, []) if not r["collapsed"]]
     if gentle:
         def span(group: list[dict[str, Any]]) -> str:
-            xs = [window_mean(r, "policy/ratio_max", window(r)) for r in group]
-            return f"{statistics.fmean(xs):.1f} ({min(xs):.1f}-{max(xs):.1f} per run)"
+            # a run that collapses from its first step has no steps before the onset to read
+            xs = [x for r in group if math.isfinite(x := window_mean(r, "policy/ratio_max", window(r)))]
+            left_out = f"; {len(group) - len(xs)} collapsing from step 1 left out" if len(xs) < len(group) else ""
+            return (f"{statistics.fmean(xs):.1f} ({min(xs):.1f}-{max(xs):.1f} per run{left_out})" if xs else
+                    "nothing to read (every run collapsed from step 1)")
 
         out.append(f"Off-policy GRPO's seeds that kept training at lr {CONTRAST_LR:g} saw a largest token ratio of "
                    f"{span(gentle)} over their last {WINDOW} steps, against {span(grpo)} before the collapses.")
@@ -424,11 +427,13 @@ def write_report(results: Path = RESULTS) -> Path:
     stage1 = merged(results, max(MAIN_SEEDS))
     main_done = sum(len(v) for v in load(results, "main").values())
     commits = sorted({r["commit"] for runs in res.values() for r in runs})
+    warm = sorted({warm_start(r) for runs in res.values() for r in runs})
     parts = [f"# Stress ablations: under routing churn that collapses GRPO, which method keeps training? (issue 47)\n\n"
              f"Pre-registered in [`STRESS_PLAN.md`](STRESS_PLAN.md), regime from [`stress/SWEEP.md`](stress/SWEEP.md): "
              f"**lr {lr:g}, {updates} mini-batch updates per rollout** (the plan's step 3). Written by "
              f"`python -m moe_rl.ablations stress-report` from the result files under `stress/` alone; runs made at "
-             f"commit {', '.join(commits) or '-'}. Collapse: the last {LAST} steps' mean reward below {FLOOR} or more "
+             f"commit {', '.join(commits) or '-'}, from the warm start{'s' if len(warm) > 1 else ''} "
+             f"{', '.join(warm) or '-'} (per block under Reproducibility). Collapse: the last {LAST} steps' mean reward below {FLOOR} or more "
              f"than {DROP} below the first step's. Main runs finished: {main_done} of {len(settings()) * len(MAIN_SEEDS)}"
              + (" (**provisional**: the plan's tests are on 10 seeds per setting).\n" if main_done < 170 else ".\n")]
     if BASELINE in stage1:
