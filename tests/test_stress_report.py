@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from moe_rl.ablations.settings import settings
-from moe_rl.ablations.stress_report import (
-    against_baseline,
-    collapse_onset,
-    mechanism_reading,
-    merged,
-    window,
-    write_report,
-)
+from moe_rl.ablations.stress_report import collapse_onset, mechanism_reading, window, write_report
+from moe_rl.ablations.stress_tables import against_baseline, merged
 
 LAYERS = 2
 

@@ -163,7 +163,7 @@ def test_the_runner_reads_the_plan_again_as_the_exploratory_sweep_lands(tmp_path
     _sweep(tmp_path, "sweep", "0.0003", [True] * 4)
     passes = []
 
-    def fake_run_stress(out, blocks, base, jobs, results, commit):
+    def fake_run_stress(out, blocks, base, jobs, results, commit, mix_warm_starts):
         passes.append([b.name for b in blocks if any(not result_path(results, b.name, r).is_file() for r in b.runs)])
         for b in blocks:
             for r in b.runs:  # GRPO at 2.5e-4: seeds 1 and 2 collapse, 3 and 4 do not
@@ -204,3 +204,21 @@ def test_the_warm_start_id_is_its_file_hashes_not_its_place(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(SystemExit, match=r"--base .*d: cannot read the file hashes in .*manifest.json"):
         stress_runs.warm_start_id(tmp_path / "d")
+
+
+def test_a_block_is_not_extended_from_another_warm_start(tmp_path):
+    """A block whose runs name one warm start (or predate the field) refuses runs from another,
+    naming both and the two ways on; a complete block or a new one is not checked."""
+    results = tmp_path / "stress"
+    done = {"warm_start": "078d2e86c3529df3"}
+    for seed in (1, 2):
+        p = results / "explore-x" / "grpo-off" / f"seed{seed}.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(done if seed == 1 else {}))
+    blk = Block("explore-x", 2.5e-4, 4, (Run("grpo-off", 1), Run("grpo-off", 2), Run("grpo-off", 3)))
+    with pytest.raises(SystemExit, match=r"block explore-x: its runs trained from warm start 078d2e86c3529df3, "
+                                         r"one not recorded and --base /b is ffff.*--mix-warm-starts"):
+        stress_runs.check_warm_start(results, [blk], Path("/b"), "ffff")
+    stress_runs.check_warm_start(results, [blk], Path("/b"), "078d2e86c3529df3")  # the block's own: fine
+    stress_runs.check_warm_start(results, [Block("explore-x", 2.5e-4, 4, blk.runs[:2])], Path("/b"), "ffff")
+    stress_runs.check_warm_start(results, [Block("new", 2.5e-4, 4, blk.runs)], Path("/b"), "ffff")

@@ -39,7 +39,7 @@ def recipe_model() -> str:
             f"(expert FFN {m.moe_ffn_hidden_size})")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m moe_rl.ablations", description=pkg.__doc__,
                                  epilog=f"Model ({RECIPE.relative_to(ROOT)}): {recipe_model()}.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                          "the plan's change 6 adds, as far as its rule has got)")
     sr.add_argument("--settings", help="comma-separated settings of --block (default: the block's)")
     sr.add_argument("--commit", action="store_true", help="git-commit each run's result file as it lands")
+    sr.add_argument("--mix-warm-starts", action="store_true",
+                    help="add runs to a block whose runs trained from another warm start (refused without it; "
+                         "the report tells the two apart)")
     sr.add_argument("--results", type=Path, default=RESULTS,
                     help="where the result files go (default docs/ablations/stress of this checkout; another "
                          "checkout's lets the runs import a fixed commit while work goes on in that one)")
@@ -75,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="write REPORT.md, results.json and plots")
     rep.add_argument("--out", type=Path, default=OUT)
     sub.add_parser("list", help="list the settings")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     from moe_rl.ablations.report import report
 
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [n.strip() for n in args.settings.split(",") if n.strip()] if args.settings else None
         seeds = _seeds(args.seeds) if args.seeds else None
         failed = run_plan(args.out, lambda: plan(args.results, names, seeds, args.block), args.base, args.jobs,
-                          args.results, args.commit)
+                          args.results, args.commit, args.mix_warm_starts)
         return _finish(t0, failed)
     seeds = _seeds(args.seeds)
     if args.cmd == "stress-sweep":

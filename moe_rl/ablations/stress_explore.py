@@ -17,6 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl.ablations.settings import OFF_POLICY_UPDATES
+from moe_rl.ablations.stress_tables import (
+    BASELINE,
+    against_baseline,
+    answer,
+    detectable,
+    load,
+    setting_table,
+    tests_table,
+    warm_start,
+)
 
 FIRST_LR = 2.5e-4
 BELOW_LR, ABOVE_LR = 2.25e-4, 2.75e-4
@@ -78,12 +88,6 @@ def explore_specs(results: Path, main_lr: float) -> list[tuple[str, float, tuple
     return out
 
 
-def _load(results: Path, block: str) -> dict[str, list[dict]]:
-    from moe_rl.ablations.stress_report import load
-
-    return load(results, block)
-
-
 def _same(a: dict, b: dict) -> str:
     return ("**identical** (equal sha256 of every untimed number)" if a["metrics_sha256"] == b["metrics_sha256"]
             else f"**DIFFERS** ({a['metrics_sha256'][:12]} vs {b['metrics_sha256'][:12]})")
@@ -92,8 +96,6 @@ def _same(a: dict, b: dict) -> str:
 def _numerics_checks(repeat: dict, main: dict, warm_check: list[dict]) -> list[str]:
     """The repeat against main's same seed and, when the warm start was remade, which of the
     two (code, warm start) moved the numbers."""
-    from moe_rl.ablations.stress_report import BASELINE, warm_start
-
     seed = f"{BASELINE} seed {repeat['seed']} at the main regime"
     lines = [f"- Code check: {seed} on commit {repeat['commit']} (warm start {warm_start(repeat)}) and main's (commit "
              f"{main['commit']}, warm start {warm_start(main)}): {_same(repeat, main)}"
@@ -109,24 +111,15 @@ def _numerics_checks(repeat: dict, main: dict, warm_check: list[dict]) -> list[s
 def explore_section(results: Path) -> str:
     """The report's exploratory section: the code check, the sweep and the rule's outcome, and
     at the chosen rate the plan's tables and tests (Holm over this block's comparisons)."""
-    from moe_rl.ablations.stress_report import (
-        BASELINE,
-        against_baseline,
-        answer,
-        detectable,
-        setting_table,
-        tests_table,
-    )
-
-    repeat = _load(results, REPEAT).get(BASELINE, [])
+    repeat = load(results, REPEAT).get(BASELINE, [])
     if not repeat:
         return "Not run yet (`make ablations-stress` runs it after the pre-registered blocks).\n"
-    main = {r["seed"]: r for r in _load(results, "main").get(BASELINE, [])}
+    main = {r["seed"]: r for r in load(results, "main").get(BASELINE, [])}
     r, m = repeat[0], main.get(repeat[0]["seed"])
     lines = ["Exploratory (`STRESS_PLAN.md`, change 6): its rate was chosen after the pre-registered blocks were "
              "read, so its tests stand apart from theirs.\n"]
     if m is not None:
-        lines += _numerics_checks(r, m, _load(results, WARM_CHECK).get(BASELINE, []))
+        lines += _numerics_checks(r, m, load(results, WARM_CHECK).get(BASELINE, []))
     rate = explore_rate(results)
     for lr in rate.sweep_lrs:
         c, n = _collapses(results, lr)
@@ -135,7 +128,7 @@ def explore_section(results: Path) -> str:
                                    "no rate between the two qualifies; no further run." if rate.concluded else
                                    "undecided until the sweep's seeds have finished."))
     text = "\n".join(lines) + "\n"
-    if rate.lr is None or not (res := _load(results, runs_block(rate.lr))) or BASELINE not in res:
+    if rate.lr is None or not (res := load(results, runs_block(rate.lr))) or BASELINE not in res:
         return text
     rows = against_baseline(res)
     return (text + "\n" + setting_table(res) + "\n" + tests_table(rows, res[BASELINE]) + "\n"

@@ -213,21 +213,38 @@ def missing(results: Path, blocks: list[Block]) -> int:
 
 
 def run_plan(out: Path, make_blocks: Callable[[], list[Block]], base: Path | None, jobs: int,
-             results: Path = RESULTS, commit: bool = False) -> list[Run]:
+             results: Path = RESULTS, commit: bool = False, mix_warm_starts: bool = False) -> list[Run]:
     """Train what `make_blocks` names until nothing is missing: the plan is read again after
     each pass, since the exploratory rule adds blocks as its sweep's results land."""
     while before := missing(results, blocks := make_blocks()):
-        failed = run_stress(out, blocks, base, jobs, results, commit)
+        failed = run_stress(out, blocks, base, jobs, results, commit, mix_warm_starts)
         if failed or missing(results, blocks) >= before:  # (no progress: stop rather than loop)
             return failed
     return []
 
 
+def check_warm_start(results: Path, blocks: list[Block], base: Path, warm: str) -> None:
+    """Refuse to add runs to a block whose recorded runs trained from another warm start (or
+    from the first one, which was never recorded): a block is one condition unless the user
+    says otherwise (--mix-warm-starts)."""
+    for blk in blocks:
+        if not any(not result_path(results, blk.name, r).is_file() for r in blk.runs):
+            continue
+        seen = {json.loads(p.read_text()).get("warm_start") for p in (results / blk.name).glob("*/seed*.json")}
+        if seen and warm not in seen:
+            had = ", ".join(sorted(w or "one not recorded" for w in seen))
+            raise SystemExit(f"block {blk.name}: its runs trained from warm start {had} and --base {base} is "
+                             f"{warm}; make that warm start again (STRESS_PLAN.md, change 7) or pass "
+                             "--mix-warm-starts to add runs the report tells apart")
+
+
 def run_stress(out: Path, blocks: list[Block], base: Path | None, jobs: int, results: Path = RESULTS,
-               commit: bool = False) -> list[Run]:
+               commit: bool = False, mix_warm_starts: bool = False) -> list[Run]:
     """Train every missing run of `blocks` in order, recording (and committing) each as it lands."""
     base = ensure_base(out, base, os.cpu_count() or 1)
     sha, warm = code_commit(), warm_start_id(base)
+    if not mix_warm_starts:
+        check_warm_start(results, blocks, base, warm)
     failed: list[Run] = []
     for blk in blocks:
         runs_dir = out / "stress" / blk.name
