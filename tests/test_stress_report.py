@@ -165,10 +165,13 @@ def test_the_exploratory_section_checks_the_code_then_tests_at_the_chosen_rate(r
         _write(results, _run("grpo-off", seed, seed <= 2, block="explore-sweep-0.00025"))
     text = section()
     assert "**identical**" in text and "lr 0.00025: 2 of 4 seeds collapsed" in text and "The rule: lr 0.00025." in text
+    _write(results, _run("grpo-off", 1, True, block="explore-0.00025"))
+    assert "**Provisional**: 1 of the block's 40 runs have finished" in section()
     for name in ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off"):
         for seed in range(1, 11):  # GRPO 5/10, GSPO 0/10, the other two 5/10
             _write(results, _run(name, seed, name != "gspo-off" and seed <= 5, block="explore-0.00025"))
     text = section()
+    assert "Provisional" not in text
     assert "Holm over the 3 comparisons" in text and "off-policy GRPO collapsed in 5 of 10 seeds" in text
     # 0/10 vs 5/10: the two tables as extreme, C(15,10)/C(20,10) each; Holm x3 (the smallest p)
     p = 2 * math.comb(15, 10) / math.comb(20, 10)

@@ -130,6 +130,10 @@ def explore_section(results: Path) -> str:
     text = "\n".join(lines) + "\n"
     if rate.lr is None or not (res := load(results, runs_block(rate.lr))) or BASELINE not in res:
         return text
+    done, planned = sum(len(rs) for rs in res.values()), len(SETTINGS) * len(SEEDS)
+    if done < planned:
+        text += (f"\n**Provisional**: {done} of the block's {planned} runs have finished; the tables and tests "
+                 "below are on what has landed, not the block's result.\n")
     rows = against_baseline(res)
     return (text + "\n" + setting_table(res) + "\n" + tests_table(rows, res[BASELINE]) + "\n"
             + answer(res, rows, len(rows), rate.lr, OFF_POLICY_UPDATES) + "\n" + detectable(res, len(rows)))
