@@ -40,6 +40,9 @@ from moe_rl.ablations.stress import (
     sweep_files,
 )
 from moe_rl.ablations.stress_explore import explore_specs
+from moe_rl.checkpoints import MANIFEST_FILE
+from moe_rl.checkpoints.errors import CheckpointError
+from moe_rl.checkpoints.manifest import read_manifest
 from moe_rl.runtime.atomic import atomic_write_text
 
 MAIN_SEEDS = tuple(range(1, 11))
@@ -146,13 +149,15 @@ def warm_start_id(base: Path) -> str:
     decide): the same SFT checkpoint gives the same id wherever it lies. The first blocks' warm
     start was never recorded and did not outlive its machine (STRESS_PLAN.md, change 7); this id
     keeps a block from mixing warm starts unseen again."""
-    manifest = base / "manifest.json"
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError) as err:
-        raise SystemExit(f"--base {base}: cannot read the file hashes in {manifest} ({err}); a warm start "
-                         "made by moe_rl.sft has one, remake it with `python -m moe_rl.ablations stress` "
-                         "and no --base") from None
+        manifest = read_manifest(base)
+    except CheckpointError as err:
+        raise SystemExit(f"--base {base}: {err}") from None
+    if manifest is None:
+        raise SystemExit(f"--base {base}: cannot read the file hashes in {base / MANIFEST_FILE} (there is none); a "
+                         "warm start made by moe_rl.sft has one, remake it with `python -m moe_rl.ablations stress` "
+                         "and no --base")
+    files = manifest["files"]
     text = json.dumps({name: f["sha256"] for name, f in sorted(files.items()) if name not in _PLACED})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -228,7 +233,7 @@ def check_warm_start(results: Path, blocks: list[Block], base: Path, warm: str) 
     from the first one, which was never recorded): a block is one condition unless the user
     says otherwise (--mix-warm-starts)."""
     for blk in blocks:
-        if not any(not result_path(results, blk.name, r).is_file() for r in blk.runs):
+        if not missing(results, [blk]):
             continue
         seen = {json.loads(p.read_text()).get("warm_start") for p in (results / blk.name).glob("*/seed*.json")}
         if seen and warm not in seen:
