@@ -223,8 +223,9 @@ def contrast_section(results: Path) -> str:
     return text
 
 
-def write_report(results: Path = RESULTS) -> Path:
-    """STRESS.md and its plots, from the result files under `results`."""
+def write_report(results: Path = RESULTS, plots: bool = True) -> Path:
+    """STRESS.md and (unless `plots` is False: the text alone, as the report's tests read it) its
+    plots, from the result files under `results`."""
     from moe_rl.ablations.stress_plots import plot_all
 
     lr, updates = regime(results)
@@ -276,7 +277,8 @@ def write_report(results: Path = RESULTS) -> Path:
             parts += [f"\nSeeds that kept training, at lr {lr:g}: {alive(res, SURVIVORS)}; at the contrast's lr "
                       f"{CONTRAST_LR:g}: {alive(contrast, (BASELINE, *SURVIVORS))}. The same collapsing GRPO seed "
                       "beside the contrast's seeds:\n\n![mechanism against the contrast](stress/plots/mechanism_contrast.png)\n"]
-        plot_all(res, results / "plots", window, load(results, "contrast"), (f"{lr:g}", f"{CONTRAST_LR:g}"))
+        if plots:
+            plot_all(res, results / "plots", window, load(results, "contrast"), (f"{lr:g}", f"{CONTRAST_LR:g}"))
     parts += ["\n## Reproducibility\n\n", reproducibility(results),
               "\nThe warm start each block's runs trained from (an id over the SFT checkpoint's file hashes; "
               "STRESS_PLAN.md, change 7):\n\n", warm_starts(results),
