@@ -66,8 +66,8 @@ def recipe_overrides(dry_run: bool, layers: int, steps: int, output_dir: Path, i
     common = [*shape_overrides(dry_run, layers), f"run.init_checkpoint={init}", "task.tokenizer=shipped",
               f"run.steps={steps}", f"run.output_dir={output_dir}", "run.name=rl_step", "run.save_every=0",
               "logging.progress=false", "logging.tensorboard=false", "rl.replay=R3"]
-    if dry_run:
-        return [*common, "sampler.backend=transformers"]
+    if dry_run:  # (4 x 4 responses: the dry run checks the plumbing and the table, not a step's cost)
+        return [*common, "sampler.backend=transformers", "rl.prompts_per_step=4", "rl.group_size=4"]
     return [*common, "parallel.distributed_backend=nccl", "parallel.packing=true",
             "parallel.max_tokens_per_microbatch=16384", "sampler.backend=vllm", "sampler.precision=bf16",
             "sampler.max_new_tokens=256", "sampler.gpu_memory_utilization=0.3", "sampler.sleep_between_steps=true",

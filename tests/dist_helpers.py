@@ -6,7 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -50,3 +50,27 @@ def plain_process() -> Iterator[None]:
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.update(hidden)
+
+
+def one_process_then_world(out: str, reference: Callable[[], object], layouts: Callable[[], object],
+                           world_size: int) -> None:
+    """In a torchrun worker: rank 0 runs `reference()` as a plain one-process run (saved to
+    <out>/reference.pt) while the other ranks wait to join the world, then every rank runs
+    `layouts()` (rank 0 saves it to <out>/layouts.pt): one launch where a 1-process launch
+    and a multi-process one were two (a process start is ~9 s on the 2-core machine)."""
+    import torch
+    import torch.distributed as dist
+
+    from moe_rl.learner.parallel import init_distributed
+
+    if os.environ["RANK"] == "0":
+        with plain_process():
+            assert init_distributed() == (0, 1)
+            torch.save(reference(), f"{out}/reference.pt")
+    rank, world = init_distributed()  # the other ranks wait here for rank 0's one-process part
+    assert world == world_size, f"launched with {world} processes, the layouts need {world_size}"
+    result = layouts()
+    if rank == 0:
+        torch.save(result, f"{out}/layouts.pt")
+    dist.barrier()
+    dist.destroy_process_group()

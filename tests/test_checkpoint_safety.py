@@ -393,15 +393,20 @@ def _train_cmd(out: Path, name: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_training_starts_from_a_trusted_checkpoint_without_manifest(tmp_path):
+def test_training_starts_from_a_trusted_checkpoint_without_manifest(tmp_path, megatron_world):
     """Trust is passed to each reader of the checkpoint (the learner's load, the sampler's
-    conversion); no reader relies on another having been told."""
+    conversion); no reader relies on another having been told. (`moe_rl.train`'s main in
+    this process, as its command line runs it.)"""
+    import importlib
+
+    from in_process import run_main
+
     bare = fake_checkpoint(tmp_path / "bare", manifest=False)
-    cmd = _train_cmd(tmp_path, "t", "run.steps=1", f"run.init_checkpoint={bare}")
-    refused = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+    argv = _train_cmd(tmp_path, "t", "run.steps=1", f"run.init_checkpoint={bare}")[3:]  # (after python -m moe_rl.train)
+    train = importlib.import_module("moe_rl.train")
+    refused = run_main(train, argv)
     assert refused.returncode == 2 and f"checkpoint {bare} has no manifest.json" in refused.stderr, refused.stderr
-    ok = subprocess.run([*cmd, "run.trust_checkpoint=true", "run.overwrite=true"], cwd=ROOT, capture_output=True,
-                        text=True, timeout=600, env=child_env())
+    ok = run_main(train, [*argv, "run.trust_checkpoint=true", "run.overwrite=true"])
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert (tmp_path / "t" / "sampler_hf" / "config.json").is_file()  # converted from the trusted checkpoint
 

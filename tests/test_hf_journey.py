@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from hf_fixtures import CHATML, make_hf_model_dir, write_bpe_tokenizer, write_math_jsonl
-from in_process import run_main
+from in_process import load_tool, run_main
 from test_cli_errors import child_env, one_line_error
 
 from moe_rl.config import ConfigError, TaskConfig, load_recipe
@@ -269,9 +269,8 @@ def test_export_keeps_the_checkpoints_files_and_reloads(arch, hf_dirs, trained, 
     src, out = hf_dirs[arch], trained[arch] / "hf"
     _check_export(src, out)
     final = sorted((trained[arch] / "checkpoints").glob("step_*"))[-1]
-    tool = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "--no-progress", "--to", "hf",
-                           "--src", str(final), "--dst", str(tmp_path / "hf")], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600, env=child_env())
+    tool = run_main(load_tool("tools/convert_checkpoint.py"),
+                    ["--no-progress", "--to", "hf", "--src", str(final), "--dst", str(tmp_path / "hf")])
     assert tool.returncode == 0, tool.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(p.name for p in out.iterdir())
     for f in out.iterdir():
@@ -291,9 +290,12 @@ def _check_export(src: Path, out: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_rl_recipe_with_transformers_sampler_and_r3(arch, hf_dirs, data, tmp_path):
-    proc = _train(tmp_path, f"run.init_checkpoint={hf_dirs[arch]}", f"task.data_path={data['prompt']}", "rl.replay=R3",
-                  "run.export_hf=false")
+def test_rl_recipe_with_transformers_sampler_and_r3(arch, hf_dirs, data, tmp_path, megatron_world):
+    """(In this process: `moe_rl.train`'s main, as its command line runs it.)"""
+    argv = ["--config", str(RECIPE), f"run.output_dir={tmp_path}", "run.steps=3", "sampler.backend=transformers",
+            "logging.progress=false", f"run.init_checkpoint={hf_dirs[arch]}", f"task.data_path={data['prompt']}",
+            "rl.replay=R3", "run.export_hf=false", "sampler.max_new_tokens=16"]
+    proc = run_main(importlib.import_module("moe_rl.train"), argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "hf_rspo" / "metrics.jsonl").open()]
     assert len(metrics) == 3
@@ -327,10 +329,9 @@ def test_mismatch_tool_and_eval_on_the_trained_checkpoint(arch, trained, data, t
         assert s["mismatch/dp_max"] < 1e-5, (name, s["mismatch/dp_max"])
         assert float(r.tokens.valid("log_ratio").abs().max()) < 1e-4, name
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.eval", "--checkpoint", str(ckpt), "--data", str(data["prompt"]),
-                           "--k", "2", "--max-problems", "3", "--out", str(out), "sampler.backend=transformers",
-                           "sampler.max_new_tokens=8"], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env=child_env())
+    proc = run_main(importlib.import_module("moe_rl.eval"),
+                    ["--checkpoint", str(ckpt), "--data", str(data["prompt"]), "--k", "2", "--max-problems", "3",
+                     "--out", str(out), "sampler.backend=transformers", "sampler.max_new_tokens=8"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["eval/problems"] == 3 and {"eval/greedy_acc", "eval/pass@1", "eval/pass@2"} <= result.keys()

@@ -11,6 +11,7 @@ step, as a user pressing Ctrl-C would."""
 from __future__ import annotations
 
 import functools
+import importlib
 import io
 import json
 import os
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from in_process import run_main
 
 from moe_rl.config import load_config
 from moe_rl.loop import Program, RunLoop, interrupt
@@ -197,7 +199,8 @@ def test_resume_with_logged_steps_and_no_checkpoint_refuses_and_changes_nothing(
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.25}) + "\n" for s in (1, 2, 3)))
     (run / "run.json").write_text('{"run_id": "abc"}\n')
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    proc = _train(tmp_path, "run.name=r", "run.resume=true", "run.steps=4")
+    argv = ["--config", str(RECIPE), *SMALL, f"run.output_dir={tmp_path}", "run.name=r", "run.resume=true", "run.steps=4"]
+    proc = run_main(importlib.import_module("moe_rl.train"), argv)  # (this process: main as its command line runs it)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert "has no checkpoint to continue from, only 3 logged steps (up to step 3" in lines[0]

@@ -1,22 +1,23 @@
 """Worker for tests/test_ppo.py's layout test (run under torchrun).
 
-reference (1 process): a fresh tiny MoE -> checkpoint `ckpt0`; a critic started from it
-    (the value head then set to fixed values), its values of a fixed batch, one update of
-    the clipped value loss towards fixed returns, its values after.
+One launch of 2 processes (`dist_helpers.one_process_then_world`):
+reference (rank 0 alone, a one-process world): a fresh tiny MoE -> checkpoint `ckpt0`; a
+    critic started from it (the value head then set to fixed values), its values of a fixed
+    batch, one update of the clipped value loss towards fixed returns, its values after.
     Then the reward model's step on the same value model: the scores of 6 shipped preference
     pairs (12 rows), one update of its Bradley-Terry surrogate, the scores after.
 layouts (2 processes): the same at TP2, EP2 (data parallel 2: a pair's two rows on
-    different ranks) and PP2, from `ckpt0`. Results go to <out>/<mode>.pt.
+    different ranks) and PP2, from `ckpt0`. Results go to <out>/reference.pt and <out>/layouts.pt.
 """
 
 import sys
 
 import torch
-import torch.distributed as dist
+from dist_helpers import one_process_then_world
 from learner_utils import fixed_batch, learner_of, rl_updates
 
 from moe_rl.config import load_config
-from moe_rl.learner.parallel import init_distributed, parallel_layout
+from moe_rl.learner.parallel import parallel_layout
 
 LAYOUTS = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],
@@ -68,12 +69,10 @@ def reward_model_step(model, tp: int) -> dict:
     return {"scores": scores, "grad_norm": update["grad_norm"], "scores_after": model.logprobs(tokens)}
 
 
-def main() -> None:
+def run(mode: str, out: str) -> dict:
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
     from moe_rl.learner.critic import VALUE_HEAD_KEYS, Critic
 
-    mode, out = sys.argv[1], sys.argv[2]
-    rank, _ = init_distributed()
     result = {}
     for name, overrides in ({"reference": []} if mode == "reference" else LAYOUTS).items():
         cfg = load_config(None, BASE + overrides)
@@ -85,10 +84,12 @@ def main() -> None:
             set_head(critic.gpt)
             result[name] = critic_step(critic, cfg)
             result[name]["rm"] = reward_model_step(critic, layout.tp)
-    if rank == 0:
-        torch.save(result, f"{out}/{mode}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
+
+
+def main() -> None:
+    out = sys.argv[1]
+    one_process_then_world(out, lambda: run("reference", out), lambda: run("layouts", out), world_size=2)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,22 @@
 """Worker for tests/test_dpo.py's layout test (run under torchrun).
 
-reference (1 process): a fresh tiny MoE -> checkpoint `ckpt0`; the sequence log-probs of
-    6 preference pairs (12 rows) of the shipped held-out file, one DPO update (the
-    surrogate, against fixed reference log-probs), the full parameters and log-probs after.
+One launch of 2 processes (`dist_helpers.one_process_then_world`):
+reference (rank 0 alone, a one-process world): a fresh tiny MoE -> checkpoint `ckpt0`; the
+    sequence log-probs of 6 preference pairs (12 rows) of the shipped held-out file, one DPO
+    update (the surrogate, against fixed reference log-probs), the full parameters and
+    log-probs after.
 layouts (2 processes): the same at TP2, EP2 (data parallel 2: a pair's rows on different
-    ranks) and PP2, from `ckpt0`. Results go to <out>/<mode>.pt.
+    ranks) and PP2, from `ckpt0`. Results go to <out>/reference.pt and <out>/layouts.pt.
 """
 
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from dist_helpers import one_process_then_world
 
 from moe_rl.config import load_config
-from moe_rl.learner.parallel import init_distributed, parallel_layout
+from moe_rl.learner.parallel import parallel_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {
@@ -54,13 +56,11 @@ def dpo_step(learner, tokens) -> dict:
             "seq_after": sequence_logps(learner, tokens)}
 
 
-def main() -> None:
+def run(mode: str, out: str) -> dict:
     from learner_utils import learner_of
 
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
 
-    mode, out = sys.argv[1], sys.argv[2]
-    rank, _ = init_distributed()
     result = {}
     for name, overrides in ({"reference": []} if mode == "reference" else LAYOUTS).items():
         cfg = load_config(None, BASE + overrides)
@@ -71,10 +71,12 @@ def main() -> None:
             else:
                 load_checkpoint(learner, f"{out}/ckpt0")
             result[name] = dpo_step(learner, pairs_batch(layout.tp))
-    if rank == 0:
-        torch.save(result, f"{out}/{mode}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
+
+
+def main() -> None:
+    out = sys.argv[1]
+    one_process_then_world(out, lambda: run("reference", out), lambda: run("layouts", out), world_size=2)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,25 @@
 """Worker for tests/test_learner_parallel.py (run under torchrun).
 
-reference (1 process): fresh tiny MoE -> checkpoint `ckpt0`; logprobs of a fixed batch;
-    one optimizer step; full parameters after it; logprobs after it.
+One launch of 4 processes, in three parts:
+reference (rank 0 alone, a one-process world): fresh tiny MoE -> checkpoint `ckpt0`;
+    logprobs of a fixed batch; one optimizer step; full parameters after it; logprobs after it.
 layouts (4 processes): for TP2, EP2 (alltoall), PP2, TP2xEP2: load `ckpt0`, score the
     same batch, take the same step, gather full parameters (TP2 first takes an update with
     a NaN loss, which must be skipped without a trace). EP2 also checks resume
     (save, step == load, step) and writes `ckpt_ep2` (after its step).
-check (1 process): load `ckpt_ep2` at TP1 and score the batch.
-Results go to <out>/<mode>.pt for the test to compare.
+check (rank 0 alone, a one-process world): load `ckpt_ep2` at TP1 and score the batch.
+Results go to <out>/{reference,layouts,check}.pt for the test to compare.
 """
 
+import os
 import sys
 
 import torch
-import torch.distributed as dist
+from dist_helpers import one_process_then_world, plain_process
 from learner_utils import episode_batch, fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
+from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
 from moe_rl.learner.parallel import init_distributed, parallel_layout
 
 LAYOUTS = {
@@ -54,53 +57,58 @@ def step_and_gather(learner, batch, adv_B):
     return metrics, full
 
 
-def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    rank, _ = init_distributed()
-    batch, adv_B = fixed_batch()
-    result = {}
-    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+def reference(out: str, batch, adv_B) -> dict:
+    cfg = load_config(None, BASE)
+    with parallel_layout(cfg.parallel, seed=3) as layout:
+        learner = learner_of(cfg, layout)
+        save_checkpoint(learner, f"{out}/ckpt0", config=cfg)
+        result = {"logp": learner.logprobs(batch), "logp_episode": learner.logprobs(episode_batch()[0])}
+        result["metrics"], result["params"] = step_and_gather(learner, batch, adv_B)
+        result["logp_after"] = learner.logprobs(batch)
+    return result
 
-    if mode == "reference":
-        cfg = load_config(None, BASE)
+
+def layouts(out: str, batch, adv_B) -> dict:
+    result = {}
+    for name, overrides in LAYOUTS.items():
+        cfg = load_config(None, BASE + overrides)
         with parallel_layout(cfg.parallel, seed=3) as layout:
             learner = learner_of(cfg, layout)
-            save_checkpoint(learner, f"{out}/ckpt0", config=cfg)
-            result["logp"] = learner.logprobs(batch)
-            result["logp_episode"] = learner.logprobs(episode_batch()[0])
-            result["metrics"], result["params"] = step_and_gather(learner, batch, adv_B)
-            result["logp_after"] = learner.logprobs(batch)
-    elif mode == "layouts":
-        for name, overrides in LAYOUTS.items():
-            cfg = load_config(None, BASE + overrides)
-            with parallel_layout(cfg.parallel, seed=3) as layout:
-                learner = learner_of(cfg, layout)
-                load_checkpoint(learner, f"{out}/ckpt0")
-                r = {"layout": layout.name, "logp": learner.logprobs(batch),
-                     "logp_episode": learner.logprobs(episode_batch()[0])}
-                if name == "tp2":  # a NaN update first: skipped on every rank, it must leave no trace in the step
-                    r["nan"] = learner.train_step(batch, nan_loss(batch), extras={"adv_B": adv_B})
-                r["metrics"], r["params"] = step_and_gather(learner, batch, adv_B)
-                r["logp_after"] = learner.logprobs(batch)
-                if name == "ep2":
-                    save_checkpoint(learner, f"{out}/ckpt_ep2", config=cfg)
-                    r["next"] = learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
-                    resumed = learner_of(cfg, layout)
-                    load_checkpoint(resumed, f"{out}/ckpt_ep2")
-                    r["next_resumed"] = resumed.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
-                result[name] = r
-    elif mode == "check":
-        cfg = load_config(None, BASE)
-        with parallel_layout(cfg.parallel, seed=3) as layout:
-            learner = learner_of(cfg, layout)
-            load_checkpoint(learner, f"{out}/ckpt_ep2")
-            result["logp"] = learner.logprobs(batch)
-    else:
-        raise SystemExit(f"unknown mode {mode}")
-    if rank == 0:
-        torch.save(result, f"{out}/{mode}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+            load_checkpoint(learner, f"{out}/ckpt0")
+            r = {"layout": layout.name, "logp": learner.logprobs(batch),
+                 "logp_episode": learner.logprobs(episode_batch()[0])}
+            if name == "tp2":  # a NaN update first: skipped on every rank, it must leave no trace in the step
+                r["nan"] = learner.train_step(batch, nan_loss(batch), extras={"adv_B": adv_B})
+            r["metrics"], r["params"] = step_and_gather(learner, batch, adv_B)
+            r["logp_after"] = learner.logprobs(batch)
+            if name == "ep2":
+                save_checkpoint(learner, f"{out}/ckpt_ep2", config=cfg)
+                r["next"] = learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
+                resumed = learner_of(cfg, layout)
+                load_checkpoint(resumed, f"{out}/ckpt_ep2")
+                r["next_resumed"] = resumed.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
+            result[name] = r
+    return result
+
+
+def check(out: str, batch) -> dict:
+    cfg = load_config(None, BASE)
+    with parallel_layout(cfg.parallel, seed=3) as layout:
+        learner = learner_of(cfg, layout)
+        load_checkpoint(learner, f"{out}/ckpt_ep2")
+        return {"logp": learner.logprobs(batch)}
+
+
+def main() -> None:
+    """Rank 0 runs the reference alone, all four the layouts, then rank 0 loads the EP2
+    checkpoint alone: one process start where there were three."""
+    out = sys.argv[1]
+    batch, adv_B = fixed_batch()
+    one_process_then_world(out, lambda: reference(out, batch, adv_B), lambda: layouts(out, batch, adv_B), world_size=4)
+    if os.environ["RANK"] == "0":
+        with plain_process():
+            assert init_distributed() == (0, 1)
+            torch.save(check(out, batch), f"{out}/check.pt")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Worker for tests/test_routing_learner.py (run under torchrun).
 
-reference (1 process): a tiny MoE -> `ckpt_a`; routing record A of a fixed batch; the
+One launch of 4 processes (`dist_helpers.one_process_then_world`):
+reference (rank 0 alone, a one-process world): a tiny MoE -> `ckpt_a`; routing record A of a fixed batch; the
     routers perturbed -> `ckpt_b`; under `ckpt_b`: gamma against A, the ids a replay of A
     routes (for 1, 2 and 4 micro-batches) and the ids fresh routing picks.
 layouts (4 processes): for TP2, EP2, PP2, TP2xEP2 the same from the checkpoints; every rank
@@ -13,13 +14,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+from dist_helpers import one_process_then_world
 from learner_utils import fixed_batch, learner_of
 
 from moe_rl.config import load_config
 from moe_rl.learner import (
     Learner,
     RoutingPlan,
-    init_distributed,
     load_checkpoint,
     parallel_layout,
     save_checkpoint,
@@ -101,13 +102,8 @@ def layouts(out: str) -> dict:
 
 
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    rank, _ = init_distributed()
-    res = reference(out) if mode == "reference" else layouts(out)
-    if rank == 0:
-        torch.save(res, f"{out}/{mode}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    out = sys.argv[1]
+    one_process_then_world(out, lambda: reference(out), lambda: layouts(out), world_size=4)
 
 
 if __name__ == "__main__":
