@@ -167,6 +167,7 @@ def test_the_exploratory_section_checks_the_code_then_tests_at_the_chosen_rate(r
     assert "**identical**" in text and "lr 0.00025: 2 of 4 seeds collapsed" in text and "The rule: lr 0.00025." in text
     _write(results, _run("grpo-off", 1, True, block="explore-0.00025"))
     assert "**Provisional**: 1 of the block's 40 runs have finished" in section()
+    assert "The gentler step" not in write_report(results, plots=False).read_text()  # (the answer waits for all 40)
     for name in ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off"):
         for seed in range(1, 11):  # GRPO 5/10, GSPO 0/10, the other two 5/10
             _write(results, _run(name, seed, name != "gspo-off" and seed <= 5, block="explore-0.00025"))
@@ -176,6 +177,12 @@ def test_the_exploratory_section_checks_the_code_then_tests_at_the_chosen_rate(r
     # 0/10 vs 5/10: the two tables as extreme, C(15,10)/C(20,10) each; Holm x3 (the smallest p)
     p = 2 * math.comb(15, 10) / math.comb(20, 10)
     assert "| gspo-off | 0/10 | -0.50" in text and f"{3 * p:.2g}" in text
+    the_answer = write_report(results, plots=False).read_text().split("## The answer")[1].split("## Per setting")[0]
+    assert ("The gentler step, explored after these results were read" in the_answer
+            and "at lr 0.00025 off-policy GRPO collapsed in 5 of 10 seeds; grpo-r3-off 5/10, gspo-off 0/10, "
+                "rspo-post-off 5/10." in the_answer and "Per claim there: **GSPO**:" in the_answer)
+    mechanism = text.split("The mechanism there (descriptive")[1]
+    assert "| grpo-off | 5 collapsed |" in mechanism and "| grpo-off | 5 survived |" in mechanism
     _write(results, _run("grpo-off", 1, True, block="explore-repeat", digest="moved"))
     assert "**DIFFERS**" in section()
 

@@ -19,12 +19,15 @@ from pathlib import Path
 from moe_rl.ablations.settings import OFF_POLICY_UPDATES
 from moe_rl.ablations.stress_tables import (
     BASELINE,
+    Results,
     against_baseline,
     answer,
+    answer_sentences,
     detectable,
     load,
     setting_table,
     tests_table,
+    verdicts,
     warm_start,
 )
 
@@ -137,3 +140,27 @@ def explore_section(results: Path) -> str:
     rows = against_baseline(res)
     return (text + "\n" + setting_table(res) + "\n" + tests_table(rows, res[BASELINE]) + "\n"
             + answer(res, rows, len(rows), rate.lr, OFF_POLICY_UPDATES) + "\n" + detectable(res, len(rows)))
+
+
+
+def explore_runs(results: Path) -> Results:
+    """The runs at the rate the rule chose ({} while it has not chosen one)."""
+    rate = explore_rate(results)
+    return load(results, runs_block(rate.lr)) if rate.lr is not None else {}
+
+
+def explore_summary(results: Path) -> str:
+    """For the report's answer, once the exploratory block is complete: what it found at the
+    gentler rate, flagged as chosen after the pre-registered results were read ("" before)."""
+    res, rate = explore_runs(results), explore_rate(results)
+    if BASELINE not in res or sum(len(rs) for rs in res.values()) < len(SETTINGS) * len(SEEDS):
+        return ""
+    rows = against_baseline(res)
+    base = res[BASELINE]
+    counts = ", ".join(f"{r['setting']} {r['collapses']}/{r['n']}" for r in rows)
+    tests = answer_sentences(res, rows, len(rows), rate.lr, OFF_POLICY_UPDATES)[1:]  # (the first: GRPO's count)
+    claims = "; ".join(f"**{k}**: {v}" for k, v in verdicts(rows).items())
+    return (f"\nThe gentler step, explored after these results were read (the section Exploratory below, on the "
+            f"remade warm start; its tests stand apart): at lr {rate.lr:g} off-policy GRPO collapsed in "
+            f"{sum(r['collapsed'] for r in base)} of {len(base)} seeds; {counts}. {' '.join(tests)} "
+            f"Per claim there: {claims}.\n")

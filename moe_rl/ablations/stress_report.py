@@ -16,7 +16,7 @@ from typing import Any
 from moe_rl.ablations.collapse_stats import DROP, FLOOR, LAST
 from moe_rl.ablations.settings import settings
 from moe_rl.ablations.stress import RESULTS, sweep_files
-from moe_rl.ablations.stress_explore import explore_section
+from moe_rl.ablations.stress_explore import explore_runs, explore_section, explore_summary
 from moe_rl.ablations.stress_plots import SURVIVORS
 from moe_rl.ablations.stress_runs import CONTRAST_LR, MAIN_SEEDS, STAGE2_SETTINGS, regime, rounded
 from moe_rl.ablations.stress_tables import (
@@ -249,6 +249,7 @@ def write_report(results: Path = RESULTS, plots: bool = True) -> Path:
                   mechanism_reading(res, load(results, "contrast")),
                   "\nPer claim of the design documents: "
                   + "; ".join(f"**{k}**: {v}" for k, v in verdicts(rows).items()) + ".\n",
+                  explore_summary(results),
                   f"\n## Per setting (seeds 1-{max(MAIN_SEEDS)})\n\n", setting_table(stage1),
                   "\n![collapse rates](stress/plots/collapse_rates.png)\n",
                   "\n## Tests against off-policy GRPO (pre-registered)\n\n", tests_table(rows, stage1[BASELINE]),
@@ -284,6 +285,8 @@ def write_report(results: Path = RESULTS, plots: bool = True) -> Path:
               "STRESS_PLAN.md, change 7):\n\n", warm_starts(results),
               "\n## The contrast: every setting at the comfortable lr (2e-4), 3 seeds, same code\n\n",
               contrast_section(results), "\n## Exploratory: between the two rates\n\n", explore_section(results)]
+    if explored := explore_runs(results):  # (collapsing and surviving seeds of one setting at one rate)
+        parts += ["\nThe mechanism there (descriptive; the windows as in the main block's):\n\n", mechanism_table(explored)]
     path = results.parent / "STRESS.md"
     atomic_write_text(path, "".join(parts))
     return path

@@ -165,6 +165,11 @@ def on_first_warm_start(res: Results) -> Results:
 
 
 def answer(res: Results, rows: list[dict[str, Any]], m: int, lr: float, updates: int) -> str:
+    return " ".join(answer_sentences(res, rows, m, lr, updates)) + "\n"
+
+
+def answer_sentences(res: Results, rows: list[dict[str, Any]], m: int, lr: float, updates: int) -> list[str]:
+    """The answer's sentences: GRPO's collapse count first, then what the tests separate."""
     base = res[BASELINE]
     n, c = len(base), sum(r["collapsed"] for r in base)
     sig = [r for r in rows if r["fisher_holm"] <= ALPHA and r["rate_diff"] < 0]
@@ -202,7 +207,7 @@ def answer(res: Results, rows: list[dict[str, Any]], m: int, lr: float, updates:
     if reward_sig:
         out.append("Higher final reward than GRPO after Holm: "
                    + ", ".join(f"{r['setting']} ({r['final_reward']['diff']:+.3f})" for r in reward_sig) + ".")
-    return " ".join(out) + "\n"
+    return out
 
 
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, str]:
