@@ -63,10 +63,7 @@ def one_process_then_world(out: str, reference: Callable[[], object], layouts: C
 
     from moe_rl.learner.parallel import init_distributed
 
-    if os.environ["RANK"] == "0":
-        with plain_process():
-            assert init_distributed() == (0, 1)
-            torch.save(reference(), f"{out}/reference.pt")
+    alone_on_rank0(reference, f"{out}/reference.pt")
     rank, world = init_distributed()  # the other ranks wait here for rank 0's one-process part
     assert world == world_size, f"launched with {world} processes, the layouts need {world_size}"
     result = layouts()
@@ -74,3 +71,16 @@ def one_process_then_world(out: str, reference: Callable[[], object], layouts: C
         torch.save(result, f"{out}/layouts.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def alone_on_rank0(run: Callable[[], object], path: str) -> None:
+    """In a torchrun worker: on rank 0 only, `run()` as a plain one-process run (its own
+    one-rank world, gone after), its result saved to `path`; other ranks do nothing."""
+    import torch
+
+    from moe_rl.learner.parallel import init_distributed
+
+    if os.environ["RANK"] == "0":
+        with plain_process():
+            assert init_distributed() == (0, 1)
+            torch.save(run(), path)

@@ -387,9 +387,12 @@ def test_save_writes_no_processes_and_load_refuses_damage(megatron_world, tmp_pa
 # --------------------------------------------------------------------------- chaos
 
 
+def _train_argv(out: Path, name: str, *extra: str) -> list[str]:
+    return ["--config", str(RECIPE), *SMALL, f"run.output_dir={out}", f"run.name={name}", *extra]
+
+
 def _train_cmd(out: Path, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *SMALL, f"run.output_dir={out}",
-            f"run.name={name}", *extra]
+    return [sys.executable, "-m", "moe_rl.train", *_train_argv(out, name, *extra)]
 
 
 @pytest.mark.slow
@@ -402,7 +405,7 @@ def test_training_starts_from_a_trusted_checkpoint_without_manifest(tmp_path, me
     from in_process import run_main
 
     bare = fake_checkpoint(tmp_path / "bare", manifest=False)
-    argv = _train_cmd(tmp_path, "t", "run.steps=1", f"run.init_checkpoint={bare}")[3:]  # (after python -m moe_rl.train)
+    argv = _train_argv(tmp_path, "t", "run.steps=1", f"run.init_checkpoint={bare}")
     train = importlib.import_module("moe_rl.train")
     refused = run_main(train, argv)
     assert refused.returncode == 2 and f"checkpoint {bare} has no manifest.json" in refused.stderr, refused.stderr

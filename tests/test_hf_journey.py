@@ -165,9 +165,13 @@ def test_unsupported_architecture_is_named(qwen_dir, tmp_path):
 # --------------------------------------------------------------------------- bad inputs (CLI)
 
 
+def _train_argv(out: Path, *args: str) -> list[str]:
+    return ["--config", str(RECIPE), f"run.output_dir={out}", "run.steps=3", "sampler.backend=transformers",
+            "logging.progress=false", *args]
+
+
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), f"run.output_dir={out}", "run.steps=3",
-           "sampler.backend=transformers", "logging.progress=false", *args]
+    cmd = [sys.executable, "-m", "moe_rl.train", *_train_argv(out, *args)]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, env=child_env())
 
 
@@ -292,9 +296,8 @@ def _check_export(src: Path, out: Path) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rl_recipe_with_transformers_sampler_and_r3(arch, hf_dirs, data, tmp_path, megatron_world):
     """(In this process: `moe_rl.train`'s main, as its command line runs it.)"""
-    argv = ["--config", str(RECIPE), f"run.output_dir={tmp_path}", "run.steps=3", "sampler.backend=transformers",
-            "logging.progress=false", f"run.init_checkpoint={hf_dirs[arch]}", f"task.data_path={data['prompt']}",
-            "rl.replay=R3", "run.export_hf=false", "sampler.max_new_tokens=16"]
+    argv = _train_argv(tmp_path, f"run.init_checkpoint={hf_dirs[arch]}", f"task.data_path={data['prompt']}",
+                       "rl.replay=R3", "run.export_hf=false", "sampler.max_new_tokens=16")
     proc = run_main(importlib.import_module("moe_rl.train"), argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "hf_rspo" / "metrics.jsonl").open()]

@@ -141,8 +141,12 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
+def _train_argv(out: Path, *extra: str) -> list[str]:
+    return ["--config", str(RECIPE), *SMALL, f"run.output_dir={out}", *extra]
+
+
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *SMALL, f"run.output_dir={out}", *extra]
+    cmd = [sys.executable, "-m", "moe_rl.train", *_train_argv(out, *extra)]
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -199,7 +203,7 @@ def test_resume_with_logged_steps_and_no_checkpoint_refuses_and_changes_nothing(
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.25}) + "\n" for s in (1, 2, 3)))
     (run / "run.json").write_text('{"run_id": "abc"}\n')
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    argv = ["--config", str(RECIPE), *SMALL, f"run.output_dir={tmp_path}", "run.name=r", "run.resume=true", "run.steps=4"]
+    argv = _train_argv(tmp_path, "run.name=r", "run.resume=true", "run.steps=4")
     proc = run_main(importlib.import_module("moe_rl.train"), argv)  # (this process: main as its command line runs it)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]

@@ -37,6 +37,8 @@ BELOW_LR, ABOVE_LR = 2.25e-4, 2.75e-4
 SWEEP_SEEDS = (1, 2, 3, 4)
 SEEDS = tuple(range(1, 11))
 SETTINGS = ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off")
+PLANNED = len(SETTINGS) * len(SEEDS)
+"""The block's runs: its tables are provisional, and the answer leaves it out, until all have landed."""
 REPEAT = "explore-repeat"
 WARM_CHECK = "warm-start-check"
 """Off-policy GRPO seed 1 at the main regime on the main runs' commit but the remade warm start
@@ -131,29 +133,32 @@ def explore_section(results: Path) -> str:
                                    "no rate between the two qualifies; no further run." if rate.concluded else
                                    "undecided until the sweep's seeds have finished."))
     text = "\n".join(lines) + "\n"
-    if rate.lr is None or not (res := load(results, runs_block(rate.lr))) or BASELINE not in res:
+    if BASELINE not in (res := explore_runs(results, rate)):
         return text
-    done, planned = sum(len(rs) for rs in res.values()), len(SETTINGS) * len(SEEDS)
-    if done < planned:
-        text += (f"\n**Provisional**: {done} of the block's {planned} runs have finished; the tables and tests "
+    if (done := _landed(res)) < PLANNED:
+        text += (f"\n**Provisional**: {done} of the block's {PLANNED} runs have finished; the tables and tests "
                  "below are on what has landed, not the block's result.\n")
     rows = against_baseline(res)
     return (text + "\n" + setting_table(res) + "\n" + tests_table(rows, res[BASELINE]) + "\n"
             + answer(res, rows, len(rows), rate.lr, OFF_POLICY_UPDATES) + "\n" + detectable(res, len(rows)))
 
 
+def _landed(res: Results) -> int:
+    return sum(len(rs) for rs in res.values())
 
-def explore_runs(results: Path) -> Results:
+
+def explore_runs(results: Path, rate: ExploreRate | None = None) -> Results:
     """The runs at the rate the rule chose ({} while it has not chosen one)."""
-    rate = explore_rate(results)
+    rate = rate or explore_rate(results)
     return load(results, runs_block(rate.lr)) if rate.lr is not None else {}
 
 
 def explore_summary(results: Path) -> str:
     """For the report's answer, once the exploratory block is complete: what it found at the
     gentler rate, flagged as chosen after the pre-registered results were read ("" before)."""
-    res, rate = explore_runs(results), explore_rate(results)
-    if BASELINE not in res or sum(len(rs) for rs in res.values()) < len(SETTINGS) * len(SEEDS):
+    rate = explore_rate(results)
+    res = explore_runs(results, rate)
+    if BASELINE not in res or _landed(res) < PLANNED:
         return ""
     rows = against_baseline(res)
     base = res[BASELINE]

@@ -11,16 +11,14 @@ check (rank 0 alone, a one-process world): load `ckpt_ep2` at TP1 and score the 
 Results go to <out>/{reference,layouts,check}.pt for the test to compare.
 """
 
-import os
 import sys
 
-import torch
-from dist_helpers import one_process_then_world, plain_process
+from dist_helpers import alone_on_rank0, one_process_then_world
 from learner_utils import episode_batch, fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-from moe_rl.learner.parallel import init_distributed, parallel_layout
+from moe_rl.learner.parallel import parallel_layout
 
 LAYOUTS = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],
@@ -105,10 +103,7 @@ def main() -> None:
     out = sys.argv[1]
     batch, adv_B = fixed_batch()
     one_process_then_world(out, lambda: reference(out, batch, adv_B), lambda: layouts(out, batch, adv_B), world_size=4)
-    if os.environ["RANK"] == "0":
-        with plain_process():
-            assert init_distributed() == (0, 1)
-            torch.save(check(out, batch), f"{out}/check.pt")
+    alone_on_rank0(lambda: check(out, batch), f"{out}/check.pt")
 
 
 if __name__ == "__main__":
