@@ -124,6 +124,10 @@ def check_sampler(cfg: Config) -> None:
     from moe_rl.sampler import check_engine_limits
 
     s, cuda = cfg.sampler, torch.cuda.is_available()
+    if s.top_p < 1:
+        raise ConfigError(f"sampler.top_p={s.top_p} samples from a truncated distribution while the learner scores "
+                          "the full softmax, so every ratio (and the correction) would be biased; RL trains at "
+                          "sampler.top_p=1 (evaluation and tools/measure_mismatch.py --top-p still take it)")
     if cfg.rl.replay == "R3" and s.backend == "vllm" and not cuda:
         raise ConfigError("rl.replay=R3 needs the sampler's routed experts, which vLLM cannot return on CPU "
                           "(no V2 model runner); use sampler.backend=transformers")

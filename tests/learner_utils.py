@@ -120,3 +120,50 @@ def plain_values(critic, tokens) -> torch.Tensor:
         for j in range(int(tokens.response_lens_B[b])):
             out[b, j] = hidden_BSH[b, p0 + j - 1] @ head.weight.float() + head.bias.float()
     return out
+
+
+CORRECTION_MATRIX = {
+    "dapo-token_is_token_rs": ["rl.objective=dapo", "rl.rollout_correction=is_rs",
+                               "rl.rollout_correction_args.is_level=token", "rl.rollout_correction_args.rs_level=token",
+                               "rl.rollout_correction_args.rs_high=1.5"],
+    "grpo-geometric_rs_veto": ["rl.objective=grpo", "rl.rollout_correction=is_rs",
+                               "rl.rollout_correction_args.is_level=geometric",
+                               "rl.rollout_correction_args.rs_level=geometric", "rl.rollout_correction_args.rs_high=1.12",
+                               "rl.rollout_correction_args.veto_below=0.5",
+                               "rl.rollout_correction_args.is_batch_normalize=true"],
+    "gspo-opsm": ["rl.objective=gspo", "rl.opsm_delta=0.0"],
+}
+"""The rollout corrections whose normalizers cross data-parallel ranks (token counts,
+sequence counts, the weights' mean, OPSM's sequences), for the layout tests."""
+
+
+def correction_matrix(learner, base: list[str]) -> dict[str, tuple[float, float, dict[str, float]]]:
+    """For each CORRECTION_MATRIX case, scored and on-policy (`<case>/scored`, `<case>/on_policy`):
+    (loss, global gradient norm, the pass's tallies) of one pass over this rank's rows of the
+    fixed batch, the sampler's log-probs the learner's plus fixed noise. No optimizer step."""
+    import dataclasses
+
+    from moe_rl.config import load_config
+    from moe_rl.programs.rl.policy_loss import PolicyLossFn
+
+    tokens, adv_B = fixed_batch()
+    logp_BT = learner.score_whole(tokens).logp_BT
+    g = torch.Generator().manual_seed(11)
+    sampler_BT = torch.where(tokens.response_mask(), logp_BT + 0.3 * torch.randn(logp_BT.shape, generator=g), 0.0)
+    rows = learner.own_rows(tokens)
+    ids = rows.row_ids_B
+    rows = dataclasses.replace(rows, adv_B=adv_B[ids], sampler_logp_BT=sampler_BT[ids])
+
+    def dp_sum(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack(learner.dp_gather_object(t)).sum(0)
+
+    out = {}
+    for case, overrides in CORRECTION_MATRIX.items():
+        cfg = load_config(None, [*base, *overrides])
+        for path, batch in (("scored", rows.scored(logp_BT[ids], None)), ("on_policy", rows)):
+            loss_fn = PolicyLossFn(cfg, on_policy=path == "on_policy")
+            loss_fn.prepare(batch, [torch.arange(tokens.batch_size)], dp_sum)
+            metrics, _, _, sums = learner._gradients(batch, loss_fn, None, 1.0)
+            learner.optimizer.prepare_grads()
+            out[f"{case}/{path}"] = (metrics["loss"], float(learner.optimizer.get_grad_norm()), sums)
+    return out

@@ -47,6 +47,12 @@ HAND = {
     "mismatch/frac_tis_capped": 2 / 7,
     "mismatch/frac_outside_icepop": 3 / 7,
     "mismatch/frac_dlogp_gt_ln2": 3 / 7,
+    # r = 1, 0.25, 3 | 1 | 1.5, 4, 1: sum 11.75, sum of squares 1 + 0.0625 + 9 + 1 + 2.25 + 16 + 1 = 30.3125
+    "mismatch/ratio_mean": 11.75 / 7,
+    "mismatch/chi2_token": 30.3125 / 7 - 1,
+    "mismatch/ess_token": 11.75**2 / (7 * 30.3125),
+    # sequence ratios 0.75, 1, 6: squares 0.5625, 1, 36 -> mean 37.5625 / 3, minus 1
+    "mismatch/chi2_seq": 37.5625 / 3 - 1,
 }
 
 

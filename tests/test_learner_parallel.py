@@ -61,6 +61,30 @@ def test_one_optimizer_step_matches_one_process(runs, layout):
     assert (ref["logp_after"] - ref["logp"]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("case", ["dapo-token_is_token_rs/scored", "dapo-token_is_token_rs/on_policy",
+                                  "grpo-geometric_rs_veto/scored", "grpo-geometric_rs_veto/on_policy",
+                                  "gspo-opsm/scored", "gspo-opsm/on_policy"])
+def test_rollout_corrections_at_data_parallel_2_match_one_process(runs, case):
+    """Token IS + token rejection (dapo: the kept-token count crosses ranks), geometric
+    rejection + veto + batch normalization (grpo: B' and the weights' mean), OPSM (gspo): the
+    same loss, gradient norm and tallies at TP2 (data parallel 2) as at one process, scored
+    and under the on-policy shortcut (counted after the pass, the gradient rescaled)."""
+    ref, lay, _ = runs
+    (loss0, norm0, sums0), (loss, norm, sums) = ref["corrections"][case], lay["tp2"]["corrections"][case]
+    assert loss == pytest.approx(loss0, abs=1e-6) and norm == pytest.approx(norm0, rel=1e-5)
+    assert sums == pytest.approx(sums0, rel=1e-6, abs=1e-9)  # (counts exact; the weights' sum to fp32 rounding)
+    kind = case.split("/")[0]
+    if kind != "gspo-opsm":
+        assert 0 < sums["kept_tokens"] < sums["tokens"], sums  # (the case does reject)
+    else:
+        assert sums["opsm_sequences"] > 0, sums
+    if kind == "grpo-geometric_rs_veto":
+        assert sums["vetoed_sequences"] > 0, sums
+    # scored and on-policy passes agree: same weights, the rejection decided from the same log-probs
+    other = case.replace("scored", "on_policy") if "scored" in case else case.replace("on_policy", "scored")
+    assert loss == pytest.approx(lay["tp2"]["corrections"][other][0], abs=1e-6)
+
+
 def test_a_nan_update_at_tp2_is_skipped_on_every_rank_without_a_trace(runs):
     """Its step then matches the reference's, which took none (test_one_optimizer_step_...)."""
     _, lay, _ = runs

@@ -52,6 +52,11 @@ def test_setting_grammar():
                 "vllm:fp32@ep", "vllm:fp32@ep2-ep2", "vllm:fp32@dp2"):
         with pytest.raises(MeasureError):
             Setting.parse(bad)
+    assert Setting("vllm", "fp32", top_p=0.9).name == "vllm:fp32(top_p=0.9)/learner:fp32"
+    assert measure_mismatch.parse_top_p("1,0.9,1") == [1.0, 0.9]
+    for bad in ("0", "1.5", "x", ""):
+        with pytest.raises(MeasureError, match="--top-p"):
+            measure_mismatch.parse_top_p(bad)
 
 
 def test_prompt_file_strict(tmp_path):
@@ -154,12 +159,19 @@ def test_mismatch_grows_as_sampler_precision_drops(precision_sweep):
 
 @pytest.mark.vllm
 def test_same_weights_fp32_vllm_matches_learner():
+    """At top_p=1 the engine and the learner agree to rounding; at top_p=0.9 (one engine, a
+    second generate) the sampler's processed log-prob is the nucleus's renormalized one, so
+    d = learner - sampler = log(nucleus mass) <= 0 on every token: the bias RL refuses."""
     pytest.importorskip("vllm")
-    results, _ = measure(MeasureConfig(settings=(Setting("vllm", "fp32"),), num_prompts=8, samples_per_prompt=2,
-                                       progress=False))
+    settings = (Setting("vllm", "fp32"), Setting("vllm", "fp32", top_p=0.9))
+    results, meta = measure(MeasureConfig(settings=settings, num_prompts=8, samples_per_prompt=2, progress=False))
     r = results["vllm:fp32/learner:fp32"]
     assert float(r.tokens.valid("log_ratio").abs().max()) <= 1e-5
     assert all(r.summary()[f"mismatch/{f}"] == 0 for f in FRACTIONS)
+    assert r.summary()["mismatch/ess_token"] == pytest.approx(1.0, abs=1e-9)
+    d = results["vllm:fp32(top_p=0.9)/learner:fp32"].tokens.valid("log_ratio")
+    assert float(d.max()) <= 1e-5 and float(d.min()) < -0.01 and float(d.mean()) < 0
+    assert meta["top_p"] == "1, 0.9"
 
 
 @pytest.mark.multiproc

@@ -400,7 +400,7 @@ def test_tis_token_level():
         1e-10,
     )
     assert out.metrics["rollout_weight_mean"].item() == pytest.approx(9.9 / 8)  # sum of weights 9.9
-    assert out.metrics["rollout_masked_frac"].item() == 0.0
+    assert out.counts.fractions()["rollout_masked_frac"] == 0.0
 
 
 def test_tis_sequence_level():
@@ -422,18 +422,20 @@ def test_tis_sequence_level():
 def test_mis_icepop_token_level(mode):
     batch, lp = make_case(torch.float64, rollout_delta=D)
     out, grad = run("dapo", batch, lp, rollout_correction=mode)
-    # Band [0.5, 2]: e^d = 3 (seq 0, token 2) and 2.5 (seq 1, token 0) are dropped.
+    # Band [0.5, 2]: e^d = 3 (seq 0, token 2) and 2.5 (seq 1, token 0) are rejected: they
+    # leave the token count too, N = 8 - 2 = 6.
     # mis keeps weight min(e^d, 2) on the rest: [1, 1.5, 0, 0.6, 1], [0, 1, 0.8]; icepop 1.
     c = {"mis": [[1, 1.5, 0, 0.6, 1], [0, 1, 0.8]], "icepop": [[1, 1, 0, 1, 1], [0, 1, 1]]}[mode]
     u = [[1.1, 1.28, 0.9, 0.7, 1.28], [-0.4, -0.625, -0.475]]  # dapo's u (test_dapo)
-    objective = (sum(a * b for a, b in zip(c[0], u[0])) + sum(a * b for a, b in zip(c[1], u[1]))) / 8
-    # mis: (1.1 + 1.92 + 0 + 0.42 + 1.28 - 0 - 0.625 - 0.38) / 8 = 3.715 / 8
-    # icepop: (1.1 + 1.28 + 0 + 0.7 + 1.28 - 0 - 0.625 - 0.475) / 8 = 3.26 / 8
-    assert objective == pytest.approx({"mis": 3.715 / 8, "icepop": 3.26 / 8}[mode])
-    dapo_grad = [[-1.1 / 8, 0.0, -0.9 / 8, -0.7 / 8, 0.0], [0.0, 0.625 / 8, 0.475 / 8]]
+    objective = (sum(a * b for a, b in zip(c[0], u[0])) + sum(a * b for a, b in zip(c[1], u[1]))) / 6
+    # mis: (1.1 + 1.92 + 0 + 0.42 + 1.28 - 0 - 0.625 - 0.38) / 6 = 3.715 / 6
+    # icepop: (1.1 + 1.28 + 0 + 0.7 + 1.28 - 0 - 0.625 - 0.475) / 6 = 3.26 / 6
+    assert objective == pytest.approx({"mis": 3.715 / 6, "icepop": 3.26 / 6}[mode])
+    dapo_grad = [[-1.1 / 6, 0.0, -0.9 / 6, -0.7 / 6, 0.0], [0.0, 0.625 / 6, 0.475 / 6]]
     expected = [[g * w for g, w in zip(dapo_grad[i], c[i])] for i in range(2)] + [[]]
     check(out, grad, -objective, expected, 1e-10)
-    assert out.metrics["rollout_masked_frac"].item() == pytest.approx(2 / 8)
+    assert out.counts.fractions()["rollout_masked_frac"] == pytest.approx(2 / 8)
+    assert out.num_tokens.item() == 6
 
 
 def test_mis_keeps_the_truncated_weight():
@@ -446,16 +448,18 @@ def test_mis_keeps_the_truncated_weight():
     dapo_grad = [[-1.1 / 8, 0.0, -0.9 / 8, -0.7 / 8, 0.0], [0.0, 0.625 / 8, 0.475 / 8]]
     expected = [[g * w for g, w in zip(dapo_grad[i], c[i])] for i in range(2)] + [[]]
     check(out, grad, -3.931 / 8, expected, 1e-10)
-    assert out.metrics["rollout_masked_frac"].item() == 0.0
+    assert out.counts.fractions()["rollout_masked_frac"] == 0.0
 
 
 def test_mis_sequence_level_drops_sequences():
     batch, lp = make_case(torch.float64, rollout_delta=D)
     out, grad = run("gmpo", batch, lp, rollout_correction="mis", mis_low=0.7, mis_high=3.5)
-    # Band [0.7, 3.5]: seq 0 has e^d = 0.6 -> dropped; seq 1 kept with weight exp(mean d) = 2^(1/3).
+    # Band [0.7, 3.5]: seq 0 has e^d = 0.6 -> rejected whole, and it leaves B' (2 -> 1);
+    # seq 1 kept with weight exp(mean d) = 2^(1/3).
     c1 = 2.0 ** (1 / 3)
-    check(out, grad, -(-0.5 * c1 * GM_S1) / 2, [[0.0] * 5, [0.0, c1 * GM_S1 / 12, c1 * GM_S1 / 12], []], 1e-10)
-    assert out.metrics["rollout_masked_frac"].item() == pytest.approx(0.5)
+    check(out, grad, -(-0.5 * c1 * GM_S1), [[0.0] * 5, [0.0, c1 * GM_S1 / 6, c1 * GM_S1 / 6], []], 1e-10)
+    assert out.counts.fractions()["rollout_masked_frac"] == pytest.approx(5 / 8)
+    assert out.counts.fractions()["rollout_rejected_seq_frac"] == pytest.approx(0.5)
 
 
 # --------------------------------------------------------------------------- metrics

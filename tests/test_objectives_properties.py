@@ -232,16 +232,26 @@ def batches(draw):
     return B, T, lens, lr, adv, dtype
 
 
+IS_RS_FORMS = {
+    "is_rs_token": {"rollout_correction": "is_rs", "is_level": "token", "rs_level": "token", "rs_high": 2.0,
+                    "is_batch_normalize": True},
+    "is_rs_seq": {"rollout_correction": "is_rs", "is_level": "sequence", "rs_level": "sequence", "rs_high": 100.0},
+    "is_rs_geo_veto": {"rollout_correction": "is_rs", "is_level": "geometric", "rs_level": "geometric",
+                       "rs_high": 1.5, "veto_below": 1e-3, "is_batch_normalize": True},
+}
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=batches(),
     name=st.sampled_from(NAMES),
-    corr=st.sampled_from(["none", "tis", "mis", "icepop"]),
+    corr=st.sampled_from(["none", "tis", "mis", "icepop", *IS_RS_FORMS]),
     kl=st.sampled_from([None, "k1", "k2", "k3"]),
     per_token_adv=st.booleans(),
     garbage=st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30]),
+    opsm=st.sampled_from([None, 0.0, 0.5]),
 )
-def test_robustness(data, name, corr, kl, per_token_adv, garbage):
+def test_robustness(data, name, corr, kl, per_token_adv, garbage, opsm):
     B, T, lens, lr, adv, dtype = data
     mask = torch.arange(T)[None, :] < torch.tensor(lens)[:, None]
     logp = -torch.rand(B, T) * 5
@@ -249,7 +259,7 @@ def test_robustness(data, name, corr, kl, per_token_adv, garbage):
     lp = torch.where(mask, logp, fill).to(dtype).requires_grad_(True)
     old = torch.where(mask, logp - lr, fill).to(dtype)
     advantages = adv
-    if per_token_adv and OBJECTIVES[name].level == "token":
+    if per_token_adv and OBJECTIVES[name].level == "token" and opsm is None:
         advantages = torch.where(mask, adv[:, None] * torch.rand(B, T), fill)
     batch = PolicyBatch(
         lp,
@@ -260,7 +270,11 @@ def test_robustness(data, name, corr, kl, per_token_adv, garbage):
         ref_logprobs=torch.where(mask, logp + lr.flip(0), fill).to(dtype),
         router_shift=torch.where(mask, torch.rand(B, T), fill).to(dtype),
     )
-    hp = {"rollout_correction": corr}
+    hp = {"rollout_correction": corr, "opsm_delta": opsm}
+    if corr in IS_RS_FORMS:
+        hp = {**IS_RS_FORMS[corr], "opsm_delta": opsm}
+        if OBJECTIVES[name].level == "sequence" and hp.get("is_level") == "token":
+            hp["is_level"] = "geometric"
     if kl is not None:
         hp |= {"kl_coef": 0.1, "kl_estimator": kl}
     out = policy_loss(name, batch, **hp)
@@ -268,7 +282,7 @@ def test_robustness(data, name, corr, kl, per_token_adv, garbage):
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     assert lp.grad.dtype == dtype and torch.isfinite(lp.grad).all()
     assert (lp.grad[~mask] == 0).all()
-    any_valid = bool(mask.any())
+    any_valid = bool(out.num_tokens > 0)  # (kept tokens: a correction may reject them all)
     for key, v in out.metrics.items():
         assert v.ndim == 0 and not v.requires_grad
         if any_valid or not key.endswith(("_max", "_min")):
@@ -347,7 +361,7 @@ def test_names_and_hyperparameters_are_checked():
     with pytest.raises(UnknownNameError):
         OBJECTIVES["nope"]
     assert "nope" not in OBJECTIVES and OBJECTIVES.get("nope") is None
-    with pytest.raises(ValueError, match=r"'clip_lo'.*valid: clip_low, clip_high.*shared: tis_cap, mis_low, mis_high, rollout_correction"):
+    with pytest.raises(ValueError, match=r"'clip_lo'.*valid: clip_low, clip_high.*shared: tis_cap, mis_low, mis_high, is_level"):
         policy_loss("grpo", batch, clip_lo=0.1)
     with pytest.raises(ValueError, match="'tau' for objective 'sapo'; valid: tau_pos, tau_neg"):
         make_hparams("sapo", tau=1.0)

@@ -2,6 +2,7 @@
 
     python tools/measure_mismatch.py                                  # shipped tiny model, vLLM fp32 vs learner fp32
     python tools/measure_mismatch.py --sweep --layout 1,ep2 --out runs/mm
+    python tools/measure_mismatch.py --settings vllm:fp32 --top-p 1,0.9 --out runs/mm_top_p
     python tools/measure_mismatch.py --checkpoint runs/x/checkpoints/step_000050 \\
         --prompts my_prompts.jsonl --settings vllm:bf16/learner:fp32 vllm:fp8_emulated/learner:fp32@ep2
 
@@ -27,6 +28,7 @@ with status 2 and one line naming the file and line; --debug shows the traceback
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -72,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     samp.add_argument("--max-new-tokens", type=int, default=None,
                       help="longest response (default: the recipe's sampler.max_new_tokens)")
     samp.add_argument("--temperature", type=float, default=None,
-                      help="sampling and scoring temperature, top_p is always 1 "
-                           "(default: the recipe's sampler.temperature)")
+                      help="sampling and scoring temperature (default: the recipe's sampler.temperature)")
+    samp.add_argument("--top-p", default="1", metavar="P[,P...]",
+                      help="the sampler's top_p, comma-separated: every setting is measured at each (default: 1). "
+                           "Below 1 the sampler's log-prob is the truncated distribution's while the learner "
+                           "scores the full softmax: the bias RL training refuses top_p < 1 for")
     samp.add_argument("--seed", type=int, default=0,
                       help="seed of the task's prompts and of every sampler (default: 0)")
 
@@ -101,7 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace, recipe) -> tuple[Setting, ...]:
-    """The report's rows from --settings, --sweep or the single-setting flags."""
+    """The report's rows from --settings, --sweep or the single-setting flags, each at every
+    --top-p."""
+    top_ps = parse_top_p(args.top_p)
+    return tuple(dataclasses.replace(s, top_p=p) for s in _settings(args, recipe) for p in top_ps)
+
+
+def parse_top_p(text: str) -> list[float]:
+    """--top-p's comma-separated values, each in (0, 1]."""
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise MeasureError(f"--top-p {text!r}: expected numbers in (0, 1], comma-separated, e.g. 1,0.9") from None
+    if not values or not all(0 < v <= 1 for v in values):
+        raise MeasureError(f"--top-p {text!r}: every value must be in (0, 1], e.g. 1,0.9")
+    return list(dict.fromkeys(values))
+
+
+def _settings(args: argparse.Namespace, recipe) -> tuple[Setting, ...]:
     layouts = [ScoringLayout.parse(t) for t in args.layout.split(",")]
     backend = args.backend or recipe.sampler.backend
     learner = args.learner_precision or recipe.model.params_dtype

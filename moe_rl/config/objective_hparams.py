@@ -29,13 +29,17 @@ class ObjectiveHParams:
     """The one thing the objective fixes, in a sentence (a --help-config heading)."""
     needs_router_shift: bool = False
     """True when the objective reads the router shift (the learner must record routing)."""
+    sequence_level: bool = False
+    """True for objectives with one ratio per sequence (their corrections act per sequence)."""
 
 
 OBJECTIVE_HPARAMS: Registry[ObjectiveHParams] = Registry("objective")
 
 
-def register_objective_hparams(name: str, hparams: type, *, summary: str, needs_router_shift: bool = False) -> None:
+def register_objective_hparams(name: str, hparams: type, *, summary: str, needs_router_shift: bool = False,
+                               sequence_level: bool = False) -> None:
     """Make `rl.objective=<name>` and `rl.objective_args.<name>.*` valid recipe keys."""
     if not (dataclasses.is_dataclass(hparams) and hparams.__dataclass_params__.frozen):  # type: ignore[attr-defined]
         raise TypeError(f"{name}: hparams must be a frozen dataclass type, got {hparams!r}")
-    OBJECTIVE_HPARAMS.register(name, ObjectiveHParams(name, hparams, summary, needs_router_shift))
+    OBJECTIVE_HPARAMS.register(name, ObjectiveHParams(name, hparams, summary, needs_router_shift,
+                                                               sequence_level))

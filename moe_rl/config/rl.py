@@ -16,6 +16,7 @@ The objectives register their dataclasses (`objective_hparams`); this module imp
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -81,23 +82,92 @@ def _not_an_objective(key: str, name: str) -> str:
     return f"{key}.{key_text(name)}: not an objective{choices_hint(name, OBJECTIVE_HPARAMS)}"
 
 
+CORRECTION_LEVELS: tuple[str, ...] = ("none", "token", "sequence", "geometric")
+"""Where an importance weight or a rejection is decided: per token (r_t = exp(d_t)), per
+sequence on the product exp(sum_t d_t), or per sequence on the geometric mean exp(mean_t d_t)."""
+CorrectionLevel = Literal["none", "token", "sequence", "geometric"]
+ROLLOUT_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis", "icepop", "is_rs")
+"""rl.rollout_correction's names: three presets and the general importance-weight/rejection form."""
+IS_RS_KEYS = ("is_level", "rs_level", "rs_high", "rs_low", "veto_below", "is_batch_normalize")
+"""The keys only `is_rs` reads (the presets fix them: `CorrectionHParams.check_mode`)."""
+
+
 @dataclass(frozen=True)
 class CorrectionHParams:
     """The knobs of the sampler-learner correction (what `rl.rollout_correction_args` sets;
-    the objectives' CommonHParams extends it)."""
+    the objectives' CommonHParams extends it). d_t = old_t - rollout_t (learner over sampler)
+    on response tokens, r_t = exp(d_t). Formulas and advice: docs/rollout_correction.md."""
 
     tis_cap: float = 2.0
-    """TIS truncation C: the correction weight is min(exp(d), C) (tis, and mis on kept tokens)."""
+    """TIS truncation C, the importance-weight cap: a weight is min(ratio, C) (tis; mis on kept
+    tokens; is_rs)."""
     mis_low: float = 0.5
-    """mis / icepop: tokens whose exp(d) is below this are dropped from the loss."""
+    """mis / icepop: tokens whose r_t is below this are rejected (out of the loss and its counts)."""
     mis_high: float = 2.0
-    """mis / icepop: tokens whose exp(d) is above this are dropped from the loss."""
+    """mis / icepop: tokens whose r_t is above this are rejected."""
+    is_level: CorrectionLevel = "none"
+    """is_rs: the importance weight, min(r_t, C) per token (token), min(exp(sum_t d_t), C) per
+    sequence (sequence), min(exp(mean_t d_t), C) per sequence (geometric), or none (weight 1).
+    Sequence-level objectives (gspo, gmpo, rspo) take sequence or geometric only."""
+    rs_level: CorrectionLevel = "none"
+    """is_rs: rejection: a token whose r_t (token), or a sequence whose exp(sum_t d_t)
+    (sequence) or exp(mean_t d_t) (geometric), lies outside [rs_low, rs_high] is rejected
+    (a rejected token of a sequence-level objective rejects its sequence)."""
+    rs_high: float | None = None
+    """is_rs: the rejection band's upper bound, required with rs_level (a sequence product needs
+    a far wider band than a token ratio or a geometric mean)."""
+    rs_low: float | None = None
+    """is_rs: the rejection band's lower bound; None: 1 / rs_high."""
+    veto_below: float | None = None
+    """is_rs: reject a whole sequence if any of its tokens has r_t below this (a token the
+    sampler found far likelier than the learner does); None: off."""
+    is_batch_normalize: bool = False
+    """is_rs: divide the importance weights by their mean over the step's kept tokens (token
+    level) or kept sequences (sequence levels), over every data-parallel rank."""
 
     def __post_init__(self) -> None:
         if not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
         if not 0 <= self.mis_low < self.mis_high:
             raise ValueError(f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low}, mis_high={self.mis_high}")
+        for key in ("is_level", "rs_level"):
+            if getattr(self, key) not in CORRECTION_LEVELS:
+                raise ValueError(f"{key}={getattr(self, key)!r}; valid: {', '.join(CORRECTION_LEVELS)}")
+        if self.rs_level != "none" and self.rs_high is None:
+            raise ValueError(f"rs_level={self.rs_level} needs rs_high (the band's upper bound; its scale differs "
+                             "by orders of magnitude between levels)")
+        if self.rs_level == "none" and (self.rs_high is not None or self.rs_low is not None):
+            raise ValueError("rs_high and rs_low are read only with rs_level (token, sequence or geometric)")
+        if self.rs_high is not None and not self.rs_high > 0:
+            raise ValueError(f"rs_high must be > 0, got {self.rs_high}")
+        if self.rs_high is not None and not 0 <= self.band[0] < self.band[1]:
+            raise ValueError(f"need 0 <= rs_low < rs_high, got rs_low={self.rs_low}, rs_high={self.rs_high}")
+        if self.veto_below is not None and not 0 < self.veto_below < 1:
+            raise ValueError(f"veto_below must be in (0, 1) (a ratio r_t below it vetoes), got {self.veto_below}")
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """The is_rs rejection band [rs_low, rs_high] (rs_low defaults to 1 / rs_high)."""
+        high = float(self.rs_high) if self.rs_high is not None else math.inf
+        low = self.rs_low if self.rs_low is not None else (1.0 / high if self.rs_high is not None else 0.0)
+        return float(low), high
+
+    def check_mode(self, mode: str) -> None:
+        """ValueError when `mode` (rl.rollout_correction) is unknown, or these knobs set what
+        it does not read: the presets fix the is_rs keys, and is_rs with none of them set
+        would do nothing."""
+        if mode not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction={mode!r}; valid: {', '.join(ROLLOUT_CORRECTIONS)}")
+        defaults = CorrectionHParams()
+        changed = [k for k in IS_RS_KEYS if getattr(self, k) != getattr(defaults, k)]
+        if mode != "is_rs" and changed:
+            raise ValueError(f"{changed[0]} is read only by rollout_correction=is_rs (got {mode}); set "
+                             f"rl.rollout_correction=is_rs, or leave {changed[0]} unset")
+        if mode == "is_rs" and self.is_level == "none" and self.rs_level == "none" and self.veto_below is None:
+            raise ValueError("rollout_correction=is_rs with is_level, rs_level and veto_below all unset does "
+                             "nothing: set at least one (e.g. is_level=token)")
+        if self.is_batch_normalize and mode == "is_rs" and self.is_level == "none":
+            raise ValueError("is_batch_normalize needs is_level (there is no importance weight to normalize)")
 
 
 @dataclass(frozen=True)
@@ -142,10 +212,25 @@ class RLConfig:
     """Passes over the rollout batch (each pass does num_minibatches updates)."""
     replay: Literal["none", "R2", "R3"] = "none"
     """Routing replay: R2 replays the learner's old routing, R3 the sampler's."""
-    rollout_correction: Literal["none", "tis", "mis", "icepop"] = "none"
-    """Sampler-learner correction from old_logprobs - rollout_logprobs."""
+    rollout_correction: Literal["none", "tis", "mis", "icepop", "is_rs"] = "none"
+    """Sampler-learner correction from d = old_logprobs - rollout_logprobs: none; the presets
+    tis (weight min(r_t, tis_cap)), mis (tis's weight, tokens with r_t outside [mis_low,
+    mis_high] rejected), icepop (the same rejection, weight 1); or is_rs, the general form
+    (importance weights and rejection at token, sequence or geometric level, a veto, batch
+    normalization: rl.rollout_correction_args). Rejected tokens leave the loss and its
+    normalizers. docs/rollout_correction.md."""
     rollout_correction_args: CorrectionHParams = field(default_factory=CorrectionHParams)
-    """Correction hyperparameters (tis_cap, mis_low, mis_high), used by tis / mis / icepop."""
+    """Correction hyperparameters: tis_cap, mis_low, mis_high (the presets) and is_level,
+    rs_level, rs_high, rs_low, veto_below, is_batch_normalize (is_rs)."""
+    opsm_delta: float | None = None
+    """Off-policy sequence masking (DeepSeek-V3.2): at each update, a negative-advantage
+    sequence whose mean_t (rollout_t - logp_t) under the current policy exceeds delta is
+    masked out of the objective (its tokens stay in the normalizers). None: off; 0 is a
+    valid, aggressive threshold. Per-sequence advantages only."""
+    old_logprobs: Literal["learner", "sampler"] = "learner"
+    """The behaviour policy's log-probs: learner (the learner rescored the batch: the scoring
+    pass) or sampler (bypass: the sampler's own log-probs are the old policy and the scoring
+    pass is skipped; refused where that pass is needed anyway: R2, rspo, a correction from d)."""
     max_staleness: int = 0
     """Asynchronous rollout: the engines sample ahead while the learner trains, and no row
     trains under a policy more than this many weight pushes (k) newer than its oldest token.

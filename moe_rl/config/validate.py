@@ -155,9 +155,41 @@ def validate_rl(cfg: Config) -> None:
                           f"{rl.max_turn_tokens}")
     if rl.multi_turn:
         _validate_multi_turn(cfg)
-    if rl.max_staleness and rl.rollout_correction == "none":
+    if rl.max_staleness and rl.rollout_correction == "none" and rl.old_logprobs == "learner":
         raise ConfigError(f"rl.max_staleness={rl.max_staleness} trains on batches sampled by an older policy: set "
-                          "rl.rollout_correction (tis, mis or icepop) to correct for the sampler-learner gap")
+                          "rl.rollout_correction (tis, mis, icepop or is_rs) to correct for the sampler-learner gap, "
+                          "or rl.old_logprobs=sampler")
+    _validate_correction(cfg)
+
+
+def _validate_correction(cfg: Config) -> None:
+    """The rollout correction's knobs against its mode, OPSM and the bypass mode."""
+    rl = cfg.rl
+    try:
+        rl.rollout_correction_args.check_mode(rl.rollout_correction)
+    except ValueError as e:
+        raise ConfigError(f"rl.rollout_correction_args: {e}") from None
+    per_sequence = OBJECTIVE_HPARAMS[rl.objective].sequence_level
+    if per_sequence and rl.rollout_correction_args.is_level == "token":
+        raise ConfigError(f"rl.rollout_correction_args.is_level=token: rl.objective={rl.objective} is sequence-level "
+                          "(one ratio per sequence); use is_level=sequence or geometric")
+    if rl.opsm_delta is not None and rl.uses_critic:
+        raise ConfigError(f"rl.opsm_delta masks whole sequences by their advantage's sign, and rl.advantage="
+                          f"{rl.advantage} gives per-token advantages; leave rl.opsm_delta unset")
+    if rl.old_logprobs not in ("learner", "sampler"):
+        raise ConfigError(f"rl.old_logprobs={rl.old_logprobs!r}: choose learner or sampler")
+    if rl.old_logprobs == "sampler":
+        needs = ("rl.replay=R2 (it replays the scoring pass's routing)" if rl.replay == "R2" else
+                 f"rl.objective={rl.objective} (its router-shift weight comes from the scoring pass)"
+                 if OBJECTIVE_HPARAMS[rl.objective].needs_router_shift else
+                 f"rl.rollout_correction={rl.rollout_correction} (d = old - rollout would be 0)"
+                 if rl.rollout_correction != "none" else None)
+        if needs:
+            raise ConfigError(f"rl.old_logprobs=sampler skips the learner's scoring pass, which {needs} needs; "
+                              "set rl.old_logprobs=learner")
+        if rl.kl_in_reward:
+            raise ConfigError("rl.old_logprobs=sampler with rl.kl_in_reward: the reward's KL needs the learner's "
+                              "log-probs before the update; set rl.old_logprobs=learner")
 
 
 def _validate_multi_turn(cfg: Config) -> None:

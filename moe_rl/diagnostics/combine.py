@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moe_rl.diagnostics.metrics import PREFIX
+from moe_rl.diagnostics.metrics import PREFIX, ratio_moments
 
-SEQUENCE_MEANS = ("dp_mean", "dp_max_mean", "log_ppl_diff")
+SEQUENCE_MEANS = ("dp_mean", "dp_max_mean", "log_ppl_diff", "chi2_seq")
 """Summary values averaged over sequences (the others, but counts and dp_max, over tokens)."""
 
 
@@ -30,4 +30,7 @@ def combine_mismatch_summaries(parts: Sequence[dict[str, float]]) -> dict[str, f
         weights = seqs if name in SEQUENCE_MEANS else tokens
         total = sum(weights)
         out[key] = sum(p[key] * w for p, w in zip(parts, weights)) / total if total > 0 else 0.0
+    if f"{PREFIX}ess_token" in out:  # (not a mean: rebuilt from the combined means of r and r^2)
+        moments = ratio_moments(out[f"{PREFIX}ratio_mean"], out[f"{PREFIX}chi2_token"] + 1.0, sum(tokens) > 0)
+        out.update({f"{PREFIX}{k}": float(v) for k, v in moments.items()})
     return out

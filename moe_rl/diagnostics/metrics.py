@@ -22,7 +22,14 @@ Aggregates (B' = sequences with at least one valid token):
                   sequence-mean counterpart of the token-mean k1.
     frac_tis_capped      fraction of valid tokens with exp(d) > tis_cap (C = 2)
     frac_outside_icepop  fraction with exp(d) < lo or exp(d) > hi, band [lo, hi] = [0.5, 2]
-    frac_dlogp_gt_ln2    fraction with |d| > ln 2
+    frac_dlogp_gt_ln2    fraction with |d| > ln 2: the "extreme" tokens, ratio beyond 2 either way
+    ratio_mean    token-mean of r = exp(d) (1 when the sampler matches)
+    chi2_token    token-mean of r^2, minus 1: the chi-square divergence the token ratios' variance
+                  grows with (0 when the sampler matches)
+    chi2_seq      (1/B') sum_i exp(2 sum_t d) - 1: the same for whole-sequence ratios, which
+                  compound over the response (the sum clamped to +-20 before exp)
+    ess_token     (sum r)^2 / (N sum r^2) = ratio_mean^2 / (chi2_token + 1): the token ratios'
+                  effective sample size over their count N (1: every token counts fully)
 All threshold tests are done in log space (d > ln C), so a ratio exactly on a boundary
 counts as inside. With the default band [0.5, 2], frac_outside_icepop equals
 frac_dlogp_gt_ln2 by construction; they differ once the band is set otherwise.
@@ -59,6 +66,7 @@ from moe_rl.diagnostics.buckets import (
     check_edges,
     default_position_edges,
 )
+from moe_rl.objectives.common import LOG_RATIO_BOUND
 from moe_rl.routing.stats import topk_disagreement
 
 PREFIX = "mismatch/"
@@ -202,6 +210,7 @@ class _PerToken:
     capped_BT: Tensor  # bool: exp(d) > tis_cap
     outside_BT: Tensor  # bool: exp(d) outside the IcePop band
     gt_ln2_BT: Tensor  # bool: |d| > ln 2
+    ratio_BT: Tensor  # exp(d), d clamped to +-20 (0 at padding)
 
 
 def _per_token(
@@ -228,6 +237,7 @@ def _per_token(
         capped_BT=(d_BT > math.log(tis_cap)) & m_BT,
         outside_BT=((d_BT < math.log(lo)) | (d_BT > math.log(hi))) & m_BT,
         gt_ln2_BT=(d_BT.abs() > LN2) & m_BT,
+        ratio_BT=torch.where(m_BT, torch.exp(d_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), 0.0),
     )
 
 
@@ -241,6 +251,7 @@ class _PerSequence:
     len_B: Tensor  # float64 valid tokens per sequence
     dp_max_B: Tensor  # max |dp| per sequence (0 for empty sequences)
     negd_sum_B: Tensor  # sum_t (s - l)
+    seq_ratio_sq_B: Tensor  # exp(2 sum_t d) (clamped), 0 for empty sequences
     num_sequences: Tensor  # sequences with at least one valid token (B')
     num_tokens: Tensor
 
@@ -252,6 +263,7 @@ def _per_sequence(tok: _PerToken) -> _PerSequence:
         len_B=len_B,
         dp_max_B=tok.abs_dp_BT.amax(1) if T > 0 else len_B * 0,
         negd_sum_B=-tok.d_BT.sum(1),
+        seq_ratio_sq_B=torch.where(len_B > 0, torch.exp(2 * tok.d_BT.sum(1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), 0.0),
         num_sequences=(len_B > 0).to(torch.float64).sum(),
         num_tokens=len_B.sum(),
     )
@@ -276,7 +288,19 @@ def _scalars(tok: _PerToken, seq: _PerSequence) -> dict[str, Tensor]:
         "frac_tis_capped": tok.capped_BT.sum() / tok_den,
         "frac_outside_icepop": tok.outside_BT.sum() / tok_den,
         "frac_dlogp_gt_ln2": tok.gt_ln2_BT.sum() / tok_den,
+        **ratio_moments(tok.ratio_BT.sum() / tok_den, tok.ratio_BT.square().sum() / tok_den, n_tok > 0),
+        "chi2_seq": torch.where(seq.num_sequences > 0, seq.seq_ratio_sq_B.sum() / seq_den - 1.0, 0.0),
     }
+
+
+def ratio_moments(mean_r: Tensor, mean_r2: Tensor, any_token: Tensor | bool) -> dict[str, Tensor]:
+    """ratio_mean, chi2_token and ess_token from the token means of r and r^2 (all 0 with no
+    token, like every summary value); `combine_mismatch_summaries` rebuilds the whole batch's from the parts' means."""
+    any_t = torch.as_tensor(any_token)
+    mean_r, mean_r2 = torch.as_tensor(mean_r, dtype=torch.float64), torch.as_tensor(mean_r2, dtype=torch.float64)
+    ess = torch.where(mean_r2 > 0, mean_r.square() / mean_r2.clamp(min=1e-300), 1.0)
+    return {"ratio_mean": torch.where(any_t, mean_r, 0.0), "chi2_token": torch.where(any_t, mean_r2 - 1.0, 0.0),
+            "ess_token": torch.where(any_t, ess, 0.0)}
 
 
 def _bucket_tables(

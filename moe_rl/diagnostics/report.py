@@ -49,6 +49,9 @@ SUMMARY_COLUMNS = (
     ("frac_tis_capped", "TIS-capped"),
     ("frac_outside_icepop", "outside IcePop"),
     ("frac_dlogp_gt_ln2", "abs dlogp > ln 2"),
+    ("chi2_token", "chi2 token"),
+    ("chi2_seq", "chi2 seq"),
+    ("ess_token", "ESS token"),
 )
 
 PLOT_FILES = {
@@ -298,7 +301,14 @@ use). Identical engines give d = 0 everywhere, so every number below would be 0.
   MIS would drop. Above {fmt_num(ALARMS["frac_outside_icepop"] * 100)}% a noticeable part of the
   batch would be masked out.
 - **abs dlogp > ln 2**: tokens whose probability differs by more than a factor of 2 either way
-  (equal to "outside IcePop" at the default band).
+  (equal to "outside IcePop" at the default band): the "extreme" tokens of the routing-replay
+  study, whose frequency it found an order of magnitude higher for an MoE than a dense model.
+- **chi2 token** = mean(exp(d)^2) - 1 and **ESS token** = mean(exp(d))^2 / mean(exp(d)^2): the
+  variance the token importance weights add (0 and 1 when sampler and learner agree); ESS is
+  the fraction of the tokens' count that an importance-weighted mean is worth.
+- **chi2 seq** = mean over responses of exp(2 sum_t d) - 1: the same for a whole response's
+  ratio, which compounds over its tokens (why sequence-level weights are capped or taken as a
+  geometric mean; docs/rollout_correction.md).
 - **routing** (when routings were given): per MoE layer, the fraction of tokens whose top-k
   expert set differs between sampler and learner, and the fraction differing in at least one
   layer. Without routing replay the any-layer fraction is typically large even when each

@@ -56,6 +56,7 @@ from moe_rl.learner.microbatch import (
     LossFn,
     MicroBatch,
     MicroBatchLoss,
+    PassScaledLoss,
     PassWork,
     ScoreResult,
     UpdateResult,
@@ -70,7 +71,7 @@ from moe_rl.learner.model_input import packed_input, packed_seq_params, padded_i
 from moe_rl.learner.optimizer import build_optimizer
 from moe_rl.learner.output_head import OutputHead
 from moe_rl.learner.parallel import Layout, all_reduce_, comm_device
-from moe_rl.learner.reduce import reduce_metrics
+from moe_rl.learner.reduce import reduce_metrics, reduce_sums
 from moe_rl.learner.routing import RouterTaps, RoutingPlan
 from moe_rl.learner.routing_compare import sampler_disagreement
 from moe_rl.routing.record import ReplayIds, RoutingRecord, row_positions
@@ -87,7 +88,7 @@ def _poisoned(loss_fn: LossFn) -> LossFn:
 
     def poisoned(logp_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
         out = loss_fn(logp_BT, mb)
-        return MicroBatchLoss(out.loss * float("nan"), out.metrics, out.weight)
+        return MicroBatchLoss(out.loss * float("nan"), out.metrics, out.weight, out.sums)
 
     return poisoned
 
@@ -250,7 +251,7 @@ class Learner:
         # callback's contributions already carry the global normalisers.
         scale = self._num_microbatches * self.layout.dp
         item.update(loss=_detached(out.loss), metrics={k: _detached(v) for k, v in out.metrics.items()},
-                    weight=out.weight)
+                    weight=out.weight, sums=out.sums)
         return out.loss * scale, item
 
     def _run(self, batch: StepBatch, loss_fn: LossFn | None, temperature: float) -> list[dict[str, Any]]:
@@ -298,7 +299,7 @@ class Learner:
         t0 = time.perf_counter()
         if nan_update_due(self.step + 1):  # (a test hook: a no-op unless MOE_RL_TEST_NAN_AT names this update)
             loss_fn = _poisoned(loss_fn)
-        metrics, logp, record = self._gradients(batch, loss_fn, plan, temperature)
+        metrics, logp, record, sums = self._gradients(batch, loss_fn, plan, temperature)
         ok, grad_norm = False, None
         kill_point("update")  # (a test hook: mid-step, the gradients computed, nothing applied yet)
         if update_is_finite(self.model, metrics.get("loss", 0.0)):  # (collective) else: skipped, never applied
@@ -314,7 +315,7 @@ class Learner:
         throughput, work = self._throughput(time.perf_counter() - t0)
         metrics.update(throughput)
         manual_gc.tick(self.parallel_cfg.manual_gc_interval)  # (after the timing: parallel.manual_gc_interval)
-        return UpdateResult(metrics, logp, record, work)
+        return UpdateResult(metrics, logp, record, work, sums)
 
     def _throughput(self, seconds: float) -> tuple[dict[str, float], PassWork]:
         """The last pass's token slots: padding fraction and real tokens per second over
@@ -329,10 +330,11 @@ class Learner:
                  "tokens_per_s": real / seconds if seconds > 0 else 0.0,
                  "microbatches": float(self._num_microbatches)}, PassWork(real, squares, seconds))
 
-    def _gradients(self, batch: StepBatch, loss_fn: LossFn, plan: RoutingPlan | None,
-                   temperature: float) -> tuple[dict[str, float], torch.Tensor, RoutingRecord | None]:
+    def _gradients(self, batch: StepBatch, loss_fn: LossFn, plan: RoutingPlan | None, temperature: float
+                   ) -> tuple[dict[str, float], torch.Tensor, RoutingRecord | None, dict[str, float]]:
         """Gradients of the summed loss contributions into the grad buffers (`main_grad`,
-        reduced over data-parallel ranks), without an optimizer step."""
+        reduced over data-parallel ranks), without an optimizer step; with a
+        `PassScaledLoss`, scaled by its pass-wide factor. Also the loss's tallies."""
         if not self.trainable:
             raise RuntimeError("this learner was built without an optimizer (frozen): it cannot train")
         self.model.train()
@@ -343,11 +345,17 @@ class Learner:
             store = self._run(batch, loss_fn, temperature)
             routing_metrics = self.taps.shift_metrics() if plan.old is not None else {}
             record = self.taps.record()
-        metrics = reduce_metrics(store, self.layout) if self.layout.is_last_stage else {}
-        metrics = self._broadcast_object(metrics)
+        last = self.layout.is_last_stage
+        metrics, sums = self._broadcast_object((reduce_metrics(store, self.layout), reduce_sums(store, self.layout))
+                                               if last else ({}, {}))
+        if isinstance(loss_fn, PassScaledLoss):
+            scale = loss_fn.pass_scale(sums)
+            if scale != 1.0:  # (the same factor on every rank and stage: they all hold `sums`)
+                self.model.scale_gradients(scale)
+                metrics["loss"] = metrics.get("loss", 0.0) * scale
         metrics.update(routing_metrics)
         logp = self._collect(store, ["logp_BT"], batch.batch_size, batch.tokens.response_width)[0]
-        return metrics, logp, record
+        return metrics, logp, record, sums
 
     def _collect(self, store: list[dict[str, Any]], keys: list[str | None], rows: int,
                  width: int) -> list[torch.Tensor | None]:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -193,9 +193,25 @@ class MicroBatchLoss:
     """0-d tensors. Names ending in _max / _min reduce by max / min, others by weighted mean."""
     weight: float | torch.Tensor = 1.0
     """Weight of this micro-batch in mean-type metrics (e.g. its valid token count)."""
+    sums: dict[str, torch.Tensor] | None = None
+    """Additive 0-d tallies (counts a loss decided during the forward): summed over the
+    pass's micro-batches and data-parallel ranks into `UpdateResult.sums`."""
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch], MicroBatchLoss]
+
+
+@runtime_checkable
+class PassScaledLoss(Protocol):
+    """A loss callback whose normalizers are only known once the whole pass has run (what it
+    keeps or rejects is decided from the forward's own log-probs): the learner sums the
+    micro-batches' `sums` over the pass and every data-parallel rank, then multiplies the
+    accumulated gradient (and the reported loss) by `pass_scale(sums)` before the
+    optimizer step. Exact, because every contribution carries the same global normalizer."""
+
+    def __call__(self, logp_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss: ...
+
+    def pass_scale(self, sums: dict[str, float]) -> float: ...
 
 
 @dataclass
@@ -246,6 +262,9 @@ class UpdateResult:
     """This rank's routing record of the update's forward, when the plan captured it."""
     work: PassWork = field(default_factory=PassWork)
     """The update's tokens and seconds over every data-parallel rank (the same on every rank)."""
+    sums: dict[str, float] = field(default_factory=dict)
+    """The loss callback's additive tallies over the pass and every data-parallel rank
+    (`MicroBatchLoss.sums`; the same on every rank)."""
 
 
 class ForwardHooks:

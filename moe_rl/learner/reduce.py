@@ -59,3 +59,17 @@ def reduce_metrics(store: list[dict[str, Any]], layout: Layout) -> dict[str, flo
     for kind in ("max", "min"):
         out.update(zip(by_kind[kind], packed[kind].tolist()))
     return out
+
+
+def reduce_sums(store: list[dict[str, Any]], layout: Layout) -> dict[str, float]:
+    """The micro-batches' additive tallies (`MicroBatchLoss.sums`) summed over the pass and
+    the data-parallel ranks (one all-reduce); {} when the loss reports none."""
+    names = sorted({k for item in store for k in item.get("sums") or {}})
+    if not names:
+        return {}
+    totals = torch.stack([sum((item["sums"][n].double().reshape(()).cpu() for item in store
+                               if n in (item.get("sums") or {})), torch.zeros((), dtype=torch.float64))
+                          for n in names])
+    if layout.dp > 1:
+        all_reduce_(totals, group=ps.get_data_parallel_group())
+    return dict(zip(names, totals.tolist()))

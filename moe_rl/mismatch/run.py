@@ -19,8 +19,11 @@ Steps (`tools/measure_mismatch.py` is the CLI):
      routing disagreement when the sampler returns routed experts (the transformers
      backend; vLLM on CPU cannot), and `write_report`.
 
-Sampling uses top_p = 1: the sampler's logprob of a token is then log_softmax(logits / T),
-exactly what the learner computes, so any difference is numerics, not sampling rules.
+Sampling uses top_p = 1 unless a setting asks for less: the sampler's logprob of a token is
+then log_softmax(logits / T), exactly what the learner computes, so any difference is
+numerics, not sampling rules. A setting at top_p < 1 compares the sampler's log-prob in the
+truncated, renormalized distribution it sampled from (vLLM's processed log-probs) with the
+learner's full softmax: the bias RL training would take on at that top_p (and refuses).
 """
 
 from __future__ import annotations
@@ -215,29 +218,32 @@ def pack_rollouts(ro: Any, pad_id: int, T: int, num_experts: int, num_dense_laye
 
 
 def sample_all(prep: Prepared, hf_dir: Path, samples_per_prompt: int, seed: int,
-               on_stage: Callable[[str], None]) -> dict[tuple[str, str], Packed]:
-    """Each distinct sampler of the settings, one engine at a time (closed before the next)."""
+               on_stage: Callable[[str], None]) -> dict[tuple[str, str, float], Packed]:
+    """Each distinct sampler of the settings, one engine per (backend, precision) at a time
+    (closed before the next), sampling at each of its settings' top_p."""
     from moe_rl.sampler import make_sampler
 
     cfg = prep.ckpt.cfg
-    out: dict[tuple[str, str], Packed] = {}
-    for backend, precision in dict.fromkeys(s.sampler for s in prep.settings):
+    out: dict[tuple[str, str, float], Packed] = {}
+    engines = dict.fromkeys(s.sampler[:2] for s in prep.settings)
+    for backend, precision in engines:
         on_stage(f"sampling {backend}:{precision}")
         sampler = make_sampler(hf_dir, sampler_engine(cfg, backend, precision, seed, prep.tok.eos_ids))
         try:
-            ro = sampler.generate(prep.prompt_ids, n=samples_per_prompt, max_new_tokens=prep.max_new_tokens,
-                                  temperature=prep.temperature, top_p=1.0, seed=seed)
+            for top_p in dict.fromkeys(s.top_p for s in prep.settings if s.sampler[:2] == (backend, precision)):
+                ro = sampler.generate(prep.prompt_ids, n=samples_per_prompt, max_new_tokens=prep.max_new_tokens,
+                                      temperature=prep.temperature, top_p=top_p, seed=seed)
+                out[(backend, precision, top_p)] = pack_rollouts(ro, prep.tok.pad_id, prep.max_new_tokens,
+                                                                 cfg.model.num_experts, cfg.model.num_dense_layers)
         finally:
             sampler.close()
-        out[(backend, precision)] = pack_rollouts(ro, prep.tok.pad_id, prep.max_new_tokens, cfg.model.num_experts,
-                                                  cfg.model.num_dense_layers)
     return out
 
 
 # --------------------------------------------------------------------------- scoring
 
 
-def score_all(prep: Prepared, packed: dict[tuple[str, str], Packed], work_dir: Path,
+def score_all(prep: Prepared, packed: dict[tuple[str, str, float], Packed], work_dir: Path,
               on_stage: Callable[[str], None]) -> dict[ScoringLayout, dict[tuple[str, str], Any]]:
     """Each distinct learner layout scores the rollouts of its settings."""
     from moe_rl.mismatch.learner_scoring import ScoreJob, score_in_process, score_with_torchrun
@@ -258,7 +264,7 @@ def score_all(prep: Prepared, packed: dict[tuple[str, str], Packed], work_dir: P
 # --------------------------------------------------------------------------- entry points
 
 
-def layout_agreement(prep: Prepared, packed: dict[tuple[str, str], Packed],
+def layout_agreement(prep: Prepared, packed: dict[tuple[str, str, float], Packed],
                      scored: dict[ScoringLayout, dict[tuple[str, str], Any]]) -> dict[str, float]:
     """max |logp_learner@layout - logp_learner@first layout| over the same tokens, for each
     setting whose rollouts were scored at more than one layout (learner-vs-learner: how much
@@ -283,7 +289,7 @@ def _display_path(p: Path) -> str:
         return str(p)
 
 
-def _meta(prep: Prepared, mc: MeasureConfig, packed: dict[tuple[str, str], Packed], seconds: float,
+def _meta(prep: Prepared, mc: MeasureConfig, packed: dict[tuple[str, str, float], Packed], seconds: float,
           agreement: dict[str, float]) -> dict:
     m = prep.ckpt.cfg.model
     meta: dict[str, Any] = {
@@ -294,12 +300,13 @@ def _meta(prep: Prepared, mc: MeasureConfig, packed: dict[tuple[str, str], Packe
         "samples_per_prompt": mc.samples_per_prompt,
         "max_new_tokens": prep.max_new_tokens,
         "temperature": prep.temperature,
-        "top_p": 1.0,
+        "top_p": ", ".join(dict.fromkeys(f"{s.top_p:g}" for s in prep.settings)),
         "seed": mc.seed,
         "settings": "SAMPLER_BACKEND:PRECISION/learner:PRECISION[@LAYOUT]; no @: the learner in one process; "
                     "@LAYOUT: under torchrun at that layout (@ep2: expert parallel over 2 processes, data "
                     "parallel 2); settings with the same sampler score the very same rollouts",
-        "mean_response_length": ", ".join(f"{b}:{p} {v.mean_length:.2f}" for (b, p), v in packed.items()),
+        "mean_response_length": ", ".join(f"{b}:{p}{'' if t == 1 else f'(top_p={t:g})'} {v.mean_length:.2f}"
+                                          for (b, p, t), v in packed.items()),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})",
         "torch": torch.__version__,
         "wall_seconds": round(seconds, 1),
@@ -340,7 +347,7 @@ def measure(mc: MeasureConfig, prep: Prepared | None = None) -> tuple[dict[str, 
     """Sample, score and compute the metrics of every setting (nothing written but temp files)."""
     t0 = time.perf_counter()
     prep = prep or prepare(mc)
-    n_samplers = len(dict.fromkeys(s.sampler for s in prep.settings))
+    n_samplers = len(dict.fromkeys(s.sampler[:2] for s in prep.settings))
     n_layouts = len(dict.fromkeys(s.layout for s in prep.settings))
     stages = _Stages(1 + n_samplers + n_layouts, mc.progress)
     try:

@@ -98,6 +98,10 @@ class Setting:
     sampler_precision: str
     learner_precision: str = "fp32"
     layout: ScoringLayout = field(default_factory=ScoringLayout)
+    top_p: float = 1.0
+    """The sampler's nucleus: below 1 the sampler's log-prob is that of the truncated,
+    renormalized distribution it sampled from, while the learner scores the full softmax
+    (what RL training refuses: this row shows the bias it would bring)."""
 
     def __post_init__(self) -> None:
         for what, value, allowed in (
@@ -107,18 +111,21 @@ class Setting:
         ):
             if value not in allowed:
                 raise MeasureError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+        if not 0 < self.top_p <= 1:
+            raise MeasureError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.sampler_precision == "fp8" and self.backend != "vllm":
             raise MeasureError("sampler precision fp8 is vLLM's fp8 execution (GPU); the transformers "
                                "sampler has fp8_emulated")
 
     @property
-    def sampler(self) -> tuple[str, str]:
-        """(backend, precision): settings that share it share one set of rollouts."""
-        return self.backend, self.sampler_precision
+    def sampler(self) -> tuple[str, str, float]:
+        """(backend, precision, top_p): settings that share it share one set of rollouts."""
+        return self.backend, self.sampler_precision, self.top_p
 
     @property
     def sampler_name(self) -> str:
-        return f"{self.backend}:{self.sampler_precision}"
+        nucleus = "" if self.top_p == 1 else f"(top_p={self.top_p:g})"
+        return f"{self.backend}:{self.sampler_precision}{nucleus}"
 
     @property
     def name(self) -> str:

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from moe_rl.config import CorrectionHParams, register_objective_hparams
+from moe_rl.config.rl import ROLLOUT_CORRECTIONS
 from moe_rl.objectives.batch import PolicyBatch
 from moe_rl.objectives.common import (
     AGGREGATIONS,
     KL_ESTIMATORS,
-    ROLLOUT_CORRECTIONS,
     Aggregation,
     KLEstimator,
     RolloutCorrection,
@@ -57,20 +57,29 @@ class CommonHParams(CorrectionHParams):
 
     rollout_correction: RolloutCorrection = "none"
     """Sampler-learner correction from d = old_logprobs - rollout_logprobs: none | tis
-    (weight min(exp(d), tis_cap)) | mis (drop tokens with exp(d) outside [mis_low, mis_high],
-    the tis weight on the rest) | icepop (same drop, weight 1). Per sequence for gspo, gmpo,
-    rspo (exp of the mean d; any dropped token drops the sequence). The weight multiplies
-    each unit's whole term, KL penalty included."""
+    (weight min(exp(d), tis_cap)) | mis (reject tokens with exp(d) outside [mis_low,
+    mis_high], the tis weight on the rest) | icepop (same rejection, weight 1) | is_rs (the
+    general form: is_level, rs_level, rs_high, rs_low, veto_below, is_batch_normalize).
+    Per sequence for gspo, gmpo, rspo (a rejected token rejects its sequence). The weight
+    multiplies each unit's whole term, KL penalty included; rejected tokens leave the loss
+    and its normalizers (`moe_rl.objectives.correction`)."""
+    opsm_delta: float | None = None
+    """Off-policy sequence masking: a sequence with A_i < 0 whose mean_t (rollout - logprobs)
+    (current policy, detached) exceeds delta is masked out of the objective, its tokens kept
+    in the normalizers. None: off. Needs rollout_logprobs and [B] advantages."""
+    is_weight_mean: float | Tensor | None = None
+    """is_batch_normalize: the step-wide mean of the importance weights over the kept units
+    (every micro-batch and rank). None: this batch's own."""
     kl_coef: float = 0.0
     """Weight beta of the KL penalty to ref_logprobs (0: none). Aggregated like the objective
     (per-sequence token means for sequence-level objectives)."""
     kl_estimator: KLEstimator = "k3"
     """KL estimator: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1."""
     token_normalizer: float | Tensor | None = None
-    """Global number of valid tokens (token-mean objectives: dapo, cispo). None: this batch's."""
+    """Global number of valid (kept) tokens (token-mean objectives: dapo, cispo). None: this batch's."""
     seq_normalizer: float | Tensor | None = None
-    """Global number of non-empty sequences B' (seq-mean and seq-mean-token-mean objectives).
-    None: this batch's."""
+    """Global number of sequences with a valid (kept) token, B' (seq-mean and
+    seq-mean-token-mean objectives). None: this batch's."""
     num_sequences_total: float | Tensor | None = None
     """Global number of sequences B, empty ones included (dr_grpo's 1/B). None: this batch's."""
     max_response_length: int | None = None
@@ -83,12 +92,13 @@ class CommonHParams(CorrectionHParams):
             self.rollout_correction in ROLLOUT_CORRECTIONS,
             f"rollout_correction={self.rollout_correction!r}; valid: {', '.join(ROLLOUT_CORRECTIONS)}",
         )
+        self.check_mode(self.rollout_correction)
         require(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         require(
             self.kl_estimator in KL_ESTIMATORS,
             f"kl_estimator={self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}",
         )
-        for name in ("token_normalizer", "seq_normalizer", "num_sequences_total"):
+        for name in ("token_normalizer", "seq_normalizer", "num_sequences_total", "is_weight_mean"):
             value = getattr(self, name)
             require(value is None or _is_count(value), f"{name} must be a count >= 0, got {value!r}")
         L = self.max_response_length
@@ -212,7 +222,8 @@ def register_objective(
             name, ObjectiveSpec(name, fn, hparams, aggregation, paper, fixes, needs_router_shift)
         )
         # recipes then accept rl.objective=<name> and rl.objective_args.<name>.*
-        register_objective_hparams(name, hparams, summary=fixes, needs_router_shift=needs_router_shift)
+        register_objective_hparams(name, hparams, summary=fixes, needs_router_shift=needs_router_shift,
+                                   sequence_level=aggregation == "seq-mean")
         return fn
 
     return deco

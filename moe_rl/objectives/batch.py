@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from moe_rl.runtime.metrics import reduction
+
+if TYPE_CHECKING:
+    from moe_rl.objectives.correction import CorrectionCounts
 
 
 @dataclass
@@ -108,9 +112,13 @@ class LossOutput:
     metrics: dict[str, Tensor]
     """Detached 0-d diagnostics (clip_frac, ratio_*, approx_kl, ...), see OBJECTIVES.md."""
     num_tokens: Tensor
-    """0-d count of valid response tokens in this (micro-)batch."""
+    """0-d count of valid response tokens in this (micro-)batch (kept ones: a token the
+    rollout correction rejects is not valid)."""
     num_sequences: Tensor
     """0-d count of non-empty sequences in this (micro-)batch (B')."""
+    counts: CorrectionCounts | None = None
+    """Additive tallies of the rollout correction and OPSM (None without either): sum them
+    over micro-batches and ranks for the step's kept counts and `fractions()`."""
 
 
 def combine_metrics(outputs: Sequence[LossOutput], level: str) -> dict[str, Tensor]:

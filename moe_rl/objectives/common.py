@@ -1,6 +1,6 @@
 """Pieces every objective shares, so that an objective file holds only its own ratio and
 surrogate: masked log ratios, the two clipping shapes, aggregation weights with explicit
-normalizers, KL estimators, and sampler-learner correction weights.
+normalizers and KL estimators (the sampler-learner correction is `correction`).
 
 Conventions. Tensors named `*_BT` are [B,T], `*_B` are [B]. Inputs arrive already masked
 (0 at padded positions, selected with `torch.where`, so NaN/inf padding never reaches an
@@ -41,7 +41,7 @@ def masked_log_ratio(num_BT: Tensor, den_BT: Tensor, mask_BT: Tensor) -> Tensor:
     return torch.where(mask_BT, num_BT - den_BT, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
-def _guard(count: Count) -> Count:
+def guard_count(count: Count) -> Count:
     """max(count, 1), without a host sync for tensors."""
     if isinstance(count, Tensor):
         return count.clamp(min=1)
@@ -113,18 +113,18 @@ def aggregation_weights(
     """
     if aggregation == "token-mean":
         n_tok = token_normalizer if token_normalizer is not None else len_B.sum()
-        return mask_f_BT / _guard(n_tok)
+        return mask_f_BT / guard_count(n_tok)
     if aggregation == "seq-mean-token-sum-norm":
         n_seq = num_sequences_total if num_sequences_total is not None else mask_f_BT.shape[0]
         l_max = max_response_length if max_response_length is not None else mask_f_BT.shape[1]
-        return mask_f_BT / (_guard(n_seq) * _guard(l_max))
+        return mask_f_BT / (guard_count(n_seq) * guard_count(l_max))
     # (the non-empty mask only where it is used: each op is a kernel launch on a GPU)
     nonempty_B = len_B > 0 if aggregation == "seq-mean" or seq_normalizer is None else None
     n_seq = seq_normalizer if seq_normalizer is not None else nonempty_B.sum()
     if aggregation == "seq-mean":
-        return nonempty_B.to(len_B.dtype) / _guard(n_seq)
+        return nonempty_B.to(len_B.dtype) / guard_count(n_seq)
     if aggregation == "seq-mean-token-mean":
-        return mask_f_BT * (1.0 / (len_B.clamp(min=1) * _guard(n_seq))).unsqueeze(1)
+        return mask_f_BT * (1.0 / (len_B.clamp(min=1) * guard_count(n_seq))).unsqueeze(1)
     raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
 
 
@@ -156,49 +156,8 @@ def kl_estimate(estimator: str, logp_BT: Tensor, ref_BT: Tensor, mask_BT: Tensor
 # --------------------------------------------------------------------------- sampler correction
 
 
-RolloutCorrection = Literal["none", "tis", "mis", "icepop"]
-ROLLOUT_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis", "icepop")
-
-
-@torch.no_grad()
-def rollout_correction_weights(
-    mode: str,
-    old_BT: Tensor,
-    rollout_BT: Tensor,
-    mask_BT: Tensor,
-    inv_len_B: Tensor,
-    *,
-    per_sequence: bool,
-    tis_cap: float,
-    mis_low: float,
-    mis_high: float,
-) -> tuple[Tensor, Tensor]:
-    """Detached sampler-learner correction from `d = old - rollout` (learner over sampler):
-    returns (weight, kept), per token [B,T] or, with `per_sequence`, per sequence [B].
-
-    - tis:    weight = min(exp(d), tis_cap); per sequence min(exp(mean_t d), tis_cap).
-    - mis:    tokens with exp(d) outside [mis_low, mis_high] get weight 0, the rest keep the
-              truncated weight min(exp(d), tis_cap); per sequence, a sequence with any such
-              token gets 0, the rest min(exp(mean_t d), tis_cap).
-    - icepop: the same mask, weight 1 on what is kept.
-    """
-    d_BT = masked_log_ratio(old_BT, rollout_BT, mask_BT)
-    if per_sequence:
-        d_mean_B = d_BT.sum(1) * inv_len_B
-        if mode == "tis":
-            w_B = torch.exp(d_mean_B).clamp(max=tis_cap)
-            return w_B, torch.ones_like(w_B, dtype=torch.bool)
-        r_BT = torch.exp(d_BT)  # padding: d = 0, r = 1, inside any sane band
-        out_B = (((r_BT < mis_low) | (r_BT > mis_high)) & mask_BT).any(1)
-        kept_B = ~out_B
-        w_B = torch.exp(d_mean_B).clamp(max=tis_cap) if mode == "mis" else torch.ones_like(d_mean_B)
-        return torch.where(kept_B, w_B, 0.0), kept_B
-    r_BT = torch.exp(d_BT)
-    if mode == "tis":
-        return r_BT.clamp(max=tis_cap), torch.ones_like(mask_BT)
-    kept_BT = (r_BT >= mis_low) & (r_BT <= mis_high)
-    w_BT = r_BT.clamp(max=tis_cap) if mode == "mis" else torch.ones_like(r_BT)
-    return torch.where(kept_BT, w_BT, 0.0), kept_BT
+RolloutCorrection = Literal["none", "tis", "mis", "icepop", "is_rs"]
+"""rl.rollout_correction's names (moe_rl.objectives.correction computes them)."""
 
 
 # --------------------------------------------------------------------------- metrics

@@ -1,14 +1,18 @@
 """`policy_loss`: one entry point that wraps any registered objective with the shared
 machinery (input checks, aggregation weights, sampler correction, KL penalty, metrics).
 
-    loss = -sum(W * c * u) + kl_coef * sum(W_tok * c_tok * k)
+    loss = -sum(W * c * o * u) + kl_coef * sum(W_tok * c_tok * k)
 
-u is the objective's per-unit term, W its aggregation weights (explicit normalizers make
-micro-batch losses add up to the whole-batch loss), c the sampler-correction weight
-(1 without correction), k the per-token KL estimate (token weights W_tok: W itself for
-token-level objectives, W_i m / n_i for sequence-level ones). The correction multiplies
-the KL term too: OBJECTIVES.md puts `-beta*k3` inside u and lets the weight multiply "each
-token's term" (a dropped token or sequence leaves the loss entirely).
+u is the objective's per-unit term, W its aggregation weights over the kept tokens
+(explicit normalizers make micro-batch losses add up to the whole-batch loss), c the
+sampler-correction weight (1 without correction; `moe_rl.objectives.correction`), o the
+OPSM keep flag of the unit's sequence (1 without OPSM), k the per-token KL estimate (token
+weights W_tok: W itself for token-level objectives, W_i m / n_i for sequence-level ones).
+A token the correction rejects leaves the response mask before anything is computed, so it
+counts in neither the loss nor n_i nor the token and sequence counts; the correction weight
+multiplies the KL term too (the penalty is part of each token's term), OPSM does not (it
+masks the policy-gradient term, as DeepSeek-V3.2 writes it). docs/objectives.md has the
+formulas.
 
 Metrics (see LossOutput for how they combine), means over the objective's units:
 - `clip_frac`: token-level objectives, the fraction of valid tokens whose clip is active
@@ -19,12 +23,17 @@ Metrics (see LossOutput for how they combine), means over the objective's units:
 - `approx_kl`: k3 of old vs current per token; sequence-level objectives average it
   within each sequence first. Likewise `kl_ref` (the configured estimator vs ref_logprobs)
   and `router_shift_mean` (the input gamma, before the g_min floor).
-- `rollout_weight_mean`, `rollout_masked_frac`: the correction weight and dropped fraction
-  per unit (tokens, or sequences for sequence-level objectives).
+- `rollout_weight_mean`: the correction's importance weight (after batch normalization)
+  per kept unit.
+Additive tallies (LossOutput.counts, with a correction or OPSM): kept and rejected tokens
+and sequences, vetoed and OPSM-masked sequences, the weights' sum; summed over micro-batches
+and ranks they give the step's normalizers and `CorrectionCounts.fractions()`
+(`rollout_masked_frac`, `rollout_rejected_seq_frac`, `rollout_vetoed_frac`, `opsm_masked_frac`).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -41,23 +50,26 @@ from moe_rl.objectives.base import (
 from moe_rl.objectives.batch import LossOutput, PolicyBatch
 from moe_rl.objectives.common import (
     aggregation_weights,
+    compute_dtype,
     kl_estimate,
     masked_aminmax,
     masked_min,
-    rollout_correction_weights,
     weighted_sum,
 )
+from moe_rl.objectives.correction import correction_form, decide_correction, opsm_masked, tally
 
 
 def policy_loss(name: str, batch: PolicyBatch, **hparams: Any) -> LossOutput:
     """The loss of objective `name` on `batch`.
 
     `hparams` are the objective's own (OBJECTIVES[name].hparams fields) and the shared ones
-    (CommonHParams fields: rollout_correction, tis_cap, mis_low, mis_high, kl_coef,
+    (CommonHParams fields: rollout_correction and its knobs, opsm_delta, kl_coef,
     kl_estimator, token_normalizer, seq_normalizer, num_sequences_total,
-    max_response_length). An unknown name or key, or inputs the objective cannot use (rspo
-    without router_shift, kl_coef > 0 without ref_logprobs, a correction without
-    rollout_logprobs, [B,T] advantages for a sequence-level objective), raise ValueError.
+    max_response_length, is_weight_mean). An unknown name or key, or inputs the objective
+    cannot use (rspo without router_shift, kl_coef > 0 without ref_logprobs, a correction
+    or OPSM without rollout_logprobs, [B,T] advantages for a sequence-level objective or
+    OPSM), raise ValueError. With a correction that rejects, the normalizers count kept
+    tokens and sequences only (a single call without them counts its own).
     """
     common, own = split_hparams(name, hparams)
     return policy_loss_from_hparams(name, batch, common, own)
@@ -71,10 +83,20 @@ def policy_loss_from_hparams(name: str, batch: PolicyBatch, common: CommonHParam
     if not isinstance(own, spec.hparams):
         raise ValueError(f"objective {name!r} takes {spec.hparams.__name__}, got {type(own).__name__}")
     _check_inputs(spec, batch, common)
+    per_sequence = spec.level == "sequence"
+    form = correction_form(common.rollout_correction, common, per_sequence)
+    mask_BT, correction = batch.response_mask, None
+    if form is not None:
+        dtype = compute_dtype(batch.logprobs.dtype)
+        assert batch.rollout_logprobs is not None
+        correction = decide_correction(form, batch.old_logprobs.detach().to(dtype),
+                                       batch.rollout_logprobs.detach().to(dtype), mask_BT)
+        if form.rejects:  # rejected tokens leave the loss and every count: the batch without them
+            batch = copy.copy(batch)
+            batch.response_mask = correction.kept_BT
     ctx = Context(batch)
     surrogate = spec.fn(ctx, own)
 
-    per_sequence = spec.level == "sequence"
     with torch.no_grad():
         weight = aggregation_weights(
             spec.aggregation,
@@ -85,23 +107,24 @@ def policy_loss_from_hparams(name: str, batch: PolicyBatch, common: CommonHParam
             num_sequences_total=common.num_sequences_total,
             max_response_length=common.max_response_length,
         )
-        correction = None
-        if common.rollout_correction != "none":
-            assert batch.rollout_logprobs is not None
-            correction = rollout_correction_weights(
-                common.rollout_correction,
-                ctx.old_BT,
-                batch.rollout_logprobs.detach().to(ctx.dtype),
-                ctx.mask_BT,
-                ctx.inv_len_B,
-                per_sequence=per_sequence,
-                tis_cap=common.tis_cap,
-                mis_low=common.mis_low,
-                mis_high=common.mis_high,
-            )
-            weight = weight * correction[0]
+        is_weight = None
+        if correction is not None and correction.weight is not None:
+            is_weight = correction.weight
+            if form is not None and form.batch_normalize:
+                mean = common.is_weight_mean
+                mean = tally(mask_BT, correction, None).weight_mean() if mean is None else mean
+                mean = torch.as_tensor(mean, dtype=is_weight.dtype, device=is_weight.device)
+                is_weight = is_weight / torch.where(mean > 0, mean, 1.0)  # (no kept unit: weights are 0 anyway)
+            weight = weight * (is_weight.unsqueeze(1) if is_weight.ndim < weight.ndim else is_weight)
+        opsm_B = None
+        if common.opsm_delta is not None:
+            assert batch.rollout_logprobs is not None and ctx.adv_B is not None
+            opsm_B = opsm_masked(common.opsm_delta, batch.rollout_logprobs.to(ctx.dtype), ctx.logprobs_BT,
+                                 ctx.mask_BT, ctx.adv_B)
+        # OPSM masks the objective only; its tokens stay in the normalizers (and in the KL term).
+        objective_weight = weight if opsm_B is None else weight * _per_unit(~opsm_B, weight)
 
-    objective = weighted_sum(surrogate.objective, weight)
+    objective = weighted_sum(surrogate.objective, objective_weight)
 
     kl_BT = None
     if batch.ref_logprobs is not None:
@@ -114,9 +137,16 @@ def policy_loss_from_hparams(name: str, batch: PolicyBatch, common: CommonHParam
             objective = objective - common.kl_coef * weighted_sum(kl_BT, w_tok)
 
     with torch.no_grad():
-        metrics = _metrics(ctx, surrogate, per_sequence, kl_BT, correction)
+        metrics = _metrics(ctx, surrogate, per_sequence, kl_BT, is_weight)
+        counts = None if form is None and opsm_B is None else tally(mask_BT, correction, opsm_B)
     num_tokens, num_sequences = ctx.mask_BT.sum(), ctx.num_nonempty
-    return LossOutput(-objective, metrics, num_tokens, num_sequences)
+    return LossOutput(-objective, metrics, num_tokens, num_sequences, counts)
+
+
+def _per_unit(x_B: Tensor, like: Tensor) -> Tensor:
+    """A per-sequence [B] factor shaped to multiply `like` ([B] or [B,T])."""
+    x = x_B.to(like.dtype)
+    return x if like.ndim == 1 else x.unsqueeze(1)
 
 
 def _check_inputs(spec: ObjectiveSpec, batch: PolicyBatch, common: CommonHParams) -> None:
@@ -137,6 +167,13 @@ def _check_inputs(spec: ObjectiveSpec, batch: PolicyBatch, common: CommonHParams
             f"rollout_correction={common.rollout_correction!r} needs "
             "PolicyBatch.rollout_logprobs (the sampler's logprobs); it is None"
         )
+    if common.opsm_delta is not None and batch.rollout_logprobs is None:
+        raise ValueError("opsm_delta needs PolicyBatch.rollout_logprobs (the sampler's logprobs); it is None")
+    if common.opsm_delta is not None and batch.advantages.ndim != 1:
+        raise ValueError(
+            "opsm_delta masks whole sequences by their advantage's sign and needs PolicyBatch.advantages "
+            f"of shape [B], got {list(batch.advantages.shape)} (per-token advantages, e.g. PPO's GAE)"
+        )
     if spec.level == "sequence" and batch.advantages.ndim != 1:
         raise ValueError(
             f"objective {spec.name!r} is sequence-level and needs PolicyBatch.advantages of "
@@ -149,7 +186,7 @@ def _metrics(
     surrogate: Surrogate,
     per_sequence: bool,
     kl_BT: Tensor | None,
-    correction: tuple[Tensor, Tensor] | None,
+    is_weight: Tensor | None,
 ) -> dict[str, Tensor]:
     """Local metrics: means over this batch's units (valid tokens; or non-empty sequences,
     per-token quantities first averaged within each sequence)."""
@@ -182,8 +219,7 @@ def _metrics(
         shift_BT = torch.where(ctx.mask_BT, ctx.router_shift_BT, 0.0)
         metrics["router_shift_mean"] = mean(shift_BT)
         metrics["router_shift_min"] = masked_min(shift_BT, ctx.mask_BT)
-    if correction is not None:
-        weight, kept = correction
-        metrics["rollout_weight_mean"] = mean(weight)
-        metrics["rollout_masked_frac"] = mean((~kept).to(ctx.dtype))
+    if is_weight is not None:  # (a sequence weight of a token-level objective: per token, like the loss)
+        shaped = is_weight if per_sequence or is_weight.ndim == 2 else is_weight.unsqueeze(1) * ctx.mask_f_BT
+        metrics["rollout_weight_mean"] = mean(shaped)
     return metrics

@@ -2,10 +2,12 @@
 
 One launch of 4 processes, in three parts:
 reference (rank 0 alone, a one-process world): fresh tiny MoE -> checkpoint `ckpt0`;
-    logprobs of a fixed batch; one optimizer step; full parameters after it; logprobs after it.
+    logprobs of a fixed batch; the rollout-correction matrix's passes (loss, gradient norm);
+    one optimizer step; full parameters after it; logprobs after it.
 layouts (4 processes): for TP2, EP2 (alltoall), PP2, TP2xEP2: load `ckpt0`, score the
-    same batch, take the same step, gather full parameters (TP2 first takes an update with
-    a NaN loss, which must be skipped without a trace). EP2 also checks resume
+    same batch, take the same step, gather full parameters (TP2, at data parallel 2, first
+    runs the rollout-correction matrix, then takes an update with a NaN loss, which must be
+    skipped without a trace). EP2 also checks resume
     (save, step == load, step) and writes `ckpt_ep2` (after its step).
 check (rank 0 alone, a one-process world): load `ckpt_ep2` at TP1 and score the batch.
 Results go to <out>/{reference,layouts,check}.pt for the test to compare.
@@ -14,7 +16,7 @@ Results go to <out>/{reference,layouts,check}.pt for the test to compare.
 import sys
 
 from dist_helpers import alone_on_rank0, one_process_then_world
-from learner_utils import episode_batch, fixed_batch, learner_of, reinforce_loss
+from learner_utils import correction_matrix, episode_batch, fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.config import load_config
 from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
@@ -60,7 +62,8 @@ def reference(out: str, batch, adv_B) -> dict:
     with parallel_layout(cfg.parallel, seed=3) as layout:
         learner = learner_of(cfg, layout)
         save_checkpoint(learner, f"{out}/ckpt0", config=cfg)
-        result = {"logp": learner.logprobs(batch), "logp_episode": learner.logprobs(episode_batch()[0])}
+        result = {"logp": learner.logprobs(batch), "logp_episode": learner.logprobs(episode_batch()[0]),
+                  "corrections": correction_matrix(learner, BASE)}
         result["metrics"], result["params"] = step_and_gather(learner, batch, adv_B)
         result["logp_after"] = learner.logprobs(batch)
     return result
@@ -75,6 +78,8 @@ def layouts(out: str, batch, adv_B) -> dict:
             load_checkpoint(learner, f"{out}/ckpt0")
             r = {"layout": layout.name, "logp": learner.logprobs(batch),
                  "logp_episode": learner.logprobs(episode_batch()[0])}
+            if name == "tp2":  # (data parallel 2: the corrections' normalizers cross ranks)
+                r["corrections"] = correction_matrix(learner, BASE + overrides)
             if name == "tp2":  # a NaN update first: skipped on every rank, it must leave no trace in the step
                 r["nan"] = learner.train_step(batch, nan_loss(batch), extras={"adv_B": adv_B})
             r["metrics"], r["params"] = step_and_gather(learner, batch, adv_B)

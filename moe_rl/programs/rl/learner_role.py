@@ -5,7 +5,9 @@ One step, on every training rank (docs/step.md):
      problems, G responses each; rewards, dynamic sampling, advantages; each data-parallel
      rank receives only its rows, as a `StepBatch`;
   2. score: the learner recomputes old logprobs and records routing for those rows (R3:
-     replaying the sampler's); a reference model scores them when `kl_coef > 0`; the step
+     replaying the sampler's; skipped under the on-policy shortcut, and under bypass,
+     `rl.old_logprobs=sampler`, where the sampler's log-probs are the old ones); a
+     reference model scores them when `kl_coef > 0`; the step
      components (`component.StepComponent`: PPO's critic) give their advantages;
   3. update: `epochs x num_minibatches` optimizer steps with the objective's loss
      (`moe_rl.programs.rl.policy_loss`), under the learner's routing plan (router shift, R2/R3 replay), then
@@ -99,7 +101,9 @@ class LearnerRole(Program):
         self._save_rollout(step, rollout)
         batch = rollout.batch
         with timer.phase("old_logprob"):
-            if not cfg.rl.scores_in_update or not self.updates.actor_trains(step):
+            if cfg.rl.old_logprobs == "sampler":  # bypass: the sampler's log-probs are the behaviour policy
+                batch = batch.scored(batch.sampler_logp_BT, None)
+            elif not cfg.rl.scores_in_update or not self.updates.actor_trains(step):
                 plan = self.learner.routing_plan(cfg.rl.replay, batch, capture=cfg.rl.records_routing)
                 score = self.learner.score(batch, plan, cfg.sampler.temperature)
                 batch = batch.scored(score.logp_BT, score.record)

@@ -12,12 +12,15 @@ they are the objective's global normalisers, so micro-batch losses sum to the mi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from moe_rl.config import Config
 from moe_rl.objectives import OBJECTIVES, PolicyBatch, make_common_hparams, policy_loss_from_hparams
+from moe_rl.objectives.correction import CorrectionCounts, correction_form, decide_correction, tally
+from moe_rl.step_batch import StepBatch
 
 if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)
     from moe_rl.learner import MicroBatch, MicroBatchLoss
@@ -44,14 +47,23 @@ def shuffle_seed(run_seed: int, step: int, epoch: int, max_epochs: int) -> int:
 
 
 class PolicyLossFn:
-    """The objective's loss on one micro-batch, as the learner's `LossFn`.
+    """The objective's loss on one micro-batch, as the learner's `LossFn` (a
+    `PassScaledLoss`).
 
     Reads the micro-batch's `StepBatch`: `adv_B`, `old_logp_BT`, `sampler_logp_BT` (with a
-    rollout correction) and `ref_logp_BT` (with a KL penalty); from its aux the router-shift
-    weights (rspo).
+    rollout correction or OPSM) and `ref_logp_BT` (with a KL penalty); from its aux the
+    router-shift weights (rspo).
     `on_policy`: the update runs at the weights that sampled (one update per rollout), so
     the old logprobs are this forward's own, detached, and the router has not moved (gamma
-    is 1); no old-logprob pass is needed."""
+    is 1); no old-logprob pass is needed.
+
+    Rejected tokens leave the normalizers (`moe_rl.objectives.correction`). On a scored batch
+    the step's correction is decided once before the updates (`prepare`: each mini-batch's
+    kept counts and the weights' mean, over every data-parallel rank) and reaches every
+    micro-batch's loss as its normalizers. Under the on-policy shortcut the rejection is only
+    known from the update's own forward: each micro-batch is normalized by the pass's
+    unrejected counts and the learner rescales the gradient once the pass's kept counts are
+    summed (`pass_scale`), which gives the same gradient without a second forward."""
 
     def __init__(self, cfg: Config, on_policy: bool = False) -> None:
         from moe_rl.learner import MicroBatchLoss
@@ -62,12 +74,43 @@ class PolicyLossFn:
         self.name = rl.objective
         self.spec = OBJECTIVES[rl.objective]
         self.own = rl.hparams
-        self.uses_rollout_logp = rl.rollout_correction != "none"
+        self.form = correction_form(rl.rollout_correction, rl.rollout_correction_args, self.spec.level == "sequence")
+        self.uses_rollout_logp = self.form is not None or rl.opsm_delta is not None
         self.common = make_common_hparams(
             # (with rl.kl_in_reward the KL is in GAE's reward, not in the loss)
-            rollout_correction=rl.rollout_correction, kl_coef=0.0 if rl.kl_in_reward else rl.kl_coef,
-            kl_estimator=rl.kl_estimator,
+            rollout_correction=rl.rollout_correction, opsm_delta=rl.opsm_delta,
+            kl_coef=0.0 if rl.kl_in_reward else rl.kl_coef, kl_estimator=rl.kl_estimator,
             max_response_length=cfg.sampler.max_new_tokens, **dataclasses.asdict(rl.rollout_correction_args))
+        moves = self.form is not None and (self.form.rejects or self.form.batch_normalize)
+        self.scales_after_pass = on_policy and moves
+        """The normalizers are only known after the pass (`pass_scale` rescales)."""
+        self._decided_before = not on_policy and moves
+        self._kept_by_minibatch: list[tuple[float, float]] = []
+        self._weight_mean: float | None = None
+        self.minibatch = 0
+        """Which of `prepare`'s mini-batches the next update runs (the update phase sets it)."""
+
+    def prepare(self, batch: StepBatch, minibatches: list[torch.Tensor],
+                all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """A scored batch: the correction decided on this rank's rows once for the step, and
+        each mini-batch's kept tokens and sequences and the weights' mean over the step's kept
+        units, summed over the data-parallel ranks by `all_reduce` (one call)."""
+        if not self._decided_before or self.form is None:
+            return
+        if batch.old_logp_BT is None or batch.sampler_logp_BT is None:
+            raise ValueError("the rollout correction needs the batch's old and sampler log-probs")
+        mask_BT = batch.response_mask()
+        decided = decide_correction(self.form, batch.old_logp_BT.float(), batch.sampler_logp_BT.float(), mask_BT)
+        kept_len_B = decided.kept_BT.sum(1).double()
+        local = []
+        for rows in minibatches:
+            held_B = torch.isin(batch.row_ids_B, rows)
+            local += [kept_len_B[held_B].sum(), (kept_len_B[held_B] > 0).double().sum()]
+        step = tally(mask_BT, decided, None)
+        totals = all_reduce(torch.stack([*local, step.weight_sum, step.weight_units]).double()).tolist()
+        self._kept_by_minibatch = [(totals[2 * k], totals[2 * k + 1]) for k in range(len(minibatches))]
+        units = totals[-1]
+        self._weight_mean = totals[-2] / units if units > 0 else 1.0
 
     def __call__(self, logp_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
         rows, totals = mb.step, mb.totals
@@ -87,14 +130,47 @@ class PolicyLossFn:
             ref_logprobs=rows.ref_logp_BT,
             router_shift=shift_BT,
         )
-        common = dataclasses.replace(self.common, token_normalizer=totals.response_tokens,
-                                     seq_normalizer=totals.nonempty_sequences, num_sequences_total=totals.sequences)
+        tokens, sequences, weight_mean = totals.response_tokens, totals.nonempty_sequences, None
+        if self._decided_before:  # (the kept counts and mean of `prepare`)
+            (tokens, sequences), weight_mean = self._kept_by_minibatch[self.minibatch], self._weight_mean
+        elif self.scales_after_pass:  # (the unrejected counts, no normalization: `pass_scale` rescales)
+            weight_mean = 1.0
+        common = dataclasses.replace(self.common, token_normalizer=tokens, seq_normalizer=sequences,
+                                     num_sequences_total=totals.sequences, is_weight_mean=weight_mean)
         out = policy_loss_from_hparams(self.name, pb, common, self.own)
         weight = out.num_sequences if self.spec.level == "sequence" else out.num_tokens
         metrics = {f"policy/{k}": v for k, v in out.metrics.items()}
         metrics["policy/token_ratio_std"] = token_ratio_std(logp_BT.detach(), old_BT, pb.response_mask,
                                                             mb.scored.at_N if mb.scored is not None else None)
-        return self._result(out.loss, metrics, weight)
+        sums = None if out.counts is None else dict(zip(CorrectionCounts.FIELDS, out.counts.values.unbind()))
+        return self._result(out.loss, metrics, weight, sums)
+
+    def pass_scale(self, sums: dict[str, float]) -> float:
+        """The on-policy shortcut's correction of the pass's normalizers: the micro-batches
+        divided by the unrejected token or sequence count and left the weights unnormalized;
+        the kept counts and the weights' mean are known now (summed over every rank)."""
+        if not self.scales_after_pass or not sums:
+            return 1.0
+        counts = CorrectionCounts(torch.tensor([sums[k] for k in CorrectionCounts.FIELDS], dtype=torch.float64))
+        scale = 1.0
+        if self.spec.aggregation == "token-mean":
+            scale = max(float(counts.tokens), 1.0) / max(float(counts.kept_tokens), 1.0)
+        elif self.spec.aggregation in ("seq-mean", "seq-mean-token-mean"):
+            scale = max(float(counts.sequences), 1.0) / max(float(counts.kept_sequences), 1.0)
+        if self.form is not None and self.form.batch_normalize:
+            mean = float(counts.weight_mean())
+            scale = scale / mean if mean > 0 else scale
+        return scale
+
+    @staticmethod
+    def step_metrics(sums: list[dict[str, float]]) -> dict[str, float]:
+        """The step's rejected, vetoed and OPSM-masked fractions from every update's tallies
+        (`UpdateResult.sums`); {} without a correction or OPSM."""
+        if not sums or not sums[0]:
+            return {}
+        total = sum((CorrectionCounts(torch.tensor([s[k] for k in CorrectionCounts.FIELDS], dtype=torch.float64))
+                     for s in sums), CorrectionCounts.zeros())
+        return {f"policy/{k}": v for k, v in total.fractions().items()}
 
 
 def token_ratio_std(logp_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch.Tensor,

@@ -14,9 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from moe_rl.config import Config
 from moe_rl.programs.rl.policy_loss import PolicyLossFn, minibatch_rows, shuffle_seed
 from moe_rl.programs.rl.throughput import device_peak, learner_perf
+from moe_rl.routing.record import row_positions
 from moe_rl.runtime.metrics import combine
 from moe_rl.step_batch import StepBatch
 
@@ -62,19 +65,43 @@ class UpdatePhase:
         return out
 
     def _update_actor(self, batch: StepBatch, minibatches: list[Any]) -> tuple[dict[str, float], StepBatch]:
+        """The actor's updates. An unscored batch (the on-policy shortcut) takes its old
+        logprobs and routing from the update's forward; under bypass (rl.old_logprobs=sampler)
+        the sampler's are the old ones, and the returned batch carries each row's first
+        update log-probs for the mismatch metrics."""
         cfg = self.cfg
         loss_fn = PolicyLossFn(cfg, on_policy=batch.old_logp_BT is None)
+        loss_fn.prepare(batch, minibatches, self._dp_sum)
         plan = self.learner.routing_plan(cfg.rl.replay if batch.old_logp_BT is not None else "none", batch,
                                          capture=cfg.rl.records_routing)
-        updates, works = [], []
-        for rows in minibatches:
-            result = self.learner.update(batch.take(rows), loss_fn, plan, cfg.sampler.temperature)
+        bypass = cfg.rl.old_logprobs == "sampler"
+        first_BT = torch.zeros_like(batch.old_logp_BT) if bypass and batch.old_logp_BT is not None else None
+        seen_B = torch.zeros(batch.batch_size, dtype=torch.bool)
+        updates, works, sums, record = [], [], [], None
+        for index, rows in enumerate(minibatches):
+            loss_fn.minibatch = index
+            part = batch.take(rows)
+            result = self.learner.update(part, loss_fn, plan, cfg.sampler.temperature)
             if batch.old_logp_BT is None:
                 batch = batch.scored(result.logp_BT, result.record)
+            elif first_BT is not None:  # (each row's first update: the weights before any of this step's)
+                pos = row_positions(batch.row_ids_B, part.row_ids_B)
+                new = ~seen_B[pos]
+                first_BT[pos[new]] = result.logp_BT[new].to(first_BT.dtype)
+                seen_B[pos] = True
+                record = result.record if len(minibatches) == 1 else None
             updates.append({k if "/" in k else f"learner/{k}": v for k, v in result.metrics.items()})
             works.append(result.work)
+            sums.append(result.sums)
         metrics = combine(updates)
+        metrics.update(PolicyLossFn.step_metrics(sums))
         metrics["policy/updates"] = float(len(updates))
         layout = self.learner.layout
         metrics.update(learner_perf(cfg.model, works, layout.tp * layout.pp * layout.dp, self._peak))
+        if first_BT is not None:
+            batch = batch.scored(first_BT, record)
         return metrics, batch
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the data-parallel ranks (every rank gets the sum)."""
+        return torch.stack(self.learner.dp_gather_object(t)).sum(0)
