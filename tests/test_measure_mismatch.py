@@ -194,5 +194,6 @@ def test_cli_sweep_with_learner_at_ep2(tmp_path, capsys):
     assert len(agree) == 3 and all(float(a.rsplit(": ", 1)[1]) <= 1e-5 for a in agree), agree
     report = (out / "REPORT.md").read_text()
     assert "transformers:fp8_emulated/learner:fp32@ep2" in report and "EMULATION" in report
+    assert "| chi2 token | chi2 seq | ESS token |" in report
     for png in ("log_ratio_hist", "prob_scatter", "dp_max_vs_length", "mismatch_by_position", "routing_disagreement"):
         assert (out / "plots" / f"{png}.png").stat().st_size > 1000
