@@ -45,7 +45,7 @@ help:
 	@echo "make bench            every bench/bench_*.py -> bench/results/"
 	@echo "make ablations        off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/ (resumable)"
 	@echo "make ablations-report runs/ablations/REPORT.md, results.json and plots from the runs that exist"
-	@echo "make ablations-stress issue 47's stress runs (what is missing) + docs/ablations/STRESS.md [SEEDS= SETTINGS=]"
+	@echo "make ablations-stress the stress study's runs (what is missing) + docs/ablations/STRESS.md [SEEDS= SETTINGS=]"
 	@echo "make ablations-stress-sweep  the stress regime sweep [SEEDS=1-4] -> docs/ablations/stress/SWEEP.md"
 	@echo "make ablations-sweep  the lr sweep of plain off-policy GRPO (LRS=1e-4,2e-4,4e-4 [SEEDS=1,2,3])"
 	@echo "make ablate-SETTING   one ablation setting, e.g. ablate-rspo-post-off (python -m moe_rl.ablations list)"
@@ -137,7 +137,7 @@ ablations: install
 ablations-report: install
 	$(PY) -m moe_rl.ablations report
 
-# Issue 47's stress ablations (docs/ablations/STRESS_PLAN.md): every run the plan names that has
+# The stress ablations (docs/ablations/STRESS_PLAN.md): every run the plan names that has
 # no result file yet (the repeat, 17 settings x seeds 1-10 at the swept regime, stage 2, the
 # 3-seed contrast), two one-thread runs at a time, each finished run's result file written under
 # docs/ablations/stress/ and committed as it lands; then docs/ablations/STRESS.md. Add seeds to

@@ -57,13 +57,13 @@ HOST = torch.device("cpu")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _HERE = os.path.abspath(__file__)
-_SHIMS = os.path.join("moe_rl", "learner", "cpu_shims.py")
+_SHIMS = os.path.join("moe_rl", "learner", "megatron_patches") + os.sep
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 AREAS = (
-    ("routing taps", ("learner/routing.py", "learner/routing_state.py", "learner/routing_tokens.py",
-                      "learner/routing_compare.py", "routing/")),
-    ("replay checks", ("learner/routing_checks.py",)),
+    ("routing taps", ("learner/routing/taps.py", "learner/routing/state.py", "learner/routing/tokens.py",
+                      "learner/routing/compare.py", "moe_rl/routing/")),
+    ("replay checks", ("learner/routing/checks.py",)),
     ("chunked head", ("learner/chunked_logprobs.py", "learner/output_head.py", "learner/logprobs.py")),
     ("packing", ("learner/model_input.py", "learner/microbatch.py")),
     ("packed attention (CPU only)", ("learner/packed_attention.py",)),
@@ -97,7 +97,7 @@ def _skipped(path: str) -> bool:
     """Frames passed over: torch, the standard library, this counter, and the CPU shims,
     which stand in for megatron-core's GPU-only code (their ops are their caller's)."""
     return (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB) or path == _HERE or path.startswith("<")
-            or path.endswith(_SHIMS))
+            or _SHIMS in path)
 
 
 def _is_engine_frame(code: Any) -> bool:
@@ -251,8 +251,8 @@ class OpCounter:
     def _patch(self) -> None:
         import megatron.core.pipeline_parallel.schedules as schedules
 
-        import moe_rl.learner.cpu_shims as shims
         import moe_rl.learner.engine as engine
+        import moe_rl.learner.megatron_patches.cpu_torch as shims
 
         def in_microbatch(fn: Any, counts: bool) -> Any:
             def wrapped(*args: Any, **kwargs: Any) -> Any:

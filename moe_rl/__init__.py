@@ -1,6 +1,6 @@
 """moe_rl: RL post-training for Mixture-of-Experts models on megatron-core.
 
-Subpackages own one idea each (see DESIGN in README): objectives, advantages, routing,
+Subpackages own one idea each (docs/architecture.md): objectives, advantages, routing,
 learner (the only importer of megatron.core), sampler (the only importer of vllm),
 convert, diagnostics, tasks; the programs (programs/) and the one run loop (loop/).
 

@@ -4,7 +4,7 @@
     keep_N = filter_groups(rewards_NG)                      # groups with any reward spread
     rewards_NG = rewards_NG + overlong_penalty(lengths_NG, max_len=4096, cache_len=512)
 
-Rows are prompts (groups), columns the G responses to each. Formulas: OBJECTIVES.md
+Rows are prompts (groups), columns the G responses to each. Formulas: docs/objectives.md
 "Advantages". A group whose rewards are all exactly equal carries no signal: every
 estimator gives it exact zeros (never NaN or inf), and `filter_groups` drops exactly
 those groups.
@@ -91,7 +91,7 @@ class StdNormHParams:
     eps: float = 1e-6
     """Added to the std in the denominator."""
     unbiased: bool = True
-    """Unbiased (1/(n-1), torch's default, OBJECTIVES.md) or population (1/n) std."""
+    """Unbiased (1/(n-1), torch's default, docs/objectives.md) or population (1/n) std."""
 
     def __post_init__(self) -> None:
         if not self.eps > 0:
@@ -122,7 +122,7 @@ def rloo(rewards_NG: Tensor, hp: NoHParams) -> Tensor:
 @_register("batch_std", StdNormHParams)
 def batch_std(rewards_NG: Tensor, hp: StdNormHParams) -> Tensor:
     """Group mean, batch std (Lite PPO): (r - mean_g r) / (std of all rewards + eps). The std
-    is over every reward of the batch, as OBJECTIVES.md reads; groups keep their own
+    is over every reward of the batch, as docs/objectives.md reads; groups keep their own
     baseline but share one scale, so a low-variance group is not blown up."""
     return _centered(rewards_NG) / (_std(rewards_NG, hp.unbiased) + hp.eps)
 

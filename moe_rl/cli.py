@@ -8,9 +8,11 @@ Errors: `run_guarded(prog, fn, debug=args.debug)` runs a program's body and turn
 escapes it into ONE line on stderr, `<prog>: error: <what, naming the field, file or row,
 and the fix>`, with exit status 2 for the user's input (config, files, checkpoints, a full
 disk), 3 for a fault met while training (`moe_rl.runtime.failures.RunFaultError`: updates that
-stay non-finite, an engine that failed) and 1 for anything else (a bug: the line says to
-rerun with --debug). `--debug` (or
-MOE_RL_DEBUG=1) lets the traceback through instead.
+stay non-finite, an engine that failed) and 1 for anything else (a bug). A bug's full
+traceback is kept without a rerun: the rank that failed writes it to
+`<run>/error-rank<k>.log` (before the run directory exists, or for a tool without one, to a
+temporary file), and the line names the file. `--debug` (or MOE_RL_DEBUG=1) lets the
+traceback through instead.
 
     def main(argv=None) -> int:
         args = parser().parse_args(argv)        # add_debug_flag(parser) adds --debug
@@ -25,21 +27,28 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from moe_rl.checkpoints.errors import CheckpointError
 from moe_rl.config import Config, ConfigError, describe
+from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.failures import (
     USER_ERROR,
     RunFaultError,
     causes,
+    describe_error,
     disk_full,
     exit_status,
     lost_peer,
 )
-from moe_rl.runtime.failures import describe as describe_error
+
+if TYPE_CHECKING:
+    from moe_rl.loop import Program
 
 T = TypeVar("T")
 
@@ -49,14 +58,14 @@ def add_debug_flag(ap: argparse.ArgumentParser) -> None:
                     help="show the full traceback of an error instead of one line (also MOE_RL_DEBUG=1)")
 
 
-def parse(argv: list[str] | None, prog: str, doc: str, *, sft: bool = False,
-          check: Callable[[Config, int], str] | None = None) -> tuple[argparse.Namespace, Config]:
+def parse(argv: list[str] | None, prog: str, doc: str,
+          program: Callable[[], type[Program]]) -> tuple[argparse.Namespace, Config]:
     """`--config FILE` plus `section.key=value` overrides -> a validated Config (loaded, its
     model taken from run.init_checkpoint's config.json, then checked). A bad recipe exits
     with status 2 and one line, printed by rank 0 only under torchrun. `--check` checks the
-    whole run for `--nproc` processes (moe_rl.preflight.check_run, or a program's own
-    `check(cfg, world) -> summary line`), prints `recipe OK: ...` and exits 0: the launch
-    scripts run it once before torchrun."""
+    whole run for `--nproc` processes (the program's `Program.check`, `program()` being its
+    class, imported only then), prints `recipe OK: ...` and exits 0: the launch scripts run
+    it once before torchrun."""
     ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML recipe (sections: model, parallel, optimizer, rl, ...)")
     ap.add_argument("--help-config", action="store_true", help="list every config key and exit")
@@ -76,21 +85,19 @@ def parse(argv: list[str] | None, prog: str, doc: str, *, sft: bool = False,
         from moe_rl.runtime.wandb_log import require_wandb
 
         cfg = load_resolved(args.config, args.overrides, program=prog.removeprefix("python -m "))
-        require_wandb(cfg)  # (an optional extra: named before anything is built)
+        require_wandb(cfg.logging)  # (an optional extra: named before anything is built)
         world = _check_world(args.nproc)
     except ConfigError as e:
         if _debugging(args.debug):
             raise
         config_error_exit(prog, e)
     if args.check:
-        sys.exit(run_guarded(prog, lambda: _check(cfg, world, sft, check), debug=args.debug))
+        sys.exit(run_guarded(prog, lambda: _check(cfg, world, program()), debug=args.debug))
     return args, cfg
 
 
-def _check(cfg: Config, world: int, sft: bool, check: Callable[[Config, int], str] | None = None) -> int:
-    from moe_rl.recipe_check import check_recipe
-
-    print(f"recipe OK: {check(cfg, world) if check else check_recipe(cfg, world, sft=sft)}")
+def _check(cfg: Config, world: int, program: type[Program]) -> int:
+    print(f"recipe OK: {program.check(cfg, world)}")
     return 0
 
 
@@ -157,12 +164,41 @@ def error_line(prog: str, e: BaseException) -> tuple[str, int]:
                 "(run.resume=true continues from it)", status)
     if status == USER_ERROR:
         return f"{prog}: error: {describe_error(e)}", status
-    return f"{prog}: internal error: {describe_error(e)} (rerun with --debug for the traceback)", status
+    return f"{prog}: internal error: {describe_error(e)}", status
 
 
-def run_guarded(prog: str, fn: Callable[[], T], *, debug: bool = False) -> T | int:
+def is_internal(e: BaseException) -> bool:
+    """A bug rather than the user's input, a training fault or a lost peer: what `error_line`
+    calls an internal error."""
+    return error_line("", e)[0].startswith(": internal error")
+
+
+def keep_traceback(prog: str, e: BaseException, run_dir: Path | None) -> Path | None:
+    """The full traceback of `e` in `<run_dir>/error-rank<k>.log` (k: this process's RANK), or in
+    a new temporary file when there is no run directory yet; None if neither can be written
+    (the one line is printed regardless)."""
+    rank = int(os.environ.get("RANK", "0"))
+    text = (f"{prog}: internal error on rank {rank} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            + "".join(traceback.format_exception(e)))
+    try:
+        if run_dir is not None and run_dir.is_dir():
+            path = run_dir / f"error-rank{rank}.log"
+            atomic_write_text(path, text)
+            return path
+        fd, name = tempfile.mkstemp(prefix=f"moe_rl-error-rank{rank}-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return Path(name)
+    except OSError:
+        return None
+
+
+def run_guarded(prog: str, fn: Callable[[], T], *, debug: bool = False,
+                run_dir: Callable[[], Path | None] = lambda: None) -> T | int:
     """`fn()`; on an error, print `error_line` and return its exit status instead (with
-    `debug`, re-raise). KeyboardInterrupt is one line and status 130."""
+    `debug`, re-raise). An internal error's traceback is kept (`keep_traceback`, in
+    `run_dir()` when it returns an existing directory) and its file named in the line.
+    KeyboardInterrupt is one line and status 130."""
     try:
         return fn()
     except SystemExit:
@@ -174,6 +210,9 @@ def run_guarded(prog: str, fn: Callable[[], T], *, debug: bool = False) -> T | i
         if _debugging(debug):
             raise
         line, status = error_line(prog, e)
+        if is_internal(e):
+            kept = keep_traceback(prog, e, run_dir())
+            line += f" (traceback: {kept}; --debug shows it here)" if kept else " (rerun with --debug for the traceback)"
         _quiet_shutdown()
         if is_rank_zero() or not (isinstance(e, ConfigError) or getattr(e, "everywhere", False)):  # (the same on every rank)
             print(line, file=sys.stderr, flush=True)
@@ -203,20 +242,20 @@ def setup_logging(rank: int) -> None:
 
 
 def run_main(prog: str, doc: str, argv: list[str] | None, body: Callable[[Config], object], *,
-             sft: bool = False, check: Callable[[Config, int], str] | None = None) -> NoReturn:
+             program: Callable[[], type[Program]]) -> NoReturn:
     """A program entry point's whole `main`: the CPU environment, the recipe (`parse`, with
     `--check`), logging for this rank, then `body(cfg)` under `run_guarded` (one line and
     exit status 2 for the user's errors); exits with its status (0 when it returns)."""
     cpu_environment()
-    args, cfg = parse(argv, prog, doc, sft=sft, check=check)
+    args, cfg = parse(argv, prog, doc, program)
     setup_logging(int(os.environ.get("RANK", "0")))
-    sys.exit(run_guarded(prog, lambda: (body(cfg), 0)[1], debug=args.debug))
+    sys.exit(run_guarded(prog, lambda: (body(cfg), 0)[1], debug=args.debug, run_dir=lambda: cfg.run_dir))
 
 
 def compile_off_without_gpu() -> None:
     """torch.compile off where there is no NVIDIA GPU (slow to start, nothing to gain on the
     CPU path); left alone on a GPU machine, where vLLM compiles its model and 0.26 refuses to
-    start with dynamo disabled ("aot_compile is not supported", H100, 2026-11-25)."""
+    start with dynamo disabled ("aot_compile is not supported", seen on an H100)."""
     if shutil.which("nvidia-smi") is None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 

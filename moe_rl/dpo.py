@@ -23,9 +23,13 @@ PROG = "python -m moe_rl.dpo"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moe_rl.programs.preference.preflight import check_recipe
+    run_main(PROG, __doc__, argv, run, program=_program)
 
-    run_main(PROG, __doc__, argv, run, check=check_recipe)
+
+def _program() -> type:
+    from moe_rl.programs.dpo.program import DPOProgram
+
+    return DPOProgram
 
 
 def run(cfg: Config) -> int:

@@ -2,8 +2,12 @@
 no process group, no engine), so that a recipe that cannot run fails in a second with one
 line naming the key:
 
-    check_run(cfg, world)                     # RL: everything below, for a world of `world` ranks
-    check_run(cfg, world, sft=True)           # SFT: the same, with the completions' lengths
+    check_run(cfg, world)                     # the RL program: everything below, for `world` ranks
+    check_start(cfg, init_required=False, completions=True)   # what every learner program checks
+
+Each program states its own checks (`moe_rl.loop.Program.check`) from these pieces: RL runs
+`check_run`; SFT the layout and `check_start` with its completions' lengths; DPO and the
+reward model their pairs (`moe_rl.programs.preference.preflight`).
 
 What it covers, in order:
 - the layout against the world size (`config.validate_layout`), and (RL) that every
@@ -39,35 +43,46 @@ from moe_rl.config import Config, ConfigError, validate_layout, validate_minibat
 SYNTHETIC_DRAWS = 512
 
 
-def check_run(cfg: Config, world: int, *, sft: bool = False) -> None:
-    """Raise a one-line ConfigError for the first input of the run that cannot work (see the
-    module docstring). `world`: ranks in the torchrun world (WORLD_SIZE)."""
+def check_run(cfg: Config, world: int) -> None:
+    """The RL program's checks: raise a one-line ConfigError for the first input of the run
+    that cannot work (see the module docstring). `world`: ranks in the torchrun world
+    (WORLD_SIZE)."""
     dp = validate_layout(cfg, world)
-    if not sft:
-        validate_minibatches(cfg, dp)
-        if cfg.run.eval_every and not cfg.task.eval_data_path:
-            raise ConfigError(f"run.eval_every={cfg.run.eval_every} needs task.eval_data_path (the held-out "
-                              "prompts); set it, or run.eval_every=0")
-    check_init_weights(cfg, sft=sft)
-    check_task_inputs(cfg, completions=sft)
+    validate_minibatches(cfg, dp)
+    if cfg.run.eval_every and not cfg.task.eval_data_path:
+        raise ConfigError(f"run.eval_every={cfg.run.eval_every} needs task.eval_data_path (the held-out "
+                          "prompts); set it, or run.eval_every=0")
+    check_init_weights(cfg, required=True)
+    if cfg.rl.kl_coef > 0 and not cfg.run.init_checkpoint:
+        raise ConfigError("rl.kl_coef > 0 needs run.init_checkpoint (the reference policy)")
+    check_task_inputs(cfg)
     check_init_model(cfg)
     check_learner_device(cfg)
-    if not sft:
-        check_reward(cfg)
-        check_sampler(cfg)
-        check_advantage(cfg)
+    check_reward(cfg)
+    check_sampler(cfg)
+    check_advantage(cfg)
 
 
-def check_init_weights(cfg: Config, *, sft: bool = False) -> None:
-    """The starting weights are named and exist (a resume continues from the run's own)."""
+def check_start(cfg: Config, *, init_required: bool, completions: bool) -> None:
+    """What a learner program checks (RL's `check_run` in its own order): its starting weights (`init_required`: a fresh run
+    needs run.init_checkpoint), the task's inputs and their lengths (`completions`: with the
+    reference completions, as supervised training feeds them), the model the weights hold,
+    and what the device can train."""
+    check_init_weights(cfg, required=init_required)
+    check_task_inputs(cfg, completions=completions)
+    check_init_model(cfg)
+    check_learner_device(cfg)
+
+
+def check_init_weights(cfg: Config, *, required: bool = True) -> None:
+    """The starting weights are named (when `required`; a resume continues from the run's
+    own) and exist."""
     init = cfg.run.init_checkpoint
-    if not init and not cfg.run.resume and not sft:
+    if not init and not cfg.run.resume and required:
         raise ConfigError("run.init_checkpoint is required: a moe_rl checkpoint or a Hugging Face directory "
                           "(the tiny recipes use moe_rl/assets/tiny_base)")
     if init and not Path(init).exists():
         raise ConfigError(f"run.init_checkpoint={init} does not exist (paths are relative to the working directory)")
-    if not sft and cfg.rl.kl_coef > 0 and not init:
-        raise ConfigError("rl.kl_coef > 0 needs run.init_checkpoint (the reference policy)")
 
 
 def check_advantage(cfg: Config) -> None:

@@ -25,9 +25,13 @@ PROG = "python -m moe_rl.reward_model"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moe_rl.programs.preference.preflight import check_reward_model_recipe
+    run_main(PROG, __doc__, argv, run, program=_program)
 
-    run_main(PROG, __doc__, argv, run, check=check_reward_model_recipe)
+
+def _program() -> type:
+    from moe_rl.programs.reward_model.program import RewardModelProgram
+
+    return RewardModelProgram
 
 
 def run(cfg: Config) -> int:

@@ -34,7 +34,13 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_main(PROG, __doc__, argv, run, sft=True)
+    run_main(PROG, __doc__, argv, run, program=_program)
+
+
+def _program() -> type:
+    from moe_rl.programs.sft import SFTProgram
+
+    return SFTProgram
 
 
 if __name__ == "__main__":

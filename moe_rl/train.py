@@ -35,7 +35,13 @@ def _train(cfg: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_main(PROG, __doc__, argv, _train)
+    run_main(PROG, __doc__, argv, _train, program=_program)
+
+
+def _program() -> type:
+    from moe_rl.programs.rl.learner_role import LearnerRole
+
+    return LearnerRole
 
 
 if __name__ == "__main__":

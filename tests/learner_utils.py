@@ -92,7 +92,7 @@ def replayed_updates(learner, count: int = 2, perturb_seed: int = 3) -> list:
 @contextlib.contextmanager
 def counting_router_reruns() -> Iterator[dict[str, int]]:
     """Counts, under "n", the router calls made inside a backward: a recomputed layer routing again."""
-    import moe_rl.learner.routing as routing
+    import moe_rl.learner.routing.taps as routing
 
     real, count = routing._in_backward, {"n": 0}
 

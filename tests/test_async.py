@@ -59,8 +59,7 @@ def test_every_engine_uses_the_saved_batch_or_none_does(tmp_path, monkeypatch, c
     share (otherwise the engines with a file would skip the sampling collectives the others
     enter); a rank that is not its engine's leader holds no groups (it used to hold its
     leader's, delivering every row once per engine rank)."""
-    from moe_rl.rollout import RolloutCollector
-    from moe_rl.rollout.ahead import save_ahead
+    from moe_rl.rollout.ahead import agreed_ahead, save_ahead
     from moe_rl.rollout.placement import EnginePlacement
 
     class Placement(EnginePlacement):  # two engines of two ranks; the gather answered from disk
@@ -70,9 +69,7 @@ def test_every_engine_uses_the_saved_batch_or_none_does(tmp_path, monkeypatch, c
             return [load_ahead(tmp_path, 7, e, (2, 2))[1] for e in range(2)]
 
     def on(rank: int):
-        collector = type("C", (), {"placement": Placement(4, rank, 2), "_engines_group": None,
-                                   "engines_lacking": RolloutCollector.engines_lacking})
-        return RolloutCollector.sampled_ahead(collector(), tmp_path, 7)
+        return agreed_ahead(Placement(4, rank, 2), None, tmp_path, 7)
 
     save_ahead(tmp_path, 0, (2, 2), _sampled(7, [(0, 0), (0, 1)]))
     with caplog.at_level("WARNING", logger="moe_rl.rollout"):

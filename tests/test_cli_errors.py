@@ -291,6 +291,42 @@ def test_defect6_disk_full_says_disk_full():
     one_line_error(proc, "convert_checkpoint", "disk full")
 
 
+def test_an_internal_error_keeps_its_traceback_in_the_run_directory(megatron_world, tmp_path, monkeypatch):
+    """A bug after the run directory is claimed: one line naming `<run>/error-rank0.log`, which
+    holds the whole traceback, without --debug."""
+    from moe_rl.programs.rl.learner_role import LearnerRole
+
+    def setup_with_a_bug(self, resume_from):
+        raise RuntimeError("a bug in setup")
+
+    monkeypatch.setattr(LearnerRole, "setup", setup_with_a_bug)
+    ran = train_main(tmp_path, "run.steps=1")
+    kept = tmp_path / "r" / "error-rank0.log"
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr[-3000:]
+    line = ran.stderr.strip().splitlines()[-1]
+    assert line.startswith("python -m moe_rl.train: internal error: RuntimeError: a bug in setup"), line
+    assert f"(traceback: {kept}; --debug shows it here)" in line
+    text = kept.read_text()
+    assert "Traceback (most recent call last)" in text and "in setup_with_a_bug" in text
+
+
+def test_an_internal_error_before_a_run_directory_keeps_it_in_a_temporary_file(capsys):
+    from moe_rl.cli import run_guarded
+
+    def tool_with_a_bug():
+        raise KeyError("missing")
+
+    assert run_guarded("some_tool", tool_with_a_bug) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("some_tool: internal error: KeyError") and "\n" not in line
+    path = Path(line.split("(traceback: ")[1].split(";")[0])
+    try:
+        assert path.name.startswith("moe_rl-error-rank0-") and "in tool_with_a_bug" in path.read_text()
+    finally:
+        path.unlink()
+    assert run_guarded("some_tool", lambda: 0) == 0
+
+
 def test_measure_mismatch_refuses_an_unverified_checkpoint_in_one_line(tmp_path):
     bare = copy_base(tmp_path / "bare", manifest=False)
     proc = run([sys.executable, str(ROOT / "tools" / "measure_mismatch.py"), "--checkpoint", str(bare), "--out",

@@ -59,7 +59,7 @@ def test_the_stress_sweep_picks_the_plans_regime_from_committed_result_files(tmp
     """The regime rule, and SWEEP.md regenerated from result files alone (no run directory)."""
     import json
 
-    from moe_rl.ablations.stress import pick_regime, result, write_sweep
+    from moe_rl.ablations.stress import pick_regime, result, write_stress_sweep
 
     assert pick_regime({2e-4: (0, 4), 3e-4: (1, 4), 4e-4: (2, 4), 6e-4: (4, 4)}) == 4e-4
     assert pick_regime({2e-4: (0, 4), 6e-4: (4, 4)}) is None
@@ -71,5 +71,5 @@ def test_the_stress_sweep_picks_the_plans_regime_from_committed_result_files(tmp
             d = tmp_path / "sweep" / f"lr{lr:g}"
             d.mkdir(parents=True, exist_ok=True)
             (d / f"seed{seed}.json").write_text(json.dumps(doc))
-    text = write_sweep(tmp_path).read_text()
+    text = write_stress_sweep(tmp_path).read_text()
     assert "| 0.0004 | 4 | 2/4 |" in text and "picks **lr = 0.0004 at 4 updates per rollout**" in text and "abc1234" in text

@@ -162,3 +162,18 @@ def test_every_shipped_recipe_loads():
     assert len(recipes) >= 8
     for path in recipes:
         load_config(path)  # objective hyperparameters included
+
+
+def test_every_section_validates_itself():
+    """Each section of `Config` carries its own `validate` (its own rules, beside its fields);
+    the rules that span sections are `moe_rl.config.cross_section`'s alone."""
+    import dataclasses
+
+    from moe_rl.config import Config
+
+    for f in dataclasses.fields(Config):
+        assert callable(getattr(f.default_factory(), "validate", None)), f"{f.name} has no validate()"
+    with pytest.raises(ConfigError, match=r"^rl\.group_size must be >= 1, got 0$"):
+        Config().rl.__class__(group_size=0).validate()
+    with pytest.raises(ConfigError, match=r"critic\.optimizer\.lr must be > 0"):
+        load_config(None, ["critic.optimizer.lr=0"])

@@ -153,10 +153,10 @@ def test_parquet_rows_read_like_jsonl_rows(tmp_path):
 
 
 def test_pairs_encode_chosen_rows_then_rejected_rows_after_the_prompt_ids():
-    from moe_rl.tasks.tokenizer import load_tokenizer
+    from moe_rl.tasks.tokenizer import load_sentencepiece
     from moe_rl.tokenization import PromptEncoder
 
-    tok = load_tokenizer()
+    tok = load_sentencepiece()
     encoder = PromptEncoder.from_config(load_config(None).task, tok)
     pairs = load_pairs(ROOT / "moe_rl" / "assets" / "preferences" / "reverse_prefs_eval.jsonl")[:3]
     batch = encode_pairs(pairs, encoder)

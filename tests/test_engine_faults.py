@@ -87,7 +87,7 @@ def test_a_failed_engine_stops_the_run_before_the_step_and_a_resume_continues(un
     run = tmp_path / "r"
     assert [r["step"] for r in _rows(run)] == [1]
     assert latest_checkpoint(run).name == "step_000001"
-    with caplog.at_level("INFO", logger="moe_rl.trainer"):
+    with caplog.at_level("INFO", logger="moe_rl.programs.rl"):
         resumed = _train(tmp_path, "r", "run.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_000001 at step 1" in caplog.text

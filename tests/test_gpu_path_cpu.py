@@ -11,7 +11,7 @@ import torch
 
 from moe_rl.config import Config, ConfigError, load_config
 from moe_rl.sampler import VLLMEngineConfig, engine_config, vllm_backend
-from moe_rl.sampler.precision import compute_dtype, resolve_precision
+from moe_rl.sampler.precision import precision_dtype, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sampler_precision_auto_and_fp8():
     assert resolve_precision("auto", on_gpu=True) == "bf16"
     assert resolve_precision("auto", on_gpu=False) == "fp32"
-    assert resolve_precision("fp8", on_gpu=True) == "fp8" and compute_dtype("fp8") == torch.bfloat16
+    assert resolve_precision("fp8", on_gpu=True) == "fp8" and precision_dtype("fp8") == torch.bfloat16
     with pytest.raises(ValueError, match="fp8 runs vLLM's fp8 kernels, which need a GPU"):
         resolve_precision("fp8", on_gpu=False)
     assert Config().sampler.precision == "auto"

@@ -13,7 +13,7 @@ from learner_utils import fixed_batch
 
 from moe_rl.batch import TokenBatch
 from moe_rl.learner.model_input import packed_input, padded_input
-from moe_rl.learner.routing_tokens import spread_topk
+from moe_rl.learner.routing.tokens import spread_topk
 
 
 def _batch() -> TokenBatch:

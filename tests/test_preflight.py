@@ -104,7 +104,7 @@ def test_a_step_with_fewer_rows_than_minibatches_says_so_once(caplog):
     cfg = load_config(RECIPE, [BASE, "rl.num_minibatches=4", "rl.epochs=2"])
     phase = UpdatePhase(cfg, learner=None, components=[], dp=2, rank=0)
     full, short = SimpleNamespace(step_rows=16), SimpleNamespace(step_rows=6)
-    with caplog.at_level("WARNING", logger="moe_rl.trainer"):
+    with caplog.at_level("WARNING", logger="moe_rl.programs.rl"):
         assert len(phase.minibatches(3, full, 2, 4)) == 8
         assert caplog.text == ""
         assert len(phase.minibatches(4, short, 2, 4)) == 6  # 3 rows a rank: 3 mini-batches a pass

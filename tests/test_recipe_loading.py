@@ -54,12 +54,18 @@ def qwen_12_experts(tmp_path_factory) -> Path:
     return out
 
 
+def _rl() -> type:
+    from moe_rl.programs.rl.learner_role import LearnerRole
+
+    return LearnerRole
+
+
 def test_train_checks_the_layout_against_the_checkpoints_model(qwen_12_experts, capsys):
     base = ["--config", str(HF_RSPO), f"run.init_checkpoint={qwen_12_experts}", "task.tokenizer=shipped"]
-    _, cfg = parse([*base, "parallel.expert_model_parallel_size=3"], "train", "")
+    _, cfg = parse([*base, "parallel.expert_model_parallel_size=3"], "train", "", _rl)
     assert (cfg.model.num_experts, cfg.parallel.expert_model_parallel_size) == (12, 3)
     with pytest.raises(SystemExit) as e:
-        parse([*base, "parallel.expert_model_parallel_size=5"], "train", "")
+        parse([*base, "parallel.expert_model_parallel_size=5"], "train", "", _rl)
     assert e.value.code == 2
     assert only_line(capsys.readouterr().err) == (
         "train: config error: model.num_experts=12 is not divisible by parallel.expert_model_parallel_size=5; "

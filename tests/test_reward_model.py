@@ -19,9 +19,9 @@ from moe_rl.programs.reward_model.loss import (
     COEF_KEY,
     compared_slots,
     pair_loss,
-    pair_metrics,
     score_coefficients,
-    surrogate_loss,
+    score_pair_metrics,
+    score_surrogate_loss,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_pair_loss_and_gradient_match_closed_forms(compare):
     assert float(loss) == pytest.approx(want_loss, abs=1e-12)
     assert torch.allclose(x.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(score_coefficients(scores, c, r), x.grad, atol=1e-15)
-    m = pair_metrics(scores, tokens, c, r)
+    m = score_pair_metrics(scores, tokens, c, r)
     last = [s[b][int(tokens.response_lens_B[b]) - 1] for b in range(6)]
     assert m["rewards/chosen"] == pytest.approx(sum(last[:3]) / 3, abs=1e-12)
     assert m["rewards/margins"] == pytest.approx(sum(last[p] - last[3 + p] for p in range(3)) / 3, abs=1e-12)
@@ -103,7 +103,7 @@ def test_the_surrogate_gradient_is_the_pair_loss_gradient(megatron_world):
         c, r = compared_slots(tokens, "divergence")
         scores = model.logprobs(tokens)
         assert torch.allclose(scores, plain_scores(model, tokens).detach(), atol=1e-5)
-        model.forward_backward(tokens, surrogate_loss, extras={COEF_KEY: score_coefficients(scores, c, r)})
+        model.forward_backward(tokens, score_surrogate_loss, extras={COEF_KEY: score_coefficients(scores, c, r)})
         got = {n: p.main_grad.clone() for n, p in model.gpt.named_parameters() if p.requires_grad}
         model.model.zero_grad_buffer()
         pair_loss(plain_scores(model, tokens), c, r).backward()

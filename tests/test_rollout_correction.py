@@ -3,7 +3,8 @@ level, the veto, batch normalization), OPSM, and the rule that rejected tokens l
 normalizers: `policy_loss` against an independent computation (tests/correction_reference.py)
 in values and gradients; the learner's passes against the batch with the rejected tokens
 taken out of its mask, at two micro-batch splits, scored and under the on-policy shortcut;
-the recipe's refusals. (The same at data parallel 2: tests/test_learner_parallel.py.)"""
+the recipe's refusals. (The same at data parallel 2: tests/test_learner_parallel.py; whole
+runs: tests/test_trainer.py.)"""
 
 from __future__ import annotations
 
@@ -325,55 +326,3 @@ def test_the_learners_passes_equal_the_batch_without_the_rejected_tokens(learner
     base = results[False, 12][1]
     for key, (_, grads, _) in results.items():
         assert float((grads - base).abs().max()) <= 1e-6 * float(base.abs().max()), key
-
-
-# --------------------------------------------------------------------------- whole runs
-
-
-@pytest.mark.slow
-def test_a_run_with_rejection_and_opsm_and_a_bypass_run(megatron_world, tmp_path, monkeypatch):
-    """Two 2-step off-policy runs (2 mini-batches a step, a bf16 sampler for a real gap):
-    geometric rejection + veto + normalized token weights + OPSM, whose normalized weights
-    average 1 over what is kept; and bypass (rl.old_logprobs=sampler), which never
-    calls the learner's scoring pass and measures the gap against the update's first
-    log-probs."""
-    import json
-
-    from moe_rl.learner.engine import Learner
-    from moe_rl.programs.rl import train
-
-    scored = []
-    real_score = Learner.score
-    monkeypatch.setattr(Learner, "score", lambda self, *a, **k: scored.append(1) or real_score(self, *a, **k))
-    common = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "logging.progress=false",
-              "run.init_checkpoint=moe_rl/assets/tiny_base", "rl.objective=grpo", "rl.num_minibatches=2",
-              "sampler.backend=transformers", "sampler.precision=bf16", "run.steps=2", f"run.output_dir={tmp_path}"]
-    runs = {
-        "corrected": ["rl.rollout_correction=is_rs", "rl.rollout_correction_args.is_level=token",
-                      "rl.rollout_correction_args.is_batch_normalize=true",
-                      "rl.rollout_correction_args.rs_level=geometric", "rl.rollout_correction_args.rs_high=1.002",
-                      "rl.rollout_correction_args.veto_below=0.2", "rl.opsm_delta=0.0"],
-        "bypass": ["rl.old_logprobs=sampler", "rl.opsm_delta=0.0"],
-    }
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.chdir(root)
-    rows = {}
-    for name, extra in runs.items():
-        scored.clear()
-        cfg = load_config(root / "examples" / "tiny_grpo.yaml", [*common, f"run.name={name}", *extra])
-        train(cfg)
-        rows[name] = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert len(scored) == (0 if name == "bypass" else 2), (name, len(scored))
-    for row in rows["corrected"]:
-        assert 0 < row["policy/rollout_masked_frac"] < 1 and row["policy/rollout_rejected_seq_frac"] > 0
-        # normalized to mean 1 over the step's kept tokens; the step's value is the mean of its two
-        # mini-batches' means (each over its own kept tokens), so 1 only to the split's balance
-        assert row["policy/rollout_weight_mean"] == pytest.approx(1.0, abs=1e-3)
-        assert 0 <= row["policy/opsm_masked_frac"] <= 1 and "policy/rollout_vetoed_frac" in row
-        assert row["mismatch/k3"] > 0 and 0 < row["mismatch/ess_token"] <= 1 and math.isfinite(row["mismatch/chi2_seq"])
-    for row in rows["bypass"]:
-        assert "policy/rollout_masked_frac" in row and row["policy/rollout_masked_frac"] == 0  # (no correction)
-        assert row["policy/updates"] == 2 and math.isfinite(row["learner/grad_norm"])
-        assert row["mismatch/k3"] > 0  # the bf16 sampler against the learner's first update log-probs

@@ -23,9 +23,9 @@ from moe_rl.sampler.base import sample_seeds
 from moe_rl.sampler.hf_backend import HFSampler, top_p_filter
 from moe_rl.sampler.precision import (
     FP8_MAX,
-    compute_dtype,
     fp8_round_trip,
     is_quantized,
+    precision_dtype,
     transform_weight,
 )
 from moe_rl.sampler.weights import iter_checkpoint
@@ -122,9 +122,9 @@ def test_transform_weight_dtypes():
     torch.testing.assert_close(transform_weight("lm_head.weight", w, "fp8_emulated"), w.to(torch.bfloat16), rtol=0, atol=0)
     q = transform_weight("model.layers.0.self_attn.q_proj.weight", w, "fp8_emulated")
     assert q.dtype == torch.bfloat16 and not torch.equal(q, w.to(torch.bfloat16))
-    assert compute_dtype("fp8_emulated") == torch.bfloat16
+    assert precision_dtype("fp8_emulated") == torch.bfloat16
     with pytest.raises(ValueError, match="fp32"):
-        compute_dtype("fp16")
+        precision_dtype("fp16")
 
 
 # --------------------------------------------------------------------------- weights

@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from moe_rl.ablations.settings import settings
-from moe_rl.ablations.stress_report import collapse_onset, mechanism_reading, window, write_report
+from moe_rl.ablations.stress_report import (
+    collapse_onset,
+    mechanism_reading,
+    window,
+    write_stress_report,
+)
 from moe_rl.ablations.stress_tables import against_baseline, merged
 
 LAYERS = 2
@@ -83,7 +88,7 @@ def test_the_report_says_what_the_numbers_say(results):
     for name in ("grpo-off", "rspo-post-off", "gspo-off", "grpo-r3-off", "sapo-off"):
         for seed in (1, 2, 3):
             _write(results, _run(name, seed, name == "sapo-off", block="contrast"))
-    text = write_report(results).read_text()
+    text = write_stress_report(results).read_text()
     assert "lr 0.0003, 4 mini-batch updates per rollout" in text and "Main runs finished: 170 of 170." in text
     answer = text.split("## The answer")[1].split("##")[0]
     assert "collapsed in 9 of 10 seeds" in answer
@@ -99,7 +104,7 @@ def test_the_report_says_what_the_numbers_say(results):
 
 def test_a_differing_repeat_is_reported_loudly(results):
     _write(results, _run("grpo-off", 1, True, block="repeat", digest="other"))
-    assert "**DIFFERS**" in write_report(results, plots=False).read_text()
+    assert "**DIFFERS**" in write_stress_report(results, plots=False).read_text()
 
 
 def test_a_regime_where_every_method_collapses_is_called_what_it_is(results):
@@ -107,7 +112,7 @@ def test_a_regime_where_every_method_collapses_is_called_what_it_is(results):
         if name.endswith("-off"):
             for seed in range(1, 11):
                 _write(results, _run(name, seed, seed <= 9))
-    answer = write_report(results, plots=False).read_text().split("## The answer")[1].split("##")[0]
+    answer = write_stress_report(results, plots=False).read_text().split("## The answer")[1].split("##")[0]
     assert "Every off-policy setting collapsed in at least 90% of its seeds" in answer
     for seed in (4, 5, 6, 7):  # 4/4 and 0/4 of 4 seeds: Wilson's bounds meet the rate (the plot's error bars)
         _write(results, _run("grpo-on", seed, True))
@@ -122,7 +127,7 @@ def test_a_regime_where_every_method_collapses_is_called_what_it_is(results):
     for p in (results / "main" / "gmpo-off").glob("seed*.json"):
         if int(p.stem[4:]) not in (4, 5, 6, 7):
             p.unlink()
-    assert "collapsed in 10 of 10 seeds" in write_report(results, plots=False).read_text()
+    assert "collapsed in 10 of 10 seeds" in write_stress_report(results, plots=False).read_text()
 
 
 def test_the_mechanism_reading_weighs_bounded_ratios_against_grpos():
@@ -158,7 +163,7 @@ def test_the_mechanism_reading_weighs_bounded_ratios_against_grpos():
 def test_the_exploratory_section_checks_the_code_then_tests_at_the_chosen_rate(results):
     """Change 6 of the plan: the code check against main's digest, GRPO's sweep between the
     two rates and the rule's pick, then the tests at that rate over its 3 comparisons alone."""
-    section = lambda: write_report(results, plots=False).read_text().split("## Exploratory: between the two rates")[1]  # noqa: E731
+    section = lambda: write_stress_report(results, plots=False).read_text().split("## Exploratory: between the two rates")[1]  # noqa: E731
     assert "Not run yet" in section()
     _write(results, _run("grpo-off", 1, True, block="explore-repeat"))  # main's seed 1 digest: "d"
     for seed in (1, 2, 3, 4):
@@ -167,7 +172,7 @@ def test_the_exploratory_section_checks_the_code_then_tests_at_the_chosen_rate(r
     assert "**identical**" in text and "lr 0.00025: 2 of 4 seeds collapsed" in text and "The rule: lr 0.00025." in text
     _write(results, _run("grpo-off", 1, True, block="explore-0.00025"))
     assert "**Provisional**: 1 of the block's 40 runs have finished" in section()
-    assert "The gentler step" not in write_report(results, plots=False).read_text()  # (the answer waits for all 40)
+    assert "The gentler step" not in write_stress_report(results, plots=False).read_text()  # (the answer waits for all 40)
     for name in ("grpo-off", "gspo-off", "grpo-r3-off", "rspo-post-off"):
         for seed in range(1, 11):  # GRPO 5/10, GSPO 0/10, the other two 5/10
             _write(results, _run(name, seed, name != "gspo-off" and seed <= 5, block="explore-0.00025"))
@@ -177,7 +182,7 @@ def test_the_exploratory_section_checks_the_code_then_tests_at_the_chosen_rate(r
     # 0/10 vs 5/10: the two tables as extreme, C(15,10)/C(20,10) each; Holm x3 (the smallest p)
     p = 2 * math.comb(15, 10) / math.comb(20, 10)
     assert "| gspo-off | 0/10 | -0.50" in text and f"{3 * p:.2g}" in text
-    the_answer = write_report(results, plots=False).read_text().split("## The answer")[1].split("## Per setting")[0]
+    the_answer = write_stress_report(results, plots=False).read_text().split("## The answer")[1].split("## Per setting")[0]
     assert ("The gentler step, explored after these results were read" in the_answer
             and "at lr 0.00025 off-policy GRPO collapsed in 5 of 10 seeds; grpo-r3-off 5/10, gspo-off 0/10, "
                 "rspo-post-off 5/10." in the_answer and "Per claim there: **GSPO**:" in the_answer)
@@ -196,7 +201,7 @@ def test_a_remade_warm_start_is_named_per_block_and_tested_apart(results):
             remade = seed >= 19
             c = True if remade else name != "gspo-off"
             _write(results, _run(name, seed, c, block="stage2", warm="feedfacecafebeef" if remade else None))
-    text = write_report(results, plots=False).read_text()
+    text = write_stress_report(results, plots=False).read_text()
     assert ("- `stage2`: feedfacecafebeef: seeds 19-20; first (not recorded): seeds 11-18 (**two warm starts**)"
             in text)
     assert "- `main`: first (not recorded): seeds 1-10\n" in text
@@ -214,7 +219,7 @@ def test_the_warm_start_check_separates_code_from_warm_start(results):
     remade warm start says the warm start moved the numbers, not the code."""
     _write(results, _run("grpo-off", 1, True, block="explore-repeat", digest="e" * 64, warm="feedfacecafebeef"))
     _write(results, _run("grpo-off", 1, True, block="warm-start-check", digest="e" * 64, warm="feedfacecafebeef"))
-    text = write_report(results, plots=False).read_text().split("## Exploratory: between the two rates")[1]
+    text = write_stress_report(results, plots=False).read_text().split("## Exploratory: between the two rates")[1]
     assert "warm start feedfacecafebeef) and main's (commit abc1234, warm start first (not recorded)): **DIFFERS**" in text
     assert ("against main's run (same code, the other warm start) **DIFFERS** (eeeeeeeeeeee vs d); against the repeat "
             "above (commit abc1234, the same warm start) **identical**") in text

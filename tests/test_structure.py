@@ -14,6 +14,7 @@ imports, so this runs in `make test-fast` in well under a second).
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -253,3 +254,59 @@ def test_no_program_compares_advantage_names():
     pattern = re.compile(r"""(==|!=)\s*["']gae["']|["']gae["']\s*(==|!=)""")
     offenders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
+
+
+MAX_MODULE_LINES = 500
+REPO = PKG.parent
+OUTSIDE_REFERENCES = re.compile(r"\.\./shared|\bshared/(DESIGN|OBJECTIVES|seeds)|\bseeds?/\d{3}|\bseed 00\d\b|"
+                                r"DESIGN\.md|OBJECTIVES\.md|\bDESIGN in\b")
+HISTORY = re.compile(r"\b[Ii]ssues? #?\d+|\(#\d+\)|\b20\d\d-\d\d-\d\d\b|\bround[ -]\d\b")
+USER_DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "docs" / "ablations" / "README.md",
+             REPO / "docs" / "mismatch" / "README.md"]
+"""The user's pages. Generated reports (REPORT.md, STRESS.md, SWEEP.md), pre-registered plans
+(a dated record by design) and lab notes (docs/notes/) keep their dates."""
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {str(p.relative_to(REPO)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (a module that long holds two ideas): {long}"
+
+
+def _help_lines() -> list[str]:
+    """`make help`'s lines (the Makefile's echo lines under the help target)."""
+    text = (REPO / "Makefile").read_text()
+    block = text.split("\nhelp:\n", 1)[1].split("\n\n", 1)[0]
+    return [ln for ln in block.splitlines() if "@echo" in ln]
+
+
+@pytest.mark.parametrize("pattern", [OUTSIDE_REFERENCES, HISTORY], ids=["outside-references", "history"])
+def test_the_package_and_its_docs_are_self_contained(pattern):
+    """Nothing in moe_rl/, `make help` or the user's docs points outside the repository
+    (design documents, seeds) or to the project's history (issue numbers, dates, rounds):
+    the formulas live in docs/objectives.md, history in git, lab notes in docs/notes/."""
+    offenders = [f"{p.relative_to(REPO)}:{i}" for p in [*MODULES.values(), *USER_DOCS]
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    offenders += [f"make help: {ln.strip()}" for ln in _help_lines() if pattern.search(ln)]
+    assert not offenders, offenders
+
+
+def test_loggers_are_named_after_their_modules():
+    named = [f"{p.relative_to(REPO)}" for p in MODULES.values()
+             if re.search(r"""^log(ger)? = logging\.getLogger\(["']""", p.read_text(), re.M)]
+    assert not named, f"use logging.getLogger(__name__): {named}"
+
+
+def test_no_two_public_functions_share_a_name():
+    """A name says what a function is: two public module-level functions with one name (two
+    `check_recipe`s) make a reader guess which one a call means. The exceptions are the
+    interfaces a folder's modules share by convention (an entry point's `main` and `run`, a
+    megatron patch's `apply`) and the registries' entries (an objective and an advantage
+    estimator may share a method's name: `grpo`)."""
+    allowed = {"main", "run", "apply", "grpo", "dr_grpo"}
+    seen: dict[str, list[str]] = {}
+    for m, path in MODULES.items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+                seen.setdefault(node.name, []).append(m)
+    shared = {name: where for name, where in seen.items() if len(where) > 1 and name not in allowed}
+    assert not shared, shared

@@ -21,7 +21,7 @@ from moe_rl.tasks.tokenizer import (
     UNK_ID,
     Tokenizer,
     build_hf_tokenizer,
-    load_tokenizer,
+    load_sentencepiece,
     train_tokenizer,
     training_corpus,
     write_hf_tokenizer,
@@ -129,10 +129,10 @@ def test_bos_eos_and_decode_robustness(tok):
 def test_pickle_and_loading(tok, tmp_path):
     clone = pickle.loads(pickle.dumps(tok))
     assert clone.encode("sort 321 =") == tok.encode("sort 321 =")
-    assert load_tokenizer("").path == SHIPPED_MODEL
-    assert load_tokenizer(str(SHIPPED_MODEL)).vocab_size == 128
+    assert load_sentencepiece("").path == SHIPPED_MODEL
+    assert load_sentencepiece(str(SHIPPED_MODEL)).vocab_size == 128
     with pytest.raises(FileNotFoundError, match=r"missing\.model"):
-        load_tokenizer(tmp_path / "missing.model")
+        load_sentencepiece(tmp_path / "missing.model")
 
 
 def test_retraining_reproduces_the_shipped_model(tmp_path, tok):
@@ -173,7 +173,7 @@ def test_hf_files(tok, hf_dirs):
     assert config["add_bos_token"] is False and config["eos_token"] == "</s>"
     assert open(f"{hf_dirs['bare']}/tokenizer.model", "rb").read() == SHIPPED_MODEL.read_bytes()
     # the learner can load the tokenizer from the model directory itself
-    assert load_tokenizer(hf_dirs["qwen3_moe"]).encode("rev 12 =") == tok.encode("rev 12 =")
+    assert load_sentencepiece(hf_dirs["qwen3_moe"]).encode("rev 12 =") == tok.encode("rev 12 =")
 
 
 @pytest.mark.parametrize("layout", ["bare", "qwen3_moe"])

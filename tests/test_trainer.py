@@ -199,3 +199,42 @@ def test_offloading_the_learner_during_rollout_changes_nothing_but_the_time(mega
         for key in ("reward/mean", "learner/loss", "learner/grad_norm", "mismatch/k3"):
             assert on[key] == off[key], key
     assert runs[True][1]["learner/offloaded_gib"] > 0 and "learner/offloaded_gib" not in runs[False][1]
+
+
+@pytest.mark.slow
+def test_a_run_with_rejection_and_opsm_and_a_bypass_run(megatron_world, tmp_path, monkeypatch):
+    """Two 2-step off-policy GRPO runs (2 mini-batches a step, a bf16 sampler for a real gap):
+    geometric rejection + veto + normalized token weights + OPSM, whose normalized weights
+    average 1 over what is kept; and bypass (rl.old_logprobs=sampler), which never calls the
+    learner's scoring pass and measures the gap against the update's first log-probs
+    (the correction itself: tests/test_rollout_correction.py)."""
+    from moe_rl.learner.engine import Learner
+
+    scored = []
+    real_score = Learner.score
+    monkeypatch.setattr(Learner, "score", lambda self, *a, **k: scored.append(1) or real_score(self, *a, **k))
+    common = ["rl.objective=grpo", "rl.num_minibatches=2", "sampler.backend=transformers", "sampler.precision=bf16",
+              "run.steps=2"]
+    runs = {
+        "corrected": ["rl.rollout_correction=is_rs", "rl.rollout_correction_args.is_level=token",
+                      "rl.rollout_correction_args.is_batch_normalize=true",
+                      "rl.rollout_correction_args.rs_level=geometric", "rl.rollout_correction_args.rs_high=1.002",
+                      "rl.rollout_correction_args.veto_below=0.2", "rl.opsm_delta=0.0"],
+        "bypass": ["rl.old_logprobs=sampler", "rl.opsm_delta=0.0"],
+    }
+    rows = {}
+    for name, extra in runs.items():
+        scored.clear()
+        _, _, rows[name] = run_trainer(tmp_path, f"run.name={name}", *common, *extra)
+        assert len(scored) == (0 if name == "bypass" else 2), (name, len(scored))
+    for row in rows["corrected"]:
+        assert 0 < row["policy/rollout_masked_frac"] < 1 and row["policy/rollout_rejected_seq_frac"] > 0
+        # normalized to mean 1 over the step's kept tokens; the step's value is the mean of its two
+        # mini-batches' means (each over its own kept tokens), so 1 only to the split's balance
+        assert row["policy/rollout_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert 0 <= row["policy/opsm_masked_frac"] <= 1 and "policy/rollout_vetoed_frac" in row
+        assert row["mismatch/k3"] > 0 and 0 < row["mismatch/ess_token"] <= 1 and math.isfinite(row["mismatch/chi2_seq"])
+    for row in rows["bypass"]:
+        assert row["policy/rollout_masked_frac"] == 0  # (no correction: OPSM's tallies alone)
+        assert row["policy/updates"] == 2 and math.isfinite(row["learner/grad_norm"])
+        assert row["mismatch/k3"] > 0  # the bf16 sampler against the learner's first update log-probs

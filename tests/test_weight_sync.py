@@ -82,11 +82,11 @@ def test_weight_sync_keeps_vllm_and_the_learner_in_agreement(megatron_world, tmp
     from moe_rl.learner import Learner, load_checkpoint, parallel_layout
     from moe_rl.rollout.placement import EnginePlacement
     from moe_rl.sampler import VLLMEngineConfig, make_sampler
-    from moe_rl.tasks.tokenizer import load_tokenizer
+    from moe_rl.tasks.tokenizer import load_sentencepiece
     from moe_rl.weights.sync import make_weight_synchronizer
 
     cfg = load_config(BASE / "config.yaml")
-    tok = load_tokenizer()
+    tok = load_sentencepiece()
     prompts = [tok.encode(p) for p in ["rev 48213 =", "rev 9071 =", "rev 123456 =", "rev 5555 ="]]
     megatron_to_hf(BASE, tmp_path / "hf")
     sampler = make_sampler(tmp_path / "hf", VLLMEngineConfig(precision="fp32", seed=0, eos_token_ids=(tok.eos_id,),

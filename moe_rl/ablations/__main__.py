@@ -56,12 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--lrs", default="1e-4,2e-4,4e-4",
                    help="comma-separated learning rates (default 1e-4,2e-4,4e-4: docs/ablations/lr_sweep.md)")
     st = sub.add_parser("stress-sweep", parents=[common],
-                        help="issue 47's regime sweep: off-policy GRPO at the plan's rates (docs/ablations/STRESS_PLAN.md)")
+                        help="the stress study's regime sweep: off-policy GRPO at the plan's rates (docs/ablations/STRESS_PLAN.md)")
     st.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in PLAN_LRS), help="comma-separated learning rates")
     st.add_argument("--updates", type=int, default=4, choices=(4, 8),
                     help="mini-batch updates per rollout: 4, or the plan's fallback 8")
     sr = sub.add_parser("stress", parents=[common],
-                        help="issue 47's runs at the swept regime: repeat, main, stage2, contrast (what is missing)")
+                        help="the stress study's runs at the swept regime: repeat, main, stage2, contrast (what is missing)")
     sr.add_argument("--block", choices=("repeat", "main", "stage2", "contrast", "explore"),
                     help="one block only (default: all, in the plan's order; explore: the exploratory blocks "
                          "the plan's change 6 adds, as far as its rule has got)")
@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:20s} {' '.join(o)}")
         return 0
     if args.cmd == "stress-report":
-        from moe_rl.ablations.stress_report import write_report
+        from moe_rl.ablations.stress_report import write_stress_report
 
-        print(write_report(args.results).read_text())
+        print(write_stress_report(args.results).read_text())
         return 0
     if args.cmd == "report":
         print(report(args.out))
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return _finish(t0, failed)
     seeds = _seeds(args.seeds)
     if args.cmd == "stress-sweep":
-        from moe_rl.ablations.stress import run_sweep as run_stress_sweep
-        from moe_rl.ablations.stress import write_sweep as write_stress_sweep
+        from moe_rl.ablations.stress import run_stress_sweep, write_stress_sweep
 
         failed = run_stress_sweep(args.out, _lrs(args.lrs), seeds, args.base, args.jobs, updates=args.updates)
         print(write_stress_sweep().read_text())

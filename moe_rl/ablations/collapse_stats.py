@@ -1,4 +1,4 @@
-"""Collapse rates across seeds (issue 47's primary outcome, docs/ablations/STRESS_PLAN.md):
+"""Collapse rates across seeds (the stress study's primary outcome, docs/ablations/STRESS_PLAN.md):
 what a collapse is, Fisher's exact test between two settings' rates, the interval of their
 difference, and the power that a number of seeds has, computed before the runs.
 

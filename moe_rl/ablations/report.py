@@ -82,7 +82,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def churn_section(summary: dict[str, dict[str, Any]]) -> str:
-    """Whether the regime churns as the papers' does (targets from the ablation issue)."""
+    """Whether the regime churns as the papers' does (targets from the routing-replay and RSPO studies)."""
     plain = {n: s for n, s in summary.items() if n.endswith("-off") and "-r2" not in n and "-r3" not in n}
     if not plain:
         return "No off-policy run without replay yet: routing churn not measured.\n"

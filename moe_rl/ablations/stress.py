@@ -1,4 +1,4 @@
-"""The stress ablations (issue 47, docs/ablations/STRESS_PLAN.md): the regime sweep of plain
+"""The stress ablations (docs/ablations/STRESS_PLAN.md): the regime sweep of plain
 off-policy GRPO, its pre-registered choice, and each finished run's result kept as a small
 file in the repository, so the experiment spans sessions.
 
@@ -8,7 +8,7 @@ file in the repository, so the experiment spans sessions.
 Runs go to `runs/ablations/stress/sweep/lr<lr>/grpo-off/seed<k>/` (the runner's layout:
 resumable, two one-thread runs at a time); every finished run's outcomes and per-step metrics
 go to `docs/ablations/stress/sweep/lr<lr>/seed<k>.json` (`record`), and
-`docs/ablations/stress/SWEEP.md` is regenerated from those files alone (`write_sweep`), with
+`docs/ablations/stress/SWEEP.md` is regenerated from those files alone (`write_stress_sweep`), with
 the regime the plan's rule picks.
 """
 
@@ -57,7 +57,7 @@ def block(updates: int) -> str:
     return "sweep" if updates == OFF_POLICY_UPDATES else f"sweep-updates{updates}"
 
 
-def sweep_dir(out: Path, lr: float, updates: int = 4) -> Path:
+def stress_sweep_dir(out: Path, lr: float, updates: int = 4) -> Path:
     return out / "stress" / block(updates) / f"lr{lr:g}"
 
 
@@ -72,7 +72,7 @@ def record(run: Run, runs_dir: Path, results_dir: Path, meta: dict[str, Any]) ->
     return path
 
 
-def run_sweep(out: Path, lrs: list[float], seeds: tuple[int, ...], base: Path | None, jobs: int,
+def run_stress_sweep(out: Path, lrs: list[float], seeds: tuple[int, ...], base: Path | None, jobs: int,
               results: Path = RESULTS, updates: int = 4) -> list[Run]:
     """GRPO off-policy at each lr and seed with `updates` mini-batch updates per rollout
     (missing runs only), every finished run recorded."""
@@ -81,9 +81,9 @@ def run_sweep(out: Path, lrs: list[float], seeds: tuple[int, ...], base: Path | 
     failed: list[Run] = []
     for lr in lrs:
         runs = [Run(SETTING, s, (f"optimizer.lr={lr:g}", f"rl.num_minibatches={updates}")) for s in seeds]
-        failed += run_all(runs, sweep_dir(out, lr, updates), base, jobs)
+        failed += run_all(runs, stress_sweep_dir(out, lr, updates), base, jobs)
         for r in runs:
-            record(r, sweep_dir(out, lr, updates), results / block(updates) / f"lr{lr:g}",
+            record(r, stress_sweep_dir(out, lr, updates), results / block(updates) / f"lr{lr:g}",
                    {"setting": SETTING, "lr": lr, "updates": updates, "commit": commit})
     return failed
 
@@ -131,11 +131,11 @@ def _block_table(results: Path, updates: int) -> tuple[list[str], dict[float, tu
     return rows, collapses
 
 
-def write_sweep(results: Path = RESULTS) -> Path:
+def write_stress_sweep(results: Path = RESULTS) -> Path:
     """docs/ablations/stress/SWEEP.md from the committed result files alone: a table per block
     (4 updates per rollout, then the plan's fallback of 8) and the regime the rule picks."""
     commits = sorted({json.loads(p.read_text())["commit"] for p in results.glob("sweep*/lr*/seed*.json")})
-    text = ("# Stress regime sweep: plain off-policy GRPO (issue 47)\n\n"
+    text = ("# Stress regime sweep: plain off-policy GRPO\n\n"
             "Pre-registered in `STRESS_PLAN.md`; written by `python -m moe_rl.ablations stress-sweep` from the "
             f"result files under `sweep*/` (runs made at commit {', '.join(commits) or '-'}). Collapse: the last "
             f"{LAST} steps' mean reward below 0.05 or more than 0.3 below the first step's.\n")

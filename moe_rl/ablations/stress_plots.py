@@ -1,4 +1,4 @@
-"""The stress report's plots (issue 47): collapse rates per setting, a collapsing GRPO seed
+"""The stress report's plots: collapse rates per setting, a collapsing GRPO seed
 beside surviving RSPO / GSPO / R3 seeds step by step (in the stress regime, and against the
 contrast block's seeds at the gentler rate, where they survive), and the routing per layer in
 the steps before a collapse against a survivor's last steps."""

@@ -1,4 +1,4 @@
-"""docs/ablations/STRESS.md from the committed result files alone (issue 47): the tables, tests
+"""docs/ablations/STRESS.md from the committed result files alone: the tables, tests
 and answer of `stress_tables` per block, the reproducibility and warm-start checks, the
 mechanism read before the collapses, the 3-seed contrast and the exploratory block.
 
@@ -223,7 +223,7 @@ def contrast_section(results: Path) -> str:
     return text
 
 
-def write_report(results: Path = RESULTS, plots: bool = True) -> Path:
+def write_stress_report(results: Path = RESULTS, plots: bool = True) -> Path:
     """STRESS.md and (unless `plots` is False: the text alone, as the report's tests read it) its
     plots, from the result files under `results`."""
     from moe_rl.ablations.stress_plots import plot_all
@@ -234,7 +234,7 @@ def write_report(results: Path = RESULTS, plots: bool = True) -> Path:
     main_done = sum(len(v) for v in load(results, "main").values())
     commits = sorted({r["commit"] for runs in res.values() for r in runs})
     warm = sorted({warm_start(r) for runs in res.values() for r in runs})
-    parts = [f"# Stress ablations: under routing churn that collapses GRPO, which method keeps training? (issue 47)\n\n"
+    parts = [f"# Stress ablations: under routing churn that collapses GRPO, which method keeps training?\n\n"
              f"Pre-registered in [`STRESS_PLAN.md`](STRESS_PLAN.md), regime from [`stress/SWEEP.md`](stress/SWEEP.md): "
              f"**lr {lr:g}, {updates} mini-batch updates per rollout** (the plan's step 3). Written by "
              f"`python -m moe_rl.ablations stress-report` from the result files under `stress/` alone; runs made at "

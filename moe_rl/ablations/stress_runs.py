@@ -1,4 +1,4 @@
-"""The stress ablations' runs (issue 47, docs/ablations/STRESS_PLAN.md): every setting at the
+"""The stress ablations' runs (docs/ablations/STRESS_PLAN.md): every setting at the
 regime the sweep picked, the pre-registered second stage, a repeated run (bit-reproducibility)
 and the 3-seed contrast at the comfortable rate, each finished run's result kept as a small
 committed file so the experiment spans sessions.
@@ -190,7 +190,7 @@ class Recorder:
             if self.commit:
                 state = "collapsed" if out["collapsed"] else "survived"
                 _git_commit(path, f"stress {self.block.name}: {run.setting} seed {run.seed} {state} "
-                                  f"(final reward {out['final_reward']:.3f}, issue 47)")
+                                  f"(final reward {out['final_reward']:.3f})")
 
 
 def _git_commit(path: Path, message: str) -> None:

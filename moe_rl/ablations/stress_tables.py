@@ -1,4 +1,4 @@
-"""The stress ablations' statistics as the report prints them (issue 47): each setting's
+"""The stress ablations' statistics as the report prints them: each setting's
 collapses, rewards and intervals, the pre-registered tests against off-policy GRPO with Holm's
 correction, what the seeds can detect, and the plain-language answer the numbers write. Shared
 by the report's pre-registered sections and its exploratory one (`stress_explore`).

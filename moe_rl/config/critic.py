@@ -51,6 +51,23 @@ class CriticConfig:
     gradient before Adam normalises it: it matters with gradient clipping)."""
 
 
+    def validate(self) -> None:
+        """The section's own ranges and its optimizer (`critic.optimizer`); what it means for
+        the RL section and the run's length is the cross-section rules'."""
+        c = self
+        if c.value_clip <= 0:
+            raise ConfigError(f"critic.value_clip must be > 0, got {c.value_clip}")
+        if c.value_loss_coef <= 0:
+            raise ConfigError(f"critic.value_loss_coef must be > 0, got {c.value_loss_coef}")
+        if c.epochs < 1:
+            raise ConfigError(f"critic.epochs must be >= 1, got {c.epochs}")
+        if c.num_minibatches < 0:
+            raise ConfigError(f"critic.num_minibatches must be >= 0 (0: rl.num_minibatches), got {c.num_minibatches}")
+        if c.warmup_steps < 0:
+            raise ConfigError(f"critic.warmup_steps must be >= 0, got {c.warmup_steps}")
+        c.optimizer.validate("critic.optimizer")
+
+
 def critic_minibatches(cfg: Any) -> int:
     """Mini-batches per critic pass: critic.num_minibatches, or the actor's rl.num_minibatches."""
     return cfg.critic.num_minibatches or cfg.rl.num_minibatches
@@ -59,39 +76,3 @@ def critic_minibatches(cfg: Any) -> int:
 def critic_warmup_steps(cfg: Any) -> int:
     """The run's first steps that train the critic alone, the actor waiting (0 without one)."""
     return cfg.critic.warmup_steps if cfg.rl.uses_critic else 0
-
-
-def validate_critic(cfg: Any) -> None:
-    """The critic section's ranges, and the PPO settings of the rl section (`Any`: sections.py
-    imports this module, so it cannot import `Config`)."""
-    c, rl = cfg.critic, cfg.rl
-    if c.value_clip <= 0:
-        raise ConfigError(f"critic.value_clip must be > 0, got {c.value_clip}")
-    if c.value_loss_coef <= 0:
-        raise ConfigError(f"critic.value_loss_coef must be > 0, got {c.value_loss_coef}")
-    if c.epochs < 1:
-        raise ConfigError(f"critic.epochs must be >= 1, got {c.epochs}")
-    if c.num_minibatches < 0:
-        raise ConfigError(f"critic.num_minibatches must be >= 0 (0: rl.num_minibatches), got {c.num_minibatches}")
-    if c.warmup_steps < 0:
-        raise ConfigError(f"critic.warmup_steps must be >= 0, got {c.warmup_steps}")
-    if not 0 <= rl.gae_gamma <= 1 or not 0 <= rl.gae_lambda <= 1:
-        raise ConfigError(f"rl.gae_gamma and rl.gae_lambda must be in [0, 1], got {rl.gae_gamma} and {rl.gae_lambda}")
-    if rl.kl_target < 0 or rl.kl_horizon < 1:
-        raise ConfigError(f"rl.kl_target must be >= 0 and rl.kl_horizon >= 1, got {rl.kl_target} and {rl.kl_horizon}")
-    if rl.kl_target > 0 and not rl.kl_in_reward:
-        raise ConfigError("rl.kl_target adapts the weight of the KL in GAE's per-token reward: it needs "
-                          "rl.kl_in_reward=true (the KL penalty in the loss keeps rl.kl_coef)")
-    if not rl.uses_critic:
-        if rl.kl_in_reward:
-            raise ConfigError("rl.kl_in_reward puts the KL penalty in GAE's per-token reward: it needs "
-                              "rl.advantage=gae (with group advantages the penalty goes in the loss: rl.kl_coef)")
-        return
-    if rl.kl_in_reward and rl.kl_coef <= 0:
-        raise ConfigError("rl.kl_in_reward=true needs rl.kl_coef > 0 (the weight of the per-token k1 in the reward)")
-    if rl.dynamic_sampling:
-        raise ConfigError("rl.dynamic_sampling drops groups with equal rewards, a GRPO-family fix for zero group "
-                          "advantages; with rl.advantage=gae every row has a signal: set rl.dynamic_sampling=false")
-    if c.warmup_steps > cfg.run.steps:
-        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} is more than run.steps={cfg.run.steps} (equal: "
-                          "a value-pretraining run, the critic alone on the starting policy's rollouts)")

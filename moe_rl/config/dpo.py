@@ -34,18 +34,17 @@ class DPOConfig:
     """Evaluate on the first N held-out pairs (0: all of them)."""
 
 
-def validate_dpo(cfg: Any) -> None:
-    """The dpo section's ranges of a `Config` (checked for every recipe; only moe_rl.dpo
-    reads it). (`Any`: sections.py imports this module, so it cannot import `Config`.)"""
-    d = cfg.dpo
-    if d.beta <= 0:
-        raise ConfigError(f"dpo.beta must be > 0, got {d.beta}")
-    if not 0 <= d.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {d.label_smoothing}")
-    if d.loss == "ipo" and d.label_smoothing:
-        raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} applies to dpo.loss=sigmoid only "
-                          "(conservative DPO); set it to 0 with dpo.loss=ipo")
-    validate_pair_batches("dpo", d)
+    def validate(self) -> None:
+        """The section's ranges (checked for every recipe; only moe_rl.dpo reads it)."""
+        d = self
+        if d.beta <= 0:
+            raise ConfigError(f"dpo.beta must be > 0, got {d.beta}")
+        if not 0 <= d.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {d.label_smoothing}")
+        if d.loss == "ipo" and d.label_smoothing:
+            raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} applies to dpo.loss=sigmoid only "
+                              "(conservative DPO); set it to 0 with dpo.loss=ipo")
+        validate_pair_batches("dpo", d)
 
 
 def validate_pair_batches(name: str, section: Any) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from moe_rl.config.errors import ConfigError, require_all, require_positive
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -150,7 +152,7 @@ class ModelConfig:
     only). Its unpermute sums expert outputs in a fixed order, so two passes over the same
     weights and tokens agree exactly and the on-policy ratio is 1; megatron's unfused path
     differed by up to 0.071 in log-prob at 4 layers of the Qwen3-30B-A3B shape (H100,
-    2026-11-26, bench/results/gpu_h100_learner.md, 0.87x the speed there). The GPU recipes
+    bench/results/gpu_h100_learner.md, 0.87x the speed there). The GPU recipes
     set it."""
     gradient_accumulation_fusion: bool = False
     """Weight gradients accumulated straight into megatron's fp32 `main_grad` buffers by the
@@ -195,6 +197,80 @@ class ModelConfig:
         if self.params_dtype == "auto":
             return "bf16" if on_gpu else "fp32"
         return self.params_dtype
+
+
+    def validate(self) -> None:
+        """The section's own rules (ConfigError naming the key); those against other
+        sections are `moe_rl.config.cross_section`'s."""
+        m = self
+        require_positive({
+            "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+            "model.num_attention_heads": m.num_attention_heads, "model.num_query_groups": m.num_query_groups,
+            "model.kv_channels": m.kv_channels, "model.num_experts": m.num_experts,
+            "model.moe_router_topk": m.moe_router_topk, "model.moe_ffn_hidden_size": m.moe_ffn_hidden_size,
+            "model.vocab_size": m.vocab_size,
+        })
+        if m.moe_router_topk > m.num_experts:
+            raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_experts={m.num_experts}")
+        if m.num_attention_heads % m.num_query_groups:
+            raise ConfigError(f"model.num_query_groups={m.num_query_groups} must divide "
+                              f"model.num_attention_heads={m.num_attention_heads}")
+        if not 0 <= m.num_dense_layers < m.num_layers:
+            raise ConfigError(f"model.num_dense_layers={m.num_dense_layers} must be in [0, num_layers) "
+                              "(at least one MoE layer)")
+        if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+            raise ConfigError("model.moe_router_enable_expert_bias needs model.moe_router_score_function=sigmoid")
+        self._validate_ranges()
+        self._validate_throughput_levers()
+
+    def _validate_ranges(self) -> None:
+        m = self
+        require_all({
+            "model.max_position_embeddings": (m.max_position_embeddings >= 1, f">= 1, got {m.max_position_embeddings}"),
+            "model.ffn_hidden_size": (m.ffn_hidden_size >= 1, f">= 1, got {m.ffn_hidden_size}"),
+            "model.norm_epsilon": (m.norm_epsilon > 0, f"> 0, got {m.norm_epsilon}"),
+            "model.init_method_std": (m.init_method_std > 0, f"> 0, got {m.init_method_std}"),
+            "model.rotary_base": (m.rotary_base > 0, f"> 0, got {m.rotary_base}"),
+            "model.rotary_percent": (0 < m.rotary_percent <= 1, f"in (0, 1], got {m.rotary_percent}"),
+            "model.moe_router_topk_scaling_factor": (m.moe_router_topk_scaling_factor > 0,
+                                                     f"> 0, got {m.moe_router_topk_scaling_factor}"),
+            "model.moe_aux_loss_coeff": (m.moe_aux_loss_coeff >= 0, f">= 0, got {m.moe_aux_loss_coeff}"),
+            "model.moe_z_loss_coeff": (m.moe_z_loss_coeff >= 0, f">= 0, got {m.moe_z_loss_coeff}"),
+            "model.moe_router_bias_update_rate": (m.moe_router_bias_update_rate >= 0,
+                                                  f">= 0, got {m.moe_router_bias_update_rate}"),
+        })
+
+    def _validate_throughput_levers(self) -> None:
+        """Capacity and its padding, and the CUDA graph scopes megatron-core accepts (their
+        device is the preflight's; what they mean for routing, the cross-section rules')."""
+        m = self
+        if m.moe_expert_capacity_factor < 0:
+            raise ConfigError(f"model.moe_expert_capacity_factor must be >= 0 (0: no capacity), got "
+                              f"{m.moe_expert_capacity_factor}")
+        if m.moe_pad_expert_input_to_capacity and not m.moe_expert_capacity_factor:
+            raise ConfigError("model.moe_pad_expert_input_to_capacity needs model.moe_expert_capacity_factor > 0 "
+                              "(the capacity it pads to)")
+        scopes = cuda_graph_scopes(m.cuda_graph_scope)
+        unknown = [x for x in scopes if x not in CUDA_GRAPH_SCOPES]
+        if unknown or (not scopes and m.cuda_graph_scope.strip() != "none"):
+            raise ConfigError(f"model.cuda_graph_scope={m.cuda_graph_scope!r}: expected none or a comma-separated "
+                              f"subset of {', '.join(CUDA_GRAPH_SCOPES)}")
+        rules = (
+            ("full" in scopes and len(scopes) > 1, "full (whole layers) takes no other scope"),
+            ("full" in scopes and not m.moe_pad_expert_input_to_capacity,
+             "full needs model.moe_pad_expert_input_to_capacity=true (a whole MoE layer is graphed only with the "
+             "capacity-padded dispatch: the dropless one syncs with the host)"),
+            ("moe_preprocess" in scopes and "moe_router" not in scopes,
+             "moe_preprocess needs moe_router (megatron graphs the preprocessing only after the router)"),
+            (scopes and m.recompute != "none", "CUDA graphs cannot take model.recompute=full (megatron recomputes "
+                                               "under graphs only for whole-iteration graphs); set one of them off"),
+            ("moe_preprocess" in scopes and m.moe_expert_capacity_factor and m.moe_token_dispatcher_type == "alltoall",
+             "moe_preprocess cannot take model.moe_expert_capacity_factor under the alltoall dispatcher (its "
+             "preprocessing syncs with the host there)"),
+        )
+        for broken, why in rules:
+            if broken:
+                raise ConfigError(f"model.cuda_graph_scope={m.cuda_graph_scope}: {why}")
 
 
 GPU_ONLY_DEFAULTS: dict[str, object] = {

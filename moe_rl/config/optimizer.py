@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from moe_rl.config.errors import ConfigError, require_all
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:
@@ -39,3 +41,26 @@ class OptimizerConfig:
     """Colocated, synchronous runs: move the learner's gradient buffers and optimizer states
     to (pinned) host memory while the engines sample and back before the update, so the
     engines' KV cache can use that device memory (`moe_rl/learner/offload.py`)."""
+
+
+    def validate(self, key: str = "optimizer") -> None:
+        """The section's values, errors naming `<key>.<field>` (the actor's `optimizer` and
+        PPO's `critic.optimizer` are this one type)."""
+        o = self
+        require_all({
+            f"{key}.weight_decay": (o.weight_decay >= 0, f">= 0, got {o.weight_decay}"),
+            f"{key}.adam_beta1": (0 <= o.adam_beta1 < 1, f"in [0, 1), got {o.adam_beta1}"),
+            f"{key}.adam_beta2": (0 <= o.adam_beta2 < 1, f"in [0, 1), got {o.adam_beta2}"),
+            f"{key}.adam_eps": (o.adam_eps > 0, f"> 0, got {o.adam_eps}"),
+            f"{key}.clip_grad": (o.clip_grad >= 0, f">= 0 (0 disables clipping), got {o.clip_grad}"),
+            f"{key}.lr_warmup_steps": (o.lr_warmup_steps >= 0, f">= 0, got {o.lr_warmup_steps}"),
+            f"{key}.offload_fraction": (0 <= o.offload_fraction <= 1, f"in [0, 1], got {o.offload_fraction}"),
+            f"{key}.lr": (o.lr > 0, f"> 0, got {o.lr}"),
+            f"{key}.min_lr": (o.min_lr >= 0, f">= 0, got {o.min_lr}"),
+        })
+        if o.min_lr > o.lr:
+            raise ConfigError(f"{key}.min_lr={o.min_lr:g} is above {key}.lr={o.lr:g} (the schedule decays from lr "
+                              f"to min_lr): lower {key}.min_lr with it, e.g. {key}.min_lr={o.lr / 10:g}, or 0")
+        if o.offload_fraction and not o.distributed:
+            raise ConfigError(f"{key}.offload_fraction needs {key}.distributed=true (megatron offloads "
+                              "the distributed optimizer's shards)")

@@ -9,7 +9,7 @@ transformer (the value head starts small and random: `rm.head_init_scale`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from moe_rl.config.dpo import validate_pair_batches
 from moe_rl.config.errors import ConfigError
@@ -39,8 +39,8 @@ class RewardModelConfig:
     (docs/ppo_dpo.md)."""
 
 
-def validate_reward_model(cfg: Any) -> None:
-    """The rm section's ranges (`Any`: sections.py imports this module, so it cannot import `Config`)."""
-    validate_pair_batches("rm", cfg.rm)
-    if not cfg.rm.head_init_scale >= 0:
-        raise ConfigError(f"rm.head_init_scale must be >= 0 (0: a zero value head), got {cfg.rm.head_init_scale}")
+    def validate(self) -> None:
+        """The section's ranges (only moe_rl.reward_model reads it)."""
+        validate_pair_batches("rm", self)
+        if not self.head_init_scale >= 0:
+            raise ConfigError(f"rm.head_init_scale must be >= 0 (0: a zero value head), got {self.head_init_scale}")

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from moe_rl.config.advantage_kinds import ADVANTAGE_KINDS
 from moe_rl.config.coerce import build_section, choices_hint, key_text
-from moe_rl.config.errors import ConfigError
+from moe_rl.config.errors import ConfigError, require_all, require_positive
 from moe_rl.config.objective_hparams import OBJECTIVE_HPARAMS
 
 
@@ -339,3 +339,113 @@ class RLConfig:
         """The advantage estimator needs a learned critic (the registry says so: PPO's GAE);
         False for a name nobody registered (the preflight refuses it)."""
         return self.advantage in ADVANTAGE_KINDS and ADVANTAGE_KINDS[self.advantage].needs_critic
+
+
+    def validate(self) -> None:
+        """The section's own rules (ConfigError naming the key); those against the sampler,
+        the task, the model or the optimizer are `moe_rl.config.cross_section`'s."""
+        rl = self
+        require_positive({"rl.group_size": rl.group_size, "rl.prompts_per_step": rl.prompts_per_step,
+                          "rl.num_minibatches": rl.num_minibatches, "rl.epochs": rl.epochs})
+        if rl.objective not in OBJECTIVE_HPARAMS:
+            raise ConfigError(f"rl.objective={rl.objective!r} is unknown{choices_hint(rl.objective, OBJECTIVE_HPARAMS)}")
+        if OBJECTIVE_HPARAMS[rl.objective].needs_router_shift and not rl.capture_routing:
+            raise ConfigError(f"rl.objective={rl.objective} needs rl.capture_routing=true (router shift)")
+        if rl.dynamic_sampling and rl.max_draws < 1:
+            raise ConfigError("rl.max_draws must be >= 1 with rl.dynamic_sampling")
+        if rl.overlong_max_len and not 0 <= rl.overlong_cache < rl.overlong_max_len:
+            raise ConfigError("rl.overlong_cache must be in [0, rl.overlong_max_len)")
+        require_all({
+            "rl.overlong_max_len": (rl.overlong_max_len >= 0, f">= 0 (0 disables shaping), got {rl.overlong_max_len}"),
+            "rl.overlong_cache": (rl.overlong_cache >= 0, f">= 0, got {rl.overlong_cache}"),
+            "rl.kl_coef": (rl.kl_coef >= 0, f">= 0, got {rl.kl_coef}"),
+        })
+        if rl.max_staleness < 0:
+            raise ConfigError(f"rl.max_staleness must be >= 0 (0: synchronous), got {rl.max_staleness}")
+        if rl.segmented:
+            self._validate_segmented()
+        if rl.max_turns < 1 or rl.max_turn_tokens < 0:
+            raise ConfigError(f"rl.max_turns must be >= 1 and rl.max_turn_tokens >= 0, got {rl.max_turns} and "
+                              f"{rl.max_turn_tokens}")
+        if rl.multi_turn and rl.uses_critic:
+            raise ConfigError(f"rl.max_turns={rl.max_turns} is not implemented with rl.advantage={rl.advantage} (a "
+                              "critic's values over observation tokens are undefined here); use a group estimator")
+        if rl.max_staleness and rl.rollout_correction == "none" and rl.old_logprobs == "learner":
+            raise ConfigError(f"rl.max_staleness={rl.max_staleness} trains on batches sampled by an older policy: set "
+                              "rl.rollout_correction (tis, mis, icepop or is_rs) to correct for the sampler-learner "
+                              "gap, or rl.old_logprobs=sampler")
+        self._validate_correction()
+        self._validate_critic_settings()
+
+    def _validate_segmented(self) -> None:
+        rl = self
+        which = "rl.inflight_weight_updates" if rl.inflight_weight_updates else "rl.partial_rollouts"
+        if rl.max_staleness < 1:
+            raise ConfigError(f"{which}=true needs rl.max_staleness >= 1 (the engines run ahead of the learner) and "
+                              "sampler.placement=separate")
+        if rl.inflight_segment_tokens < 1:
+            raise ConfigError(f"rl.inflight_segment_tokens must be >= 1, got {rl.inflight_segment_tokens}")
+        if rl.inflight_push_after_segments < 0:
+            raise ConfigError(f"rl.inflight_push_after_segments must be >= 0, got {rl.inflight_push_after_segments}")
+        if rl.partial_oversample < 0:
+            raise ConfigError(f"rl.partial_oversample must be >= 0, got {rl.partial_oversample}")
+        if rl.async_schedule not in ("deterministic", "throughput"):
+            raise ConfigError(f"rl.async_schedule={rl.async_schedule!r}: choose deterministic or throughput")
+        if rl.inflight_kv == "keep" and rl.async_schedule != "throughput":
+            raise ConfigError("rl.inflight_kv=keep pauses the engine when the learner's push arrives, which is not a "
+                              "fixed token count: set rl.async_schedule=throughput (or rl.inflight_kv=recompute for "
+                              "the deterministic schedule)")
+        if rl.inflight_kv == "keep" and rl.multi_turn:
+            raise ConfigError(f"rl.max_turns={rl.max_turns}: multi-turn episodes decode in segments for now; set "
+                              "rl.inflight_kv=recompute")
+
+    def _validate_correction(self) -> None:
+        """The rollout correction's knobs against its mode, OPSM and the bypass mode."""
+        rl = self
+        try:
+            rl.rollout_correction_args.check_mode(rl.rollout_correction)
+        except ValueError as e:
+            raise ConfigError(f"rl.rollout_correction_args: {e}") from None
+        if OBJECTIVE_HPARAMS[rl.objective].sequence_level and rl.rollout_correction_args.is_level == "token":
+            raise ConfigError(f"rl.rollout_correction_args.is_level=token: rl.objective={rl.objective} is "
+                              "sequence-level (one ratio per sequence); use is_level=sequence or geometric")
+        if rl.opsm_delta is not None and rl.uses_critic:
+            raise ConfigError(f"rl.opsm_delta masks whole sequences by their advantage's sign, and rl.advantage="
+                              f"{rl.advantage} gives per-token advantages; leave rl.opsm_delta unset")
+        if rl.old_logprobs not in ("learner", "sampler"):
+            raise ConfigError(f"rl.old_logprobs={rl.old_logprobs!r}: choose learner or sampler")
+        if rl.old_logprobs == "sampler":
+            needs = ("rl.replay=R2 (it replays the scoring pass's routing)" if rl.replay == "R2" else
+                     f"rl.objective={rl.objective} (its router-shift weight comes from the scoring pass)"
+                     if OBJECTIVE_HPARAMS[rl.objective].needs_router_shift else
+                     f"rl.rollout_correction={rl.rollout_correction} (d = old - rollout would be 0)"
+                     if rl.rollout_correction != "none" else None)
+            if needs:
+                raise ConfigError(f"rl.old_logprobs=sampler skips the learner's scoring pass, which {needs} needs; "
+                                  "set rl.old_logprobs=learner")
+            if rl.kl_in_reward:
+                raise ConfigError("rl.old_logprobs=sampler with rl.kl_in_reward: the reward's KL needs the learner's "
+                                  "log-probs before the update; set rl.old_logprobs=learner")
+
+    def _validate_critic_settings(self) -> None:
+        """PPO's settings of this section: GAE, the KL in the reward and its controller."""
+        rl = self
+        if not 0 <= rl.gae_gamma <= 1 or not 0 <= rl.gae_lambda <= 1:
+            raise ConfigError(f"rl.gae_gamma and rl.gae_lambda must be in [0, 1], got {rl.gae_gamma} and "
+                              f"{rl.gae_lambda}")
+        if rl.kl_target < 0 or rl.kl_horizon < 1:
+            raise ConfigError(f"rl.kl_target must be >= 0 and rl.kl_horizon >= 1, got {rl.kl_target} and "
+                              f"{rl.kl_horizon}")
+        if rl.kl_target > 0 and not rl.kl_in_reward:
+            raise ConfigError("rl.kl_target adapts the weight of the KL in GAE's per-token reward: it needs "
+                              "rl.kl_in_reward=true (the KL penalty in the loss keeps rl.kl_coef)")
+        if not rl.uses_critic:
+            if rl.kl_in_reward:
+                raise ConfigError("rl.kl_in_reward puts the KL penalty in GAE's per-token reward: it needs "
+                                  "rl.advantage=gae (with group advantages the penalty goes in the loss: rl.kl_coef)")
+            return
+        if rl.kl_in_reward and rl.kl_coef <= 0:
+            raise ConfigError("rl.kl_in_reward=true needs rl.kl_coef > 0 (the weight of the per-token k1 in the reward)")
+        if rl.dynamic_sampling:
+            raise ConfigError("rl.dynamic_sampling drops groups with equal rewards, a GRPO-family fix for zero group "
+                              "advantages; with rl.advantage=gae every row has a signal: set rl.dynamic_sampling=false")

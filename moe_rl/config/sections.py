@@ -8,10 +8,16 @@ from typing import Literal
 
 from moe_rl.config.critic import CriticConfig
 from moe_rl.config.dpo import DPOConfig
+from moe_rl.config.errors import ConfigError, require_all, require_positive
 from moe_rl.config.model import ModelConfig
 from moe_rl.config.optimizer import OptimizerConfig
 from moe_rl.config.reward_model import RewardModelConfig
 from moe_rl.config.rl import RLConfig
+
+WANDB_FORBIDDEN = "/\\#?%:"
+"""Characters W&B refuses in a project or entity name."""
+WANDB_TAG_MAX = 64
+"""W&B's longest tag."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,33 @@ class ParallelConfig:
     collector off at the first learner update and collects every this many updates (of any
     learner in the process), so collections no longer land at random inside a step. 0:
     Python's automatic collection, as usual. Any device; written, not yet timed on a GPU."""
+
+
+    def validate(self) -> None:
+        """The section's own rules; its sizes against the model's shapes and the world size
+        are the cross-section rules'."""
+        p = self
+        tp = p.tensor_model_parallel_size
+        require_positive({
+            "parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size":
+            p.pipeline_model_parallel_size, "parallel.expert_model_parallel_size": p.expert_model_parallel_size,
+            "parallel.expert_tensor_parallel_size": p.expert_tensor_parallel_size,
+            "parallel.micro_batch_size": p.micro_batch_size,
+        })
+        if tp > 1 and p.sequence_parallel is False:
+            raise ConfigError("parallel.sequence_parallel=false with tensor_model_parallel_size>1: megatron-core "
+                              "requires sequence parallel for MoE layers under TP; set it true or leave it unset")
+        if p.max_tokens_per_microbatch < 0:
+            raise ConfigError(f"parallel.max_tokens_per_microbatch must be >= 0 (0: micro_batch_size sequences), "
+                              f"got {p.max_tokens_per_microbatch}")
+        if p.manual_gc_interval < 0:
+            raise ConfigError(f"parallel.manual_gc_interval must be >= 0 (0: Python's automatic collection), got "
+                              f"{p.manual_gc_interval}")
+        if p.max_tokens_per_microbatch and not p.packing:
+            raise ConfigError("parallel.max_tokens_per_microbatch needs parallel.packing=true (a token budget bins "
+                              "sequences of any length together, which only the packed layout can run)")
+        require_all({"parallel.logprob_chunk_tokens": (p.logprob_chunk_tokens >= 0,
+                                                    f">= 0 (0: full logits), got {p.logprob_chunk_tokens}")})
 
 
 @dataclass(frozen=True)
@@ -105,6 +138,33 @@ class SamplerConfig:
     line naming the engine rank and the cause, without training on the step (the last
     checkpoint stays the latest). Must be 0 with segmented decoding (rl.inflight_weight_updates,
     rl.partial_rollouts): its engines cannot agree on a restart (docs/sampler.md)."""
+
+
+    def validate(self) -> None:
+        """The section's own rules."""
+        s = self
+        require_positive({"sampler.max_new_tokens": s.max_new_tokens, "sampler.tensor_parallel_size":
+                          s.tensor_parallel_size, "sampler.weight_sync_bucket_mib": s.weight_sync_bucket_mib})
+        if s.tensor_parallel_size > 1 and s.backend != "vllm":
+            raise ConfigError(f"sampler.tensor_parallel_size={s.tensor_parallel_size} needs sampler.backend=vllm "
+                              "(the transformers sampler runs one whole model per rank)")
+        if s.placement == "separate" and (s.engine_ranks < 1 or s.engine_ranks % s.tensor_parallel_size):
+            raise ConfigError(f"sampler.placement=separate needs sampler.engine_ranks >= 1 and a multiple of "
+                              f"sampler.tensor_parallel_size={s.tensor_parallel_size}, got {s.engine_ranks}")
+        if s.placement == "colocated" and s.engine_ranks:
+            raise ConfigError("sampler.engine_ranks is for sampler.placement=separate; leave it 0 when colocated")
+        if s.sleep_between_steps and s.backend != "vllm":
+            raise ConfigError("sampler.sleep_between_steps needs sampler.backend=vllm (vLLM's sleep mode)")
+        if s.temperature <= 0:
+            raise ConfigError(f"sampler.temperature must be > 0, got {s.temperature} (the learner scores at it too)")
+        if not 0 < s.top_p <= 1:
+            raise ConfigError(f"sampler.top_p must be in (0, 1], got {s.top_p}")
+        require_all({
+            "sampler.max_restarts": (s.max_restarts >= 0, f">= 0, got {s.max_restarts}"),
+            "sampler.gpu_memory_utilization": (0 < s.gpu_memory_utilization <= 1,
+                                               f"in (0, 1], got {s.gpu_memory_utilization}"),
+            "sampler.vllm_kv_cache_gib": (s.vllm_kv_cache_gib >= 1, f">= 1, got {s.vllm_kv_cache_gib}"),
+        })
 
 
 @dataclass(frozen=True)
@@ -174,6 +234,28 @@ class TaskConfig:
     worker process that is killed and restarted on a timeout (0: in this process, no limit)."""
 
 
+    def validate(self) -> None:
+        """The section's own rules: digit ranges, the reward's time limit, the text settings
+        (reward spec, chat template, environment and tools, column names)."""
+        t = self
+        require_all({
+            "task.reward_timeout_s": (t.reward_timeout_s >= 0,
+                                      f">= 0 seconds (0: no limit, rewards in this process), got {t.reward_timeout_s}"),
+            "task.min_digits": (t.min_digits >= 1, f">= 1, got {t.min_digits}"),
+            "task.max_digits": (t.max_digits >= t.min_digits, f">= task.min_digits={t.min_digits}, got {t.max_digits}"),
+        })
+        if t.reward != "math" and (t.reward.count(":") != 1 or not all(t.reward.split(":"))):
+            raise ConfigError(f"task.reward={t.reward!r}: expected 'math' or a function 'module.path:function'")
+        if t.chat_template not in ("auto", "none") and not t.chat_template.endswith(".jinja"):
+            raise ConfigError(f"task.chat_template={t.chat_template!r}: expected auto, none or a .jinja file")
+        for name, spec in [("task.environment", t.environment)] + [("task.tools", x) for x in t.tools]:
+            if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
+                raise ConfigError(f"{name}={spec!r}: expected 'module.path:name'")
+        for key in ("prompt_key", "messages_key", "answer_key", "metadata_key"):
+            if not getattr(t, key):
+                raise ConfigError(f"task.{key} must not be empty")
+
+
 @dataclass(frozen=True)
 class SFTConfig:
     """Supervised warm start (`python -m moe_rl.sft`): a random model -> a base policy. Its
@@ -189,6 +271,16 @@ class SFTConfig:
     base policy with partial success, not a solved task. 0 disables early stopping."""
     output: str = ""
     """Where to write the final checkpoint (model only); empty: <run dir>/base."""
+
+
+    def validate(self) -> None:
+        """The section's own ranges."""
+        require_all({
+            "sft.batch_size": (self.batch_size >= 1, f">= 1, got {self.batch_size}"),
+            "sft.eval_problems": (self.eval_problems >= 1, f">= 1, got {self.eval_problems}"),
+            "sft.target_reward": (0 <= self.target_reward <= 1, f"in [0, 1] (0 disables early stopping), got "
+                                                                f"{self.target_reward}"),
+        })
 
 
 @dataclass(frozen=True)
@@ -222,6 +314,28 @@ class LoggingConfig:
     """A W&B group to show related runs together, e.g. the seeds of one setting ("": none)."""
     wandb_tags: tuple[str, ...] = ()
     """W&B tags, a list: [rspo, tiny]. A resumed run's tags replace the earlier ones."""
+
+
+    def validate(self) -> None:
+        """Cadences, and the W&B names, checked here so that a bad one fails before the run
+        starts, not at `wandb.init` after the model is built (whether wandb is installed is
+        checked by the entry points: `moe_rl.runtime.wandb_log.require_wandb`)."""
+        lg = self
+        require_all({
+            "logging.heatmap_every": (lg.heatmap_every >= 0, f">= 0 (0 disables it), got {lg.heatmap_every}"),
+            "logging.rollouts_every": (lg.rollouts_every >= 0, f">= 0 (0 disables it), got {lg.rollouts_every}"),
+        })
+        for key in ("wandb_project", "wandb_entity"):
+            value = getattr(lg, key)
+            if any(c in WANDB_FORBIDDEN for c in value) or len(value) > 128:
+                raise ConfigError(f"logging.{key}={value!r}: W&B names are at most 128 characters, without any of "
+                                  f"{' '.join(WANDB_FORBIDDEN)}")
+        if not lg.wandb_project.strip():
+            raise ConfigError("logging.wandb_project must not be empty (the W&B project to log to)")
+        for tag in lg.wandb_tags:
+            if not tag.strip() or len(tag) > WANDB_TAG_MAX:
+                raise ConfigError(f"logging.wandb_tags: {tag!r} must be a non-empty tag of at most {WANDB_TAG_MAX} "
+                                  "characters")
 
 
 @dataclass(frozen=True)
@@ -281,6 +395,37 @@ class RunConfig:
     """Samples per held-out prompt for pass@k (at sampler.temperature)."""
     eval_max_problems: int = 0
     """Evaluate on the first N held-out prompts (0: all of them)."""
+
+
+    def validate(self) -> None:
+        """Run length, cadence, seed and where the run directory is: `run.name` must stay
+        inside `run.output_dir` (retention and temp clean-up delete inside the run directory)."""
+        from pathlib import PurePath
+
+        r = self
+        require_positive({"run.steps": r.steps})
+        if r.save_every < 0:
+            raise ConfigError(f"run.save_every must be >= 0 (0: only at the end), got {r.save_every}")
+        require_all({
+            "run.save_every_minutes": (r.save_every_minutes >= 0, f">= 0 (0: by steps only), got {r.save_every_minutes}"),
+            "run.stop_grace_s": (r.stop_grace_s >= 0, f">= 0 seconds, got {r.stop_grace_s}"),
+            "run.max_skipped_updates": (r.max_skipped_updates >= 1,
+                                        f">= 1 (skipped updates in a row before the run stops), got {r.max_skipped_updates}"),
+            "run.eval_every": (r.eval_every >= 0, f">= 0 (0 disables it), got {r.eval_every}"),
+            "run.eval_k": (r.eval_k >= 1, f">= 1, got {r.eval_k}"),
+            "run.eval_max_problems": (r.eval_max_problems >= 0, f">= 0 (0: all), got {r.eval_max_problems}"),
+        })
+        if not 0 <= r.seed < 2**63:
+            raise ConfigError(f"run.seed must be in [0, 2**63), got {r.seed}")
+        name = PurePath(r.name)
+        if not r.name.strip() or name.is_absolute() or ".." in name.parts or name.parts in ((), (".",)) or "\0" in r.name:
+            raise ConfigError(f"run.name={r.name!r} must be a relative name inside run.output_dir (no '..', not "
+                              "absolute, not empty); put the directory in run.output_dir instead")
+        if "\0" in r.output_dir or "\0" in r.init_checkpoint:
+            raise ConfigError("run.output_dir and run.init_checkpoint must not contain NUL characters")
+        if r.overwrite and r.resume:
+            raise ConfigError("run.overwrite=true and run.resume=true contradict each other: resume continues the run "
+                              "in the directory, overwrite moves it aside; pick one")
 
 
 @dataclass(frozen=True)

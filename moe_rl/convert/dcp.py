@@ -63,7 +63,7 @@ from moe_rl.checkpoints import CONFIG_FILE, META_FILE
 from moe_rl.checkpoints.errors import TRUST_HINT, CheckpointError
 from moe_rl.checkpoints.trust import ensure_verified
 from moe_rl.convert.megatron_keys import ConvertError
-from moe_rl.runtime.failures import describe
+from moe_rl.runtime.failures import describe_error
 
 METADATA_FILE = ".metadata"
 # What a DCP `.metadata` of this package's checkpoints is made of (torch 2.13): the classes
@@ -225,7 +225,7 @@ class DcpCheckpoint:
         except (Exception, CheckpointException) as e:  # a trusted checkpoint's damaged file
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise ConvertError(f"cannot read tensor {key!r} of checkpoint {self.path} ({describe(e)}): one of its "
+            raise ConvertError(f"cannot read tensor {key!r} of checkpoint {self.path} ({describe_error(e)}): one of its "
                                "files is truncated or damaged; restore it from a copy") from e
         return out
 

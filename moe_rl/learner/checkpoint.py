@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe_rl.checkpoints import MANIFEST_FILE, META_FILE
@@ -57,19 +56,23 @@ from moe_rl.checkpoints.temps import remove_temps, rename_into_place
 from moe_rl.checkpoints.trust import VERIFIED
 from moe_rl.config import Config, save_config
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
+from moe_rl.learner.checkpoint_state import (
+    component_meta,
+    has_optimizer_state,
+    layout_tag,
+    sharded_state,
+)
 from moe_rl.learner.checkpoint_writes import DcpWrite
 from moe_rl.learner.finite import nonfinite_parameter
 from moe_rl.learner.optimizer import schedule_kept_note
 from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.collectives import all_gather_object, broadcast_object
-from moe_rl.runtime.failures import RunFaultError, describe, disk_full
+from moe_rl.runtime.failures import RunFaultError, describe_error, disk_full
 from moe_rl.runtime.fault_hooks import kill_point
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-RESERVED_NAMES = frozenset({"model", "optimizer", "rng_state"})
-"""The actor's own parts of a checkpoint: no component may take these names."""
 __all__ = [
     "META_FILE",
     "CheckpointError",
@@ -106,65 +109,12 @@ def _on_rank0(fn: Callable[[], None]) -> None:
         except CheckpointError as e:
             problem = str(e)
         except OSError as e:
-            problem = f"cannot write the checkpoint: {describe(e)}"
+            problem = f"cannot write the checkpoint: {describe_error(e)}"
         except Exception as e:
-            problem = f"could not save the checkpoint: {describe(e)}"
+            problem = f"could not save the checkpoint: {describe_error(e)}"
     problem = broadcast_object(problem, src=0)
     if problem:
         raise CheckpointError(problem)
-
-
-def _has_optimizer_state(learner: Any) -> bool:
-    """Adam's moments exist only after the first step; before it there is nothing to save."""
-    if learner.optimizer is None:
-        return False
-    parts = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
-    return any(len(p.optimizer.state) > 0 for p in parts)
-
-
-def _layout_tag(learner: Any) -> dict[str, int]:
-    lay = learner.layout
-    return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp}
-
-
-def _rng_object(learner: Any) -> ShardedObject:
-    """This rank's RNG states, addressed by (pp, tp, dp) rank so each rank gets its own."""
-    lay = learner.layout
-    state = {
-        "cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    return ShardedObject(
-        "rng_state",
-        state,
-        (lay.pp, lay.tp, lay.dp),
-        (lay.pp_rank, lay.tp_rank, lay.dp_rank),
-        replica_id=0,
-    )
-
-
-def _sharded_state(learner: Any, *, with_optimizer: bool, with_rng: bool, loading: bool,
-                   components: Mapping[str, Any] | None = None, optimizers: frozenset[str] = frozenset()) -> dict:
-    model_sd = learner.gpt.sharded_state_dict()
-    sd: dict[str, Any] = {"model": model_sd}
-    if with_optimizer and learner.optimizer is not None:
-        sd["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=loading)
-    if with_rng:
-        sd["rng_state"] = _rng_object(learner)
-    for name, model in (components or {}).items():  # (`<name>.` keys of its own: the converters skip them)
-        if name in RESERVED_NAMES:
-            raise ValueError(f"a checkpoint component may not be named {name!r} (the actor's own part)")
-        part_sd = model.gpt.sharded_state_dict(prefix=f"{name}.")
-        sd[name] = part_sd
-        if name in optimizers:
-            sd[f"{name}_optimizer"] = model.optimizer.sharded_state_dict(part_sd, is_loading=loading)
-    return sd
-
-
-def _component_meta(model: Any, with_optimizer: bool) -> dict[str, Any]:
-    return {"step": model.step, "has_optimizer": with_optimizer,
-            "scheduler": model.scheduler.state_dict() if with_optimizer else None}
 
 
 # --------------------------------------------------------------------------- save
@@ -216,7 +166,7 @@ def _saving(path: Path, tmp: Path) -> contextlib.AbstractContextManager:
             if full:
                 raise CheckpointError(f"disk full while saving checkpoint {path}: free space on that file system "
                                       "or choose another run.output_dir (nothing was kept of this save)") from e
-            raise CheckpointError(f"could not save checkpoint {path}: {describe(e)}") from e
+            raise CheckpointError(f"could not save checkpoint {path}: {describe_error(e)}") from e
 
     return guard()
 
@@ -304,21 +254,21 @@ def start_checkpoint(
     _barrier()
     kill_point("save.begin")
     with _saving(path, tmp):
-        with_opt = include_optimizer and _has_optimizer_state(learner)
-        optimizers = frozenset(n for n, m in components.items() if include_optimizer and _has_optimizer_state(m))
-        sd = _sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False, components=components,
+        with_opt = include_optimizer and has_optimizer_state(learner)
+        optimizers = frozenset(n for n, m in components.items() if include_optimizer and has_optimizer_state(m))
+        sd = sharded_state(learner, with_optimizer=with_opt, with_rng=True, loading=False, components=components,
                             optimizers=optimizers)
         write = DcpWrite(sd, tmp, background=background)
     meta = {
         "format_version": FORMAT_VERSION,
         "step": learner.step,
-        "layout": _layout_tag(learner),
+        "layout": layout_tag(learner),
         "has_optimizer": with_opt,
         "scheduler": learner.scheduler.state_dict() if with_opt else None,
         **(extra_meta or {}),
     }
     for name, model in components.items():
-        meta[name] = _component_meta(model, name in optimizers)
+        meta[name] = component_meta(model, name in optimizers)
     return PendingSave(path, tmp, write, meta, config, time.perf_counter() - t0)
 
 
@@ -389,7 +339,7 @@ def _load_files(learner: Any, path: Path, sd: dict, restricted: bool) -> dict:
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise CheckpointError(f"could not load {path}: {describe(e)}") from e
+        raise CheckpointError(f"could not load {path}: {describe_error(e)}") from e
 
 
 def load_checkpoint(
@@ -416,11 +366,11 @@ def load_checkpoint(
     path = Path(path)
     components = dict(components or {})
     restricted, meta = _checked_meta(path, trust, list(components), missing_hint)
-    same_layout = meta.get("layout") == _layout_tag(learner)
+    same_layout = meta.get("layout") == layout_tag(learner)
     with_rng = restore_rng and same_layout
     want_opt = load_optimizer and learner.optimizer is not None and meta.get("has_optimizer", False)
     optimizers = frozenset(n for n in components if load_optimizer and meta[n].get("has_optimizer", False))
-    sd = _sharded_state(learner, with_optimizer=want_opt, with_rng=with_rng, loading=True, components=components,
+    sd = sharded_state(learner, with_optimizer=want_opt, with_rng=with_rng, loading=True, components=components,
                         optimizers=optimizers)
     sd["model"] = {k: v for k, v in sd["model"].items() if not k.startswith(optional)}  # (not asked of the files)
     loaded = _load_files(learner, path, sd, restricted)
@@ -503,4 +453,4 @@ def _restore_rng(loaded: dict, same_layout: bool, path: Path, meta: dict, learne
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
     elif not same_layout:
         log.info("checkpoint %s saved at layout %s, loading at %s: RNG states not restored",
-                 path, meta.get("layout"), _layout_tag(learner))
+                 path, meta.get("layout"), layout_tag(learner))

@@ -10,8 +10,8 @@ a collective start (the plan, `common.pt`, the data staged for writing), a write
 rank's files that needs no other rank, and a collective finish (the global `.metadata`).
 Its own asynchronous caller runs the write in forked writer processes and collects their
 results through a `multiprocessing.Manager`: a SIGKILL of the trainer left both orphaned.
-Here the write runs in threads of this process (`_in_process_writes`), so nothing outlives
-a killed trainer; in the background, in one thread that owns a private host copy of every
+Here the write runs in threads of this process (`moe_rl.learner.megatron_patches.dcp_writes`),
+so nothing outlives a killed trainer; in the background, in one thread that owns a private host copy of every
 tensor taken at the start (`_staged`), so the next optimizer steps, which change the live
 tensors in place, cannot reach the files.
 """
@@ -19,62 +19,17 @@ tensors in place, cannot reach the files.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from moe_rl.checkpoints.manifest import digest_files
-from moe_rl.runtime.fault_hooks import kill_point
-
-
-def _write_bucket(transform_list: list, use_msc: bool, i: int, bucket: Any) -> Any:
-    """One bucket (one `.distcp` file) through megatron's own writer; its results or error."""
-    local, count = queue.Queue(), queue.Queue()
-    count.put(i)
-    FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, use_msc=use_msc)
-    return local.get()[1]
-
-
-def _write_buckets_in_process(transform_list: list, use_msc: bool, rank: int, write_buckets: list,
-                              results: Any) -> None:
-    """Megatron's `write_preloaded_data_multiproc` with threads of this process instead of
-    forked writer processes: the files are still written in parallel (file I/O releases the
-    GIL), and nothing outlives a SIGKILL of the trainer."""
-    out: dict[int, Any] | Exception = {}
-    with ThreadPoolExecutor(max_workers=max(1, len(write_buckets)), thread_name_prefix="ckpt-write") as pool:
-        futures = {pool.submit(_write_bucket, transform_list, use_msc, i, b): i for i, b in enumerate(write_buckets)}
-        for future in as_completed(futures):
-            written = future.result()
-            if isinstance(written, Exception):
-                out = written
-            elif isinstance(out, dict):
-                out[futures[future]] = written
-            kill_point("save.file")
-    results.put(out)
-
-
-@contextlib.contextmanager
-def _in_process_writes() -> Iterator[None]:
-    """dist_checkpointing.save with its writes in this process: megatron's results queue is
-    a `multiprocessing.Manager()` (a spawned server process and a resource tracker, both
-    orphaned by a SIGKILL of the trainer) and its writers are forked processes."""
-    saved = (filesystem_async._get_write_results_queue, FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"])
-    filesystem_async._get_write_results_queue = queue.Queue
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
-    try:
-        yield
-    finally:
-        filesystem_async._get_write_results_queue = saved[0]
-        FileSystemWriterAsync.write_preloaded_data_multiproc = saved[1]
+from moe_rl.learner.megatron_patches import dcp_writes
 
 
 @contextlib.contextmanager
@@ -117,7 +72,7 @@ class DcpWrite:
         self.digests: dict[str, dict[str, Any]] = {}
         """The manifest entries of the data files this rank wrote, hashed by the writer as
         soon as they are written (in the background too: the finish hashes only the rest)."""
-        with _in_process_writes(), one_openmp_thread():
+        with dcp_writes.in_process(), one_openmp_thread():
             self._request = dist_checkpointing.save(sharded_state_dict, str(tmp), async_sharded_save=True)
         args = list(self._request.async_fn_args)
         if self._request.async_fn is not None:

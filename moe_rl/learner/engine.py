@@ -73,7 +73,7 @@ from moe_rl.learner.output_head import OutputHead
 from moe_rl.learner.parallel import Layout, all_reduce_, comm_device
 from moe_rl.learner.reduce import reduce_metrics, reduce_sums
 from moe_rl.learner.routing import RouterTaps, RoutingPlan
-from moe_rl.learner.routing_compare import sampler_disagreement
+from moe_rl.learner.routing.compare import sampler_disagreement
 from moe_rl.routing.record import ReplayIds, RoutingRecord, row_positions
 from moe_rl.runtime import manual_gc
 from moe_rl.runtime.collectives import all_gather_object

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from moe_rl.config import Config, ParallelConfig
 from moe_rl.config.model import GPU_ONLY_DEFAULTS
-from moe_rl.learner import cpu_shims
+from moe_rl.learner import megatron_patches
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
 from moe_rl.learner.parallel import parallel_layout
 
@@ -189,7 +189,7 @@ def _cpu_path() -> Iterator[None]:
     """transformer_config / build_gpt take the CPU path (host init, no `.cuda()`), also on a
     GPU machine: the build must touch no device. (megatron's CPU shims only where CUDA is
     absent, as the learner applies them.)"""
-    cpu_shims.apply()
+    megatron_patches.apply()
     real = torch.cuda.is_available
     torch.cuda.is_available = lambda: False  # type: ignore[assignment]
     try:

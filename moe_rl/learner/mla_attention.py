@@ -25,18 +25,3 @@ class MLADotProductAttention(PackedDotProductAttention):
         super().__init__(*args, **kwargs)
         if v_channels is not None:  # the context is [s, b, heads_per_partition * v_channels]
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
-
-
-class _NoTELinear:
-    """Stands in for Transformer Engine's TELinear where TE is absent: nothing is one."""
-
-
-def allow_mla_without_te() -> None:
-    """megatron-core 0.16's MLA module tests `isinstance(linear_proj, TELinear)` when its
-    import of the TE extension succeeded, which it does without TE too, with TELinear a
-    MagicMock stand-in that isinstance rejects (TypeError). Point the name at a class no
-    module is an instance of (only when it is not a real class)."""
-    import megatron.core.transformer.multi_latent_attention as mla
-
-    if not isinstance(mla.TELinear, type):
-        mla.TELinear = _NoTELinear

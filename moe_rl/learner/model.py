@@ -17,9 +17,7 @@ local megatron-core spec otherwise; `model.layer_spec` overrides.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,7 +33,8 @@ from megatron.core.transformer.transformer_layer import MoETransformerLayer, Tra
 
 from moe_rl.config import ConfigError, ModelConfig, ParallelConfig
 from moe_rl.config.model import GPU_ONLY_DEFAULTS, cuda_graph_scopes
-from moe_rl.learner.mla_attention import MLADotProductAttention, allow_mla_without_te
+from moe_rl.learner.megatron_patches import mla_te_linear, unfused_linears
+from moe_rl.learner.mla_attention import MLADotProductAttention
 from moe_rl.learner.packed_attention import PackedDotProductAttention
 from moe_rl.learner.parallel import graph_safe_rng, sequence_parallel_for
 
@@ -206,7 +205,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         bias_dropout_fusion=not on_cpu,
         apply_rope_fusion=False,
         # (the local spec's fused masked softmax needs apex's kernels: a GPU without them failed
-        # there, H200 2026-11-27; TE's attention does not use it)
+        # there, on an H200; TE's attention does not use it)
         masked_softmax_fusion=spec == "te",
         gradient_accumulation_fusion=model.gradient_accumulation_fusion,  # (TE spec on a GPU only)
         **cuda_graph_settings(model),
@@ -250,10 +249,10 @@ def build_gpt(model: ModelConfig, tcfg: TransformerConfig) -> GPTModel:
         _share_checkpoint_names_with_the_local_spec(block_spec)
     else:  # TE's attention takes packed (THD) input itself; the local one needs ours
         core = MLADotProductAttention if model.multi_latent_attention else PackedDotProductAttention
-        allow_mla_without_te()
+        mla_te_linear.apply()
         for layer in block_spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = core
-    with _megatron_linears_unfused(tcfg):
+    with unfused_linears.allowed(tcfg):
         gpt = _gpt_model(model, tcfg, block_spec)
     _reduce_expert_grads_over_expert_dp(gpt, tcfg)
     if torch.cuda.is_available():
@@ -284,41 +283,6 @@ def _gpt_model(model: ModelConfig, tcfg: TransformerConfig, block_spec: Any) -> 
         pre_process=ps.is_pipeline_first_stage(),  # embedding only on the first stage
         post_process=ps.is_pipeline_last_stage(),  # final norm + output layer only on the last
     )
-
-
-@contextlib.contextmanager
-def _megatron_linears_unfused(tcfg: TransformerConfig) -> Iterator[None]:
-    """With `gradient_accumulation_fusion`, Transformer Engine's linears accumulate their
-    weight gradients into `main_grad` themselves; megatron's own linears (the output layer)
-    need apex's `fused_weight_gradient_mlp_cuda` for it and refuse to build without it.
-    Without apex they are built anyway and keep the unfused path (the chunked head computes
-    its own logits from the output weight, so its gradient takes that path regardless)."""
-    from megatron.core.tensor_parallel import layers
-
-    if not tcfg.gradient_accumulation_fusion or layers._grad_accum_fusion_available:
-        yield
-        return
-    classes = (layers.ColumnParallelLinear, layers.RowParallelLinear)
-    real_inits = [cls.__init__ for cls in classes]
-    built: list[Any] = []
-
-    def recorded(real_init: Any) -> Any:
-        def init(self: Any, *args: Any, **kwargs: Any) -> None:
-            real_init(self, *args, **kwargs)
-            built.append(self)
-        return init
-
-    layers._grad_accum_fusion_available = True
-    for cls, real_init in zip(classes, real_inits):
-        cls.__init__ = recorded(real_init)
-    try:
-        yield
-    finally:
-        layers._grad_accum_fusion_available = False
-        for cls, real_init in zip(classes, real_inits):
-            cls.__init__ = real_init
-        for linear in built:
-            linear.gradient_accumulation_fusion = False
 
 
 def release_cuda_graphs() -> None:

@@ -29,7 +29,7 @@ from megatron.core import rerun_state_machine as rerun
 from megatron.core import tensor_parallel
 
 from moe_rl.config import ConfigError, ParallelConfig
-from moe_rl.learner import cpu_shims
+from moe_rl.learner import megatron_patches
 from moe_rl.runtime import worlds as moe_worlds
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, engine_ran
     engines only. Every rank then joins the bridge world of all ranks
     (`moe_rl.runtime.worlds.BRIDGE_WORLD`), and the learner ranks' default world, megatron's, holds
     only them; an engine-only rank has no default world."""
-    cpu_shims.apply()
+    megatron_patches.apply()
     if dist.is_initialized() or moe_worlds.BRIDGE_WORLD.initialized:
         with moe_worlds.bridge():
             return dist.get_rank(), dist.get_world_size()

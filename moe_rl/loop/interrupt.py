@@ -33,22 +33,22 @@ import torch.distributed as dist
 from moe_rl.runtime.collectives import all_gather_object
 from moe_rl.runtime.worlds import bridge
 
-log = logging.getLogger("moe_rl.loop.interrupt")
+log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_WINDOW_S = 1.0
 
 
-def exit_status(signum: int) -> int:
+def signal_exit_status(signum: int) -> int:
     """128 + the signal's number: what a shell reports for a process the signal ended."""
     return 128 + int(signum)
 
 
 class StoppedBySignal(SystemExit):
-    """The loop stopped at a step boundary after a signal; exits with `exit_status`."""
+    """The loop stopped at a step boundary after a signal; exits with `signal_exit_status`."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(exit_status(signum))
+        super().__init__(signal_exit_status(signum))
         self.signum = signum
 
 
@@ -86,7 +86,7 @@ class StopOnSignal:
         log.warning("second %s: stopping now; a resume continues from the newest complete checkpoint", name)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        raise SystemExit(exit_status(signum))
+        raise SystemExit(signal_exit_status(signum))
 
     def agreed(self, note: Any = None) -> tuple[int | None, list[Any]]:
         """Collective over every rank: the signal to stop for, when any rank received one

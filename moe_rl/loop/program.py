@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moe_rl.config import Config
+
 
 class Program:
     """One training program. Every method runs on every rank of the world, in the same
@@ -40,6 +42,14 @@ class Program:
     """World size, engine-only ranks included."""
     layout_name: str = ""
     """The learner layout, for summary.json (set in `setup`)."""
+
+    @classmethod
+    def check(cls, cfg: Config, world: int) -> str:
+        """Every check of this program's inputs for a world of `world` ranks, before anything
+        is built: a one-line ConfigError naming the key for the first that cannot work.
+        Returns what `--check` prints: one line saying what would run. The program's
+        constructor runs it too, so a run and its `--check` refuse the same recipes."""
+        raise NotImplementedError
 
     def setup(self, resume_from: Path | None) -> int:
         """Build the models and everything a step needs, restoring `resume_from` when given

@@ -37,7 +37,7 @@ from moe_rl.loop.saves import Saves
 from moe_rl.runtime.failures import RunFaultError
 from moe_rl.runtime.fault_hooks import kill_point
 
-log = logging.getLogger("moe_rl.loop")
+log = logging.getLogger(__name__)
 
 
 class RunLoop:
@@ -70,7 +70,7 @@ class RunLoop:
             t0 = time.perf_counter()
             self._evaluate_at_start(start)
             self._bar = self._progress_bar(stack, start)
-            saves = Saves(self.cfg, prog, self.run_dir)
+            saves = Saves(self.cfg.run, prog, self.run_dir)
             stack.callback(saves.close)  # (an error: a save in flight is abandoned, never finished half-way)
             last = self._steps(start, saves)
             if self._bar is not None:

@@ -1,5 +1,5 @@
-"""A run directory's files: the resolved config, metrics.jsonl, TensorBoard events, the
-routing heat map, checkpoint rotation and summary.json (written by global rank 0).
+"""A run directory: claimed by one run, resumed or refused, its checkpoints rotated, its
+config and summary written (by global rank 0); the metrics' logs are `metrics_log`'s.
 
     runs/<name>/
       run.json           the run's id: what owns this directory and its checkpoints
@@ -31,15 +31,12 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 import os
 import shutil
 import uuid
 import weakref
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from moe_rl.checkpoints import CONFIG_FILE
 from moe_rl.checkpoints.directories import (
@@ -52,13 +49,13 @@ from moe_rl.checkpoints.directories import (
 from moe_rl.checkpoints.errors import TRUST_HINT, CheckpointError
 from moe_rl.checkpoints.temps import remove_file_temps, remove_temps
 from moe_rl.config import Config, ConfigError, load_saved_config, save_config, to_dict
+from moe_rl.loop.metrics_log import METRICS_FILE, MetricsLog, parse_rows
 from moe_rl.runtime.atomic import atomic_write_text
 
-log = logging.getLogger("moe_rl.loop")
+log = logging.getLogger(__name__)
 
 KEEP_CHECKPOINTS = 2
 RUN_FILE = "run.json"
-METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = ".lock"
 # What a resume may change: run length, checkpoint and evaluation cadence, where the
 # directory is, the trust flags, the logging, the evaluation's size, SFT's stopping rule and
@@ -104,32 +101,13 @@ def read_saved_config(path: Path) -> Config:
                           "restore it, or start a new run under another run.name") from e
 
 
-def _parse_rows(text: str) -> list[tuple[str, dict[str, Any] | None]]:
-    """Each non-empty line of a metrics.jsonl with its row (None: not a JSON object, e.g.
-    a line a kill cut short)."""
-    out: list[tuple[str, dict[str, Any] | None]] = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            row = None
-        out.append((line, row if isinstance(row, dict) else None))
-    return out
-
-
 class RunDirectory:
     """The files of one run under `cfg.run_dir`."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.path = cfg.run_dir
-        self.history: list[dict[str, Any]] = []
-        self._flip_history: list[list[float]] = []
-        self._writer = None
-        self._tracker: Any = None  # a `moe_rl.runtime.wandb_log.WandbRun` with logging.wandb
-        self._num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers
+        self.metrics = MetricsLog(cfg, self.path)
         self.run_id: str | None = None
         self._lock_fd: int | None = None
 
@@ -170,7 +148,7 @@ class RunDirectory:
         path = self.path / METRICS_FILE
         if not path.is_file():
             return []
-        return [row["step"] for _, row in _parse_rows(path.read_text()) if row is not None and "step" in row]
+        return [row["step"] for _, row in parse_rows(path.read_text()) if row is not None and "step" in row]
 
     def _fresh_start_refusal(self) -> str:
         aside = f"run.overwrite=true (moves it aside to {self.path.name}.overwritten-<time>, deleting nothing)"
@@ -283,82 +261,21 @@ class RunDirectory:
             self._lock_fd = None
 
     def start_logging(self, start_step: int) -> None:
-        """The start succeeded: write config.yaml and run.json, open TensorBoard, W&B (the
-        run id's W&B run) and metrics.jsonl, keeping the lines up to `start_step` (resume)."""
+        """The start succeeded: write config.yaml and run.json, then open the metrics' logs
+        (`MetricsLog`), keeping metrics.jsonl's lines up to `start_step` (resume)."""
         save_config(self.cfg, self.path / CONFIG_FILE)
         if self._owner() != self.run_id:
             atomic_write_text(self.path / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
-        if self.cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.metrics.start(start_step, self.run_id)
 
-            self._writer = SummaryWriter(str(self.path / "tb"), purge_step=start_step + 1)
-        if self.cfg.logging.wandb:
-            from moe_rl.runtime.wandb_log import WandbRun
-
-            self._tracker = WandbRun.start(self.cfg, self.path, self.run_id)
-        path = self.path / METRICS_FILE
-        if path.exists():
-            self.history = self._set_aside_rows_after(start_step)
-        if start_step == 0:
-            self.history = []
-            if path.exists():
-                path.unlink()
-
-    def _set_aside_rows_after(self, start_step: int) -> list[dict[str, Any]]:
-        """Keep metrics.jsonl's rows up to `start_step` (the checkpoint resumed); the rest
-        (steps logged after that checkpoint, a line a kill cut short) move to
-        `metrics.jsonl.after-step-<start_step>-<time>`, never dropped. Returns the kept rows."""
-        path = self.path / METRICS_FILE
-        kept, later = [], []
-        for line, row in _parse_rows(path.read_text()):
-            if row is not None and row.get("step", 0) <= start_step:
-                kept.append((line, row))
-            else:
-                later.append(line)
-        if later:
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            aside = path.with_name(f"{METRICS_FILE}.after-step-{start_step}-{stamp}")
-            atomic_write_text(aside, "".join(line + "\n" for line in later))
-            log.warning("%d rows of %s logged after step %d (the checkpoint resumed) were moved to %s",
-                        len(later), METRICS_FILE, start_step, aside)
-        atomic_write_text(path, "".join(line + "\n" for line, _ in kept))
-        return [row for _, row in kept]
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every step's metrics logged so far (a resume's kept rows first)."""
+        return self.metrics.history
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append the step's metrics to metrics.jsonl, TensorBoard and W&B (the same names:
-        each finite number but `step`, and the routing heat map)."""
-        row = {k: (float(v) if isinstance(v, float | int) else v) for k, v in metrics.items()}
-        self.history.append(row)
-        if self.cfg.logging.jsonl:
-            with open(self.path / METRICS_FILE, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        if self._writer is None and self._tracker is None:
-            return
-        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, float) and math.isfinite(v)}
-        heatmap = self._heatmap(step, row)
-        images = {"routing/flip_rate_heatmap": heatmap} if heatmap is not None else {}
-        if self._writer is not None:
-            for k, v in scalars.items():
-                self._writer.add_scalar(k, v, step)
-            for k, img in images.items():
-                self._writer.add_image(k, img, step, dataformats="HWC")
-            self._writer.flush()
-        if self._tracker is not None:
-            self._tracker.log(step, scalars, images)
-
-    def _heatmap(self, step: int, row: dict[str, Any]) -> np.ndarray | None:
-        """The routing flip-rate heat map (HWC uint8) when logging.heatmap_every says so."""
-        flips = [row.get(f"routing/flip_rate_layer{i}") for i in range(self._num_moe_layers)]
-        if not all(f is not None for f in flips):
-            return None
-        self._flip_history.append(flips)
-        every = self.cfg.logging.heatmap_every
-        if not (every and step % every == 0 and len(self._flip_history) > 1):
-            return None
-        from moe_rl.routing.heatmap import heatmap_image
-
-        return heatmap_image(np.array(self._flip_history), title="top-k flip rate (old vs current)",
-                             stat_label="flip rate")
+        """The step's metrics to metrics.jsonl, TensorBoard and W&B (`MetricsLog.log`)."""
+        self.metrics.log(step, metrics)
 
     def rotate_checkpoints(self) -> None:
         """Keep this run's newest KEEP_CHECKPOINTS complete checkpoints; never touch another
@@ -381,12 +298,7 @@ class RunDirectory:
     def close(self, error: BaseException | None = None) -> None:
         """Close the logs and release the directory (every way out of the loop); `error`:
         what ended the run (None: it finished), which W&B records as the run's exit."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        tracker, self._tracker = self._tracker, None
         try:
-            if tracker is not None:
-                tracker.finish(error)
+            self.metrics.close(error)
         finally:
             self._unlock()

@@ -1,6 +1,6 @@
 """The run loop's checkpoints: when to save, and the one save in flight.
 
-    saves = Saves(cfg, program, run_dir)
+    saves = Saves(cfg.run, program, run_dir)
     ... each step: (signum, notes) = stop.agreed(saves.note())    # one gather for both
     saves.after_step(step, notes, due=...)    # finish a background save every rank wrote; save when due
     saves.on_stop(step)                       # a signal: finish or abandon within run.stop_grace_s
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.checkpoints.directories import latest_checkpoint, step_dir_name
-from moe_rl.config import Config
+from moe_rl.config import RunConfig
 from moe_rl.loop.program import Program
 from moe_rl.loop.rundir import RunDirectory
 
@@ -31,8 +31,8 @@ class Saves:
     """Checkpoint cadence and the save in flight of one run (every rank; only the training
     ranks save)."""
 
-    def __init__(self, cfg: Config, program: Program, run_dir: RunDirectory) -> None:
-        self.cfg, self.program, self.run_dir = cfg, program, run_dir
+    def __init__(self, run: RunConfig, program: Program, run_dir: RunDirectory) -> None:
+        self.run, self.program, self.run_dir = run, program, run_dir
         self.pending: Any = None
         """The save in flight (a `PendingSave`), None when none is."""
         self.last_seconds: float | None = None
@@ -43,7 +43,7 @@ class Saves:
     def note(self) -> tuple[bool, bool]:
         """This rank's part of the per-step agreement: (its files of the save in flight are
         written, a save is due by its wall clock)."""
-        minutes = self.cfg.run.save_every_minutes
+        minutes = self.run.save_every_minutes
         clock_due = bool(minutes) and time.monotonic() - self._last_at >= 60 * minutes
         return (self.pending is None or self.pending.done(), clock_due)
 
@@ -58,7 +58,7 @@ class Saves:
         if self.pending is not None and all(n is None or n[0] for n in notes):
             self._finish()
         if due:
-            self.save(step, background=self.cfg.run.async_save and not final)
+            self.save(step, background=self.run.async_save and not final)
 
     def save(self, step: int, *, background: bool) -> None:
         """Collective: save `step` (after finishing a save still in flight)."""
@@ -100,7 +100,7 @@ class Saves:
         when the last save's duration fits in what is left of the grace (or none was measured
         yet). Returns what happened, for the stop's line ("saved in <path>; ..."). `agree(x)`:
         collective over every rank, every rank's `x`."""
-        deadline = time.monotonic() + self.cfg.run.stop_grace_s
+        deadline = time.monotonic() + self.run.stop_grace_s
         told = []
         written = self.pending is None or self.pending.wait(max(0.0, deadline - time.monotonic()))
         flags = agree((self.pending is not None, written))  # (every rank, the engine-only ones too)
@@ -109,7 +109,7 @@ class Saves:
             self._finish()
         elif self.pending is not None:
             told.append(f"the save of step {self.pending.step} in flight was abandoned (not written within "
-                        f"run.stop_grace_s={self.cfg.run.stop_grace_s:g} s)")
+                        f"run.stop_grace_s={self.run.stop_grace_s:g} s)")
             self.pending.abandon()
             self.pending = None
         left = deadline - time.monotonic()

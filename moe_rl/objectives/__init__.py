@@ -5,7 +5,7 @@
     out.loss.backward()
 
 Names: grpo, dr_grpo, dapo, gspo, gspo_token, gmpo, rspo, cispo, sapo. Exact formulas,
-defaults and aggregations: ../shared/OBJECTIVES.md; each objective's docstring states where
+defaults and aggregations: docs/objectives.md; each objective's docstring states where
 this code had to choose. Module map: `batch` (PolicyBatch, LossOutput), `base` (registry,
 hyperparameters, Context/Surrogate), `common` (masking, clipping, aggregation, KL, sampler
 correction), `loss` (policy_loss), then one file per objective family.

@@ -110,7 +110,7 @@ class LossOutput:
     loss: Tensor
     """0-d loss to minimise (the negative objective plus the KL penalty); fp32 for bf16 inputs."""
     metrics: dict[str, Tensor]
-    """Detached 0-d diagnostics (clip_frac, ratio_*, approx_kl, ...), see OBJECTIVES.md."""
+    """Detached 0-d diagnostics (clip_frac, ratio_*, approx_kl, ...), see docs/objectives.md."""
     num_tokens: Tensor
     """0-d count of valid response tokens in this (micro-)batch (kept ones: a token the
     rollout correction rejects is not valid)."""

@@ -24,7 +24,7 @@ class RSPOHParams:
     """Floor g_min on gamma (our choice; the paper's v1 states none): g = max(sg[gamma], g_min),
     so one drifted token cannot zero a whole sequence's geometric mean."""
     gamma_placement: Literal["post_clip", "pre_clip"] = "post_clip"
-    """post_clip (paper v1, seed 004 §8): log S_i = mean_t(c + sgn(A_i) log g), gamma after the
+    """post_clip (paper v1): log S_i = mean_t(c + sgn(A_i) log g), gamma after the
     token clip, inside the sgn(A) exponent. pre_clip (paper v2): the clip acts on lr + log g,
     i.e. on rho * g."""
 
@@ -46,7 +46,7 @@ class RSPOHParams:
     needs_router_shift=True,
 )
 def rspo(ctx: Context, hp: RSPOHParams) -> Surrogate:
-    """RSPO (Zhang et al. 2025, arXiv:2510.23027; seed 004 §8).
+    """RSPO (Zhang et al. 2025, arXiv:2510.23027).
 
     Fixes router-induced importance-ratio volatility in MoE RL: after an update the router
     may pick or weigh experts differently, so a token's ratio reflects routing drift as much
@@ -57,7 +57,7 @@ def rspo(ctx: Context, hp: RSPOHParams) -> Surrogate:
     clip, i.e. log S_i = mean_t(c_it + sgn(A_i) log g_it); a drifted router shrinks the
     objective for both signs of A. pre_clip (v2, "rescale before clipping"): c is the GMPO
     clip of lr + log g (the ratio rho*g, no sgn), log S_i = mean_t c_it. u_i = S_i A_i.
-    As OBJECTIVES.md defines pre_clip (no sgn), gamma < 1 lowers S for both signs, so on a
+    As docs/objectives.md defines pre_clip (no sgn), gamma < 1 lowers S for both signs, so on a
     negative-advantage sequence it raises the objective, and for A < 0 a small gamma can
     trigger the lower clip even on-policy. Requires PolicyBatch.router_shift: rspo without it is an error, never GMPO in disguise."""
     assert ctx.adv_B is not None and ctx.router_shift_BT is not None

@@ -39,7 +39,7 @@ class SAPOHParams:
     fixes="Hard clipping's cliff: a smooth gate attenuates off-policy tokens instead of zeroing them.",
 )
 def sapo(ctx: Context, hp: SAPOHParams) -> Surrogate:
-    """SAPO (Gao et al. 2025, arXiv:2511.20347; seed 004 §9).
+    """SAPO (Gao et al. 2025, arXiv:2511.20347).
 
     Fixes hard clipping's all-or-nothing gate: u = (4/tau) sigmoid(tau (rho - 1)) A, whose
     gradient is 4 p (1 - p) rho A grad logprobs with p = sigmoid(tau (rho - 1)): exactly

@@ -28,7 +28,7 @@ Pipeline: 1F1B keeps min(pp - stage, micro-batches) micro-batches in flight on a
 uniform, one layer per checkpoint) keeps only each layer's input (e*h per token) plus one
 layer's full activations while it is recomputed; each MoE layer also keeps the K expert ids
 its forward routed each token to (1 byte each up to 256 experts, else 2), which the routing
-taps force on the recomputed router (`moe_rl/learner/routing.py`).
+taps force on the recomputed router (`moe_rl/learner/routing/taps.py`).
 
 The logits are separate (last stage): the output layer's [b, s, V/t] logits, then the
 learner's log-prob path on the T response positions: a gather, its fp32 copy, the

@@ -1,7 +1,7 @@
 """A training checkpoint: what it holds, how long its save takes at a storage bandwidth, and
 the grace a stopped run needs to save its last step.
 
-What is written (`moe_rl.learner.checkpoint._sharded_state`, megatron's dist_checkpointing):
+What is written (`moe_rl.learner.checkpoint_state.sharded_state`, megatron's dist_checkpointing):
 the model's weights (the params dtype) and the optimizer state: an fp32 main copy of every
 parameter plus Adam's two fp32 moments (12 bytes per element; megatron's distributed
 optimizer writes its fp32 main shard for an fp32 model too, the replicated fp32 optimizer

@@ -37,7 +37,7 @@ from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
 from moe_rl.tokenization.turns import encode_conversations
 
-log = logging.getLogger("moe_rl.sft")
+log = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003
 """The held-out problems are drawn from run.seed + this (apart from every step's draw)."""
 
@@ -112,12 +112,25 @@ class SFTProgram(Program):
     evaluates_at_start = True
     needs_init_weights = False
 
+    @classmethod
+    def check(cls, cfg: Config, world: int) -> str:
+        """The layout, the starting weights if any, the task's inputs with their reference
+        completions, the model, the device and the output; the `--check` line."""
+        from moe_rl.config import validate_layout
+        from moe_rl.preflight import check_start
+        from moe_rl.recipe_check import layout_line
+
+        validate_layout(cfg, world)
+        check_start(cfg, init_required=False, completions=True)
+        check_output(cfg)
+        out = cfg.sft.output or cfg.run_dir / "base"
+        return f"sft, {layout_line(cfg, world)}, up to {cfg.run.steps} steps -> {out}"
+
     def __init__(self, cfg: Config) -> None:
         from moe_rl.learner import init_distributed
-        from moe_rl.preflight import check_run, load_prompt_encoder
+        from moe_rl.preflight import load_prompt_encoder
 
-        check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")), sft=True)  # once, before anything is built
-        check_output(cfg)
+        self.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # once, before anything is built
         self.cfg = cfg
         self.rank, self.world = init_distributed(cfg.parallel.distributed_backend)
         self.task = make_task(cfg.task)

@@ -17,12 +17,16 @@ schedule differs.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from moe_rl.rollout.types import GroupSummary, Sampled, ScoredGroup
 from moe_rl.runtime.atomic import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 KEEP = 3
 """Files per engine kept (the newest; at least rl.max_staleness + 1, the batches queued
@@ -92,3 +96,33 @@ def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -
                                                 g["finish"], routed, g["version"], g.get("token_versions"),
                                                 g.get("carried"))
     return out, ""
+
+
+def engines_lacking(placement: Any, group: Any, why: str) -> list[str]:
+    """Every engine's reason ("engine e: why") for lacking a saved file it needs on a
+    resume, this engine's being `why` ("": it has it), so that all engine ranks decide
+    alike. Collective over the engine ranks (`group`: their process group)."""
+    whys = placement.gather_engines(why, group)
+    return [f"engine {e}: {w}" for e, w in enumerate(whys) if w]
+
+
+def agreed_ahead(placement: Any, group: Any, run_dir: Path, step: int) -> Sampled | None:
+    """The batch of `step` the engines sampled ahead before a stop, when every engine finds
+    its share saved under this engine layout; else None on every engine rank alike (then
+    they all sample it now), the reason logged once. Collective over the engine ranks; a
+    learner-only rank returns None at once. Only an engine's leader holds its groups, as
+    when sampled."""
+    p = placement
+    if not p.hosts_engine:
+        return None
+    saved, why = load_ahead(run_dir, step, p.engine, (p.engines, p.ranks_per_engine))
+    missing = engines_lacking(p, group, why)
+    if missing:
+        if p.rank == p.first_engine_rank:
+            log.warning("resuming step %d without the batch sampled ahead before the stop (%s): sampling it now "
+                        "with the checkpoint's weights (the uninterrupted run used the step before's)", step,
+                        "; ".join(missing))
+        return None
+    if not p.leader:
+        saved.held = {}
+    return saved

@@ -19,9 +19,6 @@ engines while sampler.max_restarts lasts, else the run stops with one line (`eng
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,35 +28,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_rl.config import Config, ConfigError
+from moe_rl.config import Config
+from moe_rl.rollout.ahead import agreed_ahead, engines_lacking, save_ahead
 from moe_rl.rollout.engine_faults import (
     EngineFailedError,
     EngineFault,
     EngineNote,
-    EnginesRebuilt,
-    GenerateError,
-    GenerateOnly,
-    RestartBudget,
-    failure_line,
 )
+from moe_rl.rollout.engines import Engines
 from moe_rl.rollout.episodes import Episodes
-from moe_rl.rollout.evaluate import EvalReport, evaluate_problems
+from moe_rl.rollout.evaluate import HeldOut
 from moe_rl.rollout.learning_signal import LearningSignalWatch
 from moe_rl.rollout.packing import pack_rows, plan_step, staleness_stats
 from moe_rl.rollout.placement import EnginePlacement, concat
 from moe_rl.rollout.pool import RolloutPool
-from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.rollout.types import GroupSummary, Rollout, RowSample, Sampled, ScoredGroup
-from moe_rl.runtime.failures import describe
+from moe_rl.runtime.failures import describe_error
 from moe_rl.runtime.fault_hooks import kill_point
 from moe_rl.runtime.timing import StepTimer
-from moe_rl.sampler import Rollouts, Sampler
+from moe_rl.sampler import Sampler
 from moe_rl.sampler.base import base_seeds
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem
 from moe_rl.tokenization import PromptEncoder, load_tokenizer
 
-log = logging.getLogger("moe_rl.rollout")
+log = logging.getLogger(__name__)
 
 
 class RolloutCollector:
@@ -75,24 +68,17 @@ class RolloutCollector:
         self.placement = placement or EnginePlacement.current(cfg.sampler.tensor_parallel_size,
                                                               cfg.sampler.engine_ranks if separate else 0)
         self.weight_sync = make_sync(cfg, self.placement) if make_sync is not None else FixedWeights()
-        self._engines_group = self.placement.engines_group()  # collective too
+        self.engines = Engines(cfg, self.placement, self.weight_sync)  # (collective too)
         self.task = make_task(cfg.task)
         self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)  # (checked by the preflight)
         self.prompts = PromptEncoder.from_config(cfg.task, self.tok)
         self.episodes = Episodes(cfg, self.task, self.tok, self.prompts.template) if cfg.rl.multi_turn else None
         """Multi-turn episodes' environments and template (`episodes`); None: one response each."""
-        self.sampler: Sampler | None = None
-        self._hf_dir: Path | None = None
-        self.restarts = RestartBudget(cfg.sampler.max_restarts)
-        """Engine rebuilds after a failure (`engine_faults`): rollout/engine_restarts."""
-        self.returns_routed_experts = False
-        """Every engine returns its routed experts (known after `start_sampler`)."""
         self.learner_wait = 0.0
         """Seconds the last `deliver` waited for the engines (a learner-only rank)."""
         self.engine_wait = 0.0
         """Seconds this engine last waited for the learner's weights (set by the trainer)."""
-        self._eval: tuple[Any, list[Problem]] | None = None
-        self.last_eval_examples: list[dict[str, Any]] = []
+        self.held_out = HeldOut(cfg.task, cfg.run)
         self._row_owners: list[int | None] = [0] * self.placement.world  # (until assign_rows: all rows everywhere)
         self._dp = 1
         self._signal = LearningSignalWatch(cfg.rl.dynamic_sampling, group_advantages=not cfg.rl.uses_critic)
@@ -101,25 +87,20 @@ class RolloutCollector:
     def pad_id(self) -> int:
         return self.tok.pad_id
 
+    @property
+    def sampler(self) -> Sampler | None:
+        """This rank's engine (`engines`), None on a learner-only rank."""
+        return self.engines.sampler
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        """Every engine returns its routed experts (known after `start_sampler`)."""
+        return self.engines.returns_routed_experts
+
     def start_sampler(self, run_dir: Path, weights_source: Path | None) -> None:
-        """Build this rank's engine (shard) on the weights the learner starts from.
-        Collective: rank 0's `weights_source` counts, rank 0 converts a megatron checkpoint
-        for all, engine groups agree on their rendezvous, and every rank learns whether the
-        engines return routed experts."""
-        pl = self.placement
-        weights_source = pl.from_rank0(weights_source)
-        if pl.rank == 0:
-            hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source)
-        pl.barrier()
-        if pl.rank != 0:
-            hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
-        group_env = pl.group_env() if pl.ranks_per_engine > 1 else None
-        self._hf_dir = hf_dir
-        if pl.hosts_engine:
-            self.sampler = build_sampler(self.cfg, hf_dir, self.tok.eos_ids, group_env)
-        self.weight_sync.attach(self.sampler)
-        routed = pl.gather(bool(getattr(self.sampler, "returns_routed_experts", False)))
-        self.returns_routed_experts = all(routed)
+        """Build this rank's engine (shard) on the weights the learner starts from (`Engines.start`,
+        collective)."""
+        self.engines.start(run_dir, weights_source, self.tok.eos_ids)
 
     def problems(self, step: int, draw: int) -> list[Problem]:
         """The problems of one draw of (1-based) training step `step`: the first is the task's
@@ -184,7 +165,7 @@ class RolloutCollector:
         them). Collective over the engine ranks."""
         p = self.placement
         parts = p.gather_engines(([g.summary() for g in mine], seconds, dropped, reward_timeouts,
-                                  [g.summary() for g in aside]), self._engines_group)
+                                  [g.summary() for g in aside]), self.engines.group)
         offset = sum(len(part[0]) for part in parts[: p.engine])
         summaries = concat([part[0] for part in parts])
         out = Sampled(step, self.weight_sync.held_version or 0, [(0, i) for i in range(len(summaries))],
@@ -197,44 +178,21 @@ class RolloutCollector:
     def weight_sync_ready(self) -> bool:
         """Every engine has begun to receive the learner's next weights (a pause point of
         the throughput schedule). Collective over the engine ranks, so that they agree."""
-        return all(self.placement.gather_engines(self.weight_sync.poll(), self._engines_group))
+        return all(self.placement.gather_engines(self.weight_sync.poll(), self.engines.group))
 
     def sampled_ahead(self, run_dir: Path, step: int) -> Sampled | None:
-        """The batch of `step` the engines sampled ahead before a stop (`moe_rl.rollout.ahead`),
-        when every engine finds its share saved under this engine layout; else None on every
-        engine rank alike (then they all sample it now), the reason logged once. Collective
-        over the engine ranks; a learner-only rank returns None at once. Only an engine's
-        leader holds its groups, as when sampled."""
-        from moe_rl.rollout.ahead import load_ahead
-
-        p = self.placement
-        if not p.hosts_engine:
-            return None
-        saved, why = load_ahead(run_dir, step, p.engine, (p.engines, p.ranks_per_engine))
-        missing = self.engines_lacking(why)
-        if missing:
-            if p.rank == p.first_engine_rank:
-                log.warning("resuming step %d without the batch sampled ahead before the stop (%s): sampling it now "
-                            "with the checkpoint's weights (the uninterrupted run used the step before's)", step,
-                            "; ".join(missing))
-            return None
-        if not p.leader:
-            saved.held = {}
-        return saved
+        """The batch of `step` the engines sampled ahead before a stop, when every engine has
+        its share (`moe_rl.rollout.ahead.agreed_ahead`; collective over the engine ranks)."""
+        return agreed_ahead(self.placement, self.engines.group, run_dir, step)
 
     def engines_lacking(self, why: str) -> list[str]:
-        """Every engine's reason ("engine e: why") for lacking a saved file it needs on a
-        resume, this engine's being `why` ("": it has it), so that all engine ranks decide
-        alike. Collective over the engine ranks."""
-        whys = self.placement.gather_engines(why, self._engines_group)
-        return [f"engine {e}: {w}" for e, w in enumerate(whys) if w]
+        """Every engine's reason for lacking a file it needs on a resume (`ahead.engines_lacking`)."""
+        return engines_lacking(self.placement, self.engines.group, why)
 
     def save_ahead(self, run_dir: Path, sampled: Sampled | None, keep: int = 3) -> None:
         """Keep a batch sampled ahead on disk (each engine leader its share) for a resume,
         with the `keep` newest before it."""
         if sampled is not None and self.placement.leader:
-            from moe_rl.rollout.ahead import save_ahead
-
             p = self.placement
             save_ahead(run_dir, p.engine, (p.engines, p.ranks_per_engine), sampled, keep)
 
@@ -248,7 +206,7 @@ class RolloutCollector:
         with timer.phase("gather"):
             note = isinstance(sampled, EngineNote)
             public = self.placement.from_engines(
-                sampled if note or sampled is None else (sampled.public(self.engine_wait), self.restarts.used))
+                sampled if note or sampled is None else (sampled.public(self.engine_wait), self.engines.restarts.used))
         if isinstance(public, EngineNote):
             raise public.error()
         public, restarts = public
@@ -305,7 +263,7 @@ class RolloutCollector:
         mine = {share[i]: g for i, g in enumerate(groups)}
         with timer.phase("gather"):
             parts = self.placement.gather_engines(([g.summary() for g in mine.values()], sample_seconds, cut),
-                                                  self._engines_group)
+                                                  self.engines.group)
         summaries = concat([part for part, _, _ in parts])
         return (summaries, (mine if self.placement.leader else {}), [seconds for _, seconds, _ in parts],
                 sum(cut for _, _, cut in parts))
@@ -318,7 +276,7 @@ class RolloutCollector:
         prompt_ids = [self.prompts.encode(p) for p in problems]
         t0 = time.perf_counter()
         with timer.phase("sample"):
-            ro = self._generate(f"generating step {step}", prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
+            ro = self.engines.generate(f"generating step {step}", prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
                                 temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, prompt_seeds=seeds)
         sample_seconds = time.perf_counter() - t0  # (generation alone, as segmented decoding counts it)
         with timer.phase("reward"):
@@ -337,7 +295,7 @@ class RolloutCollector:
                        timer: StepTimer) -> tuple[list[ScoredGroup], float, int]:
         """This engine's problems of a draw, G multi-turn episodes each (`episodes`), decoded in
         rounds of at most rl.max_turn_tokens tokens until every engine's episodes are over
-        (each round's failure agreed over the engine ranks, as `_generate`'s)."""
+        (each round's failure agreed over the engine ranks, as `Engines.generate`'s)."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         pool = RolloutPool(cfg.sampler.max_new_tokens, self.episodes.max_turn_tokens, self.episodes)
         for i, (problem, seed) in enumerate(zip(problems, seeds)):
@@ -351,11 +309,11 @@ class RolloutCollector:
                     try:
                         pool.segment(self.sampler, version, cfg.sampler.temperature, cfg.sampler.top_p)
                     except Exception as e:  # (whatever the engine raised; the round is retried on a rebuilt engine)
-                        fault = EngineFault(self.placement.rank, describe(e))
-                parts = self.placement.all_engines((fault, bool(pool.running)), self._engines_group)
+                        fault = EngineFault(self.placement.rank, describe_error(e))
+                parts = self.placement.all_engines((fault, bool(pool.running)), self.engines.group)
                 faults = [f for f, _ in parts if f is not None]
                 if faults:
-                    self._recover(faults, f"generating step {step}", everywhere=self._engines_group is None)
+                    self.engines.recover(faults, f"generating step {step}", everywhere=self.engines.group is None)
                 elif not any(running for _, running in parts):
                     break
         groups = [g.scored([self.tok.decode(r.tokens) for r in g.responses], [r.episode.reward for r in g.responses])
@@ -364,99 +322,18 @@ class RolloutCollector:
         return groups, time.perf_counter() - t0, cut
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Greedy accuracy and pass@k on `task.eval_data_path` (`evaluate.py`), every engine
-        taking its block of the held-out problems. Collective: every rank returns the same."""
-        if self._eval is None:
-            task = make_task(dataclasses.replace(self.cfg.task, data_path=self.cfg.task.eval_data_path))
-            problems = list(getattr(task, "problems", None) or [])
-            if not problems:
-                raise ConfigError(f"task.eval_data_path={self.cfg.task.eval_data_path}: the task {task.name!r} "
-                                  "has no fixed problems to evaluate on; use task.name=dataset")
-            self._eval = (task, problems[: self.cfg.run.eval_max_problems or None])
-        task, problems = self._eval
-        self._wake()
-        share, s = self.placement.share(len(problems)), self.cfg.sampler
-        while True:  # (a failed engine, rebuilt with the weights it had, evaluates again)
-            mine, fault = EvalReport(self.cfg.run.eval_k), None
-            try:
-                if self.sampler is not None:
-                    mine = evaluate_problems(GenerateOnly(self.sampler), self.prompts, self.tok, task,
-                                             [problems[i] for i in share], k=self.cfg.run.eval_k,
-                                             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                             seed=self.cfg.run.seed + 7 * share.start, episodes=self.episodes)
-            except GenerateError as e:  # (the engine's failure, not the rewards')
-                fault = EngineFault(self.placement.rank, str(e))
-            parts = self.placement.all_gather((fault, self.restarts.used))
-            faults = [f for f, _ in parts if f is not None]
-            if not faults:
-                break
-            self.restarts.used = max(used for _, used in parts)  # (the engines' count: a learner rank sees no rollout's)
-            self._recover(faults, f"evaluating after step {step}", everywhere=True)
-        total = EvalReport(self.cfg.run.eval_k)
-        for part in self.placement.gather(mine):
-            total.add(part)
-        self.last_eval_examples = total.examples
-        return total.metrics()
+        """Greedy accuracy and pass@k on `task.eval_data_path`, every engine taking its block of
+        the held-out problems (`evaluate.HeldOut`). Collective: every rank returns the same."""
+        return self.held_out.evaluate(step, self.engines, self.prompts, self.tok, self.cfg.sampler, self.episodes)
 
-    # ------------------------------------------------------------------ engine failures
-
-    def _generate(self, doing: str, prompt_ids: list[list[int]], **kwargs: Any) -> Rollouts:
-        """`Sampler.generate` on this rank's engine, its failure agreed over the engine ranks
-        (collective over them): a failed call is retried, the same seeds on rebuilt engines,
-        while `sampler.max_restarts` lasts (`_recover`)."""
-        while True:
-            ro, fault = None, None
-            kill_point("generate")  # (a test hook: a no-op unless MOE_RL_TEST_KILL_AT names it)
-            try:
-                ro = self.sampler.generate(prompt_ids, **kwargs)
-            except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
-                fault = EngineFault(self.placement.rank, describe(e))
-            faults = [f for f in self.placement.all_engines(fault, self._engines_group) if f is not None]
-            if not faults:
-                return ro
-            self._recover(faults, doing, everywhere=self._engines_group is None)
-
-    def _recover(self, faults: list[EngineFault], doing: str, everywhere: bool) -> None:
-        """After failures every rank taking part agrees on: rebuild every engine from its
-        starting weights and return (the caller retries), raising `EnginesRebuilt` first when
-        the weights have moved since (the newest must come again); with no restart left, raise
-        `EngineFailedError` (`everywhere`: on every rank of the world alike)."""
-        try:
-            self.restarts.spend(faults, doing)
-        except EngineFailedError as e:
-            self._discard_engine()
-            e.everywhere = everywhere
-            raise
-        if self.placement.rank == self.placement.first_engine_rank:
-            log.warning("engine rank %d failed while %s (%s): rebuilding the engines and retrying (restart %d of "
-                        "sampler.max_restarts=%d)", faults[0].rank, doing, faults[0].cause, self.restarts.used,
-                        self.restarts.max_restarts)
-        if self.placement.hosts_engine:
-            self._discard_engine()
-            pl = self.placement
-            group_env = pl.group_env(self._engines_group) if pl.ranks_per_engine > 1 else None
-            self.sampler = build_sampler(self.cfg, self._hf_dir, self.tok.eos_ids, group_env)
-            self.weight_sync.attach(self.sampler)
-        if self.weight_sync.synced:
-            raise EnginesRebuilt()
+    @property
+    def last_eval_examples(self) -> list[dict[str, Any]]:
+        """The last evaluation's examples (what the run loop logs)."""
+        return self.held_out.last_examples
 
     def failed_alone(self, doing: str, e: Exception) -> EngineFailedError:
-        """The run's end for an engine that failed where the engines do not agree (decoding in
-        segments, each at its own pace): this rank says it and exits; torchrun stops the others."""
-        self._discard_engine()
-        return EngineFailedError(failure_line([EngineFault(self.placement.rank, describe(e))], doing,
-                                              self.restarts.max_restarts))
-
-    def _discard_engine(self) -> None:
-        """Drop a failed engine, whatever state it is in, and the memory it held."""
-        sampler, self.sampler = self.sampler, None
-        self.weight_sync.attach(None)
-        if sampler is not None:
-            with contextlib.suppress(Exception):
-                sampler.close()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        """The run's end for an engine that failed on its own (`Engines.failed_alone`)."""
+        return self.engines.failed_alone(doing, e)
 
     def _engine_stats(self, engine_seconds: list[list[float]], drawn: list[list[GroupSummary]]) -> dict[str, float]:
         """Each engine's generation seconds over the step's draws (the slowest and the fastest
@@ -475,18 +352,9 @@ class RolloutCollector:
                 "perf/engine_tokens": tokens,
                 "perf/engine_tokens_per_s_per_gpu": tokens / waited / gpus if waited > 0 else 0.0}
 
-    def _wake(self) -> None:
-        wake = getattr(self.sampler, "wake_up", None)
-        if wake is not None:
-            wake()
-
     def close(self) -> None:
-        self.weight_sync.finish()  # (the last push's sends, before the process groups go)
+        self.engines.close()  # (the last push's sends first, before the process groups go)
         self.task.close()  # (the reward worker; the evaluation's task shares it)
-        if self.sampler is not None:
-            self.sampler.close()
-            self.sampler = None
-            self.weight_sync.attach(None)
 
 
 class FixedWeights:

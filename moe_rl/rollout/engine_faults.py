@@ -1,6 +1,6 @@
 """An engine that fails mid-generation: what its failure is called, and the run's restart budget.
 
-    fault = EngineFault(rank, describe(e))          # one engine rank's failed generate call
+    fault = EngineFault(rank, describe_error(e))          # one engine rank's failed generate call
     budget = RestartBudget(cfg.sampler.max_restarts)
     budget.spend(faults, "generating step 7")       # raises EngineFailedError once none is left
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moe_rl.runtime.failures import RunFaultError, describe
+from moe_rl.runtime.failures import RunFaultError, describe_error
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class EngineFault:
     rank: int
     """The global rank whose engine failed."""
     cause: str
-    """The exception, as one line (`moe_rl.runtime.failures.describe`)."""
+    """The exception, as one line (`moe_rl.runtime.failures.describe_error`)."""
 
 
 class EngineFailedError(RunFaultError):
@@ -76,7 +76,7 @@ class GenerateOnly:
         try:
             return self._sampler.generate(*args, **kwargs)
         except Exception as e:
-            raise GenerateError(describe(e)) from e
+            raise GenerateError(describe_error(e)) from e
 
 
 _OOM = ("out of memory", "outofmemory", "cuda error: out of memory")

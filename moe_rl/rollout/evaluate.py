@@ -91,3 +91,62 @@ def evaluate_problems(sampler: Any, encoder: Any, tok: Any, task: Any, problems:
     report.examples = [{"prompt": p.prompt, "answer": p.answer, "greedy": t, "reward": r}
                        for p, t, r in list(zip(problems, greedy_texts, greedy_r))[:examples]]
     return report
+
+
+class HeldOut:
+    """A run's held-out evaluation (`task.eval_data_path`, `run.eval_k`, `run.eval_max_problems`)
+    on the rollout engines, each engine taking its block of the problems; an engine that
+    fails is rebuilt with the weights it had and the evaluation runs again."""
+
+    def __init__(self, task_cfg: Any, run_cfg: Any) -> None:
+        self.task_cfg, self.run_cfg = task_cfg, run_cfg
+        self._problems: tuple[Any, list[Any]] | None = None
+        self.last_examples: list[dict[str, Any]] = []
+        """The last evaluation's examples (what the run loop logs)."""
+
+    def problems(self) -> tuple[Any, list[Any]]:
+        """(the evaluation's task, its problems), built once."""
+        if self._problems is None:
+            import dataclasses
+
+            from moe_rl.config import ConfigError
+            from moe_rl.tasks import make_task
+
+            task = make_task(dataclasses.replace(self.task_cfg, data_path=self.task_cfg.eval_data_path))
+            problems = list(getattr(task, "problems", None) or [])
+            if not problems:
+                raise ConfigError(f"task.eval_data_path={self.task_cfg.eval_data_path}: the task {task.name!r} "
+                                  "has no fixed problems to evaluate on; use task.name=dataset")
+            self._problems = (task, problems[: self.run_cfg.eval_max_problems or None])
+        return self._problems
+
+    def evaluate(self, step: int, engines: Any, encoder: Any, tok: Any, sampler_cfg: Any,
+                 episodes: Any = None) -> dict[str, float]:
+        """Greedy accuracy and pass@k after step `step`. Collective: every rank returns the same."""
+        from moe_rl.rollout.engine_faults import EngineFault, GenerateError, GenerateOnly
+
+        task, problems = self.problems()
+        engines.wake()
+        p, s, k = engines.placement, sampler_cfg, self.run_cfg.eval_k
+        share = p.share(len(problems))
+        while True:  # (a failed engine, rebuilt with the weights it had, evaluates again)
+            mine, fault = EvalReport(k), None
+            try:
+                if engines.sampler is not None:
+                    mine = evaluate_problems(GenerateOnly(engines.sampler), encoder, tok, task,
+                                             [problems[i] for i in share], k=k, temperature=s.temperature,
+                                             top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                             seed=self.run_cfg.seed + 7 * share.start, episodes=episodes)
+            except GenerateError as e:  # (the engine's failure, not the rewards')
+                fault = EngineFault(p.rank, str(e))
+            parts = p.all_gather((fault, engines.restarts.used))
+            faults = [f for f, _ in parts if f is not None]
+            if not faults:
+                break
+            engines.restarts.used = max(used for _, used in parts)  # (the engines' count: a learner rank sees no rollout's)
+            engines.recover(faults, f"evaluating after step {step}", everywhere=True)
+        total = EvalReport(k)
+        for part in p.gather(mine):
+            total.add(part)
+        self.last_examples = total.examples
+        return total.metrics()

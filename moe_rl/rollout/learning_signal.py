@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("moe_rl.rollout")
+log = logging.getLogger(__name__)
 
 REPEAT_EVERY = 10
 """While it lasts, the warning is repeated every this many steps."""

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from moe_rl.rollout.collector import RolloutCollector
     from moe_rl.tasks.base import Problem
 
-log = logging.getLogger("moe_rl.rollout")
+log = logging.getLogger(__name__)
 
 KEEP = 3
 """Saved pools kept per engine (the newest)."""

@@ -1,8 +1,9 @@
-"""Routing: router-shift weights (RSPO) and routing statistics (pure torch).
+"""Routing math, engine-free (pure torch): the router-shift weight (RSPO, `shift`), the
+routing statistics a step logs (`stats`), the routing record and replay ids a pass keeps
+(`record`), and the TensorBoard heat map (`heatmap`, imports matplotlib; not loaded here).
 
-Capture and replay (megatron-core's RouterReplay) live in their own modules here; this
-file imports only the pure-tensor math so that `import moe_rl.routing` stays cheap.
-The TensorBoard heat map is `moe_rl.routing.heatmap` (imports matplotlib; not loaded here).
+Capture and replay need the model's routers, so they live in the learner
+(`moe_rl.learner.routing`); this package holds what they compute with and what they hand on.
 """
 
 from moe_rl.routing.shift import router_shift, router_shift_from_partial, router_shift_partial

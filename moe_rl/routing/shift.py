@@ -5,7 +5,7 @@ old-logprob pass), with r the router's score distribution before top-k:
 
     gamma_n = max(exp(-(1/L) sum_l (1/K) sum_k |log r_new(e_lk) - log r_old(e_lk)|), gamma_min)
 
-detached: gamma is a sample weight, never a path for gradient into the router (seed 004 §8).
+detached: gamma is a sample weight, never a path for gradient into the router (RSPO, docs/objectives.md).
 
 Gamma is a product over layers of per-layer factors, so the exponent is a plain sum of
 |delta log r|. Under pipeline parallelism each stage owns some MoE layers: it computes

@@ -1,6 +1,6 @@
 """Exceptions as one line a user can act on: what went wrong, where, and the fix.
 
-    print(f"{prog}: error: {describe(e)}")       # DCP's per-rank wrapper unwrapped, <= 500 chars
+    print(f"{prog}: error: {describe_error(e)}")       # DCP's per-rank wrapper unwrapped, <= 500 chars
     if disk_full(e, where=out_dir): ...           # ENOSPC anywhere in the chain, or torch's hint of it
 
 The command-line programs (`moe_rl.cli`), the learner's checkpoint save and load and the
@@ -96,7 +96,7 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.strerror or name}{where}" + (f" ({fix})" if fix else "")
 
 
-def describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """`exc` as one line: torch DCP's CheckpointException (whose text holds every rank's
     traceback) as its first rank's exception; others' types named (moe_rl's errors need no
     name); whitespace collapsed, at most 500 characters."""
@@ -105,7 +105,7 @@ def describe(exc: BaseException) -> str:
         first = next(iter(failures.values()))
         inner = first[0] if isinstance(first, tuple) else first
         if isinstance(inner, BaseException):
-            return describe(inner)
+            return describe_error(inner)
     if isinstance(exc, OSError) and exc.filename:
         return describe_os_error(exc)
     text = " ".join(str(exc).split()) or type(exc).__name__

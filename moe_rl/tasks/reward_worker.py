@@ -49,7 +49,7 @@ from pathlib import Path
 from moe_rl.tasks.base import Problem
 from moe_rl.tasks.rewards import RewardError, RewardFn, make_reward, math_verify_score, row_of
 
-log = logging.getLogger("moe_rl.tasks")
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start and load a reward (import the user's module, warm

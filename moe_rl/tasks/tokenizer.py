@@ -185,7 +185,7 @@ class Tokenizer:
         return [self._sp.id_to_piece(int(i)) for i in ids]
 
 
-def load_tokenizer(path: str | os.PathLike | None = "") -> Tokenizer:
+def load_sentencepiece(path: str | os.PathLike | None = "") -> Tokenizer:
     """A SentencePiece model path, or "" / None / "shipped" for the shipped model. (A run's
     `task.tokenizer` is resolved by `moe_rl.tokenization.load_tokenizer`.)"""
     return Tokenizer(None if path in (None, "", "shipped") else path)

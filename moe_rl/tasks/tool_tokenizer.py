@@ -165,7 +165,7 @@ def render(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None = Non
     return rendered[0]
 
 
-def training_corpus() -> list[str]:
+def tool_training_corpus() -> list[str]:
     """The training text: rendered calculator conversations, then generic ASCII lines."""
     task = CalculatorTask(*CORPUS_DIGITS)
     problems = task.sample(CONVERSATIONS, seed=CORPUS_SEED)
@@ -186,8 +186,8 @@ def segments(texts: Sequence[str]) -> Iterator[str]:
         yield from (piece for piece in pattern.split(text) if piece)
 
 
-def train() -> tokenizers.Tokenizer:
-    """Train the BPE on `training_corpus()` and add the tool tags (deterministic)."""
+def train_tool_tokenizer() -> tokenizers.Tokenizer:
+    """Train the BPE on `tool_training_corpus()` and add the tool tags (deterministic)."""
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
     from tokenizers.trainers import BpeTrainer
@@ -210,7 +210,7 @@ def train() -> tokenizers.Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
         show_progress=False,
     )
-    tok.train_from_iterator(segments(training_corpus()), trainer=trainer)
+    tok.train_from_iterator(segments(tool_training_corpus()), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
     if tok.get_vocab_size(with_added_tokens=True) != VOCAB_SIZE:
         raise RuntimeError(f"the tool tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, "
@@ -235,7 +235,7 @@ def tokenizer_config() -> dict[str, Any]:
     }
 
 
-def generation_config(tok: tokenizers.Tokenizer) -> dict[str, Any]:
+def tool_generation_config(tok: tokenizers.Tokenizer) -> dict[str, Any]:
     """generation_config.json: sampling stops at the end of a turn or of the text (as Qwen's)."""
     return {
         "eos_token_id": [tok.token_to_id(IM_END), tok.token_to_id(ENDOFTEXT)],
@@ -246,13 +246,13 @@ def generation_config(tok: tokenizers.Tokenizer) -> dict[str, Any]:
 def write_tool_tokenizer(out_dir: str | os.PathLike = ASSETS_DIR) -> Path:
     """Train and write tokenizer.json, tokenizer_config.json, chat_template.jinja and
     generation_config.json into `out_dir`."""
-    tok = train()
+    tok = train_tool_tokenizer()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "tokenizer.json", tok.to_str(pretty=True) + "\n")
     atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(tokenizer_config(), indent=2) + "\n")
     atomic_write_text(out_dir / "chat_template.jinja", CHAT_TEMPLATE)
-    atomic_write_text(out_dir / "generation_config.json", json.dumps(generation_config(tok), indent=2) + "\n")
+    atomic_write_text(out_dir / "generation_config.json", json.dumps(tool_generation_config(tok), indent=2) + "\n")
     return out_dir
 
 

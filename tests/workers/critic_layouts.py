@@ -59,13 +59,13 @@ def reward_model_step(model, tp: int) -> dict:
         COEF_KEY,
         compared_slots,
         score_coefficients,
-        surrogate_loss,
+        score_surrogate_loss,
     )
 
     tokens = pairs_batch(tp)
     chosen, rejected = compared_slots(tokens, "divergence")
     scores = model.logprobs(tokens)
-    update = model.train_step(tokens, surrogate_loss, extras={COEF_KEY: score_coefficients(scores, chosen, rejected)})
+    update = model.train_step(tokens, score_surrogate_loss, extras={COEF_KEY: score_coefficients(scores, chosen, rejected)})
     return {"scores": scores, "grad_norm": update["grad_norm"], "scores_after": model.logprobs(tokens)}
 
 

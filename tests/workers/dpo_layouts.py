@@ -31,10 +31,10 @@ BASE = ["parallel.micro_batch_size=4", "optimizer.lr=1e-2", "optimizer.adam_eps=
 
 def pairs_batch(tp: int):
     from moe_rl.programs.preference.data import encode_pairs, load_pairs
-    from moe_rl.tasks.tokenizer import load_tokenizer
+    from moe_rl.tasks.tokenizer import load_sentencepiece
     from moe_rl.tokenization import PromptEncoder
 
-    encoder = PromptEncoder.from_config(load_config(None).task, load_tokenizer())
+    encoder = PromptEncoder.from_config(load_config(None).task, load_sentencepiece())
     return encode_pairs(load_pairs(ROOT / "moe_rl" / "assets" / "preferences" / "reverse_prefs_eval.jsonl")[:6], encoder, tp)
 
 

@@ -12,10 +12,8 @@ and the losses (`dpo.loss`):
              (DPO, Rafailov et al. 2023, eq. 7; eps = label_smoothing: conservative DPO)
     ipo      (h - 1/(2 beta))^2          (IPO, Azar et al. 2023, eq. 17)
 
-averaged over the pairs. The design documents (OBJECTIVES.md) define no DPO loss; these are
-the papers' definitions, which TRL's DPOProgram implements with the same names (TRL's `ipo`
-averages log-probs over tokens; here both losses take the summed log-probs the issue asks
-for). Both losses depend on the policy only through h, so the gradient of a pair's loss is
+averaged over the pairs: the papers' definitions, which TRL's DPOProgram implements with the same names (TRL's `ipo`
+averages log-probs over tokens; here both losses take the summed log-probs). Both losses depend on the policy only through h, so the gradient of a pair's loss is
 dL/dh * (grad pi_w - grad pi_l): `margin_grad` is dL/dh in closed form, which is what lets
 the learner train on any layout with a per-row linear surrogate (`moe_rl.programs.dpo.surrogate`).
 """

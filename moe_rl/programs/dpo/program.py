@@ -35,8 +35,10 @@ class DPOProgram(PreferenceProgram):
 
     name = "dpo"
 
+    section = "dpo"
+
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg, "dpo")
+        super().__init__(cfg, self.section, cfg.dpo)
 
     def _build(self, layout: Any, resume_from: Path | None) -> None:
         from moe_rl.learner import Learner, load_start

@@ -1,8 +1,8 @@
 """Token-level advantages from a learned critic (GAE) and the critic's clipped value loss:
-the math of PPO with a critic (issue 25), on [B, T] response grids.
+the math of PPO with a critic, on [B, T] response grids.
 
-The design documents (OBJECTIVES.md) define the GRPO family's advantages only; these are
-the standard definitions (GAE: Schulman et al. 2016, eqs. 11-16; the clipped value loss:
+docs/objectives.md defines the GRPO family's advantages; these are the standard
+definitions (GAE: Schulman et al. 2016, eqs. 11-16; the clipped value loss:
 PPO as OpenAI baselines and verl implement it), which verl's PPO trainer uses with the same
 conventions:
 

@@ -89,24 +89,11 @@ def check_pairs_run(cfg: Config, world: int, section: str = "dpo") -> tuple[list
     return train, held_out, encoder
 
 
-def summary(cfg: Config, world: int, train: list[Any], held_out: list[Any], section: str = "dpo") -> str:
-    """What would run, in one line."""
-    p, m = cfg.parallel, cfg.model
-    what = PROGRAMS[section].headline(cfg)
-    dp = validate_layout(cfg, world)
-    layout = (f"{world} rank{'s' if world > 1 else ''} (TP{p.tensor_model_parallel_size} "
-              f"PP{p.pipeline_model_parallel_size} EP{p.expert_model_parallel_size} DP{dp})")
-    return (f"{what}, {layout}, model {m.num_layers} layers x {m.num_experts} experts "
-            f"(top-{m.moe_router_topk}) from {cfg.run.init_checkpoint}, {len(train)} pairs ({len(held_out)} held "
-            f"out), {cfg.run.steps} steps -> {cfg.run_dir}")
+def check_pairs_recipe(cfg: Config, world: int, section: str) -> str:
+    """`--check` of a pairs program (`section`: dpo or rm): every check above for `world`
+    ranks, then what would run, in one line."""
+    from moe_rl.recipe_check import layout_line
 
-
-def check_recipe(cfg: Config, world: int, section: str = "dpo") -> str:
-    """`--check`: every check above for `world` ranks, then the summary line."""
     train, held_out, _ = check_pairs_run(cfg, world, section)
-    return summary(cfg, world, train, held_out, section)
-
-
-def check_reward_model_recipe(cfg: Config, world: int) -> str:
-    """`--check` of `python -m moe_rl.reward_model`."""
-    return check_recipe(cfg, world, "rm")
+    return (f"{PROGRAMS[section].headline(cfg)}, {layout_line(cfg, world)}, {len(train)} pairs ({len(held_out)} "
+            f"held out), {cfg.run.steps} steps -> {cfg.run_dir}")

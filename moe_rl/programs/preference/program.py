@@ -29,18 +29,30 @@ class PreferenceProgram(Program):
 
     name = "preference"
     evaluates_at_start = True
+    section = "dpo"
+    """The recipe section with its batch size and held-out pairs (`dpo` or `rm`)."""
 
-    def __init__(self, cfg: Config, section: str) -> None:
+    @classmethod
+    def check(cls, cfg: Config, world: int) -> str:
+        """The layout, the starting weights, the model, the device, the pairs and their
+        lengths (`preflight.check_pairs_run`); the `--check` line."""
+        from moe_rl.programs.preference.preflight import check_pairs_recipe
+
+        return check_pairs_recipe(cfg, world, cls.section)
+
+    def __init__(self, cfg: Config, section: str, pairs_cfg: Any) -> None:
+        """`pairs_cfg`: the `section` of `cfg` the program reads its batch size and held-out
+        pairs from (`cfg.dpo`, `cfg.rm`), handed over by the program."""
         from moe_rl.learner import init_distributed
         from moe_rl.programs.preference.preflight import check_pairs_run
 
-        self.cfg, self.pairs_cfg = cfg, getattr(cfg, section)
+        self.cfg, self.pairs_cfg = cfg, pairs_cfg
         self.train_pairs, self.eval_pairs, self.encoder = check_pairs_run(cfg, int(os.environ.get("WORLD_SIZE", "1")),
                                                                           section)
         if self.pairs_cfg.eval_max_pairs:
             self.eval_pairs = self.eval_pairs[: self.pairs_cfg.eval_max_pairs]
         self.rank, self.world = init_distributed(cfg.parallel.distributed_backend)
-        self.log = logging.getLogger(f"moe_rl.{section}")
+        self.log = logging.getLogger(type(self).__module__)
         self.model: Any = None
         self.eval_tokens: Any = None
         self._stack = contextlib.ExitStack()

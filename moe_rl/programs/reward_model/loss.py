@@ -89,7 +89,7 @@ def score_coefficients(scores_BT: torch.Tensor, chosen_PT: torch.Tensor, rejecte
     return coef
 
 
-def surrogate_loss(scores_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
+def score_surrogate_loss(scores_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
     """Loss callback: this micro-batch's sum over rows and slots of coef * score."""
     from moe_rl.learner import MicroBatchLoss
 
@@ -98,7 +98,7 @@ def surrogate_loss(scores_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
     return MicroBatchLoss((coef_BT * scores_BT * mask_BT).sum(), {}, weight=float(mb.batch.response_lens_B.sum()))
 
 
-def pair_metrics(scores_BT: torch.Tensor, tokens: TokenBatch, chosen_PT: torch.Tensor,
+def score_pair_metrics(scores_BT: torch.Tensor, tokens: TokenBatch, chosen_PT: torch.Tensor,
                  rejected_PT: torch.Tensor) -> dict[str, float]:
     """The loss; each response's score at its last slot (`rewards/chosen`, `rewards/rejected`,
     their mean difference `rewards/margins`, the fraction of pairs whose chosen one is

@@ -30,9 +30,9 @@ from moe_rl.programs.preference.program import PreferenceProgram
 from moe_rl.programs.reward_model.loss import (
     COEF_KEY,
     compared_slots,
-    pair_metrics,
     score_coefficients,
-    surrogate_loss,
+    score_pair_metrics,
+    score_surrogate_loss,
 )
 
 
@@ -41,8 +41,10 @@ class RewardModelProgram(PreferenceProgram):
 
     name = "reward model"
 
+    section = "rm"
+
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg, "rm")
+        super().__init__(cfg, self.section, cfg.rm)
 
     def _build(self, layout: Any, resume_from: Path | None) -> None:
         from moe_rl.learner import load_start
@@ -62,14 +64,14 @@ class RewardModelProgram(PreferenceProgram):
         chosen_PT, rejected_PT = compared_slots(tokens, self.cfg.rm.compare)
         scores_BT = self.model.logprobs(tokens)  # (a value model's per-token output: scores)
         coef_BT = score_coefficients(scores_BT, chosen_PT, rejected_PT)
-        update = self.model.train_step(tokens, surrogate_loss, extras={COEF_KEY: coef_BT})
-        return pair_metrics(scores_BT, tokens, chosen_PT, rejected_PT), update
+        update = self.model.train_step(tokens, score_surrogate_loss, extras={COEF_KEY: coef_BT})
+        return score_pair_metrics(scores_BT, tokens, chosen_PT, rejected_PT), update
 
     def _held_out(self) -> dict[str, float]:
         """Held-out loss, accuracies and margins."""
         chosen_PT, rejected_PT = self.eval_slots
         scores_BT = self.model.logprobs(self.eval_tokens)
-        return pair_metrics(scores_BT, self.eval_tokens, chosen_PT, rejected_PT)
+        return score_pair_metrics(scores_BT, self.eval_tokens, chosen_PT, rejected_PT)
 
     def finish(self, last_step: int, final: Path) -> None:
         if self.rank == 0:

@@ -20,13 +20,12 @@ def rl_program(cfg: Config) -> Program:
     """This rank's role in an RL run, after every input check (once, against torchrun's
     WORLD_SIZE, before anything is built)."""
     from moe_rl.learner import init_distributed
-    from moe_rl.preflight import check_run
     from moe_rl.programs.rl.engine_role import EngineRole
     from moe_rl.programs.rl.learner_role import LearnerRole
     from moe_rl.rollout import RolloutCollector
     from moe_rl.weights import make_weight_synchronizer
 
-    check_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    LearnerRole.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     separate = cfg.sampler.placement == "separate"
     rank, world = init_distributed(cfg.parallel.distributed_backend,
                                    engine_ranks=cfg.sampler.engine_ranks if separate else 0)

@@ -40,7 +40,7 @@ from moe_rl.rollout.engine_faults import EnginesRebuilt
 from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.timing import StepTimer
 
-log = logging.getLogger("moe_rl.trainer")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -52,6 +52,13 @@ class LearnerRole(Program):
     def __init__(self, cfg: Config, collector: RolloutCollector, rank: int, world: int) -> None:
         self.cfg, self.collector, self.rank, self.world = cfg, collector, rank, world
         self._stack = contextlib.ExitStack()
+
+    @classmethod
+    def check(cls, cfg: Config, world: int) -> str:
+        """The RL program's checks (`moe_rl.preflight.check_run`) and its `--check` line."""
+        from moe_rl.recipe_check import check_rl_recipe
+
+        return check_rl_recipe(cfg, world)
 
     # ------------------------------------------------------------------ setup
 

@@ -23,7 +23,7 @@ from moe_rl.routing.record import row_positions
 from moe_rl.runtime.metrics import combine
 from moe_rl.step_batch import StepBatch
 
-log = logging.getLogger("moe_rl.trainer")
+log = logging.getLogger(__name__)
 
 
 class UpdatePhase:

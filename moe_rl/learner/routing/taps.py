@@ -20,7 +20,7 @@ layers, so the stage sums add up exactly.
 
 Host and device. A micro-batch's routing inputs are built on the host before its forward
 and moved to the router's device once; everything the routers leave stays on the device,
-added up over the pass, and the host reads it once per pass (`routing_state`): no read
+added up over the pass, and the host reads it once per pass (`state`): no read
 inside a micro-batch, which would make a GPU's host wait for its queue at every layer.
 
 State. `RouterReplay` keeps per-router state and megatron registers every instance in one
@@ -44,18 +44,18 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import group_limited_topk
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from moe_rl.learner.megatron_patches.router_replay import drop_autograd_state, route, tap
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
 from moe_rl.learner.parallel import all_reduce_, comm_device, wait_for_device
-from moe_rl.learner.routing_checks import (
+from moe_rl.learner.routing.checks import (
     ReplayError,
     check_replay_covers,
     check_replay_took,
     count_replay_misses,
 )
-from moe_rl.learner.routing_state import MicroBatchRouting, PassRouting
-from moe_rl.learner.routing_tokens import (
+from moe_rl.learner.routing.state import MicroBatchRouting, PassRouting
+from moe_rl.learner.routing.tokens import (
     SlotSource,
     from_rows,
     slot_shard,
@@ -85,53 +85,6 @@ class RoutingPlan:
     there and only there."""
 
 
-def _drop_autograd_state(dispatcher: Any) -> None:
-    """Forget the last forward's routing tensors that a token dispatcher keeps on itself.
-
-    megatron's dispatchers keep the last micro-batch's `probs` (and kin) as attributes; after
-    a training pass these still carry their autograd graph, whose gradient-accumulator nodes
-    hold DDP's hooks, which hold the model: a cycle through C++ that Python's collector
-    cannot break, so a discarded learner's weights, grads and Adam states stayed allocated
-    (found on an H100: about 8 GiB per learner at the 30B layer shape). Each forward sets
-    these afresh, so nothing reads them after the pass."""
-    for name, value in list(vars(dispatcher).items()):
-        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-            setattr(dispatcher, name, None)
-
-
-def _route(router: TopKRouter, original: Any, logits: torch.Tensor, padding_mask: torch.Tensor | None, *,
-           force: torch.Tensor | None = None, record: bool = False, count: bool = True) -> tuple[Any, Any]:
-    """megatron-core's routing, and the [N, K] ids it used (None unless forced or recorded).
-
-    `force`: route to these ids (megatron's REPLAY_FORWARD: gates from the current router at
-    them); `record`: keep the ids megatron picked, in its own order (its RECORD action), so
-    that forcing them again reproduces the gates bit for bit. `count`: add this pass's real
-    tokens to the expert-bias token count (aux-loss-free balancing). Counted here rather than
-    by megatron-core 0.16, which masks the [N, E] routing map with the [N] padding mask (fails
-    to broadcast, or with N = E masks the wrong axis) and counts whenever gradients are on,
-    so a recomputed layer would count its tokens again."""
-    replay = router.router_replay
-    if force is not None:
-        replay.target_topk_idx = force
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    elif record:
-        replay.set_router_replay_action(RouterReplayAction.RECORD)
-    bias_on, router.enable_expert_bias = router.enable_expert_bias, False
-    try:
-        probs, routing_map = original(logits, padding_mask)
-        used = force if force is not None else replay.recorded_topk_idx
-    finally:
-        router.enable_expert_bias = bias_on
-        replay.clear_router_replay_action()
-        replay.target_topk_idx = None
-        replay.recorded_topk_idx = None
-    if bias_on and count:
-        with torch.no_grad():
-            real = routing_map if padding_mask is None else routing_map & ~padding_mask.reshape(-1, 1)
-            router.local_tokens_per_expert += real.sum(dim=0)
-    return (probs, routing_map), used
-
-
 def _in_backward() -> bool:
     """Inside an autograd backward: where megatron's activation recompute runs a layer again."""
     return torch._C._current_graph_task_id() != -1
@@ -156,11 +109,7 @@ class RouterTaps(ForwardHooks):
         self._ids_dtype = ids_dtype(self.num_experts)
         self._for_recompute: list[deque[torch.Tensor]] = [deque() for _ in self.routers]
         for i, router in enumerate(self.routers):
-            if router.router_replay is None:
-                raise RuntimeError("routers were built without moe_enable_routing_replay")
-            with contextlib.suppress(ValueError):
-                RouterReplay.global_router_replay_instances.remove(router.router_replay)
-            router.routing = self._make_tap(i, router, router.routing)
+            tap(router, lambda original, i=i, router=router: self._make_tap(i, router, original))
         self.plan: RoutingPlan | None = None
         self._state: MicroBatchRouting | None = None
         self._pass = PassRouting(len(self.routers))
@@ -193,7 +142,7 @@ class RouterTaps(ForwardHooks):
                 router.router_replay.clear_indices()
                 router.router_replay.clear_router_replay_action()
             for dispatcher in self.dispatchers:
-                _drop_autograd_state(dispatcher)
+                drop_autograd_state(dispatcher)
             self.plan = None
             self._state = None
 
@@ -300,11 +249,11 @@ class RouterTaps(ForwardHooks):
                 if not pending:
                     raise RuntimeError(f"recompute: router of MoE layer {self.layers[i]} re-ran a layer its "
                                        "forward did not route")
-                return _route(router, original, logits, padding_mask, force=pending.popleft().long(), count=False)[0]
+                return route(router, original, logits, padding_mask, force=pending.popleft().long(), count=False)[0]
             count = torch.is_grad_enabled() or keep  # (a recomputed layer's first forward runs without grad)
             st = self._state
             if st is None or (not st.needs_fresh and st.replay_NLK is None):  # nothing to force, record or measure
-                out, used = _route(router, original, logits, padding_mask, record=keep, count=count)
+                out, used = route(router, original, logits, padding_mask, record=keep, count=count)
                 if keep:
                     pending.append(used.to(self._ids_dtype))  # (kept until the backward: 1-2 bytes per id)
                 return out
@@ -314,7 +263,7 @@ class RouterTaps(ForwardHooks):
                 fresh_NK = self._fresh_topk(router, logits_NE).sort(dim=-1).values if st.needs_fresh else None
                 logr_NE = self._log_routing_probs(router, logits_NE) if st.needs_logr else None
             target_NK = self._target_ids(st, i, dev, fresh_NK)
-            out, ids = _route(router, original, logits, padding_mask, force=target_NK,
+            out, ids = route(router, original, logits, padding_mask, force=target_NK,
                               record=keep and target_NK is None, count=count)
             if keep:
                 pending.append(ids.to(self._ids_dtype))

@@ -1,4 +1,4 @@
-"""What the routing taps (`moe_rl.learner.routing`) keep per micro-batch and per pass.
+"""What the routing taps (`moe_rl.learner.routing.taps`) keep per micro-batch and per pass.
 
 A micro-batch's inputs to its routers (the slots' replay ids, old routing, masks) are built
 on the host before its forward from data the host holds, and moved to the router's device

@@ -1,0 +1,145 @@
+"""This rank's rollout engine (shard) and its life: built on the learner's starting weights,
+handed to the weight transport, woken, closed, and, when a call fails, rebuilt.
+
+    engines = Engines(cfg, placement, weight_sync)       # collective: the engine groups form
+    engines.start(run_dir, weights_source, eos_ids)      # collective: one engine per rollout group
+    ro = engines.generate("generating step 3", prompt_ids, n=G, ...)  # collective over the engine ranks
+
+A failed call is agreed over the engine ranks: every engine is rebuilt from its starting
+weights and the call retried (the same seeds) while `sampler.max_restarts` lasts, raising
+`EnginesRebuilt` first when the weights have moved since (the newest must come again), else
+the run stops with one line (`moe_rl.rollout.engine_faults`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_rl.config import Config
+from moe_rl.rollout.engine_faults import (
+    EngineFailedError,
+    EngineFault,
+    EnginesRebuilt,
+    RestartBudget,
+    failure_line,
+)
+from moe_rl.rollout.placement import EnginePlacement
+from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
+from moe_rl.runtime.failures import describe_error
+from moe_rl.runtime.fault_hooks import kill_point
+from moe_rl.sampler import Rollouts, Sampler
+
+log = logging.getLogger(__name__)
+
+
+class Engines:
+    """This rank's engine (None on a learner-only rank) and what rebuilding it needs."""
+
+    def __init__(self, cfg: Config, placement: EnginePlacement, weight_sync: Any) -> None:
+        self.cfg, self.placement, self.weight_sync = cfg, placement, weight_sync
+        self.group = placement.engines_group()  # (collective)
+        """The engine ranks' process group (None: they are the whole world)."""
+        self.sampler: Sampler | None = None
+        self.restarts = RestartBudget(cfg.sampler.max_restarts)
+        """Engine rebuilds after a failure (`engine_faults`): rollout/engine_restarts."""
+        self.returns_routed_experts = False
+        """Every engine returns its routed experts (known after `start`)."""
+        self._hf_dir: Path | None = None
+        self._eos_ids: list[int] = []
+
+    def start(self, run_dir: Path, weights_source: Path | None, eos_ids: list[int]) -> None:
+        """Build this rank's engine (shard) on the weights the learner starts from.
+        Collective: rank 0's `weights_source` counts, rank 0 converts a megatron checkpoint
+        for all, engine groups agree on their rendezvous, and every rank learns whether the
+        engines return routed experts."""
+        pl = self.placement
+        weights_source = pl.from_rank0(weights_source)
+        if pl.rank == 0:
+            hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source)
+        pl.barrier()
+        if pl.rank != 0:
+            hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
+        self._hf_dir, self._eos_ids = hf_dir, list(eos_ids)
+        if pl.hosts_engine:
+            group_env = pl.group_env() if pl.ranks_per_engine > 1 else None
+            self.sampler = build_sampler(self.cfg, hf_dir, self._eos_ids, group_env)
+        self.weight_sync.attach(self.sampler)
+        self.returns_routed_experts = all(pl.gather(bool(getattr(self.sampler, "returns_routed_experts", False))))
+
+    def generate(self, doing: str, prompt_ids: list[list[int]], **kwargs: Any) -> Rollouts:
+        """`Sampler.generate` on this rank's engine, its failure agreed over the engine ranks
+        (collective over them): a failed call is retried, the same seeds on rebuilt engines,
+        while `sampler.max_restarts` lasts (`recover`)."""
+        while True:
+            ro, fault = None, None
+            kill_point("generate")  # (a test hook: a no-op unless MOE_RL_TEST_KILL_AT names it)
+            try:
+                ro = self.sampler.generate(prompt_ids, **kwargs)
+            except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
+                fault = EngineFault(self.placement.rank, describe_error(e))
+            faults = [f for f in self.placement.all_engines(fault, self.group) if f is not None]
+            if not faults:
+                return ro
+            self.recover(faults, doing, everywhere=self.group is None)
+
+    def recover(self, faults: list[EngineFault], doing: str, everywhere: bool) -> None:
+        """After failures every rank taking part agrees on: rebuild every engine from its
+        starting weights and return (the caller retries), raising `EnginesRebuilt` first when
+        the weights have moved since (the newest must come again); with no restart left, raise
+        `EngineFailedError` (`everywhere`: on every rank of the world alike)."""
+        try:
+            self.restarts.spend(faults, doing)
+        except EngineFailedError as e:
+            self.discard()
+            e.everywhere = everywhere
+            raise
+        if self.placement.rank == self.placement.first_engine_rank:
+            log.warning("engine rank %d failed while %s (%s): rebuilding the engines and retrying (restart %d of "
+                        "sampler.max_restarts=%d)", faults[0].rank, doing, faults[0].cause, self.restarts.used,
+                        self.restarts.max_restarts)
+        if self.placement.hosts_engine:
+            self.discard()
+            pl = self.placement
+            group_env = pl.group_env(self.group) if pl.ranks_per_engine > 1 else None
+            self.sampler = build_sampler(self.cfg, self._hf_dir, self._eos_ids, group_env)
+            self.weight_sync.attach(self.sampler)
+        if self.weight_sync.synced:
+            raise EnginesRebuilt()
+
+    def failed_alone(self, doing: str, e: Exception) -> EngineFailedError:
+        """The run's end for an engine that failed where the engines do not agree (decoding in
+        segments, each at its own pace): this rank says it and exits; torchrun stops the others."""
+        self.discard()
+        return EngineFailedError(failure_line([EngineFault(self.placement.rank, describe_error(e))], doing,
+                                              self.restarts.max_restarts))
+
+    def discard(self) -> None:
+        """Drop a failed engine, whatever state it is in, and the memory it held."""
+        sampler, self.sampler = self.sampler, None
+        self.weight_sync.attach(None)
+        if sampler is not None:
+            with contextlib.suppress(Exception):
+                sampler.close()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Back from vLLM's sleep mode (an engine that sleeps between steps)."""
+        wake = getattr(self.sampler, "wake_up", None)
+        if wake is not None:
+            wake()
+
+    def close(self) -> None:
+        """The last push's sends finished (before the process groups go), then the engine."""
+        self.weight_sync.finish()
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+            self.weight_sync.attach(None)
