@@ -1,4 +1,4 @@
-"""The stress report (issue 47) from synthetic result files: the pre-registered tests against
+"""The stress report from synthetic result files: the pre-registered tests against
 hand-derived Fisher and Holm values, the collapse onset, the mechanism window, the plain-language
 answer the numbers write, and the reproducibility line from digests."""
 

@@ -1,4 +1,4 @@
-"""The stress runs of issue 47: the regime read back from committed sweep files by the
+"""The stress study's runs: the regime read back from committed sweep files by the
 pre-registered rule, the blocks the plan names, each run's result file (outcomes, a digest
 that ignores only wall times) and its commit of exactly that file."""
 
@@ -120,7 +120,7 @@ def test_recorder_writes_and_commits_exactly_the_result_file(tmp_path):
     assert saved["commit"] == "abc1234" and saved["lr"] == 3e-4 and saved["updates"] == 4 and saved["seconds"] == 150.0
     assert not saved["collapsed"] and saved["final_reward"] == pytest.approx(0.3)
     assert git("show", "--name-only", "--format=%s", "HEAD").split() == [
-        "stress", "main:", "grpo-off", "seed", "3", "survived", "(final", "reward", "0.300,", "issue", "47)",
+        "stress", "main:", "grpo-off", "seed", "3", "survived", "(final", "reward", "0.300)",
         "stress/main/grpo-off/seed3.json"]
     assert "A  other.txt" in git("status", "--porcelain")
 
