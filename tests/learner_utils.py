@@ -28,6 +28,19 @@ def learner_of(cfg, layout, *, trainable: bool = True, total_updates: int | None
                    total_updates=rl_updates(cfg) if total_updates is None else total_updates)
 
 
+@contextlib.contextmanager
+def default_learner(seed: int) -> Iterator:
+    """A learner of the default recipe in a one-process layout, its weights drawn from `seed`
+    (a module's learner fixture: `with default_learner(4) as learner: yield learner`)."""
+    from moe_rl.config import load_config
+    from moe_rl.learner import parallel_layout
+
+    cfg = load_config(None, [])
+    with parallel_layout(cfg.parallel, seed=seed) as layout:
+        torch.manual_seed(seed)
+        yield learner_of(cfg, layout)
+
+
 def fixed_batch() -> tuple[TokenBatch, torch.Tensor]:
     """12 sequences with varied prompt/response lengths (one empty response), advantages."""
     g = torch.Generator().manual_seed(7)

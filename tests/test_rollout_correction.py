@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from correction_reference import decide, reference_loss
-from learner_utils import fixed_batch, learner_of
+from learner_utils import default_learner, fixed_batch
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.objectives import PolicyBatch, policy_loss
@@ -244,12 +244,8 @@ def test_top_p_below_one_is_refused_for_rl_training():
 
 @pytest.fixture(scope="module")
 def learner(megatron_world):
-    from moe_rl.learner import parallel_layout
-
-    cfg = load_config(None, [])
-    with parallel_layout(cfg.parallel, seed=5) as layout:
-        torch.manual_seed(5)
-        yield learner_of(cfg, layout)
+    with default_learner(5) as learner:
+        yield learner
 
 
 LEARNER_FORMS = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from learner_utils import fixed_batch, learner_of
+from learner_utils import default_learner, fixed_batch
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.learner.microbatch import bins_needed, token_budget_bins
@@ -52,12 +52,8 @@ def _parallel(cfg, field, value):
 
 @pytest.fixture(scope="module")
 def learner(megatron_world):
-    from moe_rl.learner import parallel_layout
-
-    cfg = load_config(None, [])
-    with parallel_layout(cfg.parallel, seed=4) as layout:
-        torch.manual_seed(4)
-        yield learner_of(cfg, layout)
+    with default_learner(4) as learner:
+        yield learner
 
 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))

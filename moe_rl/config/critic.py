@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_rl.config.errors import ConfigError
+from moe_rl.config.errors import require_all
 from moe_rl.config.optimizer import OptimizerConfig
 
 
@@ -55,16 +55,14 @@ class CriticConfig:
         """The section's own ranges and its optimizer (`critic.optimizer`); what it means for
         the RL section and the run's length is the cross-section rules'."""
         c = self
-        if c.value_clip <= 0:
-            raise ConfigError(f"critic.value_clip must be > 0, got {c.value_clip}")
-        if c.value_loss_coef <= 0:
-            raise ConfigError(f"critic.value_loss_coef must be > 0, got {c.value_loss_coef}")
-        if c.epochs < 1:
-            raise ConfigError(f"critic.epochs must be >= 1, got {c.epochs}")
-        if c.num_minibatches < 0:
-            raise ConfigError(f"critic.num_minibatches must be >= 0 (0: rl.num_minibatches), got {c.num_minibatches}")
-        if c.warmup_steps < 0:
-            raise ConfigError(f"critic.warmup_steps must be >= 0, got {c.warmup_steps}")
+        require_all({
+            "critic.value_clip": (c.value_clip > 0, f"> 0, got {c.value_clip}"),
+            "critic.value_loss_coef": (c.value_loss_coef > 0, f"> 0, got {c.value_loss_coef}"),
+            "critic.epochs": (c.epochs >= 1, f">= 1, got {c.epochs}"),
+            "critic.num_minibatches": (c.num_minibatches >= 0,
+                                       f">= 0 (0: rl.num_minibatches), got {c.num_minibatches}"),
+            "critic.warmup_steps": (c.warmup_steps >= 0, f">= 0, got {c.warmup_steps}"),
+        })
         c.optimizer.validate("critic.optimizer")
 
 

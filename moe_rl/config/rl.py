@@ -383,12 +383,12 @@ class RLConfig:
         if rl.max_staleness < 1:
             raise ConfigError(f"{which}=true needs rl.max_staleness >= 1 (the engines run ahead of the learner) and "
                               "sampler.placement=separate")
-        if rl.inflight_segment_tokens < 1:
-            raise ConfigError(f"rl.inflight_segment_tokens must be >= 1, got {rl.inflight_segment_tokens}")
-        if rl.inflight_push_after_segments < 0:
-            raise ConfigError(f"rl.inflight_push_after_segments must be >= 0, got {rl.inflight_push_after_segments}")
-        if rl.partial_oversample < 0:
-            raise ConfigError(f"rl.partial_oversample must be >= 0, got {rl.partial_oversample}")
+        require_all({
+            "rl.inflight_segment_tokens": (rl.inflight_segment_tokens >= 1, f">= 1, got {rl.inflight_segment_tokens}"),
+            "rl.inflight_push_after_segments": (rl.inflight_push_after_segments >= 0,
+                                                f">= 0, got {rl.inflight_push_after_segments}"),
+            "rl.partial_oversample": (rl.partial_oversample >= 0, f">= 0, got {rl.partial_oversample}"),
+        })
         if rl.async_schedule not in ("deterministic", "throughput"):
             raise ConfigError(f"rl.async_schedule={rl.async_schedule!r}: choose deterministic or throughput")
         if rl.inflight_kv == "keep" and rl.async_schedule != "throughput":

@@ -56,7 +56,13 @@ from moe_rl.objectives.common import (
     masked_min,
     weighted_sum,
 )
-from moe_rl.objectives.correction import correction_form, decide_correction, opsm_masked, tally
+from moe_rl.objectives.correction import (
+    CorrectionCounts,
+    correction_form,
+    decide_correction,
+    opsm_masked,
+    tally,
+)
 
 
 def policy_loss(name: str, batch: PolicyBatch, **hparams: Any) -> LossOutput:
@@ -107,12 +113,13 @@ def policy_loss_from_hparams(name: str, batch: PolicyBatch, common: CommonHParam
             num_sequences_total=common.num_sequences_total,
             max_response_length=common.max_response_length,
         )
+        counts = None if form is None and common.opsm_delta is None else tally(mask_BT, correction, None)
         is_weight = None
         if correction is not None and correction.weight is not None:
             is_weight = correction.weight
             if form is not None and form.batch_normalize:
                 mean = common.is_weight_mean
-                mean = tally(mask_BT, correction, None).weight_mean() if mean is None else mean
+                mean = counts.weight_mean() if mean is None else mean
                 mean = torch.as_tensor(mean, dtype=is_weight.dtype, device=is_weight.device)
                 is_weight = is_weight / torch.where(mean > 0, mean, 1.0)  # (no kept unit: weights are 0 anyway)
             weight = weight * (is_weight.unsqueeze(1) if is_weight.ndim < weight.ndim else is_weight)
@@ -138,7 +145,8 @@ def policy_loss_from_hparams(name: str, batch: PolicyBatch, common: CommonHParam
 
     with torch.no_grad():
         metrics = _metrics(ctx, surrogate, per_sequence, kl_BT, is_weight)
-        counts = None if form is None and opsm_B is None else tally(mask_BT, correction, opsm_B)
+        if counts is not None and opsm_B is not None:
+            counts.values[CorrectionCounts.FIELDS.index("opsm_sequences")] = opsm_B.double().sum()  # (decided last)
     num_tokens, num_sequences = ctx.mask_BT.sum(), ctx.num_nonempty
     return LossOutput(-objective, metrics, num_tokens, num_sequences, counts)
 

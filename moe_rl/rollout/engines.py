@@ -66,8 +66,8 @@ class Engines:
         if pl.rank != 0:
             hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
         self._hf_dir, self._eos_ids = hf_dir, list(eos_ids)
+        group_env = pl.group_env() if pl.ranks_per_engine > 1 else None  # (collective over every rank)
         if pl.hosts_engine:
-            group_env = pl.group_env() if pl.ranks_per_engine > 1 else None
             self.sampler = build_sampler(self.cfg, hf_dir, self._eos_ids, group_env)
         self.weight_sync.attach(self.sampler)
         self.returns_routed_experts = all(pl.gather(bool(getattr(self.sampler, "returns_routed_experts", False))))
