@@ -69,6 +69,7 @@ from learner_utils import fixed_batch, learner_of, reinforce_loss
 from moe_rl.config import load_config
 from moe_rl.learner import init_distributed, parallel_layout
 from moe_rl.learner.checkpoint import start_checkpoint
+from moe_rl.config import to_dict
 init_distributed()
 background, out, step_s, saves = sys.argv[1] == "1", sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 cfg = load_config(None, sys.argv[5:])
@@ -80,7 +81,7 @@ with parallel_layout(cfg.parallel, seed=1) as layout:
     blocked, own = [], []
     for i in range(saves):
         t0 = time.perf_counter()
-        pending = start_checkpoint(learner, f"{out}/step_{i}", {"trainer_step": i}, config=cfg, background=background)
+        pending = start_checkpoint(learner, f"{out}/step_{i}", {"trainer_step": i}, recipe=to_dict(cfg), background=background)
         t1 = time.perf_counter()
         time.sleep(step_s)  # an accelerator-bound step: the host is idle
         t2 = time.perf_counter()

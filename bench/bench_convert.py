@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from bench.common import markdown_table, write_results
+from moe_rl.config import to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 # ~1.93 GB fp32: 4 MoE layers of 32 experts (hidden 1024, expert ffn 1024), 32k vocab, untied.
@@ -59,7 +60,7 @@ def _child_make(out: str, overrides: list[str]) -> dict:
     cfg = load_config(None, overrides)
     with parallel_layout(cfg.parallel, seed=0) as layout:
         learner = Learner(cfg.model, cfg.parallel, layout)
-        save_checkpoint(learner, out, config=cfg)
+        save_checkpoint(learner, out, recipe=to_dict(cfg))
     return {}
 
 

@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bench.common import markdown_table, synced, time_fn, write_results  # noqa: E402
+from moe_rl.config import to_dict  # noqa: E402
 from moe_rl.plan.flops import PEAK_BF16_TFLOPS, device_short_name, peak_bf16_flops, train_flops  # noqa: E402
 
 PRECISIONS = (("bf16", []), ("bf16, fused permutation", ["model.moe_permute_fusion=true"]),
@@ -178,7 +179,7 @@ def save_base(layout: Any, path: Path, spec: str = "te") -> Any:
 
     cfg = load_config(ROOT / "examples/tiny_rspo.yaml", shape_overrides(_LAYERS, spec))
     learner = Learner(cfg.model, cfg.parallel, layout)
-    save_checkpoint(learner, path, config=cfg)
+    save_checkpoint(learner, path, recipe=to_dict(cfg))
     return learner
 
 

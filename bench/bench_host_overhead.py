@@ -97,7 +97,7 @@ def run_step(learner: Any, cfg: Any, batch: Any, counted: bool) -> dict[str, Any
     out["score"] = summarize(c)
     scored = batch.scored(score.logp_BT, score.record)
     plan = learner.routing_plan(rl.replay, scored, capture=rl.records_routing)
-    loss_fn = PolicyLossFn(cfg)
+    loss_fn = PolicyLossFn(cfg.rl, cfg.sampler.max_new_tokens)
     with OpCounter(learner) if counted else _Null() as c:
         learner.update(scored, loss_fn, plan, cfg.sampler.temperature)
     out["update"] = summarize(c)

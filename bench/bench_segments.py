@@ -76,7 +76,8 @@ def measure(block_size: int | None, problems: int, rounds: int) -> dict[str, dic
 
     cfg, tok, _, _, prompts = held_out(BASE, problems)
     with hf_policy(BASE) as hf:
-        sampler = make_sampler(hf, dataclasses.replace(engine_config(cfg, tok.eos_ids), block_size=block_size))
+        engine = engine_config(cfg.sampler, cfg.rl, cfg.run.seed, tok.eos_ids)
+        sampler = make_sampler(hf, dataclasses.replace(engine, block_size=block_size))
         try:
             runs: dict[str, list[dict]] = {m: [] for m in MODES}
             for r in range(-1, rounds):  # (round -1: the warm-up)

@@ -63,7 +63,7 @@ class LearnerUpdate:
             load_start(self.learner, str(ROOT / init), trust=True)
         self.batch = self.learner.own_rows(tokens)
         self.batch = type(self.batch)(**{**self.batch.__dict__, "adv_B": adv_B[self.batch.row_ids_B]})
-        self.loss_fn = PolicyLossFn(cfg, on_policy=True)
+        self.loss_fn = PolicyLossFn(cfg.rl, cfg.sampler.max_new_tokens, on_policy=True)
         self.plan = self.learner.routing_plan("none", self.batch, capture=cfg.rl.records_routing)
 
     def __call__(self) -> None:

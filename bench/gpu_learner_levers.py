@@ -56,6 +56,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bench.common import markdown_table, synced, time_fn, write_results  # noqa: E402
+from moe_rl.config import to_dict  # noqa: E402
 from moe_rl.plan.flops import PEAK_BF16_TFLOPS, device_short_name, peak_bf16_flops, train_flops  # noqa: E402
 
 RECIPE = "examples/tiny_grpo.yaml"  # (its objective needs no router shift: the router-graph rows may run)
@@ -309,7 +310,7 @@ def main(dry_run: bool = False, out: str | None = None, layers: int = 4, batch: 
     with tempfile.TemporaryDirectory(prefix="levers_") as work, \
             parallel_layout(ParallelConfig(micro_batch_size=1), seed=0) as layout:
         base = Path(work) / "base"
-        save_checkpoint(Learner(cfg.model, cfg.parallel, layout), base, config=cfg)
+        save_checkpoint(Learner(cfg.model, cfg.parallel, layout), base, recipe=to_dict(cfg))
         free_device()
         b = Bench(shape, base, layout, tokens, adv_B, iters, time.monotonic() + time_limit)
         try:

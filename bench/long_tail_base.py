@@ -75,7 +75,7 @@ def sample(checkpoint: str, problems: int, samples: int) -> dict[str, Any]:
 
     cfg, tok, task, drawn, prompt_ids = held_out(checkpoint, problems)
     with hf_policy(checkpoint) as hf:
-        sampler = build_sampler(cfg, hf, tok.eos_ids)
+        sampler = build_sampler(cfg.sampler, cfg.rl, cfg.run.seed, hf, tok.eos_ids)
         try:
             ro = sampler.generate(prompt_ids, n=samples, max_new_tokens=cfg.sampler.max_new_tokens,
                                   temperature=1.0, seed=0)

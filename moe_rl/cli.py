@@ -32,7 +32,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from moe_rl.checkpoints.errors import CheckpointError
 from moe_rl.config import Config, ConfigError, describe
@@ -81,7 +81,6 @@ def parse(argv: list[str] | None, prog: str, doc: str,
         print(describe())
         sys.exit(0)
     try:
-        from moe_rl.recipe_source import load_resolved
         from moe_rl.runtime.wandb_log import require_wandb
 
         cfg = load_resolved(args.config, args.overrides, program=prog.removeprefix("python -m "))
@@ -241,15 +240,34 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_main(prog: str, doc: str, argv: list[str] | None, body: Callable[[Config], object], *,
-             program: Callable[[], type[Program]]) -> NoReturn:
+def run_main(prog: str, doc: str, argv: list[str] | None, *, program: Callable[[], type[Program]],
+             report: Callable[[dict[str, Any]], None] | None = None) -> NoReturn:
     """A program entry point's whole `main`: the CPU environment, the recipe (`parse`, with
-    `--check`), logging for this rank, then `body(cfg)` under `run_guarded` (one line and
-    exit status 2 for the user's errors); exits with its status (0 when it returns)."""
+    `--check`), logging for this rank, then the program's run (`run_program`) under
+    `run_guarded` (one line and exit status 2 for the user's errors), `report` given rank
+    0's summary; exits with its status (0 when it returns)."""
     cpu_environment()
     args, cfg = parse(argv, prog, doc, program)
     setup_logging(int(os.environ.get("RANK", "0")))
-    sys.exit(run_guarded(prog, lambda: (body(cfg), 0)[1], debug=args.debug, run_dir=lambda: cfg.run_dir))
+
+    def body() -> int:
+        summary = run_program(program(), cfg)
+        if summary and report is not None:
+            report(summary)
+        return 0
+
+    sys.exit(run_guarded(prog, body, debug=args.debug, run_dir=lambda: cfg.run_dir))
+
+
+def run_program(program: type[Program], cfg: Config) -> dict[str, Any]:
+    """A whole run of `program` on this rank: the program built from the recipe
+    (`Program.build`, which runs its checks first) and driven by the one run loop; rank 0
+    returns the summary."""
+    from moe_rl.config import to_dict
+    from moe_rl.loop import RunLoop
+
+    compile_off_without_gpu()
+    return RunLoop(program.build(cfg), run=cfg.run, logging_cfg=cfg.logging, recipe=to_dict(cfg)).run()
 
 
 def compile_off_without_gpu() -> None:
@@ -273,3 +291,33 @@ def cpu_environment() -> None:
     # warm-up, thread binding, EOS from the tokenizer) are expected here; errors still show.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     silence_known_noise()
+
+
+def resolve_recipe(cfg: Config, given: frozenset[str] = frozenset(), start_from: str = "") -> Config:
+    """The recipe (as `load_recipe` gives it: typed, not validated) with the starting
+    checkpoint's model and a concrete tokenizer, validated (`moe_rl.recipe_source`);
+    `start_from`: the recipe a model conflict's error suggests. The order matters: the model
+    section is config.json's before any model or parallel check runs."""
+    import dataclasses
+
+    from moe_rl.config import validate
+    from moe_rl.recipe_source import resolved_model, resolved_tokenizer
+
+    init = cfg.run.init_checkpoint
+    cfg = dataclasses.replace(cfg, model=resolved_model(cfg.model, init, given, start_from),
+                              task=dataclasses.replace(cfg.task, tokenizer=resolved_tokenizer(cfg.task.tokenizer, init)))
+    validate(cfg)
+    return cfg
+
+
+def load_resolved(path: str | Path | None, overrides: list[str] | None = None, program: str = "") -> Config:
+    """The recipe at `path` with `overrides`, resolved and validated: what `program`'s CLI
+    runs (`python -m <program>`)."""
+    from moe_rl.config import load_recipe
+    from moe_rl.recipe_source import hf_recipe
+
+    cfg, given = load_recipe(path, overrides)
+    suggest = hf_recipe(program, cfg.rl.uses_critic)
+    if path and Path(path).name == Path(suggest).name:
+        suggest = ""  # already that recipe: the conflicting keys are the command line's
+    return resolve_recipe(cfg, given, suggest)

@@ -17,13 +17,12 @@ rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, eval/*), chec
 from __future__ import annotations
 
 from moe_rl.cli import run_main
-from moe_rl.config import Config
 
 PROG = "python -m moe_rl.dpo"
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_main(PROG, __doc__, argv, run, program=_program)
+    run_main(PROG, __doc__, argv, program=_program)
 
 
 def _program() -> type:
@@ -31,14 +30,6 @@ def _program() -> type:
 
     return DPOProgram
 
-
-def run(cfg: Config) -> int:
-    """The whole run (every rank); StoppedBySignal leaves with the signal's status."""
-    from moe_rl.loop import RunLoop
-    from moe_rl.programs.dpo.program import DPOProgram
-
-    RunLoop(cfg, DPOProgram(cfg)).run()
-    return 0
 
 
 if __name__ == "__main__":

@@ -55,8 +55,8 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 def eval_recipe(args: argparse.Namespace) -> Any:
     """The recipe (`--config` or the defaults) with the flags applied as overrides."""
+    from moe_rl.cli import resolve_recipe
     from moe_rl.config import load_recipe
-    from moe_rl.recipe_source import resolve_recipe
 
     overrides = [*args.overrides, f"run.init_checkpoint={args.checkpoint}", f"task.eval_data_path={args.data}",
                  f"run.eval_k={args.k}", f"run.eval_max_problems={args.max_problems}"]
@@ -74,7 +74,8 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict:
     if args.check:
         print(f"eval OK: {args.checkpoint} on {args.data} (greedy + pass@{args.k}, {cfg.sampler.backend} sampler)")
         return {}
-    collector = RolloutCollector(cfg)
+    collector = RolloutCollector(sampler=cfg.sampler, task=cfg.task, rl=cfg.rl, model=cfg.model,
+                                 parallel=cfg.parallel, run=cfg.run)
     try:
         with tempfile.TemporaryDirectory(prefix="moe_rl_eval_") as work:
             collector.start_sampler(Path(work), Path(args.checkpoint))

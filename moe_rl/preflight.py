@@ -7,7 +7,14 @@ line naming the key:
 
 Each program states its own checks (`moe_rl.loop.Program.check`) from these pieces: RL runs
 `check_run`; SFT the layout and `check_start` with its completions' lengths; DPO and the
-reward model their pairs (`moe_rl.programs.preference.preflight`).
+reward model their pairs (`moe_rl.programs.preference.program`). `--check` prints the
+program's line, which `layout_line` begins:
+
+    python -m moe_rl.train --check --nproc 256 --config examples/gpu/deepseek_v3.yaml
+    # recipe OK: rspo, 256 ranks (TP8 PP1 EP256 DP32), model 61 layers x 256 experts (top-8) from /models/x, ...
+
+The launch scripts run it once before torchrun, so a bad recipe is this one line rather
+than one error per rank under torchrun's own traceback.
 
 What it covers, in order:
 - the layout against the world size (`config.validate_layout`), and (RL) that every
@@ -149,7 +156,7 @@ def check_sampler(cfg: Config) -> None:
     if s.sleep_between_steps and not cuda:
         raise ConfigError("sampler.sleep_between_steps needs a GPU (vLLM's sleep mode frees GPU memory; "
                           "there is none to free on CPU)")
-    check_engine_limits(cfg)
+    check_engine_limits(cfg.sampler, cfg.model)
 
 
 def _build(cfg: Config) -> tuple[Any, Any, Any]:
@@ -226,7 +233,8 @@ def _lengths(cfg: Config, task: Any, prompts: Any, problems: list[Any], completi
     if cfg.rl.multi_turn:
         from moe_rl.rollout.episodes import Episodes
 
-        episodes = Episodes(cfg, task, prompts.tokenizer, prompts.template)
+        episodes = Episodes(task, prompts.tokenizer, prompts.template, rl=cfg.rl, task_cfg=cfg.task,
+                            max_new_tokens=cfg.sampler.max_new_tokens)
         return [len(episodes.start(p, 1)[0]) for p in problems]
     return [len(prompts.encode(p)) for p in problems]
 
@@ -293,3 +301,20 @@ def check_reward(cfg: Config) -> None:
         task.reward(problems[0], "")
     except ValueError as e:
         raise ConfigError(" ".join(str(e).split())) from e
+
+
+def layout_line(cfg: Config, world: int) -> str:
+    """'N ranks (TPx PPx EPx DPx), model L layers x E experts (top-k) from START'."""
+    p, m = cfg.parallel, cfg.model
+    dp = validate_layout(cfg, world)
+    layout = (f"{world} rank{'s' if world > 1 else ''} (TP{p.tensor_model_parallel_size} "
+              f"PP{p.pipeline_model_parallel_size} EP{p.expert_model_parallel_size} DP{dp})")
+    start = cfg.run.init_checkpoint or "random init"
+    return f"{layout}, model {m.num_layers} layers x {m.num_experts} experts (top-{m.moe_router_topk}) from {start}"
+
+
+def check_rl_recipe(cfg: Config, world: int) -> str:
+    """The RL program's `--check`: every pre-flight check for `world` ranks (raises
+    ConfigError), then what would run."""
+    check_run(cfg, world)
+    return f"{cfg.rl.objective}, {layout_line(cfg, world)}, {cfg.run.steps} steps -> {cfg.run_dir}"

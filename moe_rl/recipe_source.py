@@ -1,7 +1,10 @@
 """A recipe completed by its starting checkpoint: the model section from a Hugging Face
 directory's config.json, and the tokenizer made concrete.
 
-    cfg = load_resolved(path, overrides)   # every CLI: load -> model from config.json -> validate
+    cfg = load_resolved(path, overrides)   # every CLI (moe_rl.cli): load -> model from config.json -> validate
+
+This module holds the pieces, each on the section it completes (`resolved_model`,
+`resolved_tokenizer`); the entry points' `moe_rl.cli.resolve_recipe` puts them together.
 
 The order matters: the recipe's own model section (the tiny default) is replaced by
 config.json before any model or parallel check runs, so `expert_model_parallel_size=3` is
@@ -25,7 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moe_rl.config import Config, ConfigError, load_recipe, validate
+from moe_rl.config import ConfigError, ModelConfig
 
 OVERRIDABLE = frozenset({"params_dtype"})
 """Model keys a recipe may set differently from config.json (a training choice)."""
@@ -35,11 +38,11 @@ HF_RECIPES = {"moe_rl.sft": "examples/hf_sft.yaml", "moe_rl.dpo": "examples/hf_d
 depends on the advantage (`hf_recipe`)."""
 
 
-def hf_recipe(program: str, cfg: Config) -> str:
-    """The Hugging Face recipe of `program` (`moe_rl.dpo`, ...) for this recipe; "" when
-    the program has none."""
+def hf_recipe(program: str, uses_critic: bool) -> str:
+    """The Hugging Face recipe of `program` (`moe_rl.dpo`, ...) for a recipe whose advantage
+    does (not) need a critic (rl.uses_critic); "" when the program has none."""
     if program == "moe_rl.train":
-        return "examples/hf_ppo.yaml" if cfg.rl.uses_critic else "examples/hf_rspo.yaml"
+        return "examples/hf_ppo.yaml" if uses_critic else "examples/hf_rspo.yaml"
     return HF_RECIPES.get(program, "")
 
 
@@ -54,19 +57,21 @@ def read_config_json(directory: Path) -> dict[str, Any]:
     return data
 
 
-def model_from_checkpoint(cfg: Config, directory: Path, given: frozenset[str], start_from: str = "") -> Config:
-    """`cfg` with its model section derived from `directory`/config.json (`start_from`: the
-    recipe a conflict's error suggests)."""
+def model_from_checkpoint(model: ModelConfig, directory: Path, given: frozenset[str],
+                          start_from: str = "") -> ModelConfig:
+    """The model section derived from `directory`/config.json, `model` (the recipe's, whose
+    keys the recipe set are `given`) keeping its training settings (`start_from`: the recipe
+    a conflict's error suggests)."""
     from moe_rl.convert import ConvertError, model_config_from_hf
 
     hf = read_config_json(directory)
     try:
-        derived = model_config_from_hf(hf, base=cfg.model)
+        derived = model_config_from_hf(hf, base=model)
     except (ConvertError, NotImplementedError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"run.init_checkpoint={directory}: {' '.join(str(e).split())}") from None
     conflicts, keep = [], {}
     for key in sorted(k.split(".", 1)[1] for k in given if k.startswith("model.")):
-        mine, theirs = getattr(cfg.model, key, None), getattr(derived, key, None)
+        mine, theirs = getattr(model, key, None), getattr(derived, key, None)
         if key in OVERRIDABLE:
             keep[key] = mine
         elif mine != theirs:
@@ -76,34 +81,24 @@ def model_from_checkpoint(cfg: Config, directory: Path, given: frozenset[str], s
         raise ConfigError(f"the recipe disagrees with run.init_checkpoint={directory}/config.json: "
                           f"{'; '.join(conflicts[:4])}; remove these keys (the checkpoint defines the model)"
                           f"{instead}")
-    return dataclasses.replace(cfg, model=dataclasses.replace(derived, **keep))
+    return dataclasses.replace(derived, **keep)
 
 
-def resolve_recipe(cfg: Config, given: frozenset[str] = frozenset(), start_from: str = "") -> Config:
-    """The recipe (as `load_recipe` gives it: typed, not validated) with the starting
-    checkpoint's model and a concrete tokenizer, validated (module doc); `start_from`: the
-    recipe a model conflict's error suggests."""
+def resolved_model(model: ModelConfig, init_checkpoint: str, given: frozenset[str], start_from: str = "") -> ModelConfig:
+    """The model section a run starts with: config.json's when run.init_checkpoint is a
+    Hugging Face directory (`model_from_checkpoint`), else the recipe's own."""
+    if init_checkpoint and (Path(init_checkpoint) / "config.json").is_file():
+        return model_from_checkpoint(model, Path(init_checkpoint), given, start_from)
+    return model
+
+
+def resolved_tokenizer(tokenizer: str, init_checkpoint: str) -> str:
+    """task.tokenizer made concrete: "shipped" or an absolute path (the checkpoint's own
+    tokenizer for "auto"), so checkpoints record which tokenizer their ids belong to."""
     from moe_rl.tokenization import resolve_spec
 
-    init = cfg.run.init_checkpoint
-    if init and (Path(init) / "config.json").is_file():
-        cfg = model_from_checkpoint(cfg, Path(init), given, start_from)
     try:
-        tokenizer = resolve_spec(cfg.task.tokenizer, init or None)
+        spec = resolve_spec(tokenizer, init_checkpoint or None)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if tokenizer != "shipped":
-        tokenizer = str(Path(tokenizer).resolve())
-    cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, tokenizer=tokenizer))
-    validate(cfg)
-    return cfg
-
-
-def load_resolved(path: str | Path | None, overrides: list[str] | None = None, program: str = "") -> Config:
-    """The recipe at `path` with `overrides`, resolved and validated: what `program`'s CLI
-    runs (`python -m <program>`)."""
-    cfg, given = load_recipe(path, overrides)
-    suggest = hf_recipe(program, cfg)
-    if path and Path(path).name == Path(suggest).name:
-        suggest = ""  # already that recipe: the conflicting keys are the command line's
-    return resolve_recipe(cfg, given, suggest)
+    return spec if spec == "shipped" else str(Path(spec).resolve())

@@ -19,13 +19,12 @@ traceback. `--check [--nproc N]` only checks the recipe and its inputs and print
 from __future__ import annotations
 
 from moe_rl.cli import run_main
-from moe_rl.config import Config
 
 PROG = "python -m moe_rl.reward_model"
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_main(PROG, __doc__, argv, run, program=_program)
+    run_main(PROG, __doc__, argv, program=_program)
 
 
 def _program() -> type:
@@ -33,14 +32,6 @@ def _program() -> type:
 
     return RewardModelProgram
 
-
-def run(cfg: Config) -> int:
-    """The whole run (every rank); StoppedBySignal leaves with the signal's status."""
-    from moe_rl.loop import RunLoop
-    from moe_rl.programs.reward_model.program import RewardModelProgram
-
-    RunLoop(cfg, RewardModelProgram(cfg)).run()
-    return 0
 
 
 if __name__ == "__main__":

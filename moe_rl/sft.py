@@ -17,24 +17,13 @@ checks the recipe and its inputs for N ranks and prints one line.
 
 from __future__ import annotations
 
-from typing import Any
-
 from moe_rl.cli import run_main
-from moe_rl.config import Config
 
 PROG = "python -m moe_rl.sft"
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """A whole SFT run on this rank; rank 0 returns the summary."""
-    from moe_rl.loop import RunLoop
-    from moe_rl.programs.sft import SFTProgram
-
-    return RunLoop(cfg, SFTProgram(cfg)).run()
-
-
 def main(argv: list[str] | None = None) -> None:
-    run_main(PROG, __doc__, argv, run, program=_program)
+    run_main(PROG, __doc__, argv, program=_program)
 
 
 def _program() -> type:

@@ -24,18 +24,13 @@ from moe_rl.cli import run_main
 PROG = "python -m moe_rl.train"
 
 
-def _train(cfg: Any) -> int:
-    """The whole run on this rank; rank 0 prints the summary."""
-    from moe_rl.programs.rl import train
-
-    summary = train(cfg)  # (its every input check runs once, before anything is built)
-    if summary:
-        print(json.dumps({k: v for k, v in summary.items() if k != "median_timings"}, indent=2))
-    return 0
+def _report(summary: dict[str, Any]) -> None:
+    """Rank 0 prints the run's summary."""
+    print(json.dumps({k: v for k, v in summary.items() if k != "median_timings"}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_main(PROG, __doc__, argv, _train, program=_program)
+    run_main(PROG, __doc__, argv, program=_program, report=_report)
 
 
 def _program() -> type:

@@ -174,7 +174,7 @@ def correction_matrix(learner, base: list[str]) -> dict[str, tuple[float, float,
     for case, overrides in CORRECTION_MATRIX.items():
         cfg = load_config(None, [*base, *overrides])
         for path, batch in (("scored", rows.scored(logp_BT[ids], None)), ("on_policy", rows)):
-            loss_fn = PolicyLossFn(cfg, on_policy=path == "on_policy")
+            loss_fn = PolicyLossFn(cfg.rl, cfg.sampler.max_new_tokens, on_policy=path == "on_policy")
             loss_fn.prepare(batch, [torch.arange(tokens.batch_size)], dp_sum)
             metrics, _, _, sums = learner._gradients(batch, loss_fn, None, 1.0)
             learner.optimizer.prepare_grads()

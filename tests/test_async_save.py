@@ -15,7 +15,7 @@ import torch
 from learner_utils import fixed_batch, learner_of, reinforce_loss
 
 from moe_rl.checkpoints.directories import latest_checkpoint
-from moe_rl.config import load_config
+from moe_rl.config import load_config, to_dict
 from moe_rl.loop import Program, RunLoop
 from moe_rl.loop.interrupt import StoppedBySignal
 
@@ -41,7 +41,7 @@ def test_a_background_save_holds_the_state_it_started_with(megatron_world, tmp_p
         before = {k: v.detach().clone() for k, v in learner.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
         path = tmp_path / "checkpoints" / "step_000001"
         t0 = time.monotonic()
-        pending = start_checkpoint(learner, path, {"trainer_step": 1}, config=cfg, background=True)
+        pending = start_checkpoint(learner, path, {"trainer_step": 1}, recipe=to_dict(cfg), background=True)
         with torch.no_grad():
             for p in learner.gpt.parameters():
                 p.add_(1.0)
@@ -117,7 +117,7 @@ def _run(tmp_path: Path, program: SavingProgram, *overrides: str):
     cfg = load_config(ROOT / "examples" / "tiny_rspo.yaml",
                       ["logging.progress=false", "logging.tensorboard=false", f"run.output_dir={tmp_path}",
                        "run.name=saving", "run.steps=6", *overrides])
-    return RunLoop(cfg, program).run()
+    return RunLoop(program, run=cfg.run, logging_cfg=cfg.logging, recipe=to_dict(cfg)).run()
 
 
 def test_background_saves_finish_before_the_next_and_the_last_is_synchronous(tmp_path):

@@ -30,7 +30,7 @@ from moe_rl.checkpoints.errors import CheckpointError
 from moe_rl.checkpoints.manifest import digest_files, list_files, verify_share, write_manifest
 from moe_rl.checkpoints.temps import remove_temps
 from moe_rl.checkpoints.trust import ensure_verified
-from moe_rl.config import ConfigError, load_config
+from moe_rl.config import ConfigError, load_config, to_dict
 from moe_rl.loop.rundir import RunDirectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +62,11 @@ def fake_checkpoint(dst: Path, step: int = 1, run_id: str | None = "r1", manifes
 
 def make_cfg(tmp_path: Path, *overrides: str):
     return load_config(RECIPE, [*SMALL, f"run.output_dir={tmp_path}", "run.name=r", *overrides])
+
+
+def run_directory(cfg) -> RunDirectory:
+    """The run directory of a recipe, as the run loop builds it."""
+    return RunDirectory(cfg.run, cfg.logging, to_dict(cfg))
 
 
 # --------------------------------------------------------------------------- manifests
@@ -175,8 +180,8 @@ def test_fresh_start_in_a_used_directory_is_refused_or_moved_aside(tmp_path):
     fake_checkpoint(run / "checkpoints" / "step_000005", 5, run_id="old")
     with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run; continue it with run.resume=true, or "
                                           r"start over with run.overwrite=true"):
-        RunDirectory(make_cfg(tmp_path)).prepare(resume=False)
-    rd = RunDirectory(make_cfg(tmp_path, "run.overwrite=true"))
+        run_directory(make_cfg(tmp_path)).prepare(resume=False)
+    rd = run_directory(make_cfg(tmp_path, "run.overwrite=true"))
     assert rd.prepare(resume=False) is None
     rd.close()
     moved = [p for p in tmp_path.iterdir() if p.name.startswith("r.overwritten-")]
@@ -189,7 +194,7 @@ def test_retention_deletes_only_this_runs_older_checkpoints(tmp_path):
     fake_checkpoint(ckpts / "step_000009", 9, run_id="other")
     for s in (1, 2, 3):
         fake_checkpoint(ckpts / f"step_{s:06d}", s, run_id="mine")
-    rd = RunDirectory(make_cfg(tmp_path))
+    rd = run_directory(make_cfg(tmp_path))
     rd.run_id = "mine"
     rd.rotate_checkpoints()
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003", "step_000009"]
@@ -201,12 +206,12 @@ def test_resume_with_a_different_recipe_is_refused_naming_the_fields(tmp_path):
     ck = fake_checkpoint(tmp_path / "r" / "checkpoints" / "step_000002", 2, run_id="mine")
     save_config(make_cfg(tmp_path), ck / "config.yaml")
     (tmp_path / "r" / "run.json").write_text('{"run_id": "mine"}')
-    ok = RunDirectory(make_cfg(tmp_path, "run.steps=80", "logging.jsonl=false", "run.save_every=5"))
+    ok = run_directory(make_cfg(tmp_path, "run.steps=80", "logging.jsonl=false", "run.save_every=5"))
     assert ok.prepare(resume=True) == ck and ok.run_id == "mine"
     ok.close()
     with pytest.raises(ConfigError, match=r"differs from the run's \(.*step_000002/config.yaml\) in rl.group_size "
                                           r"\(4 -> 8\), rl.objective \('rspo' -> 'gspo'\); resume with the saved"):
-        RunDirectory(make_cfg(tmp_path, "rl.group_size=8", "rl.objective=gspo")).prepare(resume=True)
+        run_directory(make_cfg(tmp_path, "rl.group_size=8", "rl.objective=gspo")).prepare(resume=True)
 
 
 def test_a_longer_resume_keeps_a_decaying_schedule_and_says_so():
@@ -249,8 +254,8 @@ def test_resume_from_a_checkpoint_without_manifest_needs_trust(tmp_path):
     ck = fake_checkpoint(tmp_path / "r" / "checkpoints" / "step_000001", 1, run_id=None, manifest=False)
     save_config(make_cfg(tmp_path), ck / "config.yaml")
     with pytest.raises(CheckpointError, match=r"step_000001 has no manifest.json .* run.trust_checkpoint=true"):
-        RunDirectory(make_cfg(tmp_path)).prepare(resume=True)
-    rd = RunDirectory(make_cfg(tmp_path, "run.trust_checkpoint=true"))
+        run_directory(make_cfg(tmp_path)).prepare(resume=True)
+    rd = run_directory(make_cfg(tmp_path, "run.trust_checkpoint=true"))
     assert rd.prepare(resume=True).name == "step_000001"
     rd.close()
 
@@ -269,7 +274,7 @@ def test_resume_moves_the_rows_logged_after_its_checkpoint_aside(tmp_path, caplo
                 / "config.yaml")
     (run / "run.json").write_text('{"run_id": "mine"}')
     _write_rows(run, range(1, 6), tail='{"step": 6, "rew')  # a kill cut the last line short
-    rd = RunDirectory(make_cfg(tmp_path))
+    rd = run_directory(make_cfg(tmp_path))
     assert rd.prepare(resume=True).name == "step_000002"
     rd.start_logging(2)
     rd.close()
@@ -289,13 +294,13 @@ def test_logged_steps_without_a_checkpoint_are_never_dropped(tmp_path):
     with pytest.raises(ConfigError, match=r"run.resume=true but .*/r has no checkpoint to continue from, only 3 "
                                           r"logged steps \(up to step 3 in metrics.jsonl.*run.resume=false "
                                           r"run.overwrite=true"):
-        RunDirectory(make_cfg(tmp_path)).prepare(resume=True)
+        run_directory(make_cfg(tmp_path)).prepare(resume=True)
     with pytest.raises(ConfigError, match=r"/r holds an earlier run \(3 steps in metrics.jsonl, no checkpoint\); "
                                           r"start over with run.overwrite=true"):
-        RunDirectory(make_cfg(tmp_path)).prepare(resume=False)
+        run_directory(make_cfg(tmp_path)).prepare(resume=False)
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
     assert (run / "metrics.jsonl").read_bytes() == before
-    rd = RunDirectory(make_cfg(tmp_path, "run.overwrite=true"))
+    rd = run_directory(make_cfg(tmp_path, "run.overwrite=true"))
     assert rd.prepare(resume=False) is None
     rd.close()
     moved = [p for p in tmp_path.iterdir() if p.name.startswith("r.overwritten-")]
@@ -306,21 +311,21 @@ def test_resume_in_an_empty_directory_starts_fresh_and_says_so(tmp_path, caplog)
     import logging
 
     caplog.set_level(logging.INFO)
-    rd = RunDirectory(make_cfg(tmp_path))
+    rd = run_directory(make_cfg(tmp_path))
     assert rd.prepare(resume=True) is None
     rd.close()
     assert f"run.resume=true: nothing to resume in {tmp_path / 'r'} yet; starting a fresh run from {BASE}" \
         in caplog.text
     with pytest.raises(ConfigError, match=r"no checkpoint yet, and run.init_checkpoint is empty"):
-        RunDirectory(make_cfg(tmp_path / "other", "run.init_checkpoint=")).prepare(resume=True)
+        run_directory(make_cfg(tmp_path / "other", "run.init_checkpoint=")).prepare(resume=True)
 
 
 def test_a_second_process_in_the_same_run_directory_is_refused(tmp_path):
-    first = RunDirectory(make_cfg(tmp_path))
+    first = run_directory(make_cfg(tmp_path))
     first.prepare(resume=False)
-    code = ("import sys; from moe_rl.config import load_config; from moe_rl.loop.rundir import RunDirectory\n"
+    code = ("import sys; from moe_rl.config import load_config, to_dict; from moe_rl.loop.rundir import RunDirectory\n"
             f"cfg = load_config({str(RECIPE)!r}, {[*SMALL, f'run.output_dir={tmp_path}', 'run.name=r']!r})\n"
-            "try:\n    RunDirectory(cfg).prepare(resume=True)\nexcept Exception as e:\n    print(e); sys.exit(3)\n")
+            "try:\n    RunDirectory(cfg.run, cfg.logging, to_dict(cfg)).prepare(resume=True)\nexcept Exception as e:\n    print(e); sys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env=child_env())
     first.close()
@@ -363,7 +368,7 @@ def test_save_writes_no_processes_and_load_refuses_damage(megatron_world, tmp_pa
         learner = Learner(cfg.model, cfg.parallel, layout)
         load_checkpoint(learner, BASE, load_optimizer=False)
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        out = save_checkpoint(learner, tmp_path / "c", include_optimizer=False, config=cfg)
+        out = save_checkpoint(learner, tmp_path / "c", include_optimizer=False, recipe=to_dict(cfg))
         assert {p.pid for p in psutil.Process().children(recursive=True)} == before
         from multiprocessing import resource_tracker
 
@@ -380,7 +385,7 @@ def test_save_writes_no_processes_and_load_refuses_damage(megatron_world, tmp_pa
         (tmp_path / "notckpt").mkdir()
         (tmp_path / "notckpt" / "mine.txt").write_text("keep me")
         with pytest.raises(CheckpointError, match="exists and is not a moe_rl checkpoint"):
-            save_checkpoint(learner, tmp_path / "notckpt", include_optimizer=False, config=cfg)
+            save_checkpoint(learner, tmp_path / "notckpt", include_optimizer=False, recipe=to_dict(cfg))
         assert (tmp_path / "notckpt" / "mine.txt").read_text() == "keep me"
 
 
@@ -437,7 +442,7 @@ def _launch(out: Path, kill: str, first: bool, steps: int) -> tuple[int, str]:
     if kill != "none":
         env["MOE_RL_TEST_KILL_AT"] = kill
     start = ["run.resume=false"] if first else ["run.resume=true"]
-    if not first and latest_checkpoint(out / "chaos") is None and RunDirectory(make_cfg(out, "run.name=chaos")).logged_steps():
+    if not first and latest_checkpoint(out / "chaos") is None and run_directory(make_cfg(out, "run.name=chaos")).logged_steps():
         start = ["run.resume=false", "run.overwrite=true"]  # steps logged, none saved: a resume refuses
     cmd = _train_cmd(out, "chaos", f"run.steps={steps}", *start)
     errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the child
@@ -526,13 +531,14 @@ _SAVE_THREADS = """
 import os, sys, torch
 from moe_rl.config import load_config
 from moe_rl.learner import Learner, init_distributed, parallel_layout, save_checkpoint
+from moe_rl.config import to_dict
 torch.set_num_threads(2)
 init_distributed()
 cfg = load_config(sys.argv[1], ["model.num_layers=24"])  # (metadata > 32 KB: a parallel copy)
 with parallel_layout(cfg.parallel, seed=1) as layout:
     learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=1)  # (never steps)
     before = len(os.listdir("/proc/self/task"))
-    save_checkpoint(learner, sys.argv[2], config=cfg)
+    save_checkpoint(learner, sys.argv[2], recipe=to_dict(cfg))
     print(before, len(os.listdir("/proc/self/task")), torch.get_num_threads())
 """
 

@@ -42,7 +42,7 @@ from deepseek_fixtures import (
 from learner_utils import fixed_batch
 from safetensors.torch import load_file, save_file
 
-from moe_rl.config import ModelConfig, load_config
+from moe_rl.config import ModelConfig, load_config, to_dict
 from moe_rl.convert import HFCheckpoint, hf_config, model_config_from_hf
 from moe_rl.plan.published import CONFIGS
 
@@ -274,7 +274,7 @@ def exported(ds_dirs, layout, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("export")
     ckpt = save_checkpoint(learner_from_hf(ds_dirs["q_lora"], layout), root / "ckpt",
-                           config=config_from_hf(ds_dirs["q_lora"]))
+                           recipe=to_dict(config_from_hf(ds_dirs["q_lora"])))
     return megatron_to_hf(ckpt, root / "hf")
 
 
@@ -443,8 +443,8 @@ def test_vllm_cpu_limit_names_the_mla_latent(ds_dirs):
         tiny = dataclasses.replace(Config(), model=hf.model_config())
     with pytest.raises(ConfigError, match=r"model.kv_lora_rank \+ model.qk_pos_emb_head_dim = 48 .*"
                                           r"sampler.backend=transformers"):
-        check_engine_limits(tiny, on_gpu=False)
-    check_engine_limits(dataclasses.replace(tiny, model=model_config_from_hf(V3)), on_gpu=False)
+        check_engine_limits(tiny.sampler, tiny.model, on_gpu=False)
+    check_engine_limits(tiny.sampler, model_config_from_hf(V3), on_gpu=False)
 
 
 @pytest.mark.vllm

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import ConfigError, load_config
+from moe_rl.config import ConfigError, load_config, to_dict
 from moe_rl.programs.dpo.loss import PairLogps, margin_grad, pair_losses, pair_metrics
 from moe_rl.programs.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
 from moe_rl.programs.preference.data import encode_pairs, load_pairs, pair_rows, pairs_of_step
@@ -212,13 +212,13 @@ def test_bad_row_is_one_line_from_the_command_line(tmp_path):
 
 
 def _fit(overrides: list[str], recipe: Path | None = RECIPE):
+    from moe_rl.cli import load_resolved
     from moe_rl.loop import RunLoop
     from moe_rl.programs.dpo.program import DPOProgram
-    from moe_rl.recipe_source import load_resolved
 
     cfg = load_resolved(recipe, overrides)
-    program = DPOProgram(cfg)
-    RunLoop(cfg, program).run()
+    program = DPOProgram.build(cfg)
+    RunLoop(program, run=cfg.run, logging_cfg=cfg.logging, recipe=to_dict(cfg)).run()
     return program
 
 

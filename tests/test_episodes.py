@@ -86,7 +86,8 @@ def episode_cfg(*overrides: str):
 def run_episodes(sampler, cfg, num: int = 4, seed: int = 11):
     tok = load_tokenizer(cfg.task.tokenizer)
     task = make_task(cfg.task)
-    episodes = Episodes(cfg, task, tok, tok.chat_template)
+    episodes = Episodes(task, tok, tok.chat_template, rl=cfg.rl, task_cfg=cfg.task,
+                        max_new_tokens=cfg.sampler.max_new_tokens)
     problems = task.sample(num, seed)
     pool = RolloutPool(cfg.sampler.max_new_tokens, TURN, episodes)
     for i, (p, s) in enumerate(zip(problems, base_seeds(seed, num, G))):
@@ -210,7 +211,8 @@ def test_a_cut_turn_ends_its_episode_truncated_and_scored_as_it_stands(tool_moe)
     cfg = episode_cfg("rl.max_turn_tokens=1")
     tok = load_tokenizer(cfg.task.tokenizer)
     task = make_task(cfg.task)
-    episodes = Episodes(cfg, task, tok, tok.chat_template)
+    episodes = Episodes(task, tok, tok.chat_template, rl=cfg.rl, task_cfg=cfg.task,
+                        max_new_tokens=cfg.sampler.max_new_tokens)
     pool = RolloutPool(cfg.sampler.max_new_tokens, 1, episodes)
     prompt, states = episodes.start(task.sample(1, 0)[0], G)
     pool.admit((1, 0, 0), prompt, 7, G, states)

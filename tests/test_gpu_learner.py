@@ -17,7 +17,7 @@ import pytest
 import torch
 from learner_utils import counting_router_reruns, fixed_batch, learner_of, reinforce_loss
 
-from moe_rl.config import load_config
+from moe_rl.config import load_config, to_dict
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def test_te_checkpoint_loads_back_into_the_local_spec(make_learner, tmp_path):
 
     te = make_learner("model.layer_spec=te", "model.params_dtype=fp32")
     want, mask = _logp(te)
-    save_checkpoint(te, tmp_path / "te", config=_cfg("model.layer_spec=te", "model.params_dtype=fp32"))
+    save_checkpoint(te, tmp_path / "te", recipe=to_dict(_cfg("model.layer_spec=te", "model.params_dtype=fp32")))
     back, _ = _logp(make_learner("model.layer_spec=local", "model.params_dtype=fp32", trainable=False,
                                  path=tmp_path / "te"))
     assert float((back - want).abs()[mask].max()) < 1e-2  # TF32 in TE's GEMMs, as above
@@ -193,7 +193,7 @@ def test_ppo_critic_on_the_te_spec_starts_at_zero_and_fits_returns(make_learner)
 
     cfg = load_config(ROOT / "examples" / "tiny_ppo.yaml", ["parallel.micro_batch_size=4", "model.layer_spec=te",
                                                             "model.params_dtype=bf16"])
-    critic = CriticStage(cfg, make_learner.layout, updates=8).critic
+    critic = CriticStage(cfg.critic, cfg.rl, cfg.model, cfg.parallel, make_learner.layout, run_steps=cfg.run.steps, updates=8).critic
     tokens, _ = fixed_batch()
     assert critic.values(critic.own_rows(tokens)).abs().max() == 0
     mask_BT = tokens.response_mask()
@@ -201,7 +201,7 @@ def test_ppo_critic_on_the_te_spec_starts_at_zero_and_fits_returns(make_learner)
     losses = []
     for _ in range(6):
         old_BT = critic.values(critic.own_rows(tokens)).float().cpu()
-        metrics = critic.train_step(tokens, ValueLossFn(cfg), extras={OLD_VALUES: old_BT, RETURNS: returns_BT})
+        metrics = critic.train_step(tokens, ValueLossFn(cfg.critic), extras={OLD_VALUES: old_BT, RETURNS: returns_BT})
         losses.append(metrics["critic/value_loss"])
     print("critic value loss on the GPU:", [round(x, 4) for x in losses])
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0], losses

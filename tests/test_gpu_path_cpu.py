@@ -69,7 +69,7 @@ def test_gpu_memory_utilization_is_checked_against_free_memory(monkeypatch):
 @pytest.mark.parametrize("replay", ["none", "R2", "R3"])
 def test_trainer_asks_for_routed_experts_only_under_r3(replay):
     cfg = load_config(ROOT / "examples" / "tiny_rspo.yaml", [f"rl.replay={replay}"])
-    engine = engine_config(cfg, [3, 7])
+    engine = engine_config(cfg.sampler, cfg.rl, cfg.run.seed, [3, 7])
     assert isinstance(engine, VLLMEngineConfig) and engine.return_routed_experts is (replay == "R3")
     assert engine.precision == "fp32" and engine.eos_token_ids == (3, 7)  # auto on CPU; every EOS id
     assert engine.weight_sync_bucket_mib == cfg.sampler.weight_sync_bucket_mib and engine.group_env is None
@@ -78,7 +78,7 @@ def test_trainer_asks_for_routed_experts_only_under_r3(replay):
 def test_sampler_fp8_on_cpu_is_a_config_error():
     cfg = load_config(ROOT / "examples" / "tiny_rspo.yaml", ["sampler.precision=fp8"])
     with pytest.raises(ConfigError, match="need a GPU"):
-        engine_config(cfg, [3])
+        engine_config(cfg.sampler, cfg.rl, cfg.run.seed, [3])
 
 
 @pytest.mark.parametrize(("seq_len", "tp", "fp8", "want"), [

@@ -24,8 +24,8 @@ from hf_fixtures import CHATML, make_hf_model_dir, write_bpe_tokenizer, write_ma
 from in_process import load_tool, run_main
 from test_cli_errors import child_env, one_line_error
 
+from moe_rl.cli import resolve_recipe
 from moe_rl.config import ConfigError, TaskConfig, load_recipe
-from moe_rl.recipe_source import resolve_recipe
 from moe_rl.tasks.base import Problem
 from moe_rl.tokenization import (
     HFTokenizer,

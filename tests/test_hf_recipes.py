@@ -118,9 +118,9 @@ def test_recipe_has_no_model_section(program):
 def test_hf_sft_chat_templated_and_exported(runs, hf_dir):
     """SFT's prompts are the chat template's ids, as RL's and DPO's are; the run ends with
     <run>/hf, the source's files kept."""
+    from moe_rl.cli import load_resolved
     from moe_rl.preflight import load_prompt_encoder
     from moe_rl.programs.sft import encode_problems
-    from moe_rl.recipe_source import load_resolved
     from moe_rl.tasks import make_task
 
     run = runs["sft"]

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from in_process import run_main
 
-from moe_rl.config import load_config
+from moe_rl.config import load_config, to_dict
 from moe_rl.loop import Program, RunLoop, interrupt
 from moe_rl.loop.interrupt import StoppedBySignal
 
@@ -70,7 +70,7 @@ def scripted_run(tmp_path: Path, *overrides: str, signals: dict[int, list[int]] 
                                "run.name=scripted", "run.overwrite=true", *overrides])
     program = ScriptedProgram(signals)
     try:
-        return program, RunLoop(cfg, program).run()
+        return program, RunLoop(program, run=cfg.run, logging_cfg=cfg.logging, recipe=to_dict(cfg)).run()
     except BaseException as e:
         e.program = program
         raise

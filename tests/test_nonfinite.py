@@ -15,7 +15,7 @@ import pytest
 import torch
 from learner_utils import fixed_batch, learner_of, reinforce_loss
 
-from moe_rl.config import load_config
+from moe_rl.config import load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "moe_rl" / "assets" / "tiny_base"
@@ -80,7 +80,7 @@ def test_a_checkpoint_is_never_written_with_a_nonfinite_weight(megatron_world, t
             param.view(-1)[3] = float("inf")
         with pytest.raises(RunFaultError, match=f"refusing to save checkpoint .*step_000001: model parameter "
                                                 f"{name} holds NaN or inf"):
-            save_checkpoint(learner, tmp_path / "step_000001", config=cfg)
+            save_checkpoint(learner, tmp_path / "step_000001", recipe=to_dict(cfg))
     assert list(tmp_path.iterdir()) == []  # nothing of the save, not even a temp directory
 
 

@@ -341,8 +341,7 @@ def test_gpu_recipes_restate_the_real_config_json(tmp_path, recipe, card):
 
     directory = write_config_dir(card, tmp_path / card)
     cfg, given = load_recipe(ROOT / RECIPES[recipe][0])
-    resolved = model_from_checkpoint(cfg, directory, given)
-    assert resolved.model == cfg.model
+    assert model_from_checkpoint(cfg.model, directory, given) == cfg.model
 
 
 def test_token_budget_and_chunk_size_set_the_update_memory():
@@ -359,25 +358,25 @@ def test_token_budget_and_chunk_size_set_the_update_memory():
     cfg = load_config(None, ["rl.prompts_per_step=64", "rl.group_size=8", "sampler.max_new_tokens=96",
                              "parallel.max_tokens_per_microbatch=512"])
     layout = PlannedLayout(world=1, learners=1, tp=1, pp=1, ep=1, etp=1, dp=1, expert_dp=1)
-    work = workload(cfg, layout, prompt_tokens=32)
+    work = workload(cfg.rl, cfg.sampler, cfg.parallel, layout, prompt_tokens=32)
     assert work.seq_len == 128 and work.micro_batch == 4 and work.micro_batches == 128
 
 
 def test_the_table_shows_the_fastest_plan_that_fits_recompute_or_not(monkeypatch):
     """Over layouts, offload and recompute, the fastest plan that fits; nothing else decides."""
-    import dataclasses
     from types import SimpleNamespace
 
     import moe_rl.plan.table as table
     from moe_rl.plan.hardware import Hardware
+    from moe_rl.plan.planner import ModelSource
 
     def plan(total: float, recompute: bool):
         return SimpleNamespace(times={"total": total}, switches=SimpleNamespace(recompute=recompute))
 
     fits = {(2, 0.0, False): None, (2, 0.0, True): plan(300.0, True), (2, 1.0, False): plan(500.0, False),
             (2, 1.0, True): plan(350.0, True), (4, 0.0, False): plan(450.0, False)}
-    source = dataclasses.make_dataclass("Source", ["cfg"])(load_config(None, []))
-    monkeypatch.setattr(table, "layouts", lambda cfg, gpus, per_node: iter([(2, 8, 1), (4, 8, 1)]))
+    source = ModelSource(load_config(None, []), "recipe", ())
+    monkeypatch.setattr(table, "layouts", lambda model, gpus, per_node: iter([(2, 8, 1), (4, 8, 1)]))
     monkeypatch.setattr(table, "_fitted", lambda src, hw, tokens, sw: fits.get(
         (src.cfg.parallel.tensor_model_parallel_size, sw.offload_fraction, sw.recompute)))
     assert table.best_plan(source, Hardware(gpus=8), 1024) is fits[2, 0.0, True]

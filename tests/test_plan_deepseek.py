@@ -7,7 +7,6 @@ The planner runs in tests/workers/plan_worker.py (its meta build joins a fake pr
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -85,16 +84,14 @@ def test_recipe_restates_the_real_config_json(tmp_path):
 
     directory = write_config_dir("DeepSeek-V3", tmp_path / "v3", quantization_config=None)
     cfg, given = load_recipe(RECIPE)
-    assert model_from_checkpoint(cfg, directory, given).model == cfg.model
+    assert model_from_checkpoint(cfg.model, directory, given) == cfg.model
 
 
 def test_mla_kv_cache_is_the_latent():
     """The rollout engines cache DeepSeek's 512 + 64 latent per layer and token (61 x 576 bf16
     values, on every rollout-TP rank), not per-head keys and values."""
-    from moe_rl.config import Config
     from moe_rl.convert import model_config_from_hf
     from moe_rl.plan.sampler import kv_bytes_per_token
 
     m = model_config_from_hf({k: v for k, v in CONFIGS["DeepSeek-V3"].items() if k != "quantization_config"})
-    cfg = Config(model=m, sampler=dataclasses.replace(Config().sampler, precision="bf16"))
-    assert kv_bytes_per_token(cfg, 1) == kv_bytes_per_token(cfg, 64) == 61 * 576 * 2
+    assert kv_bytes_per_token(m, "bf16", 1) == kv_bytes_per_token(m, "bf16", 64) == 61 * 576 * 2

@@ -16,7 +16,7 @@ import pytest
 import torch
 from learner_utils import fixed_batch, plain_values
 
-from moe_rl.config import ConfigError, load_config
+from moe_rl.config import ConfigError, load_config, to_dict
 from moe_rl.programs.ppo.critic_stage import OLD_VALUES, RETURNS, ValueLossFn
 from moe_rl.programs.ppo.gae import gae, masked_whiten, token_rewards, whiten_by_moments
 from moe_rl.rollout.types import SCORE
@@ -39,7 +39,10 @@ def critic_factory(megatron_world):
             ctx = parallel_layout(cfg.parallel, seed=5)
             stack.append((ctx, ctx.__enter__()))
         torch.manual_seed(5)
-        return CriticStage(cfg, stack[0][1], updates=4)
+        stage = CriticStage(cfg.critic, cfg.rl, cfg.model, cfg.parallel, stack[0][1], run_steps=cfg.run.steps,
+                            updates=4)
+        stage.cfg = cfg  # (the recipe it was built from, for the tests' own checks)
+        return stage
 
     yield make
     for ctx, _ in stack:
@@ -156,7 +159,7 @@ def test_first_value_gradient_has_its_closed_form(critic_factory):
     tokens, _ = fixed_batch()
     mask_BT = tokens.response_mask()
     returns_BT = torch.randn(mask_BT.shape, generator=torch.Generator().manual_seed(6)) * mask_BT
-    critic.forward_backward(tokens, ValueLossFn(stage.cfg),
+    critic.forward_backward(tokens, ValueLossFn(stage.cfg.critic),
                             extras={OLD_VALUES: torch.zeros_like(returns_BT), RETURNS: returns_BT})
     with torch.no_grad():  # h at each scoring slot: values of a head that reads one coordinate at a time
         pos = torch.arange(tokens.seq_len).expand_as(tokens.tokens_BS)
@@ -192,8 +195,8 @@ def test_a_ppo_checkpoint_starts_the_next_critic_with_its_value_head(critic_fact
     tokens, _ = fixed_batch()
     want_BT = plain_values(saved, tokens)
     actor = Learner(stage.cfg.model, stage.cfg.parallel, saved.layout)
-    save_checkpoint(actor, tmp_path / "ppo", include_optimizer=False, config=stage.cfg, components={"critic": saved})
-    save_checkpoint(actor, tmp_path / "policy", include_optimizer=False, config=stage.cfg)
+    save_checkpoint(actor, tmp_path / "ppo", include_optimizer=False, recipe=to_dict(stage.cfg), components={"critic": saved})
+    save_checkpoint(actor, tmp_path / "policy", include_optimizer=False, recipe=to_dict(stage.cfg))
 
     fresh = critic_factory().critic
     assert plain_values(fresh, tokens).abs().max() == 0
@@ -355,7 +358,7 @@ def test_value_loss_gradient_reaches_the_transformer_as_autograd_says(critic_fac
     mask_BT = tokens.response_mask()
     returns_BT = torch.rand(mask_BT.shape, generator=torch.Generator().manual_seed(9)) * mask_BT
     old_BT = plain_values(critic, tokens) * mask_BT
-    critic.forward_backward(tokens, ValueLossFn(stage.cfg), extras={OLD_VALUES: old_BT, RETURNS: returns_BT})
+    critic.forward_backward(tokens, ValueLossFn(stage.cfg.critic), extras={OLD_VALUES: old_BT, RETURNS: returns_BT})
     got = {n: p.main_grad.clone() for n, p in critic.gpt.named_parameters() if p.requires_grad}
 
     from moe_rl.programs.ppo.gae import clipped_value_loss

@@ -102,7 +102,7 @@ def test_a_step_with_fewer_rows_than_minibatches_says_so_once(caplog):
     from moe_rl.programs.rl.update_phase import UpdatePhase
 
     cfg = load_config(RECIPE, [BASE, "rl.num_minibatches=4", "rl.epochs=2"])
-    phase = UpdatePhase(cfg, learner=None, components=[], dp=2, rank=0)
+    phase = UpdatePhase(cfg.rl, cfg.sampler, cfg.run.seed, learner=None, components=[], dp=2, rank=0)
     full, short = SimpleNamespace(step_rows=16), SimpleNamespace(step_rows=6)
     with caplog.at_level("WARNING", logger="moe_rl.programs.rl"):
         assert len(phase.minibatches(3, full, 2, 4)) == 8
@@ -135,7 +135,7 @@ def test_a_run_checks_its_inputs_once(megatron_world, tmp_path, monkeypatch):
     in the entry point, the run directory or the program), so a dataset's rows are
     tokenized once per rank, not twice."""
     import moe_rl.preflight as preflight
-    from moe_rl.train import _train
+    from moe_rl.programs.rl import train
 
     names = ["check_run", "check_task_inputs", "check_init_model", "check_reward", "check_sampler"]
     calls = dict.fromkeys(names, 0)
@@ -150,5 +150,5 @@ def test_a_run_checks_its_inputs_once(megatron_world, tmp_path, monkeypatch):
     cfg = load_config(RECIPE, [BASE, "run.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
                                "sampler.max_new_tokens=4", "sampler.backend=transformers",
                                "logging.progress=false", f"run.output_dir={tmp_path}"])
-    assert _train(cfg) == 0
+    assert train(cfg)["steps"] == 1
     assert calls == dict.fromkeys(names, 1)

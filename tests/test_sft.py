@@ -11,8 +11,12 @@ from moe_rl.config import load_config
 
 @pytest.mark.slow
 def test_sft_learns_and_writes_a_model_only_checkpoint(megatron_world, tmp_path):
+    from moe_rl.cli import run_program
     from moe_rl.learner.checkpoint import read_meta
-    from moe_rl.sft import run
+    from moe_rl.programs.sft import SFTProgram
+
+    def run(cfg):
+        return run_program(SFTProgram, cfg)
 
     cfg = load_config("examples/tiny_sft.yaml", [
         "run.steps=30", "run.eval_every=15", "sft.eval_problems=64", "sft.batch_size=32", "sft.target_reward=0",
@@ -36,7 +40,11 @@ def test_sft_learns_and_writes_a_model_only_checkpoint(megatron_world, tmp_path)
 def test_sft_resumed_midway_ends_with_the_uninterrupted_runs_weights(megatron_world, tmp_path):
     """Each step's problems are a function of (run.seed, step), and the checkpoint holds the
     optimizer and schedule: a run resumed from step 2 ends with the uninterrupted run's model."""
-    from moe_rl.sft import run
+    from moe_rl.cli import run_program
+    from moe_rl.programs.sft import SFTProgram
+
+    def run(cfg):
+        return run_program(SFTProgram, cfg)
 
     small = ["sft.batch_size=8", "sft.eval_problems=8", "sft.target_reward=0", "run.eval_every=2",
              "logging.progress=false", "logging.tensorboard=false", f"run.output_dir={tmp_path}", "run.name=cut",

@@ -110,7 +110,7 @@ def test_zero_variance_fraction_counts_groups_with_equal_rewards():
     groups = [GroupSummary(3, (2, 2), (1.0, 1.0), ("stop", "stop")),
               GroupSummary(3, (1, 4), (0.0, 1.0), ("stop", "length")),
               GroupSummary(2, (5, 1), (0.0, 0.0), ("stop", "stop"))]
-    plan = plan_step(groups, groups, 1, cfg)
+    plan = plan_step(groups, groups, 1, cfg.rl, cfg.parallel.tensor_model_parallel_size)
     assert plan.stats["reward/zero_variance_frac"] == pytest.approx(2 / 3)
     assert plan.seq_len == 7 and plan.rows == 6  # longest prompt + response: 3 + 4
     assert plan.adv_NG[0].abs().sum() == 0 and plan.adv_NG[2].abs().sum() == 0

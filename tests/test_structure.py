@@ -310,3 +310,57 @@ def test_no_two_public_functions_share_a_name():
                 seen.setdefault(node.name, []).append(m)
     shared = {name: where for name, where in seen.items() if len(where) > 1 and name not in allowed}
     assert not shared, shared
+
+
+# The modules that may see the whole recipe: the entry point and its checks, the program
+# interface's check hook and the programs' factories, and the tools that read a whole
+# recipe (the planner, the mismatch tool, the export). Every other component is built from
+# the sections it reads and explicit values, as the learner is.
+ROOT_CONFIG_MODULES = {
+    "moe_rl.cli",                          # loads the recipe, runs the program's check
+    "moe_rl.preflight",                    # the checks that span the whole run
+    "moe_rl.loop.program",                 # Program.check: the one hook for a program's checks
+    "moe_rl.programs.rl",                  # the RL program's factory
+    "moe_rl.programs.rl.learner_role",     # its check and build
+    "moe_rl.programs.sft",                 # the SFT program's check and factory
+    "moe_rl.programs.preference.program",  # DPO's and the reward model's check and factory
+    "moe_rl.plan.planner",                 # plans a whole recipe
+    "moe_rl.mismatch.sources",             # scores a recipe's learner against its samplers
+    "moe_rl.convert.hf_export",            # exports a run from its saved recipe
+}
+ROOT_CONFIG_NAMES = {"cfg"}  # megatron's own `config` parameters are not ours
+
+
+def _takes_root_config(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    args = fn.args
+    for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+        note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+        if re.search(r"(?<![\w.])Config\b", note) or (arg.arg in ROOT_CONFIG_NAMES and not note):
+            return True
+    return False
+
+
+def root_config_takers() -> set[str]:
+    """Modules outside config/ with a function taking the root `Config` (by its annotation,
+    in a Callable or a container too, or an unannotated parameter named like it)."""
+    found = set()
+    for module, path in MODULES.items():
+        if under(module, "moe_rl.config"):
+            continue
+        tree = ast.parse(path.read_text())
+        fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+        fields = [n for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)
+                  and re.search(r"(?<![\w.])Config\b", ast.unparse(n.annotation))]
+        if fields or any(_takes_root_config(fn) for fn in fns):
+            found.add(module)
+    return found
+
+
+def test_the_root_config_reaches_only_entry_points_checks_and_factories():
+    found = root_config_takers()
+    extra = sorted(found - ROOT_CONFIG_MODULES)
+    assert not extra, ("these modules take the whole Config; build them from the sections they read "
+                       f"(or list a new entry point here): {extra}")
+    # (the reader sees the ones that do: the list shrinks when one stops, it never rots)
+    assert found == ROOT_CONFIG_MODULES, f"no longer take the root config: {sorted(ROOT_CONFIG_MODULES - found)}"
+    assert len(ROOT_CONFIG_MODULES) <= 10

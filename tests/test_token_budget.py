@@ -75,7 +75,7 @@ def test_loss_and_gradient_do_not_depend_on_the_split(learner, objective):
     results = {}
     for name, (field, value) in SPLITS.items():
         learner.parallel_cfg = _parallel(cfg, field, value)
-        metrics, _, _, _ = learner._gradients(batch, PolicyLossFn(cfg), plan, 1.0)
+        metrics, _, _, _ = learner._gradients(batch, PolicyLossFn(cfg.rl, cfg.sampler.max_new_tokens), plan, 1.0)
         grads = torch.cat([p.main_grad.flatten().clone() for p in learner.model.parameters() if p.requires_grad])
         results[name] = (metrics["loss"], grads, learner._num_microbatches)
     loss0, grads0, _ = results["mbs12"]

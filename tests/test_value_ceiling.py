@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.config import to_dict
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("value_ceiling", ROOT / "tools" / "value_ceiling.py")
 value_ceiling = importlib.util.module_from_spec(_spec)
@@ -98,7 +100,7 @@ def test_critic_values_read_a_ppo_checkpoints_critic(megatron_world, tmp_path) -
         actor = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=1)
         critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=1)
         critic.init_value_head(0.5, seed=11)  # (a head that is not zero, as after training)
-        save_checkpoint(actor, tmp_path / "ckpt", config=cfg, components={"critic": critic})
+        save_checkpoint(actor, tmp_path / "ckpt", recipe=to_dict(cfg), components={"critic": critic})
         tokens = TokenBatch.from_lists([r.prompt for r in rollouts], [r.response for r in rollouts])
         expected_BT = plain_values(critic, tokens)
     got = value_ceiling.critic_values(tmp_path / "ckpt", rollouts, rows_per_pass=2)

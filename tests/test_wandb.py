@@ -23,7 +23,7 @@ import pytest
 import yaml
 from in_process import run_main
 
-from moe_rl.config import ConfigError, load_config, save_config
+from moe_rl.config import ConfigError, load_config, save_config, to_dict
 from moe_rl.loop import Program, RunLoop
 from moe_rl.loop.interrupt import StoppedBySignal
 from moe_rl.loop.rundir import RunDirectory
@@ -167,7 +167,7 @@ def test_the_loop_ends_the_wandb_run_with_what_ended_the_run(tmp_path, monkeypat
     cfg = load_config(RL_RECIPE, [*TRACKED, f"run.output_dir={tmp_path}", "run.name=failing", "run.steps=3"])
     fault = RunFaultError("updates stay non-finite", everywhere=True)
     with pytest.raises(RunFaultError):
-        RunLoop(cfg, Failing(fault)).run()
+        RunLoop(Failing(fault), run=cfg.run, logging_cfg=cfg.logging, recipe=to_dict(cfg)).run()
     assert [step for step, _ in recorder.logged] == [1] and recorder.logged[0][1]["reward/mean"] == 0.5
     assert recorder.ended == [fault] and exit_code(fault) == 3
 
@@ -177,7 +177,7 @@ def test_the_routing_heat_map_goes_to_wandb_as_to_tensorboard(tmp_path, monkeypa
     monkeypatch.setattr(WandbRun, "start", classmethod(lambda cls, *a: recorder))
     cfg = load_config(RL_RECIPE, [*TRACKED, f"run.output_dir={tmp_path}", "logging.tensorboard=true",
                                   "logging.heatmap_every=2"])
-    run_dir = RunDirectory(cfg)
+    run_dir = RunDirectory(cfg.run, cfg.logging, to_dict(cfg))
     run_dir.prepare(resume=False)
     run_dir.start_logging(0)
     layers = cfg.model.num_layers - cfg.model.num_dense_layers

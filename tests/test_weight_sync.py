@@ -51,7 +51,8 @@ def test_colocated_sync_loads_whole_layers_and_remembers_the_version(monkeypatch
         yield from ((n, torch.zeros(256)) for n in names)  # 1 KiB each
 
     monkeypatch.setattr(export, "hf_named_tensors", stream)
-    sync = make_weight_synchronizer(Config(), EnginePlacement(world=1, rank=0, ranks_per_engine=1))
+    sync = make_weight_synchronizer(EnginePlacement(world=1, rank=0, ranks_per_engine=1),
+                                    bucket_mib=Config().sampler.weight_sync_bucket_mib)
     assert isinstance(sync, ColocatedSync) and sync.bucket_bytes == Config().sampler.weight_sync_bucket_mib << 20
     sync.bucket_bytes = 1500
     engine = _RecordingEngine()
@@ -91,7 +92,8 @@ def test_weight_sync_keeps_vllm_and_the_learner_in_agreement(megatron_world, tmp
     megatron_to_hf(BASE, tmp_path / "hf")
     sampler = make_sampler(tmp_path / "hf", VLLMEngineConfig(precision="fp32", seed=0, eos_token_ids=(tok.eos_id,),
                                                              kv_cache_gib=0.0625))
-    sync = make_weight_synchronizer(cfg, EnginePlacement(world=1, rank=0, ranks_per_engine=1))
+    sync = make_weight_synchronizer(EnginePlacement(world=1, rank=0, ranks_per_engine=1),
+                                    bucket_mib=cfg.sampler.weight_sync_bucket_mib)
     sync.bucket_bytes = 64 << 10  # several buckets for the tiny model, each cut between layers
     sync.attach(sampler)
     try:

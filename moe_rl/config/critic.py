@@ -8,7 +8,6 @@ the actor's type, `critic.optimizer` (its own Adam, learning rate and schedule).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from moe_rl.config.errors import require_all
 from moe_rl.config.optimizer import OptimizerConfig
@@ -66,11 +65,7 @@ class CriticConfig:
         c.optimizer.validate("critic.optimizer")
 
 
-def critic_minibatches(cfg: Any) -> int:
-    """Mini-batches per critic pass: critic.num_minibatches, or the actor's rl.num_minibatches."""
-    return cfg.critic.num_minibatches or cfg.rl.num_minibatches
-
-
-def critic_warmup_steps(cfg: Any) -> int:
-    """The run's first steps that train the critic alone, the actor waiting (0 without one)."""
-    return cfg.critic.warmup_steps if cfg.rl.uses_critic else 0
+def critic_warmup_steps(critic: CriticConfig, uses_critic: bool) -> int:
+    """The run's first steps that train the critic alone, the actor waiting (0 without one:
+    `uses_critic` is rl.uses_critic)."""
+    return critic.warmup_steps if uses_critic else 0

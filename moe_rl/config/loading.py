@@ -3,7 +3,7 @@
 Loading and validating are two steps, because a recipe's model may come from elsewhere:
 
     cfg, given = load_recipe(path, overrides)   # typed and strict, not yet validated
-    cfg = resolve_recipe(cfg, given)            # moe_rl.recipe_source: config.json, then validate
+    cfg = resolve_recipe(cfg, given)            # moe_rl.cli: config.json, then validate
 
 `load_config` does both steps for a config that is already complete (a run's config.yaml,
 a recipe with the project's own model). Every key is checked: an unknown key or a value of
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
     """The recipe (defaults when `path` is None) with `a.b=c` overrides, typed but NOT
     validated, and the dotted keys the recipe and the overrides set (what a user asked for,
     as opposed to defaults: a checkpoint's config.json must agree with them). Validate with
-    `moe_rl.recipe_source.resolve_recipe`, which first takes the model from config.json."""
+    `moe_rl.cli.resolve_recipe`, which first takes the model from config.json."""
     data = read_recipe_file(path) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     return build_config(data), frozenset(_dotted_keys(data))
@@ -157,6 +158,7 @@ def to_dict(cfg: Any) -> Any:
     return to_plain(cfg)
 
 
-def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML, atomically (temp file in the same dir, rename)."""
+def save_config(cfg: Config | Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Write the resolved config (or its plain data, `to_dict`) as YAML, atomically (temp
+    file in the same dir, rename)."""
     atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -397,6 +397,11 @@ class RunConfig:
     """Evaluate on the first N held-out prompts (0: all of them)."""
 
 
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory, <output_dir>/<name>."""
+        return Path(self.output_dir) / self.name
+
     def validate(self) -> None:
         """Run length, cadence, seed and where the run directory is: `run.name` must stay
         inside `run.output_dir` (retention and temp clean-up delete inside the run directory)."""
@@ -459,4 +464,4 @@ class Config:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.run.output_dir) / self.run.name
+        return self.run.run_dir

@@ -161,7 +161,7 @@ def _hf_source(cfg: Config, tokenizer: str | os.PathLike | None) -> Path | None:
     if tokenizer:
         p = Path(tokenizer)
         return p if p.is_dir() and (p / "config.json").is_file() else None
-    return find_hf_source(cfg)
+    return find_hf_source(cfg.run.init_checkpoint, cfg.task.tokenizer)
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored: dict[str, str],

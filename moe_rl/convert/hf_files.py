@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import Config, ModelConfig
+from moe_rl.config import ModelConfig
 from moe_rl.convert.hf_layout import TORCH_DTYPE_NAMES, generation_config
 from moe_rl.convert.layouts import hf_config, model_config_from_hf
 from moe_rl.convert.megatron_keys import ConvertError
@@ -47,9 +47,10 @@ def _read_yaml_config(ckpt: Path) -> dict[str, Any]:
         return {}
 
 
-def find_hf_source(cfg: Config, depth: int = 8) -> Path | None:
-    """The Hugging Face directory a checkpoint's model came from (module docstring)."""
-    init = Path(cfg.run.init_checkpoint) if cfg.run.init_checkpoint else None
+def find_hf_source(init_checkpoint: str, tokenizer: str, depth: int = 8) -> Path | None:
+    """The Hugging Face directory a checkpoint's model came from (module docstring), from its
+    recipe's run.init_checkpoint and task.tokenizer."""
+    init = Path(init_checkpoint) if init_checkpoint else None
     for _ in range(depth):
         if init is None or not init.is_dir():
             break
@@ -58,7 +59,7 @@ def find_hf_source(cfg: Config, depth: int = 8) -> Path | None:
         data = _read_yaml_config(init)
         nxt = (data.get("run") or {}).get("init_checkpoint")
         init = Path(nxt) if nxt else None
-    tok = Path(cfg.task.tokenizer) if cfg.task.tokenizer not in ("", "auto", "shipped") else None
+    tok = Path(tokenizer) if tokenizer not in ("", "auto", "shipped") else None
     if tok is not None and tok.is_dir() and (tok / "config.json").is_file():
         return tok
     return None

@@ -54,7 +54,7 @@ from moe_rl.checkpoints.manifest import (
 )
 from moe_rl.checkpoints.temps import remove_temps, rename_into_place
 from moe_rl.checkpoints.trust import VERIFIED
-from moe_rl.config import Config, save_config
+from moe_rl.config import save_config, to_dict
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
 from moe_rl.learner.checkpoint_state import (
     component_meta,
@@ -133,11 +133,11 @@ def _prepare_target(path: Path, tmp: Path, replace_foreign: bool) -> None:
     tmp.mkdir()
 
 
-def _finish(config: Config, tmp: Path, path: Path, meta: dict[str, Any], digests: dict) -> None:
+def _finish(recipe: Mapping[str, Any], tmp: Path, path: Path, meta: dict[str, Any], digests: dict) -> None:
     """Rank 0: moe_rl.json, config.yaml, the manifest (last), then the rename."""
     atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
     kill_point("save.meta")
-    save_config(config, tmp / "config.yaml")
+    save_config(recipe, tmp / "config.yaml")
     kill_point("save.config")
     digests.update(digest_files(tmp, [META_FILE]))
     write_manifest(tmp, digests)
@@ -178,9 +178,9 @@ class PendingSave:
     does not exist for `latest_checkpoint`; `abandon` leaves only the temp directory, which
     the run directory removes at its next start."""
 
-    def __init__(self, path: Path, tmp: Path, write: DcpWrite, meta: dict[str, Any], config: Config,
+    def __init__(self, path: Path, tmp: Path, write: DcpWrite, meta: dict[str, Any], recipe: Mapping[str, Any],
                  start_seconds: float) -> None:
-        self.path, self.tmp, self._write, self._meta, self._config = path, tmp, write, meta, config
+        self.path, self.tmp, self._write, self._meta, self._recipe = path, tmp, write, meta, recipe
         self.started = time.monotonic()
         """When the save began (time.monotonic())."""
         self.seconds = start_seconds
@@ -214,7 +214,7 @@ class PendingSave:
             rest = [n for n in list_files(self.tmp) if n != META_FILE and n not in digests]
             for part in all_gather_object(digest_files(self.tmp, share(rest, _rank(), _world()))):
                 digests.update(part)
-            _on_rank0(lambda: _finish(self._config, self.tmp, self.path, self._meta, digests))
+            _on_rank0(lambda: _finish(self._recipe, self.tmp, self.path, self._meta, digests))
         _barrier()
         self.seconds += self._write.write_seconds + time.perf_counter() - t0
         return self.path
@@ -232,18 +232,18 @@ def start_checkpoint(
     extra_meta: dict[str, Any] | None = None,
     include_optimizer: bool = True,
     *,
-    config: Config,
+    recipe: Mapping[str, Any],
     replace_foreign: bool = False,
     components: Mapping[str, Any] | None = None,
     background: bool = False,
 ) -> PendingSave:
-    """Collective. Begin saving model, optimizer, LR schedule, RNG and `config` to `path`
+    """Collective. Begin saving model, optimizer, LR schedule, RNG and `recipe` to `path`
     as `save_checkpoint` does, and return the save to `finish`. With `background`, this
     rank's data files are written by a thread while the caller goes on (training may change
     the weights meanwhile: the thread writes a copy taken now; at most the host memory of
     this rank's shard); without, they are written before this returns."""
-    if config.model != learner.model_cfg:
-        raise ValueError("save_checkpoint: config.model is not the learner's model section (config.yaml would "
+    if recipe.get("model") != to_dict(learner.model_cfg):
+        raise ValueError("save_checkpoint: recipe's model is not the learner's model section (config.yaml would "
                          "describe another model than the weights)")
     t0 = time.perf_counter()
     path = Path(path)
@@ -269,7 +269,7 @@ def start_checkpoint(
     }
     for name, model in components.items():
         meta[name] = component_meta(model, name in optimizers)
-    return PendingSave(path, tmp, write, meta, config, time.perf_counter() - t0)
+    return PendingSave(path, tmp, write, meta, recipe, time.perf_counter() - t0)
 
 
 def _refuse_nonfinite(learner: Any, path: Path, components: Mapping[str, Any]) -> None:
@@ -289,20 +289,20 @@ def save_checkpoint(
     extra_meta: dict[str, Any] | None = None,
     include_optimizer: bool = True,
     *,
-    config: Config,
+    recipe: Mapping[str, Any],
     replace_foreign: bool = False,
     components: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Collective. Write model, optimizer, LR schedule, RNG and `config` (the resolved run
-    config, config.yaml: what a resume compares and the converters read; its model section
-    is the learner's) to `path` atomically
+    """Collective. Write model, optimizer, LR schedule, RNG and `recipe` (the resolved run
+    config's plain data, `moe_rl.config.to_dict`, saved as config.yaml: what a resume
+    compares and the converters read; its model section is the learner's) to `path` atomically
     (`include_optimizer=False`: model and RNG only, e.g. a shipped base model). An existing
     checkpoint at `path` is replaced once the new one is complete; an existing directory
     that is not a checkpoint is refused unless `replace_foreign` (the converter's --force).
     `components`: named models trained beside the actor (PPO's `{"critic": Critic}`), each
     saved under keys of its own with its optimizer, schedule and step. A full disk, an
     unwritable directory or a file in the way is a one-line CheckpointError."""
-    return start_checkpoint(learner, path, extra_meta, include_optimizer, config=config,
+    return start_checkpoint(learner, path, extra_meta, include_optimizer, recipe=recipe,
                             replace_foreign=replace_foreign, components=components).finish()
 
 

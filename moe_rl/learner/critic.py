@@ -3,7 +3,7 @@ scalar value head in place of the output layer.
 
     critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=n)
     values_bT = critic.values(batch)                          # [b, T], no gradients
-    result = critic.update(batch, ValueLossFn(cfg), plan=None)   # one Adam step of its own
+    result = critic.update(batch, ValueLossFn(cfg.critic), plan=None)   # one Adam step of its own
 
 Model. `ValueModel` (and so `Critic`) is a `Learner` whose last stage, instead of log-probs, maps the final
 hidden state at each response token's scoring slot (the slot whose logits would score that

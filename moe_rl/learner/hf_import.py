@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-from moe_rl.config import Config, ModelConfig, validate
+from moe_rl.config import Config, ModelConfig, to_dict, validate
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
 from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shape, megatron_specs
@@ -147,23 +147,23 @@ def hf_to_megatron(
     *,
     dtype: str | None = None,
     force: bool = False,
-    base: Config | None = None,
+    base: ModelConfig | None = None,
 ) -> Path:
     """Write the Hugging Face directory `src` as a learner checkpoint `dst` (one process).
 
     dtype: "fp32" / "bf16" parameter dtype of the checkpoint; None follows config.json.
-    base: the rest of the run config stored in the checkpoint's config.yaml (defaults)."""
+    base: the model settings config.json does not describe (layer spec, fp8, ...; defaults).
+    The checkpoint's config.yaml is the default run config with that model."""
     from moe_rl.learner.checkpoint import save_checkpoint
     from moe_rl.learner.engine import Learner
     from moe_rl.learner.parallel import init_distributed, parallel_layout
 
     dst = Path(dst)
     with hf_read_errors(src), HFCheckpoint(src) as hf:
-        base = base or Config()
-        m = hf.model_config(base=base.model)
+        m = hf.model_config(base=base or ModelConfig())
         if dtype is not None:
             m = dataclasses.replace(m, params_dtype=dtype)
-        cfg = dataclasses.replace(base, model=m)
+        cfg = Config(model=m)
         validate(cfg)
         check_tensors(hf, m)  # before building anything: a bad directory fails fast
     check_distinct(src, dst)
@@ -174,5 +174,5 @@ def hf_to_megatron(
         learner = Learner(cfg.model, cfg.parallel, layout)
         load_hf_weights(learner, src)
         # save_checkpoint writes <dst>.tmp-<nonce> and renames it: complete or absent.
-        return save_checkpoint(learner, dst, config=cfg, extra_meta={"converted_from": str(Path(src).resolve())},
+        return save_checkpoint(learner, dst, recipe=to_dict(cfg), extra_meta={"converted_from": str(Path(src).resolve())},
                                replace_foreign=force)

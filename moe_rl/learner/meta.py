@@ -10,8 +10,8 @@ pipeline stage is enough: within a stage every rank holds the same shapes (TP an
 are equal by construction; megatron requires the divisibility), so "distinct ranks" are
 the stages.
 
-    ranks = build_meta_ranks(cfg, world=16)     # one MetaRank per stage
-    totals = model_param_counts(cfg)            # whole model, by kind
+    ranks = build_meta_ranks(cfg.model, cfg.parallel, world=16)   # one MetaRank per stage
+    totals = model_param_counts(cfg.model, cfg.parallel)          # whole model, by kind
 
 Shapes are the local layer spec's; the Transformer Engine spec (GPU) holds the same tensors
 (its fused norm+linear keeps the norm weight as `layer_norm_weight`), so counts are the
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch.overrides import TorchFunctionMode
 
-from moe_rl.config import Config, ParallelConfig
+from moe_rl.config import ModelConfig, ParallelConfig
 from moe_rl.config.model import GPU_ONLY_DEFAULTS
 from moe_rl.learner import megatron_patches
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
@@ -177,11 +177,10 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
         sys.excepthook = excepthook
 
 
-def _local_spec(cfg: Config) -> Config:
-    """The recipe with the local layer spec, no fp8 and no GPU-only settings: the same parameter
+def _local_spec(model: ModelConfig) -> ModelConfig:
+    """The model with the local layer spec, no fp8 and no GPU-only settings: the same parameter
     shapes as the TE spec, buildable without CUDA / Transformer Engine."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layer_spec="local", fp8="none",
-                                                              **GPU_ONLY_DEFAULTS))
+    return dataclasses.replace(model, layer_spec="local", fp8="none", **GPU_ONLY_DEFAULTS)
 
 
 @contextlib.contextmanager
@@ -249,13 +248,13 @@ def _buffer_shard(buffer: Any, expert: bool) -> BufferShard:
     )
 
 
-def _build_rank(cfg: Config, rank: int, world: int) -> MetaRank:
-    cfg = _local_spec(cfg)
-    with _cpu_path(), fake_world(rank, world), parallel_layout(cfg.parallel, seed=0) as layout:
-        tcfg = transformer_config(cfg.model, cfg.parallel)
+def _build_rank(model: ModelConfig, parallel: ParallelConfig, rank: int, world: int) -> MetaRank:
+    model = _local_spec(model)
+    with _cpu_path(), fake_world(rank, world), parallel_layout(parallel, seed=0) as layout:
+        tcfg = transformer_config(model, parallel)
         tcfg.perform_initialization = False  # values are not needed, and meta has none
         with torch.device(META), _OnMeta():
-            gpt = build_gpt(cfg.model, tcfg)
+            gpt = build_gpt(model, tcfg)
             ddp = wrap_ddp(gpt, tcfg, distributed_optimizer=True)  # both variants' sizes from one layout
         by_kind = dict.fromkeys(KINDS, 0)
         layers, moe_layers = set(), set()
@@ -282,29 +281,29 @@ def _build_rank(cfg: Config, rank: int, world: int) -> MetaRank:
         )
 
 
-def build_meta_ranks(cfg: Config, world: int) -> list[MetaRank]:
-    """One MetaRank per pipeline stage of `cfg.parallel` at world size `world`.
+def build_meta_ranks(model: ModelConfig, parallel: ParallelConfig, world: int) -> list[MetaRank]:
+    """One MetaRank per pipeline stage of `model` laid out as `parallel` at world size `world`.
 
     megatron's default rank order ("tp-cp-ep-dp-pp") puts the pipeline stage outermost, so
     stage s is global ranks [s * world/pp, (s+1) * world/pp); the first of them is built
     (and megatron's own pipeline rank of it is checked)."""
-    pp = cfg.parallel.pipeline_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
     out = []
     for stage in range(pp):
-        built = _build_rank(cfg, stage * (world // pp), world)
+        built = _build_rank(model, parallel, stage * (world // pp), world)
         if built.pp_rank != stage:
             raise RuntimeError(f"rank {built.rank} is pipeline stage {built.pp_rank}, expected {stage}")
         out.append(built)
     return out
 
 
-def model_param_counts(cfg: Config) -> dict[str, int]:
-    """Parameter elements of the whole model by kind, from one build at TP=1, PP=1 and the
-    recipe's EP (routed experts x EP: megatron splits them evenly), so nothing is counted
+def model_param_counts(model: ModelConfig, parallel: ParallelConfig) -> dict[str, int]:
+    """Parameter elements of the whole model by kind, from one build at TP=1, PP=1 and
+    `parallel`'s EP (routed experts x EP: megatron splits them evenly), so nothing is counted
     twice (a tied output head is the embedding at PP=1) and the build stays small."""
-    ep = cfg.parallel.expert_model_parallel_size
-    ref = ParallelConfig(expert_model_parallel_size=ep, micro_batch_size=cfg.parallel.micro_batch_size)
-    (rank,) = build_meta_ranks(dataclasses.replace(cfg, parallel=ref), world=ep)
+    ep = parallel.expert_model_parallel_size
+    ref = ParallelConfig(expert_model_parallel_size=ep, micro_batch_size=parallel.micro_batch_size)
+    (rank,) = build_meta_ranks(model, ref, world=ep)
     counts = dict(rank.params_by_kind)
     counts["routed_experts"] *= ep
     return counts

@@ -6,15 +6,17 @@ moves the later ones aside (`metrics.jsonl.after-step-<n>-<time>`), never droppi
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moe_rl.config import Config, to_dict
+from moe_rl.config import LoggingConfig
 from moe_rl.runtime.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -38,27 +40,27 @@ def parse_rows(text: str) -> list[tuple[str, dict[str, Any] | None]]:
 
 
 class MetricsLog:
-    """The metrics' files of the run directory `path` (written by global rank 0)."""
+    """The metrics' files of the run directory `path` (written by global rank 0); `recipe`
+    (the resolved recipe's plain data) is the W&B run's config."""
 
-    def __init__(self, cfg: Config, path: Path) -> None:
-        self.cfg, self.path = cfg, path
+    def __init__(self, logging_cfg: LoggingConfig, run_name: str, recipe: Mapping[str, Any], path: Path) -> None:
+        self.logging, self.run_name, self.recipe, self.path = logging_cfg, run_name, recipe, path
         self.history: list[dict[str, Any]] = []
         self._flip_history: list[list[float]] = []
         self._writer = None
         self._tracker: Any = None  # a `moe_rl.runtime.wandb_log.WandbRun` with logging.wandb
-        self._num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers
 
     def start(self, start_step: int, run_id: str | None) -> None:
         """Open TensorBoard, W&B (the run id's W&B run) and metrics.jsonl, keeping the lines
         up to `start_step` (resume)."""
-        if self.cfg.logging.tensorboard:
+        if self.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.path / "tb"), purge_step=start_step + 1)
-        if self.cfg.logging.wandb:
+        if self.logging.wandb:
             from moe_rl.runtime.wandb_log import WandbRun
 
-            self._tracker = WandbRun.start(self.cfg.logging, self.cfg.run.name, to_dict(self.cfg), self.path, run_id)
+            self._tracker = WandbRun.start(self.logging, self.run_name, dict(self.recipe), self.path, run_id)
         path = self.path / METRICS_FILE
         if path.exists():
             self.history = self._set_aside_rows_after(start_step)
@@ -92,7 +94,7 @@ class MetricsLog:
         each finite number but `step`, and the routing heat map)."""
         row = {k: (float(v) if isinstance(v, float | int) else v) for k, v in metrics.items()}
         self.history.append(row)
-        if self.cfg.logging.jsonl:
+        if self.logging.jsonl:
             with open(self.path / METRICS_FILE, "a") as f:
                 f.write(json.dumps(row) + "\n")
         if self._writer is None and self._tracker is None:
@@ -111,11 +113,13 @@ class MetricsLog:
 
     def _heatmap(self, step: int, row: dict[str, Any]) -> np.ndarray | None:
         """The routing flip-rate heat map (HWC uint8) when logging.heatmap_every says so."""
-        flips = [row.get(f"routing/flip_rate_layer{i}") for i in range(self._num_moe_layers)]
-        if not all(f is not None for f in flips):
+        # The MoE layers are the ones the row has a flip rate for (0, 1, ... without a gap).
+        flips = list(itertools.takewhile(lambda f: f is not None,
+                                         (row.get(f"routing/flip_rate_layer{i}") for i in itertools.count())))
+        if not flips:
             return None
         self._flip_history.append(flips)
-        every = self.cfg.logging.heatmap_every
+        every = self.logging.heatmap_every
         if not (every and step % every == 0 and len(self._flip_history) > 1):
             return None
         from moe_rl.routing.heatmap import heatmap_image

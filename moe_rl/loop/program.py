@@ -4,10 +4,19 @@ rest, the same for every program.
 
     class MyProgram(Program):
         name = "my"
+        @classmethod
+        def check(cls, cfg, world): ...every input check...; return "my, <what would run>"
+        @classmethod
+        def build(cls, cfg): cls.check(cfg, world); return cls(cfg.model, cfg.optimizer, recipe=to_dict(cfg))
         def setup(self, resume_from): ...build models, load resume_from...; return start_step
         def step(self, step): ...one optimizer step...; return {"learner/loss": ...}
         def save(self, path, meta, background=False):
-            return start_checkpoint(self.model, path, config=self.cfg, extra_meta=meta, background=background)
+            return start_checkpoint(self.model, path, recipe=self.recipe, extra_meta=meta, background=background)
+
+`check` and `build` are the only methods that see the whole recipe: `build` is the
+program's factory, handing each part the sections it reads (the constructor takes
+sections and explicit values, never the root config). `moe_rl.cli.run_program` builds a
+program and runs it in the loop.
 
 The programs: RL (GRPO family and PPO, `moe_rl.programs.rl`), the engine-only role of a
 separate placement (`moe_rl.programs.rl.engine_role`), DPO and the reward model
@@ -49,6 +58,12 @@ class Program:
         is built: a one-line ConfigError naming the key for the first that cannot work.
         Returns what `--check` prints: one line saying what would run. The program's
         constructor runs it too, so a run and its `--check` refuse the same recipes."""
+        raise NotImplementedError
+
+    @classmethod
+    def build(cls, cfg: Config) -> Program:
+        """This rank's program for the recipe `cfg`, after `check` (against torchrun's
+        WORLD_SIZE): the factory, which gives each part the sections it reads."""
         raise NotImplementedError
 
     def setup(self, resume_from: Path | None) -> int:

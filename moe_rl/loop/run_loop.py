@@ -1,7 +1,7 @@
 """The one run loop: every program (RL, PPO, DPO, the reward model, SFT, and the engine-only
 role of a separate placement) runs through it.
 
-    summary = RunLoop(cfg, program).run()
+    summary = RunLoop(program, run=cfg.run, logging_cfg=cfg.logging, recipe=to_dict(cfg)).run()
 
 What the loop owns, the same for every program:
   - resume or fresh start: the run directory (`moe_rl.loop.rundir`) claims the directory and
@@ -26,10 +26,11 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from moe_rl.checkpoints.directories import latest_checkpoint, step_dir_name
-from moe_rl.config import Config
+from moe_rl.config import LoggingConfig, RunConfig
 from moe_rl.loop.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.loop.program import Program
 from moe_rl.loop.rundir import RunDirectory
@@ -43,10 +44,14 @@ log = logging.getLogger(__name__)
 class RunLoop:
     """Drives one program over the run's steps (see the module docstring)."""
 
-    def __init__(self, cfg: Config, program: Program) -> None:
-        self.cfg = cfg
+    def __init__(self, program: Program, *, run: RunConfig, logging_cfg: LoggingConfig,
+                 recipe: Mapping[str, Any]) -> None:
+        """`recipe`: the resolved recipe's plain data (`moe_rl.config.to_dict`), saved as the
+        run's config.yaml and compared on resume; the loop reads the `run` and `logging`
+        sections only."""
+        self.run_cfg, self.logging = run, logging_cfg
         self.program = program
-        self.run_dir = RunDirectory(cfg)
+        self.run_dir = RunDirectory(run, logging_cfg, recipe)
         self._bar: Any = None
         self._skipped_since: int | None = None  # the first step of the steps with skipped updates
 
@@ -61,7 +66,7 @@ class RunLoop:
         kill_point("start")
         with contextlib.ExitStack() as stack:
             stack.callback(prog.close)
-            resume_from = (self.run_dir.prepare(self.cfg.run.resume, rank=prog.rank, needs_init=prog.needs_init_weights)
+            resume_from = (self.run_dir.prepare(self.run_cfg.resume, rank=prog.rank, needs_init=prog.needs_init_weights)
                            if prog.trains else None)
             start = prog.setup(resume_from)
             if self._writes:
@@ -70,7 +75,7 @@ class RunLoop:
             t0 = time.perf_counter()
             self._evaluate_at_start(start)
             self._bar = self._progress_bar(stack, start)
-            saves = Saves(self.cfg.run, prog, self.run_dir)
+            saves = Saves(self.run_cfg, prog, self.run_dir)
             stack.callback(saves.close)  # (an error: a save in flight is abandoned, never finished half-way)
             last = self._steps(start, saves)
             if self._bar is not None:
@@ -85,14 +90,14 @@ class RunLoop:
             return self.run_dir.write_summary({**fields, **prog.summary(self.run_dir.history)})
 
     def _evaluate_at_start(self, start: int) -> None:
-        if start == 0 and self.program.evaluates_at_start and self.cfg.run.eval_every:
+        if start == 0 and self.program.evaluates_at_start and self.run_cfg.eval_every:
             metrics = self.program.evaluate(0)  # (collective: every rank takes part)
             if metrics and self._writes:
                 self.run_dir.log(0, {**metrics, "step": 0})
 
     def _steps(self, start: int, saves: Saves) -> int:
         """Steps start+1 .. run.steps (or until the program is done); returns the last."""
-        prog, steps, last = self.program, self.cfg.run.steps, start
+        prog, steps, last = self.program, self.run_cfg.steps, start
         with StopOnSignal() as stop:
             for step in range(start + 1, steps + 1):
                 try:
@@ -152,8 +157,8 @@ class RunLoop:
         if self._writes:
             self._say(f"step {step}: skipped {'every' if skipped >= 1 else 'an'} update with a NaN or inf loss or "
                       f"gradient (not applied; {int(streak)} in a row, run.max_skipped_updates="
-                      f"{self.cfg.run.max_skipped_updates})")
-        if streak < self.cfg.run.max_skipped_updates:
+                      f"{self.run_cfg.max_skipped_updates})")
+        if streak < self.run_cfg.max_skipped_updates:
             return
         saves.settle()
         raise RunFaultError(
@@ -183,11 +188,11 @@ class RunLoop:
             log.info("%s", line)
 
     def _eval_due(self, step: int) -> bool:
-        every = self.cfg.run.eval_every
-        return bool(every) and (step % every == 0 or step == self.cfg.run.steps)
+        every = self.run_cfg.eval_every
+        return bool(every) and (step % every == 0 or step == self.run_cfg.steps)
 
     def _save_due(self, step: int) -> bool:
-        every = self.cfg.run.save_every
+        every = self.run_cfg.save_every
         return bool(every) and step % every == 0
 
     def _stop(self, step: int, signum: int, saved: str) -> NoReturn:
@@ -197,15 +202,15 @@ class RunLoop:
             self._bar.close()
         if self._writes:
             log.warning("stopped by %s after step %d of %d, %s; to continue, run the same command with "
-                        "run.resume=true", signal.Signals(signum).name, step, self.cfg.run.steps, saved)
+                        "run.resume=true", signal.Signals(signum).name, step, self.run_cfg.steps, saved)
         raise StoppedBySignal(signum)
 
     def _progress_bar(self, stack: contextlib.ExitStack, start: int) -> Any:
-        if not self._writes or not self.cfg.logging.progress:
+        if not self._writes or not self.logging.progress:
             return None
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=self.cfg.run.steps, initial=start, desc=self.cfg.run.name, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=self.run_cfg.steps, initial=start, desc=self.run_cfg.name, unit="step", dynamic_ncols=True)
         stack.callback(bar.close)
         return bar
 

@@ -35,6 +35,7 @@ import os
 import shutil
 import uuid
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,15 @@ from moe_rl.checkpoints.directories import (
 )
 from moe_rl.checkpoints.errors import TRUST_HINT, CheckpointError
 from moe_rl.checkpoints.temps import remove_file_temps, remove_temps
-from moe_rl.config import Config, ConfigError, load_saved_config, save_config, to_dict
+from moe_rl.config import (
+    Config,
+    ConfigError,
+    LoggingConfig,
+    RunConfig,
+    load_saved_config,
+    save_config,
+    to_dict,
+)
 from moe_rl.loop.metrics_log import METRICS_FILE, MetricsLog, parse_rows
 from moe_rl.runtime.atomic import atomic_write_text
 
@@ -82,9 +91,10 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(saved: Config, now: Config) -> list[str]:
-    """`key (old -> new)` for every field that differs and may not change on resume."""
-    a, b = _flatten(to_dict(saved)), _flatten(to_dict(now))
+def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """`key (old -> new)` for every field of two recipes' plain data (`to_dict`) that differs
+    and may not change on resume."""
+    a, b = _flatten(dict(saved)), _flatten(dict(now))
     keys = sorted(set(a) | set(b))
     return [f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in keys
             if a.get(k) != b.get(k) and not k.startswith(RESUME_MAY_CHANGE)]
@@ -102,12 +112,15 @@ def read_saved_config(path: Path) -> Config:
 
 
 class RunDirectory:
-    """The files of one run under `cfg.run_dir`."""
+    """The files of one run under `run.output_dir / run.name`.
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.path = cfg.run_dir
-        self.metrics = MetricsLog(cfg, self.path)
+    `recipe`: the resolved recipe's plain data (`moe_rl.config.to_dict`), what config.yaml
+    holds and a resume is compared against; the directory reads no field of it."""
+
+    def __init__(self, run: RunConfig, logging_cfg: LoggingConfig, recipe: Mapping[str, Any]) -> None:
+        self.run, self.recipe = run, recipe
+        self.path = run.run_dir
+        self.metrics = MetricsLog(logging_cfg, run.name, recipe, self.path)
         self.run_id: str | None = None
         self._lock_fd: int | None = None
 
@@ -123,7 +136,7 @@ class RunDirectory:
         config.yaml and run.json are written by `start_logging`, once the start succeeded.
         `needs_init`: a fresh start needs run.init_checkpoint (false for a program that starts
         from random weights, SFT)."""
-        run = self.cfg.run
+        run = self.run
         if not resume and (self._old_checkpoints() or self.logged_steps()):
             if not run.overwrite:
                 raise ConfigError(self._fresh_start_refusal())
@@ -169,12 +182,12 @@ class RunDirectory:
                 f"steps (up to step {max(steps)} in {METRICS_FILE}; run.save_every=0 saves only at the end); "
                 f"start over with run.resume=false run.overwrite=true (moves them aside to "
                 f"{self.path.name}.overwritten-<time>, deleting nothing), or choose another run.name")
-        if needs_init and not self.cfg.run.init_checkpoint:
+        if needs_init and not self.run.init_checkpoint:
             raise ConfigError(f"run.resume=true but {self.path} has no checkpoint yet, and run.init_checkpoint is "
                               "empty; name the starting weights with run.init_checkpoint")
         if rank == 0:
             log.info("run.resume=true: nothing to resume in %s yet; starting a fresh run from %s", self.path,
-                     self.cfg.run.init_checkpoint or "random weights")
+                     self.run.init_checkpoint or "random weights")
 
     def _owner(self) -> str | None:
         try:
@@ -195,7 +208,7 @@ class RunDirectory:
                                   "adopt them")
         if not legacy:
             return found
-        if self.cfg.run.trust_checkpoint:
+        if self.run.trust_checkpoint:
             return legacy[-1]
         raise CheckpointError(f"newest checkpoint {legacy[-1]} has no manifest.json (saved by an older version, "
                               f"or not by moe_rl); to resume from it pass {TRUST_HINT}")
@@ -206,7 +219,7 @@ class RunDirectory:
             saved_path = self.path / CONFIG_FILE
         if not saved_path.is_file():
             return
-        changes = config_changes(read_saved_config(saved_path), self.cfg)
+        changes = config_changes(to_dict(read_saved_config(saved_path)), self.recipe)
         if changes:
             shown = ", ".join(changes[:4]) + (f" and {len(changes) - 4} more" if len(changes) > 4 else "")
             raise ConfigError(f"run.resume=true with a recipe that differs from the run's ({saved_path}) in {shown}; "
@@ -263,7 +276,7 @@ class RunDirectory:
     def start_logging(self, start_step: int) -> None:
         """The start succeeded: write config.yaml and run.json, then open the metrics' logs
         (`MetricsLog`), keeping metrics.jsonl's lines up to `start_step` (resume)."""
-        save_config(self.cfg, self.path / CONFIG_FILE)
+        save_config(self.recipe, self.path / CONFIG_FILE)
         if self._owner() != self.run_id:
             atomic_write_text(self.path / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
         self.metrics.start(start_step, self.run_id)

@@ -228,7 +228,8 @@ def sample_all(prep: Prepared, hf_dir: Path, samples_per_prompt: int, seed: int,
     engines = dict.fromkeys(s.sampler[:2] for s in prep.settings)
     for backend, precision in engines:
         on_stage(f"sampling {backend}:{precision}")
-        sampler = make_sampler(hf_dir, sampler_engine(cfg, backend, precision, seed, prep.tok.eos_ids))
+        sampler = make_sampler(hf_dir, sampler_engine(cfg.sampler, cfg.rl, backend, precision, seed,
+                                                       prep.tok.eos_ids))
         try:
             for top_p in dict.fromkeys(s.top_p for s in prep.settings if s.sampler[:2] == (backend, precision)):
                 ro = sampler.generate(prep.prompt_ids, n=samples_per_prompt, max_new_tokens=prep.max_new_tokens,

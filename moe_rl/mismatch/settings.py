@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_rl.config import Config, ParallelConfig
+from moe_rl.config import ParallelConfig, RLConfig, SamplerConfig
 from moe_rl.sampler import BACKENDS as SAMPLER_BACKENDS
 from moe_rl.sampler import PRECISIONS as SAMPLER_PRECISIONS
 from moe_rl.sampler import EngineConfig, VLLMEngineConfig, engine_config
@@ -166,16 +166,15 @@ def check_unique(settings: list[Setting]) -> None:
         raise MeasureError("no settings to measure")
 
 
-def sampler_engine(cfg: Config, backend: str, precision: str, seed: int, eos_token_ids: list[int]) -> EngineConfig:
-    """The engine of one measured sampler: the checkpoint's sampler section with this backend
-    and precision, through `moe_rl.sampler.engine_config` (what the trainer runs), as one
-    in-process engine; vLLM captures routed experts where it can (a GPU: the routing
-    comparison) and shows no load progress bar of its own (one bar: the tool's)."""
-    sampler = dataclasses.replace(cfg.sampler, backend=backend, precision=precision, in_process=True,
+def sampler_engine(sampler: SamplerConfig, rl: RLConfig, backend: str, precision: str, seed: int,
+                   eos_token_ids: list[int]) -> EngineConfig:
+    """The engine of one measured sampler: the checkpoint's sampler section (`sampler`, with
+    its `rl`) with this backend and precision, through `moe_rl.sampler.engine_config` (what
+    the trainer runs), as one in-process engine; vLLM captures routed experts where it can (a
+    GPU: the routing comparison) and shows no load progress bar of its own (one bar: the tool's)."""
+    sampler = dataclasses.replace(sampler, backend=backend, precision=precision, in_process=True,
                                   tensor_parallel_size=1, expert_parallel=False, sleep_between_steps=False)
-    run = dataclasses.replace(cfg.run, seed=seed)
-    engine = engine_config(dataclasses.replace(cfg, sampler=sampler, run=run), eos_token_ids,
-                           routed_experts=torch.cuda.is_available())
+    engine = engine_config(sampler, rl, seed, eos_token_ids, routed_experts=torch.cuda.is_available())
     if isinstance(engine, VLLMEngineConfig):
         engine = dataclasses.replace(engine, show_load_progress=False)
     return engine

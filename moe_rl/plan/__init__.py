@@ -8,8 +8,8 @@ shapes), `activations` (the activation formula), `sampler` (engine weights and K
 (PPO's value model under `rl.advantage: gae`, derived from the actor's), `memory` (per-rank
 memory by kind and phase), `comms` (bytes per collective family),
 `timing` (FLOPs and seconds), `checkpoint` (a checkpoint's size, save time and the stop's
-grace), `planner` (one plan from megatron's meta-device builds,
-`moe_rl.learner.meta`), `verdict` (changes that make it fit, re-planned), `report`.
+grace), `planner` (the recipe resolved and checked, and one plan from megatron's
+meta-device builds, `moe_rl.learner.meta`), `verdict` (changes that make it fit, re-planned), `report`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 # `python -m moe_rl.plan` first silences the import-time warnings of the GPU stacks.
 _EXPORTS = {
     "Hardware": "moe_rl.plan.hardware",
-    "ModelSource": "moe_rl.plan.model_source",
-    "resolve_model": "moe_rl.plan.model_source",
+    "ModelSource": "moe_rl.plan.planner",
+    "resolve_model": "moe_rl.plan.planner",
     "Plan": "moe_rl.plan.planner",
     "make_plan": "moe_rl.plan.planner",
     "Switches": "moe_rl.plan.memory",

@@ -17,7 +17,7 @@ import math
 import sys
 
 from moe_rl.cli import cpu_environment
-from moe_rl.config import Config, ConfigError, load_recipe
+from moe_rl.config import ConfigError, ParallelConfig, SamplerConfig, load_recipe
 from moe_rl.plan.hardware import Hardware
 
 PROG = "python -m moe_rl.plan"
@@ -58,28 +58,27 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def default_gpus(cfg: Config) -> int:
+def default_gpus(parallel: ParallelConfig, sampler: SamplerConfig) -> int:
     """The smallest world the layout allows (TP*PP, ETP*EP*PP and rollout TP all divide it)."""
-    p = cfg.parallel
+    p = parallel
     pp = p.pipeline_model_parallel_size
-    rtp = cfg.sampler.tensor_parallel_size
+    rtp = sampler.tensor_parallel_size
     return math.lcm(p.tensor_model_parallel_size * pp, p.expert_tensor_parallel_size * p.expert_model_parallel_size * pp, rtp)
 
 
 def run(args: argparse.Namespace) -> str:
     """The report (text or JSON) for parsed arguments; raises ConfigError for bad input."""
-    from moe_rl.plan.model_source import resolve_model
-    from moe_rl.plan.workload import check_world, prompt_tokens_for
+    from moe_rl.plan.planner import check_world, make_plan, resolve_model
+    from moe_rl.plan.workload import prompt_tokens_for
 
     source = resolve_model(load_recipe(args.config, args.overrides)[0])  # validates after config.json
     cfg = source.cfg
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
-    hw = Hardware(gpus=args.gpus or default_gpus(cfg), **{name: getattr(args, name) for _, name, _, _ in _HW_FLAGS})
-    prompt_tokens = prompt_tokens_for(cfg, args.prompt_tokens)
-    check_world(cfg, hw.gpus)  # before megatron is imported: a bad layout is a quick error
-    from moe_rl.plan.planner import make_plan
-
+    hw = Hardware(gpus=args.gpus or default_gpus(cfg.parallel, cfg.sampler),
+                  **{name: getattr(args, name) for _, name, _, _ in _HW_FLAGS})
+    prompt_tokens = prompt_tokens_for(cfg.model, cfg.sampler, args.prompt_tokens)
+    check_world(cfg, hw.gpus)  # before megatron is imported (make_plan's first build): a quick error
     plan = make_plan(source, hw, prompt_tokens=prompt_tokens)
     from moe_rl.plan.report import plan_dict, plan_text
     from moe_rl.plan.verdict import suggest

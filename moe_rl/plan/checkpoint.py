@@ -44,8 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_rl.config import Config
-from moe_rl.plan.critic import has_critic
+from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.plan.hardware import Hardware
 from moe_rl.plan.model_state import optimizer_bytes_per_element
 from moe_rl.plan.workload import PlannedLayout
@@ -60,9 +59,9 @@ TP_REPLICATED = ("norms", "router")
 """Kinds every tensor-parallel rank holds whole: megatron writes them from TP rank 0."""
 
 
-def element_bytes(cfg: Config, distributed: bool) -> tuple[int, int]:
+def element_bytes(model: ModelConfig, distributed: bool) -> tuple[int, int]:
     """(weight, optimizer) bytes per parameter element in a checkpoint, on a GPU."""
-    weight = 2 if cfg.model.dtype_on(True) == "bf16" else 4
+    weight = 2 if model.dtype_on(True) == "bf16" else 4
     return weight, (12 if distributed else optimizer_bytes_per_element(weight))
 
 
@@ -78,16 +77,17 @@ def _weight_elements(rank: MetaRank, i: int, layout: PlannedLayout, tied: bool) 
     return written, (output if i < layout.tp else 0)
 
 
-def _rank_bytes(cfg: Config, rank: MetaRank, i: int, layout: PlannedLayout, distributed: bool) -> int:
+def _rank_bytes(model: ModelConfig, rank: MetaRank, i: int, layout: PlannedLayout, distributed: bool,
+                critic: bool) -> int:
     """Bytes the rank at offset `i` of `rank`'s pipeline stage writes (actor, and critic)."""
-    w, o = element_bytes(cfg, distributed)
-    tied = not cfg.model.untie_embeddings_and_output_weights
+    w, o = element_bytes(model, distributed)
+    tied = not model.untie_embeddings_and_output_weights
     weights, output = _weight_elements(rank, i, layout, tied)
     shard = sum(b.shard_numel for b in rank.buffers)
     optimizer = shard if distributed else weights
     out = weights * w + optimizer * o
-    if has_critic(cfg):  # its own copy; its frozen output layer has no optimizer state
-        head = cfg.model.hidden_size if rank.pp_rank == layout.pp - 1 and i == 0 else 0
+    if critic:  # its own copy; its frozen output layer has no optimizer state
+        head = model.hidden_size if rank.pp_rank == layout.pp - 1 and i == 0 else 0
         frozen = -(-rank.params_by_kind["output"] // layout.dp) if distributed else output
         out += (weights + head) * w + (optimizer - frozen + head) * o
     return out
@@ -104,22 +104,25 @@ def _check_order(rank: MetaRank, layout: PlannedLayout) -> None:
                            "megatron's tp-cp-ep-dp-pp order the checkpoint plan assumes")
 
 
-def rank_writes(cfg: Config, metas: list[MetaRank], layout: PlannedLayout, distributed: bool) -> list[int]:
-    """Bytes each learner rank writes, by global rank (stage s is ranks [s*S, (s+1)*S))."""
+def rank_writes(model: ModelConfig, metas: list[MetaRank], layout: PlannedLayout, distributed: bool,
+                critic: bool) -> list[int]:
+    """Bytes each learner rank writes, by global rank (stage s is ranks [s*S, (s+1)*S));
+    `critic`: PPO's critic is saved too."""
     per_stage = layout.learners // layout.pp
     out = []
     for rank in sorted(metas, key=lambda r: r.pp_rank):
         _check_order(rank, layout)
-        out += [_rank_bytes(cfg, rank, i, layout, distributed) for i in range(per_stage)]
+        out += [_rank_bytes(model, rank, i, layout, distributed, critic) for i in range(per_stage)]
     return out
 
 
-def total_bytes(cfg: Config, params_total: int, output_total: int, distributed: bool) -> tuple[int, int]:
-    """(weights, optimizer) bytes of one copy of the model (and of the critic)."""
-    w, o = element_bytes(cfg, distributed)
+def total_bytes(model: ModelConfig, params_total: int, output_total: int, distributed: bool,
+                critic: bool) -> tuple[int, int]:
+    """(weights, optimizer) bytes of one copy of the model (and of the critic, when `critic`)."""
+    w, o = element_bytes(model, distributed)
     weights, optimizer = params_total * w, params_total * o
-    if has_critic(cfg):
-        head = cfg.model.hidden_size
+    if critic:
+        head = model.hidden_size
         weights += (params_total + head) * w
         optimizer += (params_total - output_total + head) * o
     return weights, optimizer
@@ -208,17 +211,19 @@ class CheckpointPlan:
         return LAUNCHER_KILL_S >= self.kill_grace_needed_s
 
 
-def checkpoint_plan(cfg: Config, metas: list[MetaRank], layout: PlannedLayout, params_total: int,
-                    output_total: int, distributed: bool, step_s: float, hw: Hardware) -> CheckpointPlan:
-    """The checkpoint of `cfg` at `layout` (`metas`: one build per pipeline stage) on `hw`,
-    `distributed` as the plan's switches say, `step_s` the planned step."""
-    writes = rank_writes(cfg, metas, layout, distributed)
+def checkpoint_plan(model: ModelConfig, run: RunConfig, metas: list[MetaRank], layout: PlannedLayout,
+                    params_total: int, output_total: int, distributed: bool, critic: bool, step_s: float,
+                    hw: Hardware) -> CheckpointPlan:
+    """The checkpoint of `model` (and of PPO's critic, when `critic`) at `layout` (`metas`: one
+    build per pipeline stage) on `hw`, `distributed` as the plan's switches say, `step_s` the
+    planned step; `run` gives the saves' mode and the stop's grace."""
+    writes = rank_writes(model, metas, layout, distributed, critic)
     nodes = per_node(writes, hw.gpus_per_node)
-    weights, optimizer = total_bytes(cfg, params_total, output_total, distributed)
+    weights, optimizer = total_bytes(model, params_total, output_total, distributed, critic)
     return CheckpointPlan(
         weights_bytes=weights, optimizer_bytes=optimizer, rank_bytes=max(writes), node_bytes=max(nodes),
         host_copy_s=max(writes) / (hw.host_copy_gbps * 1e9),
         write_s=max(nodes) / (hw.storage_gbps * 1e9),
         verify_s=max(max(nodes) / (hw.storage_gbps * 1e9), max(writes) / (hw.hash_gbps * 1e9)),
-        step_s=step_s, async_save=cfg.run.async_save, stop_grace_s=cfg.run.stop_grace_s,
+        step_s=step_s, async_save=run.async_save, stop_grace_s=run.stop_grace_s,
     )

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_rl.config import Config
+from moe_rl.config import ModelConfig
 from moe_rl.plan.activations import DTYPE_BYTES
 from moe_rl.plan.hardware import Hardware
 from moe_rl.plan.memory import Switches
@@ -97,8 +97,8 @@ def critic_passes(layout: PlannedLayout, work: Workload, sw: Switches) -> Passes
     return _passes(layout, work, sw, 1)
 
 
-def _tp_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, p: Passes) -> float:
-    m, t = cfg.model, layout.tp
+def _tp_bytes(m: ModelConfig, rank: MetaRank, layout: PlannedLayout, work: Workload, p: Passes) -> float:
+    t = layout.tp
     e = DTYPE_BYTES[m.dtype_on(True)]
     x = work.micro_batch_tokens * m.hidden_size * e
     dense = rank.num_layers - rank.num_moe_layers
@@ -110,8 +110,8 @@ def _tp_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload
     return tp + etp_bytes
 
 
-def _ep_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, p: Passes) -> float:
-    m, ep = cfg.model, layout.ep
+def _ep_bytes(m: ModelConfig, rank: MetaRank, layout: PlannedLayout, work: Workload, p: Passes) -> float:
+    ep = layout.ep
     e = DTYPE_BYTES[m.dtype_on(True)]
     tokens = work.micro_batch_tokens / layout.tp
     if m.moe_token_dispatcher_type == "allgather":
@@ -136,19 +136,19 @@ def _dp_bytes(rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switche
     return out[0], out[1]
 
 
-def traffic(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
+def traffic(model: ModelConfig, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
             sampler_weights_bytes: int, hw: Hardware, passes: Passes | None = None) -> list[Traffic]:
     """Per-step traffic of `rank` by family, with link and seconds, for the actor's passes
     (or `passes`: the critic's)."""
     p = passes or actor_passes(layout, work, sw)
     g = rank.groups
     out = []
-    tp = _tp_bytes(cfg, rank, layout, work, p)
+    tp = _tp_bytes(model, rank, layout, work, p)
     out.append(Traffic("tp", int(tp), *_ring_seconds(tp, g.tp, hw)))
-    ep = _ep_bytes(cfg, rank, layout, work, p)
+    ep = _ep_bytes(model, rank, layout, work, p)
     out.append(Traffic("ep", int(ep), *_alltoall_seconds(ep, g.ep, rank.rank, hw)))
-    e = DTYPE_BYTES[cfg.model.dtype_on(True)]
-    boundary = work.micro_batch_tokens / layout.tp * cfg.model.hidden_size * e
+    e = DTYPE_BYTES[model.dtype_on(True)]
+    boundary = work.micro_batch_tokens / layout.tp * model.hidden_size * e
     sends = (p.forwards if rank.pp_rank < layout.pp - 1 else 0) + (p.backwards if rank.pp_rank > 0 else 0)
     pp = boundary * sends
     out.append(Traffic("pp", int(pp), *_ring_seconds(pp, g.pp, hw)))

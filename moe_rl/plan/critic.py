@@ -35,21 +35,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moe_rl.config import Config
+from moe_rl.config import ModelConfig, RLConfig
 from moe_rl.plan.model_state import ModelState, model_state, optimizer_bytes_per_element
 
 if TYPE_CHECKING:  # the meta-device build imports megatron; this module needs only its type
     from moe_rl.learner.meta import MetaRank
 
 
-def has_critic(cfg: Config) -> bool:
+def has_critic(rl: RLConfig) -> bool:
     """PPO with a learned value model: the recipe asks for GAE advantages."""
-    return cfg.rl.uses_critic
+    return rl.uses_critic
 
 
-def value_head_numel(cfg: Config, rank: MetaRank, pp: int) -> int:
+def value_head_numel(model: ModelConfig, rank: MetaRank, pp: int) -> int:
     """The value head's elements on `rank`: a [hidden] vector on the last pipeline stage."""
-    return cfg.model.hidden_size if rank.pp_rank == pp - 1 else 0
+    return model.hidden_size if rank.pp_rank == pp - 1 else 0
 
 
 def critic_state(rank: MetaRank, distributed: bool, dp: int, head_numel: int) -> ModelState:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_rl.config import Config
+from moe_rl.config import ModelConfig, OptimizerConfig, ParallelConfig, RLConfig, SamplerConfig
 from moe_rl.plan.activations import (
     DTYPE_BYTES,
     expert_id_bytes,
@@ -59,26 +59,27 @@ class Switches:
     sleep: bool
 
     @classmethod
-    def of(cls, cfg: Config) -> Switches:
+    def of(cls, optimizer: OptimizerConfig, model: ModelConfig, sampler: SamplerConfig) -> Switches:
+        """The recipe's: its optimizer, model and sampler sections say."""
         return cls(
-            distributed_optimizer=cfg.optimizer.distributed,
-            offload_fraction=cfg.optimizer.offload_fraction,
-            recompute=cfg.model.recompute == "full",
-            sleep=cfg.sampler.sleep_between_steps,
+            distributed_optimizer=optimizer.distributed,
+            offload_fraction=optimizer.offload_fraction,
+            recompute=model.recompute == "full",
+            sleep=sampler.sleep_between_steps,
         )
 
 
-def routing_record_bytes(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload) -> int:
+def routing_record_bytes(rl: RLConfig, model: ModelConfig, rank: MetaRank, layout: PlannedLayout,
+                         work: Workload) -> int:
     """Host bytes of the routing record the scoring pass keeps for this rank's rows and its
     stage's MoE layers (`moe_rl.routing.record`: uint8 / int16 expert ids and fp32 log
     routing probabilities per token, layer and k; the router's own ids too under replay)."""
-    rl = cfg.rl
     if not getattr(rl, "records_routing", rl.capture_routing):
         return 0
-    ids = expert_id_bytes(cfg.model.num_experts)
+    ids = expert_id_bytes(model.num_experts)
     per = ids + 4 + (ids if rl.replay != "none" else 0)
     rows = -(-work.sequences // layout.dp)
-    return rows * work.seq_len * rank.num_moe_layers * cfg.model.moe_router_topk * per
+    return rows * work.seq_len * rank.num_moe_layers * model.moe_router_topk * per
 
 
 @dataclass(frozen=True)
@@ -112,24 +113,25 @@ def _variants(rank: MetaRank, acts: dict[bool, int]) -> dict[str, int]:
     }
 
 
-def _stage_activations(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, recompute: bool) -> int:
+def _stage_activations(model: ModelConfig, rank: MetaRank, layout: PlannedLayout, work: Workload,
+                       recompute: bool) -> int:
     """The activations `rank`'s pipeline stage holds during an update of `work`'s shapes."""
-    return stage_activation_bytes(cfg.model, tokens=work.micro_batch_tokens, tp=layout.tp, pp=layout.pp,
+    return stage_activation_bytes(model, tokens=work.micro_batch_tokens, tp=layout.tp, pp=layout.pp,
                                   stage=rank.pp_rank, layers=rank.num_layers, moe_layers=rank.num_moe_layers,
                                   micro_batches=work.micro_batches, recompute=recompute)
 
 
-def _critic_kinds(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
+def _critic_kinds(model: ModelConfig, rank: MetaRank, layout: PlannedLayout, work: Workload, sw: Switches,
                   actor_fp8: int) -> tuple[dict[str, int], int]:
     """The critic's GPU bytes by kind on `rank` (`moe_rl.plan.critic`) and its optimizer
     bytes offloaded to the host (the actor's offload fraction); `work`: its own workload
     (`workload.critic_workload`), whose micro-batching sets its activations."""
-    activations = _stage_activations(cfg, rank, layout, work, sw.recompute)
-    head = value_head_numel(cfg, rank, layout.pp)
+    activations = _stage_activations(model, rank, layout, work, sw.recompute)
+    head = value_head_numel(model, rank, layout.pp)
     state = critic_state(rank, sw.distributed_optimizer, layout.dp, head)
     offloaded = int(state.optimizer * sw.offload_fraction)
-    e = DTYPE_BYTES[cfg.model.dtype_on(True)]
-    value_head = value_head_activation_bytes(work.micro_batch_tokens, cfg.model.hidden_size, e, layout.tp)
+    e = DTYPE_BYTES[model.dtype_on(True)]
+    value_head = value_head_activation_bytes(work.micro_batch_tokens, model.hidden_size, e, layout.tp)
     return {
         "critic_params": state.params,
         "critic_grads": state.grads,
@@ -139,28 +141,32 @@ def _critic_kinds(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Work
     }, offloaded
 
 
-def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Workload, critic_work: Workload | None,
+def rank_memory(model: ModelConfig, rl: RLConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
+                rank: MetaRank, layout: PlannedLayout, work: Workload, critic_work: Workload | None,
                 sampler: SamplerMemory, hw: Hardware, sw: Switches) -> RankMemory:
-    m = cfg.model
+    """`rank`'s memory by kind and phase, from the recipe's `model`, `rl` (reference policy,
+    routing record), `parallel` (the log-prob chunk) and `optimizer` (offload during the
+    rollout) sections."""
+    m = model
     state = model_state(rank, sw.distributed_optimizer)
-    acts = {rc: _stage_activations(cfg, rank, layout, work, rc) for rc in (False, True)}
+    acts = {rc: _stage_activations(m, rank, layout, work, rc) for rc in (False, True)}
     last = rank.pp_rank == layout.pp - 1
     colocated = int(layout.learners == layout.world)  # else engines have GPUs of their own
     offloaded = int(state.optimizer * sw.offload_fraction)
     gemm = sum(rank.params_by_kind[k] for k in GEMM_KINDS)
     fp8 = 2 * gemm if m.fp8 != "none" else 0
-    critic, critic_offloaded = (_critic_kinds(cfg, rank, layout, critic_work, sw, fp8)
+    critic, critic_offloaded = (_critic_kinds(m, rank, layout, critic_work, sw, fp8)
                                 if critic_work is not None else ({}, 0))
     kinds = {
         "params": state.params,
         "grads": state.grads,
         "optimizer_states": state.optimizer - offloaded,
-        "reference_model": rank.param_bytes if cfg.rl.kl_coef > 0 else 0,
+        "reference_model": rank.param_bytes if rl.kl_coef > 0 else 0,
         "fp8_extra": fp8,
         "activations": acts[sw.recompute],
         "logits": logits_bytes(m, micro_batch=work.micro_batch, seq_len=work.seq_len,
                                response_tokens=work.response_tokens, tp=layout.tp,
-                               chunk_tokens=cfg.parallel.logprob_chunk_tokens) if last else 0,
+                               chunk_tokens=parallel.logprob_chunk_tokens) if last else 0,
         **critic,
         **_sampler_kinds(sampler, colocated),
         "reserve": int(hw.reserve_gib * GIB),
@@ -169,14 +175,14 @@ def rank_memory(cfg: Config, rank: MetaRank, layout: PlannedLayout, work: Worklo
     trained = ("grads", "optimizer_states", "critic_grads", "critic_optimizer_states")
     static = sum(k(kind) for kind in ("params", "critic_params", "reference_model", "reserve", *trained))
     # optimizer.offload_during_rollout: grads and optimizer states wait on the host while the engine samples
-    idle = sum(k(kind) for kind in trained) if cfg.optimizer.offload_during_rollout else 0
+    idle = sum(k(kind) for kind in trained) if optimizer.offload_during_rollout else 0
     rollout = static - idle + kinds["sampler_budget"]
     # the actor's and the critic's updates run one after the other: the larger pass is the peak
     passes = max(k("activations") + k("logits"), k("critic_activations"))
     update = static + k("fp8_extra") + k("critic_fp8_extra") + passes + (0 if sw.sleep else kinds["sampler_budget"])
     host = {"optimizer_offload": offloaded + critic_offloaded, "offloaded_during_rollout": idle,
             "sleeping_sampler_weights": sampler.weights_bytes * colocated if sw.sleep else 0,
-            "routing_record": routing_record_bytes(cfg, rank, layout, work)}
+            "routing_record": routing_record_bytes(rl, m, rank, layout, work)}
     return RankMemory(
         rank=rank.rank, stage_ranks=rank.stage_ranks, pp_rank=rank.pp_rank, params_count=rank.params,
         kinds=kinds,

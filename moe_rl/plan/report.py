@@ -63,7 +63,7 @@ def plan_dict(plan: Plan, suggestions: list[Suggestion]) -> dict[str, Any]:
         "hardware": vars(plan.hw),
         "workload": vars(plan.work),
         "switches": vars(plan.switches),
-        "critic": has_critic(plan.cfg),
+        "critic": has_critic(plan.cfg.rl),
         "critic_workload": vars(plan.critic_work) if plan.critic_work is not None else None,
         "sampler": {**vars(plan.sampler), "concurrency": plan.sampler.concurrency, "starts": plan.sampler.starts},
         "ranks": [{
@@ -144,7 +144,7 @@ def _memory_lines(plan: Plan) -> list[str]:
     lines.append(f"  {'= update phase':<32}" + "".join(f"{_gib(r.update):>14}" for r in ranks))
     lines.append("  (sampler_weights and kv_cache are inside sampler_budget; the update phase "
                  + ("frees it: sleeping sampler)" if plan.switches.sleep else "keeps it: no sleep)"))
-    if has_critic(plan.cfg):
+    if has_critic(plan.cfg.rl):
         lines.append("  (the critic's update runs after the actor's: the update phase holds the larger of "
                      "activations + logits and critic_activations)")
     for kind in ("optimizer_offload", "sleeping_sampler_weights", "routing_record"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moe_rl.config import Config
+from moe_rl.config import ModelConfig, SamplerConfig
 from moe_rl.plan.hardware import GIB, Hardware
 from moe_rl.plan.workload import Workload
 
@@ -58,20 +58,22 @@ class SamplerMemory:
         return max(0.0, min(1.0, self.kv_capacity_bytes / self.kv_need_bytes))
 
 
-def kv_bytes_per_token(cfg: Config, rtp: int) -> int:
+def kv_bytes_per_token(model: ModelConfig, precision: str, rtp: int) -> int:
     """KV cache per token position on one rank of a rollout-TP `rtp` engine, all layers. GQA:
     K and V of the rank's KV heads (replicated past the KV-head count). Multi-latent
     attention: the compressed latent and the shared RoPE key (kv_lora_rank +
-    qk_pos_emb_head_dim values), which vLLM caches whole on every TP rank."""
-    m, s = cfg.model, cfg.sampler
+    qk_pos_emb_head_dim values), which vLLM caches whole on every TP rank. `precision`:
+    sampler.precision."""
+    m = model
     if m.multi_latent_attention:
-        return m.num_layers * (m.kv_lora_rank + m.qk_pos_emb_head_dim) * KV_BYTES[s.precision]
+        return m.num_layers * (m.kv_lora_rank + m.qk_pos_emb_head_dim) * KV_BYTES[precision]
     kv_heads = max(m.num_query_groups // rtp, 1)
-    return 2 * m.num_layers * kv_heads * m.kv_channels * KV_BYTES[s.precision]
+    return 2 * m.num_layers * kv_heads * m.kv_channels * KV_BYTES[precision]
 
 
-def sampler_memory(cfg: Config, params_by_kind: dict[str, int], work: Workload, hw: Hardware) -> SamplerMemory:
-    s = cfg.sampler
+def sampler_memory(sampler: SamplerConfig, model: ModelConfig, params_by_kind: dict[str, int], work: Workload,
+                   hw: Hardware) -> SamplerMemory:
+    s = sampler
     rtp = work.rollout_tp
     routed = params_by_kind["routed_experts"]
     dense = sum(params_by_kind.values()) - routed
@@ -79,7 +81,8 @@ def sampler_memory(cfg: Config, params_by_kind: dict[str, int], work: Workload, 
         weights = (dense + routed // rtp) * WEIGHT_BYTES[s.precision]
     else:
         weights = (dense + routed) * WEIGHT_BYTES[s.precision] // rtp
-    per_token, whole_token = kv_bytes_per_token(cfg, rtp), kv_bytes_per_token(cfg, 1)
+    per_token = kv_bytes_per_token(model, s.precision, rtp)
+    whole_token = kv_bytes_per_token(model, s.precision, 1)  # the whole batch's cache, unsharded
     per_engine = math.ceil(work.sequences / work.engines)
     length = work.prompt_tokens + work.response_tokens
     budget = int(s.gpu_memory_utilization * hw.gpu_memory_bytes)

@@ -19,7 +19,6 @@ not fit"; examples/gpu/deepseek_v3.yaml states their plans.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import logging
 import math
@@ -27,7 +26,7 @@ import sys
 from collections.abc import Iterator
 
 from moe_rl.cli import cpu_environment, run_guarded
-from moe_rl.config import Config, ConfigError, load_recipe
+from moe_rl.config import ConfigError, ModelConfig, load_recipe
 from moe_rl.plan.critic import has_critic
 from moe_rl.plan.hardware import GIB, Hardware
 from moe_rl.plan.memory import Switches
@@ -37,10 +36,10 @@ TABLE_MODELS = tuple(name for name in CONFIGS if name not in ("DeepSeek-V3", "Ki
 """The published models the table plans (why not DeepSeek-V3 and Kimi-K2: module docstring)."""
 
 
-def layouts(cfg: Config, gpus: int, per_node: int) -> Iterator[tuple[int, int, int]]:
+def layouts(model: ModelConfig, gpus: int, per_node: int) -> Iterator[tuple[int, int, int]]:
     """(TP, EP, PP) the learner can run at `gpus`: TP inside a node dividing the KV heads,
     EP from 8 up dividing the experts, PP dividing the layers."""
-    m = cfg.model
+    m = model
     for pp in (1, 2, 4):
         if m.num_layers % pp or gpus % pp:
             continue
@@ -52,19 +51,15 @@ def layouts(cfg: Config, gpus: int, per_node: int) -> Iterator[tuple[int, int, i
                     yield tp, ep, pp
 
 
-def _with(cfg: Config, section: str, **values: object) -> Config:
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
-
-
-def _fitted(source, hw: Hardware, prompt_tokens: int, sw: Switches):  # -> Plan | None
-    """The fastest plan over rollout TPs, vLLM's budget set to the room the learner leaves
-    (less 1%), among those whose engine starts."""
+def _fitted(source, hw: Hardware, prompt_tokens: int, sw: Switches):  # (ModelSource, ...) -> Plan | None
+    """The fastest plan of `source` (`moe_rl.plan.planner.ModelSource`) over rollout TPs, vLLM's
+    budget set to the room the learner leaves (less 1%), among those whose engine starts."""
     from moe_rl.plan.planner import make_plan
     from moe_rl.plan.verdict import engine_host_load
 
     best, rtp = None, 1
     while rtp <= hw.gpus:
-        trial = dataclasses.replace(source, cfg=_with(source.cfg, "sampler", tensor_parallel_size=rtp))
+        trial = source.revised("sampler", tensor_parallel_size=rtp)
         rtp *= 2
         try:
             first = make_plan(trial, hw, prompt_tokens, sw)
@@ -74,23 +69,22 @@ def _fitted(source, hw: Hardware, prompt_tokens: int, sw: Switches):  # -> Plan 
         util = min(0.9, math.floor(room / hw.gpu_memory_bytes * 100) / 100 - 0.01)
         if util <= 0:
             continue
-        plan = make_plan(dataclasses.replace(trial, cfg=_with(trial.cfg, "sampler", gpu_memory_utilization=util)),
-                         hw, prompt_tokens, sw)
+        plan = make_plan(trial.revised("sampler", gpu_memory_utilization=util), hw, prompt_tokens, sw)
         if plan.fits and plan.sampler.concurrency > 0 and (best is None or plan.times["total"] < best.times["total"]):
             best = plan
     return best
 
 
-def best_plan(source, hw: Hardware, prompt_tokens: int):  # -> Plan | None
+def best_plan(source, hw: Hardware, prompt_tokens: int):  # (ModelSource, ...) -> Plan | None
     """The fastest plan that fits over `layouts`, with and without the optimizer offloaded to
     host memory and with and without full recompute (whose extra forward the step time counts)."""
     best = None
-    for tp, ep, pp in layouts(source.cfg, hw.gpus, hw.gpus_per_node):
-        cfg = _with(source.cfg, "parallel", tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                    pipeline_model_parallel_size=pp, micro_batch_size=1)
+    for tp, ep, pp in layouts(source.cfg.model, hw.gpus, hw.gpus_per_node):
+        laid_out = source.revised("parallel", tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                  pipeline_model_parallel_size=pp, micro_batch_size=1)
         for recompute, offload in itertools.product((False, True), (0.0, 1.0)):
             sw = Switches(distributed_optimizer=True, offload_fraction=offload, recompute=recompute, sleep=True)
-            plan = _fitted(dataclasses.replace(source, cfg=cfg), hw, prompt_tokens, sw)
+            plan = _fitted(laid_out, hw, prompt_tokens, sw)
             if plan and (best is None or plan.times["total"] < best.times["total"]):
                 best = plan
     return best
@@ -127,14 +121,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _table(args: argparse.Namespace) -> int:
     """Print the table, a row as soon as it is planned (a bad recipe: ConfigError)."""
-    from moe_rl.plan.model_source import resolve_model
+    from moe_rl.plan.planner import resolve_model
 
     rows = []
     for name in args.models:
         directory = write_config_dir(name, f"{args.models_dir}/{name}")
         source = resolve_model(load_recipe(args.config, [f"run.init_checkpoint={directory}", *args.overrides])[0])
         if not rows:
-            what = "model (PPO: actor + critic)" if has_critic(source.cfg) else "model"
+            what = "model (PPO: actor + critic)" if has_critic(source.cfg.rl) else "model"
             rows += [f"| {what} | " + " | ".join(f"{g} x H100" for g in args.gpus) + " |",
                      "|---|" + "---|" * len(args.gpus)]
         cells = [cell(best_plan(source, Hardware(gpus=g), args.prompt_tokens)) for g in args.gpus]

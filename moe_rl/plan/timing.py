@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from moe_rl.config import Config
+from moe_rl.config import ModelConfig
 from moe_rl.plan.hardware import Hardware
 from moe_rl.plan.sampler import SamplerMemory
 from moe_rl.plan.workload import PlannedLayout, Workload
@@ -31,21 +31,21 @@ from moe_rl.plan.workload import PlannedLayout, Workload
 TERA = 1e12
 
 
-def attention_flops_per_token(cfg: Config, seq_len: int) -> float:
-    m = cfg.model
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    m = model
     return 2.0 * m.num_attention_heads * m.kv_channels * seq_len * m.num_layers
 
 
-def _peak(cfg: Config, hw: Hardware) -> float:
-    return (hw.fp8_tflops if cfg.model.fp8 != "none" else hw.bf16_tflops) * TERA * hw.mfu
+def _peak(model: ModelConfig, hw: Hardware) -> float:
+    return (hw.fp8_tflops if model.fp8 != "none" else hw.bf16_tflops) * TERA * hw.mfu
 
 
-def _forward_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_params: int, hw: Hardware) -> float:
+def _forward_seconds(model: ModelConfig, layout: PlannedLayout, work: Workload, gemm_params: int, hw: Hardware) -> float:
     """One forward pass over the step's batch, per rank, with `gemm_params` GEMM weights."""
     s = work.seq_len
     tokens = work.sequences * s
-    gemm_peak, attn_peak = _peak(cfg, hw), hw.bf16_tflops * TERA * hw.mfu
-    return tokens * (2.0 * gemm_params / gemm_peak + attention_flops_per_token(cfg, s) / attn_peak) / layout.learners
+    gemm_peak, attn_peak = _peak(model, hw), hw.bf16_tflops * TERA * hw.mfu
+    return tokens * (2.0 * gemm_params / gemm_peak + attention_flops_per_token(model, s) / attn_peak) / layout.learners
 
 
 def _update_factor(layout: PlannedLayout, work: Workload, recompute: bool) -> float:
@@ -55,26 +55,26 @@ def _update_factor(layout: PlannedLayout, work: Workload, recompute: bool) -> fl
     return (3 + (1 if recompute else 0)) * work.epochs * bubble
 
 
-def learner_seconds(cfg: Config, layout: PlannedLayout, work: Workload, gemm_params: int, recompute: bool,
+def learner_seconds(model: ModelConfig, layout: PlannedLayout, work: Workload, gemm_params: int, recompute: bool,
                     hw: Hardware) -> dict[str, float]:
     """Seconds per step of the scoring passes and the update passes (fwd + bwd), per rank."""
-    fwd_seconds = _forward_seconds(cfg, layout, work, gemm_params, hw)
+    fwd_seconds = _forward_seconds(model, layout, work, gemm_params, hw)
     return {"scoring": work.scoring_passes * fwd_seconds,
             "update_compute": _update_factor(layout, work, recompute) * fwd_seconds}
 
 
-def critic_seconds(cfg: Config, layout: PlannedLayout, work: Workload, critic_gemm_params: int, recompute: bool,
-                   hw: Hardware) -> dict[str, float]:
+def critic_seconds(model: ModelConfig, layout: PlannedLayout, work: Workload, critic_gemm_params: int,
+                   recompute: bool, hw: Hardware) -> dict[str, float]:
     """PPO's critic per step, per rank (`work`: its workload, `workload.critic_workload`): one
     forward pass over the batch for the values and its update passes, at the actor's FLOPs
     less the output layer's GEMM (the critic's value head, a [h] dot product per token, is
     left out: 2h FLOPs against ~2 x active parameters; `moe_rl.plan.critic`)."""
-    fwd_seconds = _forward_seconds(cfg, layout, work, critic_gemm_params, hw)
+    fwd_seconds = _forward_seconds(model, layout, work, critic_gemm_params, hw)
     return {"critic_scoring": fwd_seconds,
             "critic_update_compute": _update_factor(layout, work, recompute) * fwd_seconds}
 
 
-def rollout_seconds(cfg: Config, work: Workload, gemm_params: int, sampler: SamplerMemory,
+def rollout_seconds(model: ModelConfig, work: Workload, gemm_params: int, sampler: SamplerMemory,
                     hw: Hardware) -> dict[str, float]:
     """Prefill and decode seconds of one engine (engines run in parallel)."""
     peak = hw.bf16_tflops * TERA * hw.mfu
@@ -91,18 +91,18 @@ def rollout_seconds(cfg: Config, work: Workload, gemm_params: int, sampler: Samp
     avg_context = work.prompt_tokens + work.response_tokens / 2
     read = sampler.weights_bytes + running * avg_context * sampler.kv_bytes_per_token
     flops = running * 2.0 * gemm_params / per_engine_gpus
-    step = max(read / hbm, flops / peak) + _decode_allreduce_seconds(cfg, running, per_engine_gpus, hw)
+    step = max(read / hbm, flops / peak) + _decode_allreduce_seconds(model, running, per_engine_gpus, hw)
     return {"rollout_prefill": prefill, "rollout_decode": waves * work.response_tokens * step}
 
 
-def _decode_allreduce_seconds(cfg: Config, running: int, rollout_tp: int, hw: Hardware) -> float:
+def _decode_allreduce_seconds(model: ModelConfig, running: int, rollout_tp: int, hw: Hardware) -> float:
     """vLLM's tensor parallelism all-reduces the hidden states twice per layer per decoding
     step (ring: 2(t-1)/t of running x hidden x 2 bytes); across nodes at InfiniBand speed.
     Latency (tens of microseconds per all-reduce) is not counted."""
     if rollout_tp == 1:
         return 0.0
     gbps = hw.ib_gbps if rollout_tp > hw.gpus_per_node else hw.nvlink_gbps
-    nbytes = 2 * cfg.model.num_layers * 2 * (rollout_tp - 1) / rollout_tp * running * cfg.model.hidden_size * 2
+    nbytes = 2 * model.num_layers * 2 * (rollout_tp - 1) / rollout_tp * running * model.hidden_size * 2
     return nbytes / (gbps * 1e9 * hw.bandwidth_efficiency)
 
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from moe_rl.config import ConfigError
 from moe_rl.plan.hardware import GIB, Hardware
 from moe_rl.plan.memory import Switches
-from moe_rl.plan.model_source import ModelSource
-from moe_rl.plan.planner import Plan, make_plan
+from moe_rl.plan.planner import ModelSource, Plan, make_plan
 
 State = tuple[ModelSource, Hardware, Switches]
 

@@ -14,15 +14,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from moe_rl.config import Config, ConfigError, validate_layout, validate_minibatches
-from moe_rl.config.critic import critic_minibatches
+from moe_rl.config import ConfigError, ModelConfig, ParallelConfig, RLConfig, SamplerConfig
 
 
-def separate_engine_ranks(cfg: Config) -> int:
+def separate_engine_ranks(sampler: SamplerConfig) -> int:
     """GPUs that host engines only (`sampler.placement=separate`), else 0."""
-    if cfg.sampler.placement != "separate":
+    if sampler.placement != "separate":
         return 0
-    return cfg.sampler.engine_ranks
+    return sampler.engine_ranks
 
 
 @dataclass(frozen=True)
@@ -43,11 +42,11 @@ class PlannedLayout:
     """Expert data-parallel size: world / (etp * ep * pp)."""
 
     @classmethod
-    def of(cls, cfg: Config, world: int) -> PlannedLayout:
-        p = cfg.parallel
+    def of(cls, parallel: ParallelConfig, sampler: SamplerConfig, world: int) -> PlannedLayout:
+        p = parallel
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
-        n = world - separate_engine_ranks(cfg)
+        n = world - separate_engine_ranks(sampler)
         return cls(world, n, tp, pp, ep, etp, n // (tp * pp), n // (etp * ep * pp))
 
     def describe(self) -> str:
@@ -86,14 +85,15 @@ class Workload:
         return self.micro_batch * self.seq_len
 
 
-def workload(cfg: Config, layout: PlannedLayout, prompt_tokens: int) -> Workload:
-    """The step's shapes for `cfg` at `layout` with prompts of `prompt_tokens` tokens."""
-    rl = cfg.rl
+def workload(rl: RLConfig, sampler: SamplerConfig, parallel: ParallelConfig, layout: PlannedLayout,
+             prompt_tokens: int) -> Workload:
+    """The step's shapes for the recipe's `rl`, `sampler` and `parallel` sections at `layout`
+    with prompts of `prompt_tokens` tokens."""
     sequences = rl.prompts_per_step * rl.group_size
-    response = cfg.sampler.max_new_tokens
+    response = sampler.max_new_tokens
     seq_len = math.ceil((prompt_tokens + response) / layout.tp) * layout.tp
-    micro_batch, micro_batches = _micro_batching(cfg, layout, sequences, seq_len, rl.num_minibatches)
-    rollout_tp = cfg.sampler.tensor_parallel_size
+    micro_batch, micro_batches = _micro_batching(parallel, layout, sequences, seq_len, rl.num_minibatches)
+    rollout_tp = sampler.tensor_parallel_size
     return Workload(
         sequences=sequences,
         prompt_tokens=prompt_tokens,
@@ -110,35 +110,35 @@ def workload(cfg: Config, layout: PlannedLayout, prompt_tokens: int) -> Workload
     )
 
 
-def critic_workload(cfg: Config, layout: PlannedLayout, work: Workload) -> Workload:
-    """PPO's critic's update shapes: the step's batch in critic.num_minibatches mini-batches
-    (default the actor's), critic.epochs passes, at the actor's micro-batch size; one value
-    pass over the batch (its scoring pass)."""
-    minibatches = critic_minibatches(cfg)
-    micro_batch, micro_batches = _micro_batching(cfg, layout, work.sequences, work.seq_len, minibatches)
+def critic_workload(parallel: ParallelConfig, layout: PlannedLayout, work: Workload, minibatches: int,
+                    epochs: int) -> Workload:
+    """PPO's critic's update shapes: the step's batch in `minibatches` mini-batches
+    (critic.num_minibatches, default the actor's), `epochs` passes (critic.epochs), at the
+    actor's micro-batch size; one value pass over the batch (its scoring pass)."""
+    micro_batch, micro_batches = _micro_batching(parallel, layout, work.sequences, work.seq_len, minibatches)
     return dataclasses.replace(work, micro_batch=micro_batch, micro_batches=micro_batches,
-                               updates=minibatches * cfg.critic.epochs, epochs=cfg.critic.epochs, scoring_passes=1)
+                               updates=minibatches * epochs, epochs=epochs, scoring_passes=1)
 
 
-def _micro_batching(cfg: Config, layout: PlannedLayout, sequences: int, seq_len: int,
+def _micro_batching(parallel: ParallelConfig, layout: PlannedLayout, sequences: int, seq_len: int,
                     minibatches: int) -> tuple[int, int]:
     """(sequences per micro-batch, micro-batches per rank per update) for `sequences` split
     into `minibatches` updates over `layout.dp` ranks."""
     per_rank = math.ceil(math.ceil(sequences / minibatches) / layout.dp)
-    budget = cfg.parallel.max_tokens_per_microbatch
+    budget = parallel.max_tokens_per_microbatch
     # the plan's worst case: every sequence at its longest, so a token budget holds
     # budget // seq_len of them (at least one: a longer sequence takes a micro-batch alone)
-    per_micro = max(1, budget // seq_len) if budget and cfg.parallel.packing else cfg.parallel.micro_batch_size
+    per_micro = max(1, budget // seq_len) if budget and parallel.packing else parallel.micro_batch_size
     micro_batch = min(per_micro, per_rank)
     return micro_batch, math.ceil(per_rank / micro_batch)
 
 
-def check_rollout_tp(cfg: Config, world: int) -> None:
+def check_rollout_tp(sampler: SamplerConfig, model: ModelConfig, world: int) -> None:
     """vLLM's tensor parallelism needs whole query heads per rank and KV heads either split
     evenly or replicated evenly."""
-    rtp = cfg.sampler.tensor_parallel_size
-    m = cfg.model
-    hosts = separate_engine_ranks(cfg) or world
+    rtp = sampler.tensor_parallel_size
+    m = model
+    hosts = separate_engine_ranks(sampler) or world
     if hosts % rtp or m.num_attention_heads % rtp or (m.num_query_groups % rtp and rtp % m.num_query_groups):
         raise ConfigError(
             f"sampler.tensor_parallel_size={rtp} must divide the engines' ranks ({hosts}) and "
@@ -147,18 +147,11 @@ def check_rollout_tp(cfg: Config, world: int) -> None:
         )
 
 
-def check_world(cfg: Config, world: int) -> None:
-    """The trainer's layout and mini-batch checks at this world size, and the rollout TP's
-    (cheap: no build)."""
-    validate_minibatches(cfg, validate_layout(cfg, world))
-    check_rollout_tp(cfg, world)
-
-
-def prompt_tokens_for(cfg: Config, requested: int) -> int:
+def prompt_tokens_for(model: ModelConfig, sampler: SamplerConfig, requested: int) -> int:
     """The prompt length to plan: `requested`, capped so that prompt + max_new_tokens fits
     model.max_position_embeddings."""
-    room = cfg.model.max_position_embeddings - cfg.sampler.max_new_tokens
+    room = model.max_position_embeddings - sampler.max_new_tokens
     if room < 1:
-        raise ConfigError(f"sampler.max_new_tokens={cfg.sampler.max_new_tokens} leaves no room for a prompt in "
-                          f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+        raise ConfigError(f"sampler.max_new_tokens={sampler.max_new_tokens} leaves no room for a prompt in "
+                          f"model.max_position_embeddings={model.max_position_embeddings}")
     return max(1, min(requested, room))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,16 @@ import numpy as np
 import torch
 
 from moe_rl.batch import TokenBatch
-from moe_rl.config import Config, ConfigError
+from moe_rl.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    SFTConfig,
+    to_dict,
+)
 from moe_rl.loop import Program
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
@@ -79,17 +89,17 @@ def expected_reward(learner: Any, batch: TokenBatch) -> float:
     return float(torch.exp(seq).mean())
 
 
-def sft_output(cfg: Config) -> Path:
+def sft_output(sft: SFTConfig, run: RunConfig) -> Path:
     """Where the finished run's model-only checkpoint goes."""
-    return Path(cfg.sft.output) if cfg.sft.output else cfg.run_dir / "base"
+    return Path(sft.output) if sft.output else run.run_dir / "base"
 
 
-def check_output(cfg: Config) -> None:
+def check_output(sft: SFTConfig, run: RunConfig) -> None:
     """sft.output is replaced at the end only when it is a checkpoint (or absent / empty):
     refuse anything else before training rather than after."""
     from moe_rl.checkpoints.directories import is_checkpoint
 
-    out = sft_output(cfg)
+    out = sft_output(sft, run)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"sft.output={out} is a file; choose a directory path")
     if out.is_dir() and any(out.iterdir()) and not is_checkpoint(out):
@@ -97,11 +107,11 @@ def check_output(cfg: Config) -> None:
                           "choose another path")
 
 
-def started_from_hf(cfg: Config) -> bool:
+def started_from_hf(run: RunConfig) -> bool:
     """run.init_checkpoint is a Hugging Face directory: the next program (a Hugging Face
     recipe) takes the run's export, `<run>/hf`; the project's own models go on from the
     moe_rl checkpoint `sft.output`."""
-    init = cfg.run.init_checkpoint
+    init = run.init_checkpoint
     return bool(init) and (Path(init) / "config.json").is_file()
 
 
@@ -117,24 +127,35 @@ class SFTProgram(Program):
         """The layout, the starting weights if any, the task's inputs with their reference
         completions, the model, the device and the output; the `--check` line."""
         from moe_rl.config import validate_layout
-        from moe_rl.preflight import check_start
-        from moe_rl.recipe_check import layout_line
+        from moe_rl.preflight import check_start, layout_line
 
         validate_layout(cfg, world)
         check_start(cfg, init_required=False, completions=True)
-        check_output(cfg)
+        check_output(cfg.sft, cfg.run)
         out = cfg.sft.output or cfg.run_dir / "base"
         return f"sft, {layout_line(cfg, world)}, up to {cfg.run.steps} steps -> {out}"
 
-    def __init__(self, cfg: Config) -> None:
+    @classmethod
+    def build(cls, cfg: Config) -> Program:
+        """The program from the recipe's sections, after every check (once, before anything
+        is built)."""
         from moe_rl.learner import init_distributed
         from moe_rl.preflight import load_prompt_encoder
 
-        self.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # once, before anything is built
-        self.cfg = cfg
-        self.rank, self.world = init_distributed(cfg.parallel.distributed_backend)
-        self.task = make_task(cfg.task)
-        self.encoder = load_prompt_encoder(cfg)[1]
+        cls.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        rank, world = init_distributed(cfg.parallel.distributed_backend)
+        return cls(make_task(cfg.task), load_prompt_encoder(cfg)[1], rank, world, model=cfg.model,
+                   parallel=cfg.parallel, optimizer=cfg.optimizer, sft=cfg.sft, run=cfg.run, recipe=to_dict(cfg))
+
+    def __init__(self, task: Task, encoder: Any, rank: int, world: int, *, model: ModelConfig,
+                 parallel: ParallelConfig, optimizer: OptimizerConfig, sft: SFTConfig, run: RunConfig,
+                 recipe: Mapping[str, Any]) -> None:
+        """`encoder`: the run's `PromptEncoder`; `recipe`: the resolved recipe's plain data,
+        saved with every checkpoint."""
+        self.task, self.encoder, self.rank, self.world = task, encoder, rank, world
+        self.model_cfg, self.parallel, self.optimizer, self.sft, self.run = model, parallel, optimizer, sft, run
+        self.recipe = recipe
+        self.output = sft_output(sft, run)
         self._stack = contextlib.ExitStack()
         self._evaluated: tuple[int, float] | None = None
         """(step, expected reward) of the latest evaluation."""
@@ -142,24 +163,25 @@ class SFTProgram(Program):
     def setup(self, resume_from: Path | None) -> int:
         from moe_rl.learner import Learner, load_checkpoint, load_start, parallel_layout
 
-        cfg = self.cfg
-        self.layout = self._stack.enter_context(parallel_layout(cfg.parallel, seed=cfg.run.seed))
+        run = self.run
+        self.layout = self._stack.enter_context(parallel_layout(self.parallel, seed=run.seed))
         self.layout_name = self.layout.name
-        torch.manual_seed(cfg.run.seed)
-        self.learner = Learner(cfg.model, cfg.parallel, self.layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
-        held_out = self.task.sample(cfg.sft.eval_problems, np.random.default_rng(cfg.run.seed + EVAL_SEED_OFFSET))
+        torch.manual_seed(run.seed)
+        self.learner = Learner(self.model_cfg, self.parallel, self.layout, optimizer=self.optimizer,
+                               total_updates=run.steps)
+        held_out = self.task.sample(self.sft.eval_problems, np.random.default_rng(run.seed + EVAL_SEED_OFFSET))
         self.eval_batch = encode_problems(held_out, self.task, self.encoder, self.layout.tp)
         if resume_from is not None:
-            meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint)
+            meta = load_checkpoint(self.learner, resume_from, trust=run.trust_checkpoint)
             log.info("resumed from %s at step %d", resume_from, int(meta["trainer_step"]))
             return int(meta["trainer_step"])
-        if cfg.run.init_checkpoint:
-            load_start(self.learner, cfg.run.init_checkpoint, cfg.run.trust_checkpoint)
+        if run.init_checkpoint:
+            load_start(self.learner, run.init_checkpoint, run.trust_checkpoint)
         return 0
 
     def step(self, step: int) -> dict[str, float]:
-        rng = np.random.default_rng([self.cfg.run.seed, step])
-        batch = encode_problems(self.task.sample(self.cfg.sft.batch_size, rng), self.task, self.encoder, self.layout.tp,
+        rng = np.random.default_rng([self.run.seed, step])
+        batch = encode_problems(self.task.sample(self.sft.batch_size, rng), self.task, self.encoder, self.layout.tp,
                                 rng)
         update = self.learner.train_step(batch, nll_loss(batch))
         out = {"learner/loss": update["nll"]}
@@ -174,13 +196,13 @@ class SFTProgram(Program):
 
     def done(self, step: int, metrics: dict[str, float]) -> bool:
         """sft.target_reward reached at an evaluation (the same number on every rank)."""
-        target = self.cfg.sft.target_reward
+        target = self.sft.target_reward
         return bool(target) and metrics.get("eval/expected_reward", -1.0) >= target
 
     def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
         from moe_rl.learner.checkpoint import start_checkpoint
 
-        return start_checkpoint(self.learner, path, config=self.cfg, extra_meta=meta, background=background)
+        return start_checkpoint(self.learner, path, recipe=self.recipe, extra_meta=meta, background=background)
 
     def finish(self, last_step: int, final: Path) -> None:
         """Collective: the model alone (no optimizer state) to sft.output."""
@@ -190,22 +212,22 @@ class SFTProgram(Program):
             reward = self._evaluated[1]  # (the last step was evaluated: the same weights)
         else:
             reward = expected_reward(self.learner, self.eval_batch)
-        save_checkpoint(self.learner, sft_output(self.cfg), include_optimizer=False, config=self.cfg,
+        save_checkpoint(self.learner, self.output, include_optimizer=False, recipe=self.recipe,
                         extra_meta={"sft": {"step": last_step, "expected_reward": reward}})
         if self.rank == 0:
             log.info("sft done: %d steps, expected reward %.3f, base model in %s", last_step, reward,
-                     sft_output(self.cfg))
-            if self.cfg.run.export_hf and started_from_hf(self.cfg):
+                     self.output)
+            if self.run.export_hf and started_from_hf(self.run):
                 from moe_rl.convert import megatron_to_hf
 
                 log.info("exported the final model to %s",
-                         megatron_to_hf(sft_output(self.cfg), self.cfg.run_dir / "hf", force=True))
+                         megatron_to_hf(self.output, self.run.run_dir / "hf", force=True))
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         evals = [(int(h["step"]), h["eval/expected_reward"]) for h in history if "eval/expected_reward" in h]
         return {"algorithm": "sft", "expected_reward": evals[-1][1] if evals else None,
                 "eval_expected_reward": [{"step": s, "expected_reward": r} for s, r in evals],
-                "checkpoint": str(sft_output(self.cfg))}
+                "checkpoint": str(self.output)}
 
     def log_line(self, step: int, m: dict[str, float]) -> str | None:
         if "eval/expected_reward" not in m:

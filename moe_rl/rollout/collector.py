@@ -1,6 +1,8 @@
 """One step's rollout: problems -> engines -> rewards -> (dynamic sampling) -> batch.
 
-    collector = RolloutCollector(cfg, make_sync)       # task, tokenizer, engine placement, weight sync
+    collector = RolloutCollector(sampler=cfg.sampler, task=cfg.task, rl=cfg.rl, model=cfg.model,
+                                 parallel=cfg.parallel, run=cfg.run,
+                                 make_sync=make_sync)  # task, tokenizer, engine placement, weight sync
     collector.start_sampler(run_dir, weights_source)   # one engine per rollout group
     collector.assign_rows(dp_rank)                     # where each step's rows are trained on
     rollout = collector.collect(step, timer)  # collective: each rank gets its rows
@@ -28,7 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_rl.config import Config
+from moe_rl.config import (
+    ModelConfig,
+    ParallelConfig,
+    RLConfig,
+    RunConfig,
+    SamplerConfig,
+    TaskConfig,
+)
 from moe_rl.rollout.ahead import agreed_ahead, engines_lacking, save_ahead
 from moe_rl.rollout.engine_faults import (
     EngineFailedError,
@@ -58,30 +67,37 @@ log = logging.getLogger(__name__)
 class RolloutCollector:
     """Owns the task, the tokenizer and this rank's engine (shard)."""
 
-    def __init__(self, cfg: Config, make_sync: Callable[[Config, EnginePlacement], Any] | None = None,
+    def __init__(self, *, sampler: SamplerConfig, task: TaskConfig, rl: RLConfig, model: ModelConfig,
+                 parallel: ParallelConfig, run: RunConfig, make_sync: Callable[[EnginePlacement], Any] | None = None,
                  placement: EnginePlacement | None = None) -> None:
-        """`make_sync(cfg, placement)`: the weight transport the engines receive updates
-        through (`moe_rl.weights.make_weight_synchronizer`, collective: every rank, here);
-        None: the engines keep their starting weights (an evaluation)."""
-        self.cfg = cfg
-        separate = cfg.sampler.placement == "separate"
-        self.placement = placement or EnginePlacement.current(cfg.sampler.tensor_parallel_size,
-                                                              cfg.sampler.engine_ranks if separate else 0)
-        self.weight_sync = make_sync(cfg, self.placement) if make_sync is not None else FixedWeights()
-        self.engines = Engines(cfg, self.placement, self.weight_sync)  # (collective too)
-        self.task = make_task(cfg.task)
-        self.tok = load_tokenizer(cfg.task.tokenizer, cfg.run.init_checkpoint)  # (checked by the preflight)
-        self.prompts = PromptEncoder.from_config(cfg.task, self.tok)
-        self.episodes = Episodes(cfg, self.task, self.tok, self.prompts.template) if cfg.rl.multi_turn else None
+        """The run's sections: `sampler` (the engines), `task` (problems, tokenizer, rewards),
+        `rl` (the step's groups), `model` and `parallel` (the learner's batch layout), `run`
+        (seed, starting checkpoint, evaluation). `make_sync(placement)`: the weight transport
+        the engines receive updates through (`moe_rl.weights.make_weight_synchronizer`,
+        collective: every rank, here); None: the engines keep their starting weights (an
+        evaluation)."""
+        self.sampler_cfg, self.task_cfg, self.rl_cfg, self.model_cfg = sampler, task, rl, model
+        self.tp, self.seed = parallel.tensor_model_parallel_size, run.seed
+        separate = sampler.placement == "separate"
+        self.placement = placement or EnginePlacement.current(sampler.tensor_parallel_size,
+                                                              sampler.engine_ranks if separate else 0)
+        self.weight_sync = make_sync(self.placement) if make_sync is not None else FixedWeights()
+        self.engines = Engines(self.placement, self.weight_sync, sampler=sampler, rl=rl, seed=run.seed,
+                               trust_checkpoint=run.trust_checkpoint)  # (collective too)
+        self.task = make_task(task)
+        self.tok = load_tokenizer(task.tokenizer, run.init_checkpoint)  # (checked by the preflight)
+        self.prompts = PromptEncoder.from_config(task, self.tok)
+        self.episodes = (Episodes(self.task, self.tok, self.prompts.template, rl=rl, task_cfg=task,
+                                  max_new_tokens=sampler.max_new_tokens) if rl.multi_turn else None)
         """Multi-turn episodes' environments and template (`episodes`); None: one response each."""
         self.learner_wait = 0.0
         """Seconds the last `deliver` waited for the engines (a learner-only rank)."""
         self.engine_wait = 0.0
         """Seconds this engine last waited for the learner's weights (set by the trainer)."""
-        self.held_out = HeldOut(cfg.task, cfg.run)
+        self.held_out = HeldOut(task, run)
         self._row_owners: list[int | None] = [0] * self.placement.world  # (until assign_rows: all rows everywhere)
         self._dp = 1
-        self._signal = LearningSignalWatch(cfg.rl.dynamic_sampling, group_advantages=not cfg.rl.uses_critic)
+        self._signal = LearningSignalWatch(rl.dynamic_sampling, group_advantages=not rl.uses_critic)
 
     @property
     def pad_id(self) -> int:
@@ -106,15 +122,15 @@ class RolloutCollector:
         """The problems of one draw of (1-based) training step `step`: the first is the task's
         batch (a dataset walks its epochs), dynamic sampling's further draws are random ones
         seeded from (run.seed, step, draw)."""
-        n = self.cfg.rl.prompts_per_step
+        n = self.rl_cfg.prompts_per_step
         if draw == 0:
-            return self.task.batch(step - 1, n, self.cfg.run.seed)
-        return self.task.sample(n, np.random.default_rng([self.cfg.run.seed, step, draw]))
+            return self.task.batch(step - 1, n, self.seed)
+        return self.task.sample(n, np.random.default_rng([self.seed, step, draw]))
 
     def seeds(self, step: int, draw: int, num_problems: int) -> list[int]:
         """The base sampler seed of each problem of a draw (`base_seeds`: sample j of problem
         i draws with seed_i + j), from (run.seed, step, draw) alone."""
-        return base_seeds(self.cfg.run.seed * 1_000_003 + step * 101 + draw, num_problems, self.cfg.rl.group_size)
+        return base_seeds(self.seed * 1_000_003 + step * 101 + draw, num_problems, self.rl_cfg.group_size)
 
     def assign_rows(self, dp_rank: int | None) -> None:
         """Tell the collector which data-parallel rank this rank trains as (None: an
@@ -136,7 +152,7 @@ class RolloutCollector:
         `EnginesRebuilt` (the engines need the newest weights again) or `EngineFailedError`."""
         if not self.placement.hosts_engine:
             return None
-        rl = self.cfg.rl
+        rl = self.rl_cfg
         out = Sampled(step, self.weight_sync.held_version or 0)
         while len(out.drawn) < (rl.max_draws if rl.dynamic_sampling else 1):
             summaries, mine, seconds, cut = self._draw(step, len(out.drawn), out.version, timer)
@@ -152,7 +168,7 @@ class RolloutCollector:
             log.warning("step %d: every group had equal rewards in %d draws", step, len(out.drawn))
             out.kept = [(len(out.drawn) - 1, i) for i in range(len(out.drawn[-1]))]
         out.kept = out.kept[: rl.prompts_per_step]
-        if self.cfg.sampler.sleep_between_steps and self.sampler is not None:  # the learner's turn
+        if self.sampler_cfg.sleep_between_steps and self.sampler is not None:  # the learner's turn
             self.sampler.sleep()
         return out
 
@@ -212,18 +228,20 @@ class RolloutCollector:
         public, restarts = public
         self.learner_wait = time.perf_counter() - t0 if not self.placement.hosts_engine else 0.0
         drawn, current = public.drawn, step - 1  # the learner's policy: the weights of `step - 1` pushes
-        kept = [(d, i) for d, i in public.kept if current - drawn[d][i].version <= self.cfg.rl.max_staleness]
+        rl = self.rl_cfg
+        kept = [(d, i) for d, i in public.kept if current - drawn[d][i].version <= rl.max_staleness]
         with timer.phase("reward"):
-            plan = plan_step([drawn[d][i] for d, i in kept], [g for d in drawn for g in d], len(drawn), self.cfg)
-        dropped = (len(public.kept) - len(kept)) * self.cfg.rl.group_size + public.dropped_stale
+            plan = plan_step([drawn[d][i] for d, i in kept], [g for d in drawn for g in d], len(drawn), rl, self.tp)
+        dropped = (len(public.kept) - len(kept)) * rl.group_size + public.dropped_stale
         plan.stats.update(staleness_stats([drawn[d][i] for d, i in kept], current, dropped))
         with timer.phase("gather"):
-            rows = self._deliver(kept, sampled.held if sampled is not None else {}, self.cfg.rl.group_size)
+            rows = self._deliver(kept, sampled.held if sampled is not None else {}, rl.group_size)
         self._signal.observe(step, plan.stats["reward/zero_variance_frac"])
         if self._row_owners[self.placement.rank] is None:  # an engine-only rank trains on nothing
             rollout = Rollout(None, torch.zeros(0), [], plan.stats)
         else:
-            rollout = Rollout(*pack_rows(rows, plan, self.cfg, self.pad_id), stats=plan.stats)
+            rollout = Rollout(*pack_rows(rows, plan, self.model_cfg, self.sampler_cfg.max_new_tokens, self.pad_id),
+                              stats=plan.stats)
         rollout.stats.update(self._engine_stats(public.engine_seconds, drawn))
         rollout.stats["reward/timeouts"] = float(public.reward_timeouts)
         rollout.stats["rollout/engine_restarts"] = float(restarts)
@@ -272,12 +290,12 @@ class RolloutCollector:
                         timer: StepTimer) -> tuple[list[ScoredGroup], float, int]:
         """This engine's problems of a draw, G single responses each, scored: the groups, the
         generation seconds and the rewards cut at task.reward_timeout_s."""
-        cfg, G = self.cfg, self.cfg.rl.group_size
+        s, G = self.sampler_cfg, self.rl_cfg.group_size
         prompt_ids = [self.prompts.encode(p) for p in problems]
         t0 = time.perf_counter()
         with timer.phase("sample"):
-            ro = self.engines.generate(f"generating step {step}", prompt_ids, n=G, max_new_tokens=cfg.sampler.max_new_tokens,
-                                temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, prompt_seeds=seeds)
+            ro = self.engines.generate(f"generating step {step}", prompt_ids, n=G, max_new_tokens=s.max_new_tokens,
+                                temperature=s.temperature, top_p=s.top_p, prompt_seeds=seeds)
         sample_seconds = time.perf_counter() - t0  # (generation alone, as segmented decoding counts it)
         with timer.phase("reward"):
             texts = [self.tok.decode(r) for r in ro.response_token_ids]
@@ -296,8 +314,8 @@ class RolloutCollector:
         """This engine's problems of a draw, G multi-turn episodes each (`episodes`), decoded in
         rounds of at most rl.max_turn_tokens tokens until every engine's episodes are over
         (each round's failure agreed over the engine ranks, as `Engines.generate`'s)."""
-        cfg, G = self.cfg, self.cfg.rl.group_size
-        pool = RolloutPool(cfg.sampler.max_new_tokens, self.episodes.max_turn_tokens, self.episodes)
+        s, G = self.sampler_cfg, self.rl_cfg.group_size
+        pool = RolloutPool(s.max_new_tokens, self.episodes.max_turn_tokens, self.episodes)
         for i, (problem, seed) in enumerate(zip(problems, seeds)):
             self.episodes.admit(pool, (step, 0, i), problem, seed, G)
         t0 = time.perf_counter()
@@ -307,7 +325,7 @@ class RolloutCollector:
                 fault = None
                 if pool.running:
                     try:
-                        pool.segment(self.sampler, version, cfg.sampler.temperature, cfg.sampler.top_p)
+                        pool.segment(self.sampler, version, s.temperature, s.top_p)
                     except Exception as e:  # (whatever the engine raised; the round is retried on a rebuilt engine)
                         fault = EngineFault(self.placement.rank, describe_error(e))
                 parts = self.placement.all_engines((fault, bool(pool.running)), self.engines.group)
@@ -324,7 +342,7 @@ class RolloutCollector:
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy accuracy and pass@k on `task.eval_data_path`, every engine taking its block of
         the held-out problems (`evaluate.HeldOut`). Collective: every rank returns the same."""
-        return self.held_out.evaluate(step, self.engines, self.prompts, self.tok, self.cfg.sampler, self.episodes)
+        return self.held_out.evaluate(step, self.engines, self.prompts, self.tok, self.sampler_cfg, self.episodes)
 
     @property
     def last_eval_examples(self) -> list[dict[str, Any]]:

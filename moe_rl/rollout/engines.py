@@ -1,7 +1,8 @@
 """This rank's rollout engine (shard) and its life: built on the learner's starting weights,
 handed to the weight transport, woken, closed, and, when a call fails, rebuilt.
 
-    engines = Engines(cfg, placement, weight_sync)       # collective: the engine groups form
+    engines = Engines(placement, weight_sync, sampler=cfg.sampler, rl=cfg.rl, seed=cfg.run.seed,
+                      trust_checkpoint=cfg.run.trust_checkpoint)   # collective: the engine groups form
     engines.start(run_dir, weights_source, eos_ids)      # collective: one engine per rollout group
     ro = engines.generate("generating step 3", prompt_ids, n=G, ...)  # collective over the engine ranks
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import Config
+from moe_rl.config import RLConfig, SamplerConfig
 from moe_rl.rollout.engine_faults import (
     EngineFailedError,
     EngineFault,
@@ -41,12 +42,17 @@ log = logging.getLogger(__name__)
 class Engines:
     """This rank's engine (None on a learner-only rank) and what rebuilding it needs."""
 
-    def __init__(self, cfg: Config, placement: EnginePlacement, weight_sync: Any) -> None:
-        self.cfg, self.placement, self.weight_sync = cfg, placement, weight_sync
+    def __init__(self, placement: EnginePlacement, weight_sync: Any, *, sampler: SamplerConfig, rl: RLConfig,
+                 seed: int, trust_checkpoint: bool) -> None:
+        """Collective: the engine groups form. The engines are built as `sampler` and `rl`
+        ask (`moe_rl.sampler.engine_config`), seeded with the run's `seed`; `trust_checkpoint`
+        is the run's `run.trust_checkpoint` (for reading their starting weights)."""
+        self.placement, self.weight_sync = placement, weight_sync
+        self.sampler_cfg, self.rl_cfg, self.seed, self.trust_checkpoint = sampler, rl, seed, trust_checkpoint
         self.group = placement.engines_group()  # (collective)
         """The engine ranks' process group (None: they are the whole world)."""
         self.sampler: Sampler | None = None
-        self.restarts = RestartBudget(cfg.sampler.max_restarts)
+        self.restarts = RestartBudget(sampler.max_restarts)
         """Engine rebuilds after a failure (`engine_faults`): rollout/engine_restarts."""
         self.returns_routed_experts = False
         """Every engine returns its routed experts (known after `start`)."""
@@ -61,16 +67,19 @@ class Engines:
         pl = self.placement
         weights_source = pl.from_rank0(weights_source)
         if pl.rank == 0:
-            hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source)
+            hf_dir = sampler_weights_dir(run_dir, weights_source, self.trust_checkpoint)
         pl.barrier()
         if pl.rank != 0:
-            hf_dir = sampler_weights_dir(self.cfg, run_dir, weights_source, convert=False)
+            hf_dir = sampler_weights_dir(run_dir, weights_source, self.trust_checkpoint, convert=False)
         self._hf_dir, self._eos_ids = hf_dir, list(eos_ids)
         group_env = pl.group_env() if pl.ranks_per_engine > 1 else None  # (collective over every rank)
         if pl.hosts_engine:
-            self.sampler = build_sampler(self.cfg, hf_dir, self._eos_ids, group_env)
+            self.sampler = self._build(hf_dir, group_env)
         self.weight_sync.attach(self.sampler)
         self.returns_routed_experts = all(pl.gather(bool(getattr(self.sampler, "returns_routed_experts", False))))
+
+    def _build(self, hf_dir: Path, group_env: dict[str, str] | None) -> Sampler:
+        return build_sampler(self.sampler_cfg, self.rl_cfg, self.seed, hf_dir, self._eos_ids, group_env)
 
     def generate(self, doing: str, prompt_ids: list[list[int]], **kwargs: Any) -> Rollouts:
         """`Sampler.generate` on this rank's engine, its failure agreed over the engine ranks
@@ -107,7 +116,7 @@ class Engines:
             self.discard()
             pl = self.placement
             group_env = pl.group_env(self.group) if pl.ranks_per_engine > 1 else None
-            self.sampler = build_sampler(self.cfg, self._hf_dir, self._eos_ids, group_env)
+            self.sampler = self._build(self._hf_dir, group_env)
             self.weight_sync.attach(self.sampler)
         if self.weight_sync.synced:
             raise EnginesRebuilt()

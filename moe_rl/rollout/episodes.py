@@ -1,7 +1,8 @@
 """Multi-turn episodes (`rl.max_turns > 1`): the policy's turns and the environment's
 observations, one token sequence per episode, decoded with continuous batching.
 
-    episodes = Episodes(cfg, task, tokenizer, template)
+    episodes = Episodes(task, tokenizer, template, rl=cfg.rl, task_cfg=cfg.task,
+                        max_new_tokens=cfg.sampler.max_new_tokens)
     prompt_ids, states = episodes.start(problem, G)       # one environment per response
     pool = RolloutPool(max_new_tokens, segment_tokens, episodes)
     ...                                                    # pool.segment(...) until done
@@ -57,25 +58,29 @@ from moe_rl.tokenization.tool_calls import tool_call_parser
 from moe_rl.tokenization.turns import ChatTurns
 
 if TYPE_CHECKING:
-    from moe_rl.config import Config
+    from moe_rl.config import RLConfig, TaskConfig
     from moe_rl.tasks.base import Problem, Task
 
 
 class Episodes:
     """The run's environments, chat template and limits, applied to the pool's episodes."""
 
-    def __init__(self, cfg: Config, task: Task, tokenizer: Any, template: str | None) -> None:
+    def __init__(self, task: Task, tokenizer: Any, template: str | None, *, rl: RLConfig, task_cfg: TaskConfig,
+                 max_new_tokens: int) -> None:
+        """Episodes of `task` with the environments, system prompt and tool-call format of its
+        section `task_cfg`, within `rl`'s turn limits and `max_new_tokens` tokens each (the
+        run's `sampler.max_new_tokens`)."""
         if template is None:
-            raise ValueError(f"rl.max_turns={cfg.rl.max_turns}: multi-turn episodes need a chat template; set "
+            raise ValueError(f"rl.max_turns={rl.max_turns}: multi-turn episodes need a chat template; set "
                              "task.chat_template=auto with a tokenizer that has one, or a .jinja file")
         self.tokenizer = tokenizer
         self.template = template
-        self.system_prompt = cfg.task.system_prompt
-        self.make_env = make_environment(cfg.task, task)
-        self.parse = tool_call_parser(cfg.task.tool_parser, template)
-        self.max_turns = cfg.rl.max_turns
-        self.max_turn_tokens = cfg.rl.max_turn_tokens or cfg.sampler.max_new_tokens
-        self.max_new_tokens = cfg.sampler.max_new_tokens
+        self.system_prompt = task_cfg.system_prompt
+        self.make_env = make_environment(task_cfg, task)
+        self.parse = tool_call_parser(task_cfg.tool_parser, template)
+        self.max_turns = rl.max_turns
+        self.max_turn_tokens = rl.max_turn_tokens or max_new_tokens
+        self.max_new_tokens = max_new_tokens
         self._turns: dict[tuple[int, ...], ChatTurns] = {}
 
     def turns_for(self, env: Environment) -> ChatTurns:

@@ -10,7 +10,7 @@ import torch
 
 from moe_rl.advantages import compute_advantages, filter_groups, overlong_penalty
 from moe_rl.batch import TokenBatch, ragged_rows
-from moe_rl.config import Config
+from moe_rl.config import ModelConfig, RLConfig
 from moe_rl.rollout.types import SCORE, VERSION_SPAN, GroupSummary, RowSample
 from moe_rl.routing.record import ReplayIds, align_sampler_routing
 from moe_rl.step_batch import StepBatch
@@ -37,27 +37,29 @@ class StepPlan:
         return self.rewards_NG.numel()
 
 
-def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, cfg: Config) -> StepPlan:
+def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, rl: RLConfig,
+              tp: int) -> StepPlan:
     """Advantages, batch width and statistics of the `kept` groups (dynamic sampling may have
-    drawn more: `drawn` is every group of the step, for the statistics)."""
+    drawn more: `drawn` is every group of the step, for the statistics), shaped and estimated
+    as `rl` says, the width rounded up to `tp` (the learner's tensor-parallel size)."""
     rewards_NG = torch.tensor([g.rewards for g in kept], dtype=torch.float32)
     lengths_NG = torch.tensor([g.response_lens for g in kept], dtype=torch.float32)
     shaped_NG = rewards_NG
-    if cfg.rl.overlong_max_len:
-        shaped_NG = rewards_NG + overlong_penalty(lengths_NG, cfg.rl.overlong_max_len, cfg.rl.overlong_cache)
-    critic = cfg.rl.uses_critic  # (its token advantages come once the step is scored)
-    adv_NG = torch.zeros_like(shaped_NG) if critic else compute_advantages(cfg.rl.advantage, shaped_NG)
+    if rl.overlong_max_len:
+        shaped_NG = rewards_NG + overlong_penalty(lengths_NG, rl.overlong_max_len, rl.overlong_cache)
+    critic = rl.uses_critic  # (its token advantages come once the step is scored)
+    adv_NG = torch.zeros_like(shaped_NG) if critic else compute_advantages(rl.advantage, shaped_NG)
     longest = max(g.prompt_len + max(g.response_lens, default=0) for g in kept)
-    tp = cfg.parallel.tensor_model_parallel_size
     stats = rollout_stats(kept, drawn, draws, rewards_NG, lengths_NG, None if critic else adv_NG)
     return StepPlan(rewards_NG, adv_NG, shaped_NG, -(-longest // tp) * tp, stats)
 
 
-def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -> tuple[StepBatch, torch.Tensor,
-                                                                                      list[str]]:
-    """This rank's rows (ascending row id) as a StepBatch on the step's [b, S] grid, with
-    their rewards and texts."""
-    T = cfg.sampler.max_new_tokens
+def pack_rows(rows: list[RowSample], plan: StepPlan, model: ModelConfig, max_new_tokens: int,
+              pad_id: int) -> tuple[StepBatch, torch.Tensor, list[str]]:
+    """This rank's rows (ascending row id) as a StepBatch on the step's [b, S] grid
+    (responses `max_new_tokens` wide: `sampler.max_new_tokens`), with their rewards and
+    texts; the sampler's routes laid out for `model`'s MoE layers."""
+    T = max_new_tokens
     episodes = any(r.observed is not None for r in rows)
     tokens = TokenBatch.from_lists([r.prompt for r in rows], [r.response for r in rows], pad_id=pad_id,
                                    response_width=T, min_seq_len=plan.seq_len,
@@ -67,7 +69,7 @@ def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -
         tokens, row_ids, plan.rows,
         adv_B=plan.adv_NG.flatten()[row_ids],
         sampler_logp_BT=ragged_rows([r.logprobs for r in rows], T),
-        sampler_routing=sampler_routing(rows, tokens, row_ids, cfg),
+        sampler_routing=sampler_routing(rows, tokens, row_ids, model),
         version_B=torch.tensor([r.version for r in rows], dtype=torch.long),
         extras={SCORE: plan.scores_NG.flatten()[row_ids],
                 VERSION_SPAN: torch.tensor([max(r.token_versions) - min(r.token_versions) if r.token_versions else 0
@@ -77,12 +79,13 @@ def pack_rows(rows: list[RowSample], plan: StepPlan, cfg: Config, pad_id: int) -
 
 
 def sampler_routing(rows: list[RowSample], tokens: TokenBatch, row_ids: torch.Tensor,
-                    cfg: Config) -> ReplayIds | None:
-    """The sampler's routed experts on the rows' grid, or None when it returned none."""
+                    model: ModelConfig) -> ReplayIds | None:
+    """The sampler's routed experts on the rows' grid (`model`'s MoE layers), or None when it
+    returned none."""
     if not rows or rows[0].routed is None:
         return None
-    moe_layers = list(range(cfg.model.num_dense_layers, cfg.model.num_layers))
-    ids_BSLK, valid_BS = align_sampler_routing([r.routed for r in rows], tokens, cfg.model.num_experts, moe_layers)
+    moe_layers = list(range(model.num_dense_layers, model.num_layers))
+    ids_BSLK, valid_BS = align_sampler_routing([r.routed for r in rows], tokens, model.num_experts, moe_layers)
     return ReplayIds(row_ids, ids_BSLK, valid_BS)
 
 

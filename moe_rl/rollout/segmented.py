@@ -91,10 +91,10 @@ class SegmentedRollout:
     def __init__(self, collector: RolloutCollector, units: int = 0) -> None:
         """`units`: units of problems already admitted (a fresh pool on a resume from step n
         draws the problems of steps n + 1, ...)."""
-        cfg = collector.cfg
-        self.collector, self.cfg = collector, cfg
-        self.pool = RolloutPool(cfg.sampler.max_new_tokens, cfg.rl.inflight_segment_tokens, collector.episodes)
-        self.quota = len(collector.placement.share(cfg.rl.prompts_per_step))
+        self.collector, self.rl_cfg, self.sampler_cfg = collector, collector.rl_cfg, collector.sampler_cfg
+        self.pool = RolloutPool(self.sampler_cfg.max_new_tokens, self.rl_cfg.inflight_segment_tokens,
+                                collector.episodes)
+        self.quota = len(collector.placement.share(self.rl_cfg.prompts_per_step))
         self.units = units
         """Units of problems admitted so far (`admit`)."""
         self.seconds = 0.0
@@ -103,7 +103,7 @@ class SegmentedRollout:
         """Dynamic sampling: finished groups set aside since the last batch for equal rewards."""
         self.reward_timeouts = 0
         """Rewards cut at task.reward_timeout_s since the last batch was taken."""
-        self.streaming = cfg.rl.inflight_kv == "keep"
+        self.streaming = self.rl_cfg.inflight_kv == "keep"
         """vLLM's streaming engine decodes the pool continuously (`RolloutPool.stream`)."""
         self.epoch_versions: dict[int, int] = {}
         """Streaming: the policy version of each engine epoch (weight loads) seen."""
@@ -118,8 +118,8 @@ class SegmentedRollout:
         further units while fewer than quota x (1 + rl.partial_oversample) groups are in the
         pool (without spare groups every batch would wait for all of its own)."""
         self._admit_unit()
-        if self.cfg.rl.partial_rollouts:
-            target = math.ceil(self.quota * (1 + self.cfg.rl.partial_oversample))
+        if self.rl_cfg.partial_rollouts:
+            target = math.ceil(self.quota * (1 + self.rl_cfg.partial_oversample))
             while len(self.pool.running) + len(self.pool.done) < target:
                 self._admit_unit()
 
@@ -127,7 +127,7 @@ class SegmentedRollout:
         """The next unit's problems (`groups`: only the first that many of this engine's share,
         the places of groups dynamic sampling set aside; the rest of that unit is skipped)."""
         self.units += 1
-        c, G = self.collector, self.cfg.rl.group_size
+        c, G = self.collector, self.rl_cfg.group_size
         problems = c.problems(self.units, 0)
         seeds = c.seeds(self.units, 0, len(problems))
         for i in c.placement.share(len(problems))[:groups]:
@@ -141,7 +141,7 @@ class SegmentedRollout:
         weights; None: already taken) has been called at the schedule's pause point. Until
         that point the engine keeps decoding even with the batch ready, rather than wait for
         the learner idle: the running responses move on."""
-        rl = self.cfg.rl
+        rl = self.rl_cfg
         self.pool.drop_older_than(step - 1 - rl.max_staleness)
         segments = 0
         while True:
@@ -165,7 +165,7 @@ class SegmentedRollout:
     def _segment(self, step: int, timer: StepTimer) -> None:
         """One segment of the pool; an engine that fails ends the run (the engines decode at
         their own pace, so they cannot agree on a restart: sampler.max_restarts is 0 here)."""
-        s, t0, sampler = self.cfg.sampler, time.perf_counter(), self.collector.sampler
+        s, t0, sampler = self.sampler_cfg, time.perf_counter(), self.collector.sampler
         with timer.phase("sample"):
             try:
                 if self.streaming:
@@ -175,7 +175,7 @@ class SegmentedRollout:
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 raise self.collector.failed_alone(f"generating step {step}", e) from e
         self.seconds += time.perf_counter() - t0
-        if self.cfg.rl.dynamic_sampling:
+        if self.rl_cfg.dynamic_sampling:
             with timer.phase("reward"):
                 self._screen()
 
@@ -187,7 +187,7 @@ class SegmentedRollout:
             return
         self._score(fresh)
         new = {id(g) for g in fresh}
-        budget = (self.cfg.rl.max_draws - 1) * self.quota
+        budget = (self.rl_cfg.max_draws - 1) * self.quota
         kept = []
         for g in self.pool.done:
             if id(g) in new and len(set(g.rewards)) == 1 and len(self.screened) < budget:
@@ -221,7 +221,7 @@ class SegmentedRollout:
         """Finished groups the batch waits for: the quota (partial rollouts; dynamic sampling,
         whose replacements keep the pool at the quota), or every group in the pool (the unit
         admitted for `step`: nothing carries over then)."""
-        if self.cfg.rl.partial_rollouts or self.cfg.rl.dynamic_sampling:
+        if self.rl_cfg.partial_rollouts or self.rl_cfg.dynamic_sampling:
             return self.quota
         return len(self.pool.done) + len(self.pool.running)
 
@@ -229,7 +229,7 @@ class SegmentedRollout:
         """The learner's weights are taken now: at the batch boundary without in-flight
         updates; after rl.inflight_push_after_segments segments (deterministic); once the
         push has begun to arrive (throughput)."""
-        rl = self.cfg.rl
+        rl = self.rl_cfg
         if not rl.inflight_weight_updates:
             return ready
         if rl.async_schedule == "deterministic":
@@ -241,7 +241,7 @@ class SegmentedRollout:
     def batch(self, step: int) -> Sampled:
         """Take step `step`'s batch from the pool, scored (collective over the engine ranks),
         with the groups dynamic sampling set aside since the last one (for the statistics)."""
-        self.pool.drop_older_than(step - 1 - self.cfg.rl.max_staleness)
+        self.pool.drop_older_than(step - 1 - self.rl_cfg.max_staleness)
         groups = self.pool.take(self.quota)
         self._score([g for g in groups if g.rewards is None])
         dropped, self.pool.dropped_stale = self.pool.dropped_stale, 0

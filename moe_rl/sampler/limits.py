@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.config import Config, ConfigError
+from moe_rl.config import ConfigError, ModelConfig, SamplerConfig
 from moe_rl.sampler.precision import resolve_precision
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes()
@@ -37,21 +37,20 @@ CPU_MLA_LATENT_SIZES = (576,)
 _ALTERNATIVE = "use sampler.backend=transformers (any shape), or a model that fits"
 
 
-def check_engine_limits(cfg: Config, on_gpu: bool | None = None) -> None:
-    """Raise a one-line ConfigError naming the first limit of the configured sampler engine
-    (on this device: `on_gpu=None` asks torch) that the recipe's model or precision
+def check_engine_limits(sampler: SamplerConfig, model: ModelConfig, on_gpu: bool | None = None) -> None:
+    """Raise a one-line ConfigError naming the first limit of the `sampler` section's engine
+    (on this device: `on_gpu=None` asks torch) that `model` or the sampler's precision
     exceeds, and the alternative; return quietly when the engine can run it."""
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     try:
-        resolve_precision(cfg.sampler.precision, on_gpu)
+        resolve_precision(sampler.precision, on_gpu)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.sampler.backend == "vllm" and not on_gpu:
-        _check_vllm_cpu(cfg)
+    if sampler.backend == "vllm" and not on_gpu:
+        _check_vllm_cpu(model)
 
 
-def _check_vllm_cpu(cfg: Config) -> None:
-    m = cfg.model
+def _check_vllm_cpu(m: ModelConfig) -> None:
     latent = m.kv_lora_rank + m.qk_pos_emb_head_dim
     if m.multi_latent_attention and latent not in CPU_MLA_LATENT_SIZES:
         raise ConfigError(

@@ -2,8 +2,9 @@
 (the learner's full-tensor stream and the sampler's loading), above `moe_rl.learner`,
 `moe_rl.sampler` and `moe_rl.rollout`, which know nothing of each other's weights.
 
-    sync = make_weight_synchronizer(cfg, placement)     # collective: every rank, once
-    collector = RolloutCollector(cfg, make_sync=make_weight_synchronizer)   # what the RL program does
+    sync = make_weight_synchronizer(placement, bucket_mib=cfg.sampler.weight_sync_bucket_mib)  # collective
+    make_sync = partial(make_weight_synchronizer, bucket_mib=cfg.sampler.weight_sync_bucket_mib)
+    collector = RolloutCollector(..., make_sync=make_sync)   # what the RL program does (every rank, once)
     metrics = sync.push(learner, version)               # every learner rank, after an update
 
 `sync`: colocated streaming or broadcast to separate engine ranks (`moe_rl.weights.sync`).

@@ -1,6 +1,6 @@
 """Weight sync from the learner to the engines: one `WeightSynchronizer`, chosen once.
 
-    sync = make_weight_synchronizer(cfg, placement)   # collective: every rank, once
+    sync = make_weight_synchronizer(placement, bucket_mib=512)   # collective: every rank, once
     sync.attach(engine)                               # this rank's engine (None: it has none)
     metrics = sync.push(learner, version)             # every learner rank, after an update
     sync.receive()                                    # every engine-only rank, at the same point
@@ -50,7 +50,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_rl.config import Config
 from moe_rl.rollout.placement import EnginePlacement
 from moe_rl.runtime.worlds import bridge
 from moe_rl.sampler import Sampler
@@ -364,10 +363,11 @@ class BroadcastSync(WeightSynchronizer):
         return bool(self._posted[1].is_completed())
 
 
-def make_weight_synchronizer(cfg: Config, placement: EnginePlacement) -> WeightSynchronizer:
-    """The synchronizer of this run's placement. Collective (every rank, once, at the same
+def make_weight_synchronizer(placement: EnginePlacement, *, bucket_mib: int) -> WeightSynchronizer:
+    """The synchronizer of this run's placement, sending buckets of `bucket_mib` MiB (the
+    run's `sampler.weight_sync_bucket_mib`). Collective (every rank, once, at the same
     point): the broadcast variant creates its process group here."""
-    bucket_bytes = cfg.sampler.weight_sync_bucket_mib << 20
+    bucket_bytes = bucket_mib << 20
     if placement.engine_ranks and placement.world > 1:
         return BroadcastSync(placement, bucket_bytes)
     return ColocatedSync(placement, bucket_bytes)

@@ -21,6 +21,8 @@ import sys
 import torch
 from convert_worker import fixed_batch
 
+from moe_rl.config import to_dict
+
 DS = [
     "parallel.micro_batch_size=4",
     "model.init_method_std=0.05",
@@ -67,7 +69,7 @@ def main() -> None:
         with parallel_layout(cfg.parallel, seed=5) as layout:
             learner = Learner(cfg.model, cfg.parallel, layout)
             assert set_expert_biases(learner.gpt, seed=3) == cfg.model.num_layers - cfg.model.num_dense_layers
-            save_checkpoint(learner, f"{out}/c1", config=cfg)
+            save_checkpoint(learner, f"{out}/c1", recipe=to_dict(cfg))
             result["logp"] = learner.logprobs(batch)
         megatron_to_hf(f"{out}/c1", f"{out}/hf1")
         hf_to_megatron(f"{out}/hf1", f"{out}/rt1")
@@ -76,7 +78,7 @@ def main() -> None:
         with parallel_layout(cfg.parallel, seed=7) as layout:
             learner = Learner(cfg.model, cfg.parallel, layout)
             load_checkpoint(learner, f"{out}/c1")
-            save_checkpoint(learner, f"{out}/c_ep2", config=cfg)
+            save_checkpoint(learner, f"{out}/c_ep2", recipe=to_dict(cfg))
             result["logp"] = learner.logprobs(batch)
             result["stream"] = dict(hf_named_tensors(learner))  # empty on rank 1
             from_hf = Learner(cfg.model, cfg.parallel, layout)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.config import to_dict
+
 BASE = ["parallel.micro_batch_size=4", "model.init_method_std=0.05"]
 C1 = [*BASE, "model.num_dense_layers=1"]
 PARALLEL = {
@@ -89,7 +91,7 @@ def save1(out: str, batch) -> None:
         with parallel_layout(cfg.parallel, seed=5) as layout:
             learner = learner_of(cfg, layout)
             one_step(learner, batch)
-            save_checkpoint(learner, f"{out}/c1", config=cfg)
+            save_checkpoint(learner, f"{out}/c1", recipe=to_dict(cfg))
             result["logp"] = learner.logprobs(batch)
     torch.save(result, f"{out}/save1.pt")
     megatron_to_hf(f"{out}/c1", f"{out}/hf1")
@@ -118,7 +120,7 @@ def layouts(out: str, batch, rank: int) -> None:
         cfg = load_config(None, BASE + parallel + MODEL[name])
         with parallel_layout(cfg.parallel, seed=7) as layout:
             learner = Learner(cfg.model, cfg.parallel, layout)
-            save_checkpoint(learner, f"{out}/c_{name}", config=cfg)
+            save_checkpoint(learner, f"{out}/c_{name}", recipe=to_dict(cfg))
             r = {"layout": layout.name, "logp": learner.logprobs(batch)}
             r["stream"] = dict(hf_named_tensors(learner))  # empty on rank 1
             # c1's model at this layout: from the round-tripped checkpoint, and from HF.

@@ -16,7 +16,7 @@ import torch
 from dist_helpers import one_process_then_world
 from learner_utils import fixed_batch, learner_of, rl_updates
 
-from moe_rl.config import load_config
+from moe_rl.config import load_config, to_dict
 from moe_rl.learner.parallel import parallel_layout
 
 LAYOUTS = {
@@ -47,7 +47,7 @@ def critic_step(critic, cfg) -> dict:
     tokens, _ = fixed_batch()
     values = critic.score_whole(tokens).logp_BT  # (the critic's per-token output: its values)
     returns = torch.randn(values.shape, generator=torch.Generator().manual_seed(12)) * tokens.response_mask()
-    update = critic.train_step(tokens, ValueLossFn(cfg), extras={OLD_VALUES: values, RETURNS: returns})
+    update = critic.train_step(tokens, ValueLossFn(cfg.critic), extras={OLD_VALUES: values, RETURNS: returns})
     return {"values": values, "metrics": update, "grad_norm": update["grad_norm"],
             "values_after": critic.score_whole(tokens).logp_BT}
 
@@ -78,7 +78,7 @@ def run(mode: str, out: str) -> dict:
         cfg = load_config(None, BASE + overrides)
         with parallel_layout(cfg.parallel, seed=3) as layout:
             if mode == "reference":
-                save_checkpoint(learner_of(cfg, layout), f"{out}/ckpt0", config=cfg)
+                save_checkpoint(learner_of(cfg, layout), f"{out}/ckpt0", recipe=to_dict(cfg))
             critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=rl_updates(cfg))
             load_checkpoint(critic, f"{out}/ckpt0", load_optimizer=False, optional=(VALUE_HEAD_KEYS,))
             set_head(critic.gpt)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from dist_helpers import one_process_then_world
 
-from moe_rl.config import load_config
+from moe_rl.config import load_config, to_dict
 from moe_rl.learner.parallel import parallel_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def run(mode: str, out: str) -> dict:
         with parallel_layout(cfg.parallel, seed=3) as layout:
             learner = learner_of(cfg, layout)
             if mode == "reference":
-                save_checkpoint(learner, f"{out}/ckpt0", config=cfg)
+                save_checkpoint(learner, f"{out}/ckpt0", recipe=to_dict(cfg))
             else:
                 load_checkpoint(learner, f"{out}/ckpt0")
             result[name] = dpo_step(learner, pairs_batch(layout.tp))

@@ -18,7 +18,7 @@ import sys
 from dist_helpers import alone_on_rank0, one_process_then_world
 from learner_utils import correction_matrix, episode_batch, fixed_batch, learner_of, reinforce_loss
 
-from moe_rl.config import load_config
+from moe_rl.config import load_config, to_dict
 from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
 from moe_rl.learner.parallel import parallel_layout
 
@@ -61,7 +61,7 @@ def reference(out: str, batch, adv_B) -> dict:
     cfg = load_config(None, BASE)
     with parallel_layout(cfg.parallel, seed=3) as layout:
         learner = learner_of(cfg, layout)
-        save_checkpoint(learner, f"{out}/ckpt0", config=cfg)
+        save_checkpoint(learner, f"{out}/ckpt0", recipe=to_dict(cfg))
         result = {"logp": learner.logprobs(batch), "logp_episode": learner.logprobs(episode_batch()[0]),
                   "corrections": correction_matrix(learner, BASE)}
         result["metrics"], result["params"] = step_and_gather(learner, batch, adv_B)
@@ -85,7 +85,7 @@ def layouts(out: str, batch, adv_B) -> dict:
             r["metrics"], r["params"] = step_and_gather(learner, batch, adv_B)
             r["logp_after"] = learner.logprobs(batch)
             if name == "ep2":
-                save_checkpoint(learner, f"{out}/ckpt_ep2", config=cfg)
+                save_checkpoint(learner, f"{out}/ckpt_ep2", recipe=to_dict(cfg))
                 r["next"] = learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
                 resumed = learner_of(cfg, layout)
                 load_checkpoint(resumed, f"{out}/ckpt_ep2")

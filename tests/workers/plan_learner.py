@@ -26,7 +26,7 @@ from learner_utils import fixed_batch, learner_of, reinforce_loss
 from moe_rl.config import load_config
 from moe_rl.learner.engine import Learner
 from moe_rl.learner.parallel import init_distributed, parallel_layout
-from moe_rl.plan.model_source import resolve_model
+from moe_rl.plan.planner import resolve_model
 
 
 def grad_buffer_bytes(learner: Learner) -> int:

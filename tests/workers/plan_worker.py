@@ -29,7 +29,8 @@ from moe_rl.plan.workload import prompt_tokens_for  # noqa: E402
 def run(job: dict) -> dict:
     source = resolve_model(load_config(job.get("recipe"), job.get("overrides", [])))
     hw = Hardware(gpus=job["gpus"], **job.get("hardware", {}))
-    plan = make_plan(source, hw, prompt_tokens=prompt_tokens_for(source.cfg, job.get("prompt_tokens", 1024)))
+    prompt_tokens = prompt_tokens_for(source.cfg.model, source.cfg.sampler, job.get("prompt_tokens", 1024))
+    plan = make_plan(source, hw, prompt_tokens=prompt_tokens)
     return plan_dict(plan, suggest(plan) if job.get("suggest") else [])
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dist_helpers import one_process_then_world
 from learner_utils import fixed_batch, learner_of
 
-from moe_rl.config import load_config
+from moe_rl.config import load_config, to_dict
 from moe_rl.learner import (
     Learner,
     RoutingPlan,
@@ -53,11 +53,11 @@ def reference(out: str) -> dict:
     res: dict = {}
     with parallel_layout(cfg.parallel, seed=3) as layout:
         learner = learner_of(cfg, layout)
-        save_checkpoint(learner, f"{out}/ckpt_a", config=cfg)
+        save_checkpoint(learner, f"{out}/ckpt_a", recipe=to_dict(cfg))
         a = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record
         res["A_ids"], res["A_logp"] = a.ids_RSLK, a.logp_RSLK
         perturb_routers(learner)
-        save_checkpoint(learner, f"{out}/ckpt_b", config=cfg)
+        save_checkpoint(learner, f"{out}/ckpt_b", recipe=to_dict(cfg))
         res["gamma"] = learner.score_whole(batch, routing=RoutingPlan(old=a)).router_shift_BT
         res["fresh_ids"] = learner.score_whole(batch, routing=RoutingPlan(capture=True)).record.ids_RSLK
         for mbs in (12, 6, 3):  # 1, 2 and 4 micro-batches

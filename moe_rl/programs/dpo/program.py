@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from moe_rl.batch import TokenBatch
-from moe_rl.config import Config
+from moe_rl.config import DPOConfig
 from moe_rl.programs.dpo.loss import PairLogps, pair_metrics
 from moe_rl.programs.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
 from moe_rl.programs.preference.data import encode_pairs, pair_rows
@@ -36,24 +36,29 @@ class DPOProgram(PreferenceProgram):
     name = "dpo"
 
     section = "dpo"
+    module = "moe_rl.dpo"
+    init_role = "the starting policy, which is also the frozen reference"
+    pairs_cfg: DPOConfig
 
-    def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg, self.section, cfg.dpo)
+    @classmethod
+    def headline(cls, pairs_cfg: DPOConfig) -> str:
+        return f"dpo ({pairs_cfg.loss}, beta {pairs_cfg.beta})"
+
 
     def _build(self, layout: Any, resume_from: Path | None) -> None:
         from moe_rl.learner import Learner, load_start
 
-        cfg = self.cfg
-        self.model = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
-        self.ref = Learner(cfg.model, cfg.parallel, layout)  # (frozen: no optimizer)
-        load_start(self.ref, cfg.run.init_checkpoint, cfg.run.trust_checkpoint)
+        run = self.run
+        self.model = Learner(self.model_cfg, self.parallel, layout, optimizer=self.optimizer, total_updates=run.steps)
+        self.ref = Learner(self.model_cfg, self.parallel, layout)  # (frozen: no optimizer)
+        load_start(self.ref, run.init_checkpoint, run.trust_checkpoint)
         if resume_from is None:
-            load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint)
+            load_start(self.model, run.init_checkpoint, run.trust_checkpoint)
         self.eval_tokens = encode_pairs(self.eval_pairs, self.encoder, layout.tp) if self.eval_pairs else None
         self.eval_ref = sequence_logps(self.ref, self.eval_tokens) if self.eval_pairs else None
 
     def _train_on(self, tokens: TokenBatch) -> tuple[dict[str, float], dict[str, float]]:
-        d = self.cfg.dpo
+        d = self.pairs_cfg
         ref = sequence_logps(self.ref, tokens)
         logps = PairLogps(*pair_rows(sequence_logps(self.model, tokens)), *pair_rows(ref))
         coef = surrogate_coefficients(logps.margin(), d.beta, d.loss, d.label_smoothing)
@@ -62,7 +67,7 @@ class DPOProgram(PreferenceProgram):
 
     def _held_out(self) -> dict[str, float]:
         """Held-out loss, preference accuracy and margins."""
-        d = self.cfg.dpo
+        d = self.pairs_cfg
         logps = PairLogps(*pair_rows(sequence_logps(self.model, self.eval_tokens)), *pair_rows(self.eval_ref))
         return pair_metrics(logps, d.beta, d.loss, d.label_smoothing)
 
@@ -71,9 +76,9 @@ class DPOProgram(PreferenceProgram):
         directory's config.json and tokenizer files when it was one: `moe_rl.convert`)."""
         from moe_rl.convert import megatron_to_hf
 
-        if self.rank != 0 or not self.cfg.run.export_hf:
+        if self.rank != 0 or not self.run.export_hf:
             return
-        self.log.info("exported the final model to %s", megatron_to_hf(final, self.cfg.run_dir / "hf", force=True))
+        self.log.info("exported the final model to %s", megatron_to_hf(final, self.run.run_dir / "hf", force=True))
 
     def _summary_fields(self) -> dict[str, Any]:
-        return {"algorithm": "dpo", "loss": self.cfg.dpo.loss, "beta": self.cfg.dpo.beta}
+        return {"algorithm": "dpo", "loss": self.pairs_cfg.loss, "beta": self.pairs_cfg.beta}

@@ -1,6 +1,7 @@
 """PPO with a learned critic (`rl.advantage: gae`): the critic's part of an RL step.
 
-    stage = CriticStage(cfg, layout)                    # the critic learner (moe_rl.learner.critic)
+    stage = CriticStage(cfg.critic, cfg.rl, cfg.model, cfg.parallel, layout, run_steps=cfg.run.steps)
+    # (the critic learner: moe_rl.learner.critic)
     batch, metrics = stage.advantages(batch)            # values -> token rewards -> GAE -> whitening
     ...                                                 # the actor's update reads batch.adv_B: [b, T]
     metrics |= stage.update(batch, minibatches)         # the clipped value loss, the critic's own Adam
@@ -30,8 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moe_rl.config import Config
-from moe_rl.config.critic import critic_minibatches
+from moe_rl.config import CriticConfig, ModelConfig, ParallelConfig, RLConfig
 from moe_rl.programs.ppo.gae import (
     adaptive_kl_coef,
     clipped_value_loss,
@@ -60,12 +60,12 @@ class ValueLossFn:
     value_loss_coef * 0.5 max((V - R)^2, (clip(V, V_old +- c) - R)^2), token-mean with the
     whole mini-batch's token count (micro-batch contributions sum to it)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, critic: CriticConfig) -> None:
         from moe_rl.learner import MicroBatchLoss
 
         self._result = MicroBatchLoss
-        self.clip = cfg.critic.value_clip
-        self.coef = cfg.critic.value_loss_coef
+        self.clip = critic.value_clip
+        self.coef = critic.value_loss_coef
 
     def __call__(self, values_BT: torch.Tensor, mb: MicroBatch) -> MicroBatchLoss:
         rows = mb.step
@@ -86,17 +86,20 @@ class CriticStage(StepComponent):
 
     missing_hint = "it was saved by a run without rl.advantage=gae; resume a PPO run from its own checkpoints"
 
-    def __init__(self, cfg: Config, layout: Layout, updates: int | None = None) -> None:
+    def __init__(self, critic: CriticConfig, rl: RLConfig, model: ModelConfig, parallel: ParallelConfig,
+                 layout: Layout, *, run_steps: int, updates: int | None = None) -> None:
+        """`run_steps`: run.steps; `updates`: the critic's optimizer updates over the run, for
+        its schedule (None: every step's passes, warm-up included)."""
         from moe_rl.learner.critic import Critic
 
-        self.cfg = cfg
-        self.passes = (cfg.critic.epochs, critic_minibatches(cfg))
-        self.actor_warmup_steps = cfg.critic.warmup_steps
+        self.critic_cfg, self.rl = critic, rl
+        self.passes = (critic.epochs, critic.num_minibatches or rl.num_minibatches)
+        self.actor_warmup_steps = critic.warmup_steps
         if updates is None:  # (the whole run's: every step trains the critic, warm-up included)
-            updates = cfg.run.steps * self.passes[0] * self.passes[1]
-        self.critic = Critic(cfg.model, cfg.parallel, layout, optimizer=cfg.critic.optimizer, total_updates=updates)
-        self.loss_fn = ValueLossFn(cfg)
-        self.kl_coef = cfg.rl.kl_coef
+            updates = run_steps * self.passes[0] * self.passes[1]
+        self.critic = Critic(model, parallel, layout, optimizer=critic.optimizer, total_updates=updates)
+        self.loss_fn = ValueLossFn(critic)
+        self.kl_coef = rl.kl_coef
         """beta, the KL weight in the reward of the next step (rl.kl_in_reward)."""
 
     def models(self) -> dict[str, Any]:
@@ -107,26 +110,26 @@ class CriticStage(StepComponent):
         critic, value head included; other weights: their transformer, head at zero."""
         from moe_rl.learner.start import load_critic_start
 
-        own = self.cfg.critic.init_checkpoint
+        own = self.critic_cfg.init_checkpoint
         if own or init:
             load_critic_start(self.critic, own or init, trust,
                               key="critic.init_checkpoint" if own else "run.init_checkpoint")
 
     def state(self) -> dict[str, float]:
         """What a checkpoint keeps of the stage besides the critic: the adaptive KL weight."""
-        return {"kl_coef": self.kl_coef} if self.cfg.rl.kl_target > 0 else {}
+        return {"kl_coef": self.kl_coef} if self.rl.kl_target > 0 else {}
 
     def restore(self, meta: dict[str, Any]) -> None:
         """Resume `state` from a checkpoint's metadata (a checkpoint saved without the
         adaptive controller leaves it at rl.kl_coef)."""
-        if self.cfg.rl.kl_target > 0 and "kl_coef" in meta:
+        if self.rl.kl_target > 0 and "kl_coef" in meta:
             self.kl_coef = float(meta["kl_coef"])
 
     def advantages(self, batch: StepBatch, gather: Callable[[Any], list[Any]]) -> tuple[StepBatch, dict[str, float]]:
         """`batch` with [b, T] token advantages in `adv_B` and the critic's old values and
         returns in its extras; `gather`: every data-parallel rank's object (for the step-wide
         whitening and statistics)."""
-        rl = self.cfg.rl
+        rl = self.rl
         mask_BT = batch.response_mask()
         values_BT = self.critic.values(batch).double() * mask_BT
         kl_BT = None
@@ -147,7 +150,7 @@ class CriticStage(StepComponent):
     def _control_kl(self, kl_sum: float, responses: int) -> dict[str, float]:
         """The step's KL weight and mean KL per response; with rl.kl_target, the next step's
         weight (every data-parallel rank computes the same one from the gathered sums)."""
-        rl = self.cfg.rl
+        rl = self.rl
         kl = kl_sum / responses if responses else 0.0
         used = self.kl_coef
         if rl.kl_target > 0 and responses:

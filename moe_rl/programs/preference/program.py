@@ -14,44 +14,79 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moe_rl.config import Config
+from moe_rl.config import (
+    Config,
+    ConfigError,
+    DPOConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RewardModelConfig,
+    RunConfig,
+    to_dict,
+    validate_layout,
+)
 from moe_rl.loop import Program
 
 
 class PreferenceProgram(Program):
-    """One run on preference pairs: `section` is the recipe section with batch_size and
-    eval_max_pairs (`dpo` or `rm`); `self.model` is what trains."""
+    """One run on preference pairs: `pairs_cfg` is the program's own section (`dpo` or `rm`,
+    with batch_size and eval_max_pairs); `self.model` is what trains. Built by `build`,
+    from the recipe's sections and the pairs its checks read."""
 
     name = "preference"
     evaluates_at_start = True
     section = "dpo"
     """The recipe section with its batch size and held-out pairs (`dpo` or `rm`)."""
+    module = "moe_rl.dpo"
+    """The program's entry point, for the messages."""
+    init_role = "the starting weights"
+    """What run.init_checkpoint is to the program, for the messages."""
 
     @classmethod
     def check(cls, cfg: Config, world: int) -> str:
         """The layout, the starting weights, the model, the device, the pairs and their
-        lengths (`preflight.check_pairs_run`); the `--check` line."""
-        from moe_rl.programs.preference.preflight import check_pairs_recipe
+        lengths (`check_pairs_run`); the `--check` line."""
+        from moe_rl.preflight import layout_line
 
-        return check_pairs_recipe(cfg, world, cls.section)
+        train, held_out, _ = check_pairs_run(cfg, world, cls)
+        return (f"{cls.headline(preference_section(cfg, cls.section))}, {layout_line(cfg, world)}, {len(train)} pairs "
+                f"({len(held_out)} held out), {cfg.run.steps} steps -> {cfg.run_dir}")
 
-    def __init__(self, cfg: Config, section: str, pairs_cfg: Any) -> None:
-        """`pairs_cfg`: the `section` of `cfg` the program reads its batch size and held-out
-        pairs from (`cfg.dpo`, `cfg.rm`), handed over by the program."""
+    @classmethod
+    def build(cls, cfg: Config) -> Program:
+        """This rank's program, from the recipe's sections, after every check (the pairs
+        the checks read are the run's: the files are read once)."""
         from moe_rl.learner import init_distributed
-        from moe_rl.programs.preference.preflight import check_pairs_run
 
-        self.cfg, self.pairs_cfg = cfg, pairs_cfg
-        self.train_pairs, self.eval_pairs, self.encoder = check_pairs_run(cfg, int(os.environ.get("WORLD_SIZE", "1")),
-                                                                          section)
+        train, held_out, encoder = check_pairs_run(cfg, int(os.environ.get("WORLD_SIZE", "1")), cls)
+        rank, world = init_distributed(cfg.parallel.distributed_backend)
+        return cls(preference_section(cfg, cls.section), model=cfg.model, parallel=cfg.parallel, optimizer=cfg.optimizer,
+                   run=cfg.run, shuffle=cfg.task.shuffle, pairs=(train, held_out, encoder), recipe=to_dict(cfg),
+                   rank=rank, world=world)
+
+    @classmethod
+    def headline(cls, pairs_cfg: Any) -> str:
+        """The first words of the `--check` line, from the program's own section."""
+        raise NotImplementedError
+
+    def __init__(self, pairs_cfg: Any, *, model: ModelConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
+                 run: RunConfig, shuffle: bool, pairs: tuple[list[Any], list[Any], Any], recipe: Mapping[str, Any],
+                 rank: int, world: int) -> None:
+        """`pairs`: (training pairs, held-out pairs, the prompt encoder), as the checks read
+        them; `shuffle`: task.shuffle; `recipe`: the resolved recipe's plain data, saved with
+        every checkpoint."""
+        self.pairs_cfg, self.model_cfg, self.parallel, self.optimizer, self.run = pairs_cfg, model, parallel, optimizer, run
+        self.shuffle, self.recipe, self.rank, self.world = shuffle, recipe, rank, world
+        self.train_pairs, self.eval_pairs, self.encoder = pairs
         if self.pairs_cfg.eval_max_pairs:
             self.eval_pairs = self.eval_pairs[: self.pairs_cfg.eval_max_pairs]
-        self.rank, self.world = init_distributed(cfg.parallel.distributed_backend)
         self.log = logging.getLogger(type(self).__module__)
         self.model: Any = None
         self.eval_tokens: Any = None
@@ -79,13 +114,13 @@ class PreferenceProgram(Program):
         """The seed, the layout, the models (resumed or from their start)."""
         from moe_rl.learner import load_checkpoint, parallel_layout
 
-        self.layout = self._stack.enter_context(parallel_layout(self.cfg.parallel, seed=self.cfg.run.seed))
+        self.layout = self._stack.enter_context(parallel_layout(self.parallel, seed=self.run.seed))
         self.layout_name = self.layout.name
-        torch.manual_seed(self.cfg.run.seed)
+        torch.manual_seed(self.run.seed)
         self._build(self.layout, resume_from)
         if resume_from is None:
             return 0
-        meta = load_checkpoint(self.model, resume_from, trust=self.cfg.run.trust_checkpoint)
+        meta = load_checkpoint(self.model, resume_from, trust=self.run.trust_checkpoint)
         start = int(meta.get("trainer_step", meta["step"]))
         self.log.info("resumed from %s at step %d", resume_from, start)
         return start
@@ -95,8 +130,7 @@ class PreferenceProgram(Program):
         statistics under their own names (TRL's)."""
         from moe_rl.programs.preference.data import encode_pairs, pairs_of_step
 
-        pairs = pairs_of_step(self.train_pairs, step - 1, self.pairs_cfg.batch_size, self.cfg.run.seed,
-                              self.cfg.task.shuffle)
+        pairs = pairs_of_step(self.train_pairs, step - 1, self.pairs_cfg.batch_size, self.run.seed, self.shuffle)
         stats, update = self._train_on(encode_pairs(pairs, self.encoder, self.layout.tp))
         metrics = {("learner/loss" if k == "loss" else k): v for k, v in stats.items()}
         from moe_rl.learner.microbatch import OPTIMIZER_METRICS
@@ -114,7 +148,7 @@ class PreferenceProgram(Program):
         """Collective: the model, optimizer, schedule and RNG."""
         from moe_rl.learner.checkpoint import start_checkpoint
 
-        return start_checkpoint(self.model, path, config=self.cfg, extra_meta=meta, background=background)
+        return start_checkpoint(self.model, path, recipe=self.recipe, extra_meta=meta, background=background)
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """The algorithm's fields and the held-out accuracy at every evaluation and the last."""
@@ -138,3 +172,76 @@ class PreferenceProgram(Program):
 def eval_accuracies(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """(step, held-out preference accuracy) of every evaluation in a run's logged rows."""
     return [(int(h["step"]), h["eval/rewards/accuracies"]) for h in history if "eval/rewards/accuracies" in h]
+
+
+# ------------------------------------------------------------------ the checks, before anything is built
+# Every check of a preference run's inputs, once, before anything is built (`--check` runs
+# them and prints one line): the layout, the starting weights (for DPO also the reference),
+# the learner's device, the preference files row by row, the tokenizer, and the longest pair
+# against the model's positions. Each failure is one `ConfigError` line naming the key, file
+# or row and the fix.
+
+
+def preference_section(cfg: Config, section: str) -> DPOConfig | RewardModelConfig:
+    """The recipe section a preference program reads its batch size and held-out pairs from."""
+    sections: dict[str, DPOConfig | RewardModelConfig] = {"dpo": cfg.dpo, "rm": cfg.rm}
+    return sections[section]
+
+
+def load_pairs_inputs(cfg: Config, module: str) -> tuple[list[Any], list[Any], Any]:
+    """(training pairs, held-out pairs, PromptEncoder) for the program `module`, or a
+    one-line ConfigError."""
+    from moe_rl.preflight import load_prompt_encoder
+    from moe_rl.programs.preference.data import load_pairs
+    from moe_rl.tasks.dataset import DatasetKeys
+
+    t = cfg.task
+    if not t.data_path:
+        raise ConfigError(f"{module} needs task.data_path: a .jsonl or .parquet file of {{prompt | messages, "
+                          "chosen, rejected} rows (tools/make_preference_data.py writes one for the tiny task)")
+    keys = DatasetKeys.from_config(t)
+    try:
+        train = load_pairs(t.data_path, keys)
+        held_out = load_pairs(t.eval_data_path, keys) if t.eval_data_path else []
+    except ValueError as e:
+        raise ConfigError(" ".join(str(e).split())) from e
+    _, encoder = load_prompt_encoder(cfg)
+    return train, held_out, encoder
+
+
+def check_lengths(pairs: list[Any], encoder: Any, positions: int) -> None:
+    """The longest prompt + response + EOS of any pair fits model.max_position_embeddings."""
+    tok = encoder.tokenizer
+    try:
+        longest = max((len(encoder.encode(p.problem)) + len(tok.encode(text, eos=True)), p.problem.meta["where"])
+                      for p in pairs for text in (p.chosen, p.rejected))
+    except ValueError as e:
+        raise ConfigError(" ".join(str(e).split())) from e
+    if longest[0] > positions:
+        raise ConfigError(f"{longest[1]}: the prompt and a response take {longest[0]} tokens but "
+                          f"model.max_position_embeddings={positions}; shorten the row or raise "
+                          "model.max_position_embeddings")
+
+
+def check_pairs_run(cfg: Config, world: int, program: type[PreferenceProgram]) -> tuple[list[Any], list[Any], Any]:
+    """Raise a one-line ConfigError for the first input that cannot work in a run of
+    `program`; returns what `load_pairs_inputs` read (the run uses it rather than reading
+    the files twice)."""
+    from moe_rl.preflight import check_init_model, check_learner_device
+
+    validate_layout(cfg, world)
+    init = cfg.run.init_checkpoint
+    if not init:
+        raise ConfigError(f"{program.module} needs run.init_checkpoint: {program.init_role} (the tiny recipe uses "
+                          "moe_rl/assets/tiny_base)")
+    if not Path(init).exists():
+        raise ConfigError(f"run.init_checkpoint={init} does not exist (paths are relative to the working directory)")
+    check_init_model(cfg)
+    check_learner_device(cfg)
+    train, held_out, encoder = load_pairs_inputs(cfg, program.module)
+    every = cfg.run.eval_every
+    if every and not held_out:
+        raise ConfigError(f"run.eval_every={every} needs task.eval_data_path (held-out pairs); "
+                          "set it, or run.eval_every=0")
+    check_lengths(train + held_out, encoder, cfg.model.max_position_embeddings)
+    return train, held_out, encoder

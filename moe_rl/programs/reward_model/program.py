@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.batch import TokenBatch
-from moe_rl.config import Config
+from moe_rl.config import RewardModelConfig
 from moe_rl.programs.preference.data import encode_pairs
 from moe_rl.programs.preference.program import PreferenceProgram
 from moe_rl.programs.reward_model.loss import (
@@ -42,26 +42,31 @@ class RewardModelProgram(PreferenceProgram):
     name = "reward model"
 
     section = "rm"
+    module = "moe_rl.reward_model"
+    init_role = "the starting transformer (its value head starts small and random)"
+    pairs_cfg: RewardModelConfig
 
-    def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg, self.section, cfg.rm)
+    @classmethod
+    def headline(cls, pairs_cfg: RewardModelConfig) -> str:
+        return f"reward model (compare {pairs_cfg.compare})"
+
 
     def _build(self, layout: Any, resume_from: Path | None) -> None:
         from moe_rl.learner import load_start
         from moe_rl.learner.critic import VALUE_HEAD_KEYS, ValueModel
 
-        cfg = self.cfg
-        self.model = ValueModel(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=cfg.run.steps)
+        run, rm = self.run, self.pairs_cfg
+        self.model = ValueModel(self.model_cfg, self.parallel, layout, optimizer=self.optimizer, total_updates=run.steps)
         if resume_from is None:  # (the policy's weights hold no value head: rm.head_init_scale starts it)
-            load_start(self.model, cfg.run.init_checkpoint, cfg.run.trust_checkpoint, optional=(VALUE_HEAD_KEYS,))
-            if cfg.rm.head_init_scale > 0:
-                self.model.init_value_head(cfg.rm.head_init_scale / math.sqrt(cfg.model.hidden_size), cfg.run.seed)
+            load_start(self.model, run.init_checkpoint, run.trust_checkpoint, optional=(VALUE_HEAD_KEYS,))
+            if rm.head_init_scale > 0:
+                self.model.init_value_head(rm.head_init_scale / math.sqrt(self.model_cfg.hidden_size), run.seed)
         self.eval_tokens = encode_pairs(self.eval_pairs, self.encoder, layout.tp) if self.eval_pairs else None
         # (the held-out pairs never change: their compared slots are found once, not per evaluation)
-        self.eval_slots = compared_slots(self.eval_tokens, cfg.rm.compare) if self.eval_tokens is not None else None
+        self.eval_slots = compared_slots(self.eval_tokens, rm.compare) if self.eval_tokens is not None else None
 
     def _train_on(self, tokens: TokenBatch) -> tuple[dict[str, float], dict[str, float]]:
-        chosen_PT, rejected_PT = compared_slots(tokens, self.cfg.rm.compare)
+        chosen_PT, rejected_PT = compared_slots(tokens, self.pairs_cfg.compare)
         scores_BT = self.model.logprobs(tokens)  # (a value model's per-token output: scores)
         coef_BT = score_coefficients(scores_BT, chosen_PT, rejected_PT)
         update = self.model.train_step(tokens, score_surrogate_loss, extras={COEF_KEY: coef_BT})
@@ -78,4 +83,4 @@ class RewardModelProgram(PreferenceProgram):
             self.log.info("reward model in %s; start PPO's critic from it with critic.init_checkpoint=%s", final, final)
 
     def _summary_fields(self) -> dict[str, Any]:
-        return {"algorithm": "reward_model", "compare": self.cfg.rm.compare}
+        return {"algorithm": "reward_model", "compare": self.pairs_cfg.compare}

@@ -5,7 +5,7 @@ them by name.
     components = step_components(cfg, layout)      # (learner_role) [] for the GRPO family; PPO: [CriticStage]
     batch, metrics = component.advantages(batch, gather)   # once the step is scored
     metrics |= component.update(batch, minibatches)        # after the actor's updates
-    save_checkpoint(actor, path, config=cfg, components=models_of(components))
+    save_checkpoint(actor, path, recipe=to_dict(cfg), components=models_of(components))
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from moe_rl.config import Config
+from moe_rl.config import RLConfig, RunConfig
 from moe_rl.loop import Program
 from moe_rl.rollout import RolloutCollector, Sampled
 from moe_rl.rollout.engine_faults import EngineFailedError, EngineNote, EnginesRebuilt
@@ -31,42 +31,44 @@ class EngineRole(Program):
     name = "rl-engine"
     trains = False
 
-    def __init__(self, cfg: Config, collector: RolloutCollector, rank: int, world: int) -> None:
-        self.cfg, self.collector, self.rank, self.world = cfg, collector, rank, world
+    def __init__(self, collector: RolloutCollector, rank: int, world: int, *, rl: RLConfig, run: RunConfig) -> None:
+        """Built by `LearnerRole.build` on the ranks that only sample; `rl`: the staleness
+        and segmenting that say how far ahead it samples."""
+        self.collector, self.rank, self.world, self.rl, self.run = collector, rank, world, rl, run
         self._queue: deque[Sampled] = deque()
         self._segmented: SegmentedRollout | None = None
         self._failed: EngineNote | None = None
         """An engine failure met while sampling ahead, told at the next delivery."""
 
     def setup(self, resume_from: Path | None) -> int:
-        self.collector.start_sampler(self.cfg.run_dir, None)
+        self.collector.start_sampler(self.run.run_dir, None)
         start = self.collector.placement.from_rank0(None)
         self.collector.weight_sync.held_version = start
         self.collector.assign_rows(None)  # (trains on no rows)
-        if self.cfg.rl.segmented:
+        if self.rl.segmented:
             self._segmented = SegmentedRollout(self.collector, units=start)
-            if not (start and self._segmented.load(self.cfg.run_dir, start)):
+            if not (start and self._segmented.load(self.run.run_dir, start)):
                 self._segmented.admit()
             self._segmented.fill(start + 1, None, StepTimer())
-        elif self.cfg.rl.max_staleness:
-            for step in range(start + 1, min(start + self.cfg.rl.max_staleness, self.cfg.run.steps) + 1):
+        elif self.rl.max_staleness:
+            for step in range(start + 1, min(start + self.rl.max_staleness, self.run.steps) + 1):
                 self._queue.append(self._first_batch(step, resumed=start > 0))
         return start
 
     def _first_batch(self, step: int, resumed: bool) -> Sampled | None:
         """A batch of the queue at the start: the one sampled ahead before a stop, when this
         run is resumed and every engine saved its share; else sampled now."""
-        saved = self.collector.sampled_ahead(self.cfg.run_dir, step) if resumed else None
+        saved = self.collector.sampled_ahead(self.run.run_dir, step) if resumed else None
         if saved is None:
             saved = self.collector.sample(step, StepTimer())
-            self.collector.save_ahead(self.cfg.run_dir, saved, keep=self.cfg.rl.max_staleness + 2)
+            self.collector.save_ahead(self.run.run_dir, saved, keep=self.rl.max_staleness + 2)
         return saved
 
     def step(self, step: int) -> dict[str, float]:
         timer = StepTimer()
         if self._segmented is not None:
             self.collector.deliver(step, self._segmented.batch(step), timer)
-            if step < self.cfg.run.steps:
+            if step < self.run.steps:
                 self._segmented.admit()
                 self._segmented.fill(step + 1, lambda: self._receive(step), timer)
             else:
@@ -78,11 +80,11 @@ class EngineRole(Program):
             self.collector.deliver(step, self._queue.popleft(), timer)
         else:  # (synchronous, or a batch a rebuilt engine could not sample ahead)
             self._deliver_now(step, timer)
-        k = self.cfg.rl.max_staleness
-        if k and step + k <= self.cfg.run.steps:
+        k = self.rl.max_staleness
+        if k and step + k <= self.run.steps:
             try:
                 self._queue.append(self.collector.sample(step + k, timer))
-                self.collector.save_ahead(self.cfg.run_dir, self._queue[-1], keep=k + 2)
+                self.collector.save_ahead(self.run.run_dir, self._queue[-1], keep=k + 2)
             except EnginesRebuilt:  # (the push below brings the newest weights; step + k is sampled when due)
                 pass
             except EngineFailedError as e:  # (the learners are training this step: it finishes and is saved)
@@ -109,7 +111,7 @@ class EngineRole(Program):
         """Take step `step`'s weights (a segmented pool is saved first: a resume from step
         `step`'s checkpoint starts from it)."""
         if self._segmented is not None:
-            self._segmented.save(self.cfg.run_dir, step)
+            self._segmented.save(self.run.run_dir, step)
         t0 = time.perf_counter()
         self.collector.weight_sync.receive()
         self.collector.engine_wait = time.perf_counter() - t0

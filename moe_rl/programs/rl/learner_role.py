@@ -23,13 +23,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from moe_rl.checkpoints.directories import step_dir_name
-from moe_rl.config import Config
+from moe_rl.config import (
+    Config,
+    CriticConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RLConfig,
+    RunConfig,
+    SamplerConfig,
+    to_dict,
+)
 from moe_rl.config.critic import critic_warmup_steps
 from moe_rl.loop import Program
 from moe_rl.programs.rl.component import StepComponent, models_of
@@ -49,16 +62,45 @@ class LearnerRole(Program):
 
     name = "rl"
 
-    def __init__(self, cfg: Config, collector: RolloutCollector, rank: int, world: int) -> None:
-        self.cfg, self.collector, self.rank, self.world = cfg, collector, rank, world
+    def __init__(self, collector: RolloutCollector, rank: int, world: int, *, model: ModelConfig,
+                 parallel: ParallelConfig, optimizer: OptimizerConfig, rl: RLConfig, sampler: SamplerConfig,
+                 critic: CriticConfig, run: RunConfig, logging_cfg: LoggingConfig, recipe: Mapping[str, Any]) -> None:
+        """`sampler`: the sampling settings the learner's log-probs follow (temperature,
+        max_new_tokens); `critic`: PPO's value model (read when rl.uses_critic); `recipe`:
+        the resolved recipe's plain data, saved with every checkpoint."""
+        self.collector, self.rank, self.world = collector, rank, world
+        self.model_cfg, self.parallel, self.optimizer, self.rl = model, parallel, optimizer, rl
+        self.sampler, self.critic, self.run, self.logging, self.recipe = sampler, critic, run, logging_cfg, recipe
         self._stack = contextlib.ExitStack()
 
     @classmethod
     def check(cls, cfg: Config, world: int) -> str:
         """The RL program's checks (`moe_rl.preflight.check_run`) and its `--check` line."""
-        from moe_rl.recipe_check import check_rl_recipe
+        from moe_rl.preflight import check_rl_recipe
 
         return check_rl_recipe(cfg, world)
+
+    @classmethod
+    def build(cls, cfg: Config) -> Program:
+        """This rank's role in an RL run, after every input check (once, against torchrun's
+        WORLD_SIZE, before anything is built): every rank builds the rollout collector; the
+        ranks that train are a `LearnerRole`, the engine-only ranks of a separate placement
+        an `EngineRole`."""
+        from moe_rl.learner import init_distributed
+        from moe_rl.programs.rl.engine_role import EngineRole
+        from moe_rl.weights import make_weight_synchronizer
+
+        cls.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        separate = cfg.sampler.placement == "separate"
+        rank, world = init_distributed(cfg.parallel.distributed_backend,
+                                       engine_ranks=cfg.sampler.engine_ranks if separate else 0)
+        make_sync = partial(make_weight_synchronizer, bucket_mib=cfg.sampler.weight_sync_bucket_mib)
+        collector = RolloutCollector(sampler=cfg.sampler, task=cfg.task, rl=cfg.rl, model=cfg.model,
+                                     parallel=cfg.parallel, run=cfg.run, make_sync=make_sync)
+        if not collector.placement.trains:
+            return EngineRole(collector, rank, world, rl=cfg.rl, run=cfg.run)
+        return cls(collector, rank, world, model=cfg.model, parallel=cfg.parallel, optimizer=cfg.optimizer, rl=cfg.rl,
+                   sampler=cfg.sampler, critic=cfg.critic, run=cfg.run, logging_cfg=cfg.logging, recipe=to_dict(cfg))
 
     # ------------------------------------------------------------------ setup
 
@@ -66,15 +108,15 @@ class LearnerRole(Program):
         from moe_rl.learner import Learner, load_checkpoint, load_start, parallel_layout
         from moe_rl.learner.offload import HostOffload
 
-        cfg, init = self.cfg, self.cfg.run.init_checkpoint
-        self.layout = self._stack.enter_context(parallel_layout(cfg.parallel, seed=cfg.run.seed))
+        run, init = self.run, self.run.init_checkpoint
+        self.layout = self._stack.enter_context(parallel_layout(self.parallel, seed=run.seed))
         self.layout_name = self.layout.name
-        self.learner = Learner(cfg.model, cfg.parallel, self.layout, optimizer=cfg.optimizer,
-                               total_updates=actor_updates(cfg))
-        self.components = step_components(cfg, self.layout)
+        self.learner = Learner(self.model_cfg, self.parallel, self.layout, optimizer=self.optimizer,
+                               total_updates=actor_updates(self.rl, self.critic, run.steps))
+        self.components = step_components(self.rl, self.critic, self.model_cfg, self.parallel, run.steps, self.layout)
         start = 0
         if resume_from is not None:
-            meta = load_checkpoint(self.learner, resume_from, trust=cfg.run.trust_checkpoint,
+            meta = load_checkpoint(self.learner, resume_from, trust=run.trust_checkpoint,
                                    components=models_of(self.components),
                                    missing_hint="; ".join(c.missing_hint for c in self.components))
             start = int(meta.get("trainer_step", meta["step"]))
@@ -83,39 +125,40 @@ class LearnerRole(Program):
             log.info("resumed from %s at step %d", resume_from, start)
         else:
             if init:
-                load_start(self.learner, init, cfg.run.trust_checkpoint)
+                load_start(self.learner, init, run.trust_checkpoint)
             for component in self.components:
-                component.start(init, cfg.run.trust_checkpoint)
+                component.start(init, run.trust_checkpoint)
         trained = [self.learner, *models_of(self.components).values()]
-        self._offload = [HostOffload(m) for m in trained] if cfg.optimizer.offload_during_rollout else None
+        self._offload = [HostOffload(m) for m in trained] if self.optimizer.offload_during_rollout else None
         self.ref = None
-        if cfg.rl.kl_coef > 0:  # (the preflight made sure there is an init checkpoint)
-            self.ref = Learner(cfg.model, cfg.parallel, self.layout)  # (frozen: no optimizer)
-            load_start(self.ref, init, cfg.run.trust_checkpoint)
-        self.collector.start_sampler(cfg.run_dir, resume_from or (Path(init) if init else None))
+        if self.rl.kl_coef > 0:  # (the preflight made sure there is an init checkpoint)
+            self.ref = Learner(self.model_cfg, self.parallel, self.layout)  # (frozen: no optimizer)
+            load_start(self.ref, init, run.trust_checkpoint)
+        self.collector.start_sampler(run.run_dir, resume_from or (Path(init) if init else None))
         start = self.collector.placement.from_rank0(start)  # (to engine-only ranks)
         self.collector.weight_sync.held_version = start
         self.collector.assign_rows(self.layout.dp_rank)
-        self.updates = UpdatePhase(cfg, self.learner, self.components, self.layout.dp, self.rank)
+        self.updates = UpdatePhase(self.rl, self.sampler, run.seed, self.learner, self.components, self.layout.dp,
+                                   self.rank)
         return start
 
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> dict[str, float]:
-        cfg, timer = self.cfg, StepTimer()
+        rl, temperature, timer = self.rl, self.sampler.temperature, StepTimer()
         with self._learner_on_host(timer) as offloaded:
             rollout = self._again_if_rebuilt(lambda: self.collector.collect(step, timer), version=step - 1)
         self._save_rollout(step, rollout)
         batch = rollout.batch
         with timer.phase("old_logprob"):
-            if cfg.rl.old_logprobs == "sampler":  # bypass: the sampler's log-probs are the behaviour policy
+            if rl.old_logprobs == "sampler":  # bypass: the sampler's log-probs are the behaviour policy
                 batch = batch.scored(batch.sampler_logp_BT, None)
-            elif not cfg.rl.scores_in_update or not self.updates.actor_trains(step):
-                plan = self.learner.routing_plan(cfg.rl.replay, batch, capture=cfg.rl.records_routing)
-                score = self.learner.score(batch, plan, cfg.sampler.temperature)
+            elif not rl.scores_in_update or not self.updates.actor_trains(step):
+                plan = self.learner.routing_plan(rl.replay, batch, capture=rl.records_routing)
+                score = self.learner.score(batch, plan, temperature)
                 batch = batch.scored(score.logp_BT, score.record)
             if self.ref is not None:
-                batch = batch.with_reference(self.ref.score(batch, temperature=cfg.sampler.temperature).logp_BT)
+                batch = batch.with_reference(self.ref.score(batch, temperature=temperature).logp_BT)
         component_metrics: dict[str, float] = {}
         for component in self.components:  # (PPO's critic: values -> token advantages)
             with timer.phase("values"):
@@ -127,7 +170,7 @@ class LearnerRole(Program):
         metrics.update(rollout.stats)
         if offloaded is not None:
             metrics["learner/offloaded_gib"] = offloaded / 2**30
-        metrics.update(mismatch_metrics(self.learner, batch, step, cfg.rl.max_staleness, cfg.rl.segmented))
+        metrics.update(mismatch_metrics(self.learner, batch, step, rl.max_staleness, rl.segmented))
         with timer.phase("sync"):
             metrics.update(self.collector.weight_sync.push(self.learner, version=step))
         metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
@@ -168,12 +211,12 @@ class LearnerRole(Program):
         a dump is due (a debugging aid: the only time rows travel to one rank)."""
         import json
 
-        every = self.cfg.logging.rollouts_every
+        every = self.logging.rollouts_every
         if not every or step % every:
             return
         rows = [r for part in self.learner.dp_gather_object(rollout.dump_rows()) for r in part]
         if self.rank == 0:
-            atomic_write_text(self.cfg.run_dir / "rollouts" / f"{step_dir_name(step)}.jsonl",
+            atomic_write_text(self.run.run_dir / "rollouts" / f"{step_dir_name(step)}.jsonl",
                               "".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["row"])))
 
     # ------------------------------------------------------------------ state and the end
@@ -182,25 +225,25 @@ class LearnerRole(Program):
         from moe_rl.learner.checkpoint import start_checkpoint
 
         state = {k: v for component in self.components for k, v in component.state().items()}
-        return start_checkpoint(self.learner, path, config=self.cfg, extra_meta={**meta, **state},
+        return start_checkpoint(self.learner, path, recipe=self.recipe, extra_meta={**meta, **state},
                                 components=models_of(self.components), background=background)
 
     def finish(self, last_step: int, final: Path) -> None:
         """The final checkpoint as a Hugging Face directory, `<run>/hf` (rank 0): the source
         checkpoint's config.json, generation config and tokenizer files when the run started
         from one (`moe_rl.convert.hf_files`)."""
-        if self.rank != 0 or not self.cfg.run.export_hf:
+        if self.rank != 0 or not self.run.export_hf:
             return
         from moe_rl.convert import megatron_to_hf
 
-        log.info("exported the final model to %s", megatron_to_hf(final, self.cfg.run_dir / "hf", force=True))
+        log.info("exported the final model to %s", megatron_to_hf(final, self.run.run_dir / "hf", force=True))
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """First and last rewards, the run's settings, median timings."""
         rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
         step_times = [h["time/step"] for h in history if "time/step" in h]
         timing_keys = sorted({k for h in history for k in h if k.startswith("time/")})
-        rl = self.cfg.rl
+        rl = self.rl
         return {
             "reward_first10": statistics.fmean(rewards[:10]) if rewards else float("nan"),
             "reward_last10": statistics.fmean(rewards[-10:]) if rewards else float("nan"),
@@ -230,21 +273,22 @@ class LearnerRole(Program):
             self.collector.close()
 
 
-def actor_updates(cfg: Config) -> int:
+def actor_updates(rl: RLConfig, critic: CriticConfig, run_steps: int) -> int:
     """The actor's optimizer steps over the run, its schedule's length: rl.epochs x
     rl.num_minibatches per step that trains it (all but the critic's warm-up steps). A
     value-pretraining run (warm-up = run.steps) never steps the actor: its schedule then spans
     run.steps x those passes (the length its checkpoints have always recorded)."""
-    per_step = cfg.rl.epochs * cfg.rl.num_minibatches
-    return (cfg.run.steps - critic_warmup_steps(cfg)) * per_step or max(1, cfg.run.steps * per_step)
+    per_step = rl.epochs * rl.num_minibatches
+    return (run_steps - critic_warmup_steps(critic, rl.uses_critic)) * per_step or max(1, run_steps * per_step)
 
 
-def step_components(cfg: Config, layout: Any) -> list[StepComponent]:
+def step_components(rl: RLConfig, critic: CriticConfig, model: ModelConfig, parallel: ParallelConfig, run_steps: int,
+                    layout: Any) -> list[StepComponent]:
     """The models the recipe trains beside the actor: PPO's critic when the advantage
     estimator needs one (the registry says so), else none."""
-    if not cfg.rl.uses_critic:
+    if not rl.uses_critic:
         return []
     from moe_rl.programs.ppo.critic_stage import CriticStage
 
-    return [CriticStage(cfg, layout)]
+    return [CriticStage(critic, rl, model, parallel, layout, run_steps=run_steps)]
 

@@ -1,8 +1,8 @@
 """The policy update of one RL step: how the step's rows split into mini-batches, and the
 loss callback the learner calls on every micro-batch.
 
-    loss_fn = PolicyLossFn(cfg)           # hyperparameters built and checked once per step
-    for rows in minibatch_rows(batch.step_rows, cfg.rl.num_minibatches, dp, seed):
+    loss_fn = PolicyLossFn(rl, max_response_length)   # hyperparameters built and checked once per step
+    for rows in minibatch_rows(batch.step_rows, rl.num_minibatches, dp, seed):
         learner.update(batch.take(rows), loss_fn, plan)     # each rank: its rows of `rows`
 
 The learner hands each micro-batch the counts of the whole mini-batch (`MicroBatch.totals`);
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl.config import Config
+from moe_rl.config import RLConfig
 from moe_rl.objectives import OBJECTIVES, PolicyBatch, make_common_hparams, policy_loss_from_hparams
 from moe_rl.objectives.correction import CorrectionCounts, correction_form, decide_correction, tally
 from moe_rl.step_batch import StepBatch
@@ -65,12 +65,13 @@ class PolicyLossFn:
     unrejected counts and the learner rescales the gradient once the pass's kept counts are
     summed (`pass_scale`), which gives the same gradient without a second forward."""
 
-    def __init__(self, cfg: Config, on_policy: bool = False) -> None:
+    def __init__(self, rl: RLConfig, max_response_length: int, on_policy: bool = False) -> None:
+        """`max_response_length`: sampler.max_new_tokens (the length normalizers of the
+        objectives that divide by it)."""
         from moe_rl.learner import MicroBatchLoss
 
         self._result = MicroBatchLoss
         self.on_policy = on_policy
-        rl = cfg.rl
         self.name = rl.objective
         self.spec = OBJECTIVES[rl.objective]
         self.own = rl.hparams
@@ -80,7 +81,7 @@ class PolicyLossFn:
             # (with rl.kl_in_reward the KL is in GAE's reward, not in the loss)
             rollout_correction=rl.rollout_correction, opsm_delta=rl.opsm_delta,
             kl_coef=0.0 if rl.kl_in_reward else rl.kl_coef, kl_estimator=rl.kl_estimator,
-            max_response_length=cfg.sampler.max_new_tokens, **dataclasses.asdict(rl.rollout_correction_args))
+            max_response_length=max_response_length, **dataclasses.asdict(rl.rollout_correction_args))
         moves = self.form is not None and (self.form.rejects or self.form.batch_normalize)
         self.scales_after_pass = on_policy and moves
         """The normalizers are only known after the pass (`pass_scale` rescales)."""

@@ -1,7 +1,7 @@
 """The update phase of an RL step: the actor's `epochs x num_minibatches` optimizer steps on
 the step's rows, then each step component's (PPO's critic) on the same mini-batches.
 
-    phase = UpdatePhase(cfg, learner, components, dp, rank)
+    phase = UpdatePhase(cfg.rl, cfg.sampler, cfg.run.seed, learner, components, dp, rank)
     metrics, batch = phase.run(step, batch)
 
 Each rank updates on its own rows of every mini-batch (`moe_rl.programs.rl.policy_loss.minibatch_rows`). An
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import Config
+from moe_rl.config import RLConfig, SamplerConfig
 from moe_rl.programs.rl.policy_loss import PolicyLossFn, minibatch_rows, shuffle_seed
 from moe_rl.programs.rl.throughput import device_peak, learner_perf
 from moe_rl.routing.record import row_positions
@@ -29,8 +29,12 @@ log = logging.getLogger(__name__)
 class UpdatePhase:
     """The optimizer steps of one RL step, for the actor and the step components."""
 
-    def __init__(self, cfg: Config, learner: Any, components: list[Any], dp: int, rank: int) -> None:
-        self.cfg, self.learner, self.components, self.dp, self.rank = cfg, learner, components, dp, rank
+    def __init__(self, rl: RLConfig, sampler: SamplerConfig, seed: int, learner: Any, components: list[Any], dp: int,
+                 rank: int) -> None:
+        """`sampler`: the sampling settings the update's log-probs and length normalizers
+        follow (temperature, max_new_tokens); `seed`: run.seed, of the mini-batch shuffles."""
+        self.rl, self.sampler, self.seed = rl, sampler, seed
+        self.learner, self.components, self.dp, self.rank = learner, components, dp, rank
         self._said_fewer_updates = False
         self._peak = device_peak()
 
@@ -41,7 +45,7 @@ class UpdatePhase:
     def run(self, step: int, batch: StepBatch) -> tuple[dict[str, float], StepBatch]:
         """The actor's updates (none during a component's warm-up), then each component's
         (its own passes: epochs after the actor's reuse their shuffles)."""
-        rl = self.cfg.rl
+        rl = self.rl
         metrics: dict[str, float] = {"policy/updates": 0.0}
         if self.actor_trains(step):
             metrics, batch = self._update_actor(batch, self.minibatches(step, batch, rl.epochs, rl.num_minibatches))
@@ -53,10 +57,10 @@ class UpdatePhase:
     def minibatches(self, step: int, batch: StepBatch, epochs: int, count: int) -> list[Any]:
         """`epochs` passes of `count` shuffled mini-batches (global row ids), a shuffle per
         (step, pass); a component's passes reuse the actor's shuffles."""
-        most = max([self.cfg.rl.epochs, *(c.passes[0] for c in self.components)])
+        most = max([self.rl.epochs, *(c.passes[0] for c in self.components)])
         out = [rows for epoch in range(epochs)
                for rows in minibatch_rows(batch.step_rows, count, self.dp,
-                                          seed=shuffle_seed(self.cfg.run.seed, step, epoch, most))]
+                                          seed=shuffle_seed(self.seed, step, epoch, most))]
         if len(out) < epochs * count and not self._said_fewer_updates and self.rank == 0:
             self._said_fewer_updates = True  # (said once: policy/updates and critic/updates count every step's)
             log.warning("step %d: %d rows make %d of the %d mini-batches a pass asks for (dynamic sampling kept "
@@ -69,19 +73,19 @@ class UpdatePhase:
         logprobs and routing from the update's forward; under bypass (rl.old_logprobs=sampler)
         the sampler's are the old ones, and the returned batch carries each row's first
         update log-probs for the mismatch metrics."""
-        cfg = self.cfg
-        loss_fn = PolicyLossFn(cfg, on_policy=batch.old_logp_BT is None)
+        rl = self.rl
+        loss_fn = PolicyLossFn(rl, self.sampler.max_new_tokens, on_policy=batch.old_logp_BT is None)
         loss_fn.prepare(batch, minibatches, self._dp_sum)
-        plan = self.learner.routing_plan(cfg.rl.replay if batch.old_logp_BT is not None else "none", batch,
-                                         capture=cfg.rl.records_routing)
-        bypass = cfg.rl.old_logprobs == "sampler"
+        plan = self.learner.routing_plan(rl.replay if batch.old_logp_BT is not None else "none", batch,
+                                         capture=rl.records_routing)
+        bypass = rl.old_logprobs == "sampler"
         first_BT = torch.zeros_like(batch.old_logp_BT) if bypass and batch.old_logp_BT is not None else None
         seen_B = torch.zeros(batch.batch_size, dtype=torch.bool)
         updates, works, sums, record = [], [], [], None
         for index, rows in enumerate(minibatches):
             loss_fn.minibatch = index
             part = batch.take(rows)
-            result = self.learner.update(part, loss_fn, plan, cfg.sampler.temperature)
+            result = self.learner.update(part, loss_fn, plan, self.sampler.temperature)
             if batch.old_logp_BT is None:
                 batch = batch.scored(result.logp_BT, result.record)
             elif first_BT is not None:  # (each row's first update: the weights before any of this step's)
@@ -97,7 +101,7 @@ class UpdatePhase:
         metrics.update(PolicyLossFn.step_metrics(sums))
         metrics["policy/updates"] = float(len(updates))
         layout = self.learner.layout
-        metrics.update(learner_perf(cfg.model, works, layout.tp * layout.pp * layout.dp, self._peak))
+        metrics.update(learner_perf(self.learner.model_cfg, works, layout.tp * layout.pp * layout.dp, self._peak))
         if first_BT is not None:
             batch = batch.scored(first_BT, record)
         return metrics, batch
