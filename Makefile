@@ -30,7 +30,7 @@ export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo bench lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo bench lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep ablations-mismatch clean-runs
 
 help:
 	@echo "make demo             RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
@@ -46,6 +46,7 @@ help:
 	@echo "make ablations        off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/ (resumable)"
 	@echo "make ablations-report runs/ablations/REPORT.md, results.json and plots from the runs that exist"
 	@echo "make ablations-stress the stress study's runs (what is missing) + docs/ablations/STRESS.md [SEEDS= SETTINGS=]"
+	@echo "make ablations-mismatch the mismatch study's runs (what is missing) + docs/ablations/MISMATCH.md [SEEDS= SETTINGS=]"
 	@echo "make ablations-stress-sweep  the stress regime sweep [SEEDS=1-4] -> docs/ablations/stress/SWEEP.md"
 	@echo "make ablations-sweep  the lr sweep of plain off-policy GRPO (LRS=1e-4,2e-4,4e-4 [SEEDS=1,2,3])"
 	@echo "make ablate-SETTING   one ablation setting, e.g. ablate-rspo-post-off (python -m moe_rl.ablations list)"
@@ -147,6 +148,15 @@ STRESS_ARGS = $(if $(SEEDS)$(SETTINGS),--block main $(if $(SETTINGS),--settings 
 ablations-stress: install
 	$(PY) -m moe_rl.ablations stress --commit $(STRESS_ARGS)
 	$(PY) -m moe_rl.ablations stress-report
+
+# The mismatch study (docs/ablations/MISMATCH_PLAN.md): every run its committed results have
+# unlocked and lack (pilot -> repeat, main -> stage 2), each result committed as it lands under
+# docs/ablations/mismatch/, then its reports. `make ablations-mismatch SEEDS=11-12 SETTINGS=grpo`
+# adds seeds to the main block.
+MISMATCH_ARGS = $(if $(SEEDS)$(SETTINGS),--block main $(if $(SETTINGS),--settings $(SETTINGS)) $(SEED_ARG))
+ablations-mismatch: install
+	$(PY) -m moe_rl.ablations mismatch --commit $(MISMATCH_ARGS)
+	$(PY) -m moe_rl.ablations mismatch-report
 
 # The regime sweep the stress runs read their learning rate from (docs/ablations/stress/SWEEP.md).
 ablations-stress-sweep: install

@@ -47,8 +47,14 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_step_end_to_end(megatron_world, tmp_path, case):
-    cfg, summary, rows = run_trainer(tmp_path, "run.steps=1", f"run.name={case}", *CASES[case])
+    cfg, summary, rows = run_trainer(tmp_path, "run.steps=1", f"run.name={case}", "logging.rollouts_every=1",
+                                     *CASES[case])
     row = rows[0]
+    # the rollout dump carries the learner's log-probs the step's mismatch was measured on
+    dumped = [json.loads(x) for x in (cfg.run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    d = [lp - sp for r in dumped for lp, sp in zip(r["learner_logprobs"], r["sampler_logprobs"], strict=True)]
+    assert len(d) == sum(len(r["response_ids"]) for r in dumped) > 0
+    assert sum(math.expm1(x) - x for x in d) / len(d) == pytest.approx(row["mismatch/k3"], rel=1e-6, abs=1e-15)
     assert summary["steps"] == 1 and summary["objective"] == cfg.rl.objective
     assert_finite(row, ["reward/mean", "policy/clip_frac", "policy/ratio_mean", "policy/approx_kl",
                         "learner/loss", "learner/grad_norm", "mismatch/k3", "mismatch/dp_mean",

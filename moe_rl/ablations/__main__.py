@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import moe_rl.ablations as pkg
+from moe_rl.ablations.mismatch_study import RESULTS as MISMATCH_RESULTS
 from moe_rl.ablations.runner import OUT, RECIPE, ROOT, Run, run_all
 from moe_rl.ablations.settings import DEFAULT_SEEDS, parse_seeds, settings
 from moe_rl.ablations.stress import PLAN_LRS, RESULTS
@@ -73,6 +74,19 @@ def _parser() -> argparse.ArgumentParser:
     sr.add_argument("--results", type=Path, default=RESULTS,
                     help="where the result files go (default docs/ablations/stress of this checkout; another "
                          "checkout's lets the runs import a fixed commit while work goes on in that one)")
+    mm = sub.add_parser("mismatch", parents=[common],
+                        help="the mismatch study's runs: pilot, repeat, main, stage 2, what is missing "
+                             "(docs/ablations/MISMATCH_PLAN.md)")
+    mm.add_argument("--block", choices=("pilot-lr", "pilot-precision", "repeat", "main", "stage2"),
+                    help="one block only (default: every block the committed results unlock, in order)")
+    mm.add_argument("--settings", help="comma-separated settings of --block (default: the block's)")
+    mm.add_argument("--commit", action="store_true", help="git-commit each run's result file as it lands")
+    mm.add_argument("--results", type=Path, default=MISMATCH_RESULTS,
+                    help="where the result files go (default docs/ablations/mismatch of this checkout; another "
+                         "checkout's lets a pinned copy of the code run while work goes on in that one)")
+    mrep = sub.add_parser("mismatch-report",
+                          help="write docs/ablations/mismatch/PILOT.md and docs/ablations/MISMATCH.md from the result files")
+    mrep.add_argument("--results", type=Path, default=MISMATCH_RESULTS)
     srep = sub.add_parser("stress-report", help="write docs/ablations/STRESS.md and its plots from the result files")
     srep.add_argument("--results", type=Path, default=RESULTS)
     rep = sub.add_parser("report", help="write REPORT.md, results.json and plots")
@@ -90,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         for n, o in settings().items():
             print(f"{n:20s} {' '.join(o)}")
         return 0
+    if args.cmd == "mismatch-report":
+        from moe_rl.ablations.mismatch_report import write_reports
+
+        for path in write_reports(args.results):
+            print(f"wrote {path}")
+        return 0
     if args.cmd == "stress-report":
         from moe_rl.ablations.stress_report import write_stress_report
 
@@ -106,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         seeds = _seeds(args.seeds) if args.seeds else None
         failed = run_plan(args.out, lambda: plan(args.results, names, seeds, args.block), args.base, args.jobs,
                           args.results, args.commit, args.mix_warm_starts)
+        return _finish(t0, failed)
+    if args.cmd == "mismatch":
+        from moe_rl.ablations.mismatch_study import blocks, run_study, select
+
+        names = [n.strip() for n in args.settings.split(",") if n.strip()] if args.settings else None
+        seeds = _seeds(args.seeds) if args.seeds else None
+        failed = run_study(args.out, lambda: select(blocks(args.results), args.block, names, seeds), args.base,
+                           args.jobs, args.results, args.commit)
         return _finish(t0, failed)
     seeds = _seeds(args.seeds)
     if args.cmd == "stress-sweep":

@@ -42,6 +42,8 @@ class Run:
     seed: int
     overrides: tuple[str, ...] = ()
     """Extra overrides on top of the setting's (an lr sweep's learning rate, say)."""
+    own: bool = False
+    """The overrides are the whole setting (a study with settings of its own, not the grid's)."""
 
     def directory(self, out: Path) -> Path:
         return out / self.setting / f"seed{self.seed}"
@@ -85,7 +87,7 @@ def ensure_base(out: Path, base: Path | None, threads: int) -> Path:
 
 def train_one(run: Run, out: Path, base: Path, threads: int) -> tuple[Run, float | None]:
     """Train one run in a fresh process; (run, seconds) or (run, None) when it failed."""
-    overrides = [*settings()[run.setting], *run.overrides]
+    overrides = [*(() if run.own else settings()[run.setting]), *run.overrides]
     run_dir = run.directory(out)
     cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *overrides,
            f"run.seed={run.seed}", f"run.init_checkpoint={base}", f"run.name={run_dir.name}",

@@ -192,11 +192,18 @@ class Rollout:
     stats: dict[str, float]
     """reward/*, response/*, sampling/* and advantage/* metrics of the whole step (every rank)."""
 
-    def dump_rows(self) -> list[dict]:
-        """This rank's rows as JSON-ready dicts (the run directory's rollout dumps)."""
+    def dump_rows(self, scored: StepBatch | None = None) -> list[dict]:
+        """This rank's rows as JSON-ready dicts (the run directory's rollout dumps); with
+        `scored` (the step's batch once the learner scored it: a `StepBatch` of the same rows),
+        each row also carries the learner's log-probs of its response, the ones the update's
+        ratio and the rollout correction read."""
         b = self.batch
         if b is None:
             return []
+        learner = None
+        if scored is not None and scored.old_logp_BT is not None:
+            at = {int(r): i for i, r in enumerate(scored.row_ids_B.tolist())}
+            learner = (at, scored.old_logp_BT)
         out = []
         for i in range(b.batch_size):
             p, r = int(b.tokens.prompt_lens_B[i]), int(b.tokens.response_lens_B[i])
@@ -204,6 +211,8 @@ class Rollout:
                         "response_ids": b.tokens.tokens_BS[i, p:p + r].tolist(), "text": self.texts[i],
                         "reward": float(self.rewards_B[i]), "advantage": float(b.adv_B[i]),
                         "sampler_logprobs": b.sampler_logp_BT[i, :r].tolist()})
+            if learner is not None:
+                out[-1]["learner_logprobs"] = learner[1][learner[0][int(b.row_ids_B[i])], :r].tolist()
             if b.tokens.observed_BT is not None:  # (a multi-turn episode: which tokens the environment put there)
                 out[-1]["observed"] = b.tokens.observed_BT[i, :r].tolist()
         return out

@@ -148,7 +148,6 @@ class LearnerRole(Program):
         rl, temperature, timer = self.rl, self.sampler.temperature, StepTimer()
         with self._learner_on_host(timer) as offloaded:
             rollout = self._again_if_rebuilt(lambda: self.collector.collect(step, timer), version=step - 1)
-        self._save_rollout(step, rollout)
         batch = rollout.batch
         with timer.phase("old_logprob"):
             if rl.old_logprobs == "sampler":  # bypass: the sampler's log-probs are the behaviour policy
@@ -166,6 +165,7 @@ class LearnerRole(Program):
             component_metrics.update(more)
         with timer.phase("update"):
             metrics, batch = self.updates.run(step, batch)
+        self._save_rollout(step, rollout, batch)
         metrics.update(component_metrics)
         metrics.update(rollout.stats)
         if offloaded is not None:
@@ -206,15 +206,16 @@ class LearnerRole(Program):
                 for part in self._offload:
                     part.reload()
 
-    def _save_rollout(self, step: int, rollout: Rollout) -> None:
+    def _save_rollout(self, step: int, rollout: Rollout, scored: Any) -> None:
         """Every data-parallel rank's rows to rank 0, as `<run>/rollouts/step_<n>.jsonl`, when
-        a dump is due (a debugging aid: the only time rows travel to one rank)."""
+        a dump is due (a debugging aid: the only time rows travel to one rank), with the
+        learner's log-probs from `scored`, the step's batch after its updates."""
         import json
 
         every = self.logging.rollouts_every
         if not every or step % every:
             return
-        rows = [r for part in self.learner.dp_gather_object(rollout.dump_rows()) for r in part]
+        rows = [r for part in self.learner.dp_gather_object(rollout.dump_rows(scored)) for r in part]
         if self.rank == 0:
             atomic_write_text(self.run.run_dir / "rollouts" / f"{step_dir_name(step)}.jsonl",
                               "".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["row"])))
