@@ -169,3 +169,49 @@ def test_a_killed_engine_rank_ends_the_job_in_bounded_time_and_a_resume_finishes
                              capture_output=True, text=True, timeout=300, env=env())
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]
+
+
+HANG_LINE = "moe_rl: the engine on rank 0 hung while generating step 2: no result after 20 s"
+
+
+def test_a_deadline_fires_only_for_a_block_that_outlives_it():
+    import threading
+
+    from moe_rl.runtime.watchdog import call_deadline
+
+    fired = threading.Event()
+    with call_deadline(60.0, fired.set):
+        pass  # returns at once: the timer is cancelled
+    with call_deadline(0.0, fired.set):  # 0: no deadline at all
+        pass
+    assert not fired.is_set()
+    with call_deadline(0.05, fired.set):
+        assert fired.wait(30)  # (the block outlives the deadline: on_hang ran, from the timer thread)
+
+
+def test_a_hung_engine_ends_the_run_with_one_line_and_a_resume_continues(uninterrupted, tmp_path):
+    """The generate call of step 2 never returns (the hang hook); with
+    sampler.generate_timeout_s=20 the process prints one line naming the engine rank and the
+    call and exits 3 within the deadline plus a bounded margin; the resume from step 1's
+    checkpoint trains steps 2 and 3 as the uninterrupted run did. (A background save still in
+    flight when an engine hangs is lost with the process: this run saves in the foreground.)"""
+    import sys
+
+    from moe_rl.runtime.fault_hooks import ENGINE_HANG_ENV
+
+    cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *SMALL, "run.async_save=false",
+           f"run.output_dir={tmp_path}", "run.name=r"]
+    t0 = time.monotonic()
+    proc = subprocess.run([*cmd, "sampler.generate_timeout_s=20"], env={**env(), ENGINE_HANG_ENV: "2"},
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
+    assert last.startswith(HANG_LINE) and "run.resume=true" in last, last
+    assert took < 20 + 5 * BOUND_S  # (a hang guard with the start-up in it, not a timing test)
+    run = tmp_path / "r"
+    assert [r["step"] for r in _rows(run)] == [1] and latest_checkpoint(run).name == "step_000001"
+    resumed = subprocess.run([*cmd, "run.resume=true"], env=env(), capture_output=True, text=True, timeout=600,
+                             cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["reward/mean"] for r in _rows(run)] == [r["reward/mean"] for r in uninterrupted]

@@ -18,6 +18,8 @@ WANDB_FORBIDDEN = "/\\#?%:"
 """Characters W&B refuses in a project or entity name."""
 WANDB_TAG_MAX = 64
 """W&B's longest tag."""
+TIMEOUT_TOKENS = 65536
+"""sampler.generate_timeout_s is the deadline of a call requesting up to this many tokens."""
 
 
 @dataclass(frozen=True)
@@ -138,11 +140,24 @@ class SamplerConfig:
     line naming the engine rank and the cause, without training on the step (the last
     checkpoint stays the latest). Must be 0 with segmented decoding (rl.inflight_weight_updates,
     rl.partial_rollouts): its engines cannot agree on a restart (docs/sampler.md)."""
+    generate_timeout_s: float = 0.0
+    """An engine call (generate) that has not returned after this many seconds is a hung
+    engine (0: no limit). The limit is for a call of up to TIMEOUT_TOKENS requested tokens
+    (prompts x n x max_new_tokens) and grows in proportion beyond. An out-of-process vLLM
+    engine is killed and then restarted under max_restarts like one that raised; an
+    in-process engine cannot be interrupted, so the process prints one line naming the engine
+    rank and the call and exits with status 3 (torchrun then ends the job; run.resume=true
+    continues from the last checkpoint)."""
 
+    def timeout_for(self, requested_tokens: int) -> float:
+        """The deadline of a call requesting `requested_tokens` tokens (0: none)."""
+        return self.generate_timeout_s * max(1.0, requested_tokens / TIMEOUT_TOKENS)
 
     def validate(self) -> None:
         """The section's own rules."""
         s = self
+        if s.generate_timeout_s < 0:
+            raise ConfigError(f"sampler.generate_timeout_s must be >= 0 (0: no limit), got {s.generate_timeout_s}")
         require_positive({"sampler.max_new_tokens": s.max_new_tokens, "sampler.tensor_parallel_size":
                           s.tensor_parallel_size, "sampler.weight_sync_bucket_mib": s.weight_sync_bucket_mib})
         if s.tensor_parallel_size > 1 and s.backend != "vllm":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from moe_rl.rollout.placement import EnginePlacement
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.runtime.failures import describe_error
 from moe_rl.runtime.fault_hooks import kill_point
+from moe_rl.runtime.watchdog import HUNG_EXIT, call_deadline, exit_on_hang
 from moe_rl.sampler import Rollouts, Sampler
 
 log = logging.getLogger(__name__)
@@ -88,14 +90,25 @@ class Engines:
         while True:
             ro, fault = None, None
             kill_point("generate")  # (a test hook: a no-op unless MOE_RL_TEST_KILL_AT names it)
+            requested = len(prompt_ids) * int(kwargs.get("n", 1)) * int(kwargs.get("max_new_tokens", 1))
             try:
-                ro = self.sampler.generate(prompt_ids, **kwargs)
+                with call_deadline(self.sampler_cfg.timeout_for(requested), self._on_hang(doing, requested)):
+                    ro = self.sampler.generate(prompt_ids, **kwargs)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 fault = EngineFault(self.placement.rank, describe_error(e))
             faults = [f for f in self.placement.all_engines(fault, self.group) if f is not None]
             if not faults:
                 return ro
             self.recover(faults, doing, everywhere=self.group is None)
+
+    def _on_hang(self, doing: str, requested: int) -> Callable[[], None]:
+        """What a hung call does: the engine cannot be interrupted from here, so the process
+        says so in one line and exits (`moe_rl.runtime.watchdog`)."""
+        limit = self.sampler_cfg.timeout_for(requested)
+        return exit_on_hang(f"moe_rl: the engine on rank {self.placement.rank} hung while {doing}: no result after "
+                            f"{limit:.0f} s (sampler.generate_timeout_s={self.sampler_cfg.generate_timeout_s:g} for "
+                            f"{requested} requested tokens); the job ends here (exit {HUNG_EXIT}): continue from the "
+                            "last checkpoint with run.resume=true")
 
     def recover(self, faults: list[EngineFault], doing: str, everywhere: bool) -> None:
         """After failures every rank taking part agrees on: rebuild every engine from its
