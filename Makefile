@@ -30,7 +30,7 @@ export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo bench lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep ablations-mismatch clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo bench bench-smoke lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep ablations-mismatch clean-runs
 
 help:
 	@echo "make demo             RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
@@ -43,6 +43,7 @@ help:
 	@echo "make test-fast        the tests without slow, multi-process or vLLM ones (a quick check while editing)"
 	@echo "make lint             ruff over moe_rl, tools, tests, examples and bench"
 	@echo "make bench            every bench/bench_*.py -> bench/results/"
+	@echo "make bench-smoke      every CPU benchmark at its smallest size, results to a temporary directory"
 	@echo "make ablations        off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/ (resumable)"
 	@echo "make ablations-report runs/ablations/REPORT.md, results.json and plots from the runs that exist"
 	@echo "make ablations-stress the stress study's runs (what is missing) + docs/ablations/STRESS.md [SEEDS= SETTINGS=]"
@@ -126,6 +127,11 @@ tool-demo: install
 
 bench: install
 	$(PY) -m bench.run_all
+
+# Every CPU benchmark at its smallest size, into a temporary directory (the committed
+# results stay as they are); fails if any fails. GPU-only ones skip with one line.
+bench-smoke: install
+	$(PY) -m bench.run_all --quick
 
 # Off-policy GRPO/R2/R3/GSPO/GMPO/RSPO(pre, post) x TIS + on-policy GRPO, SEEDS each (default
 # 1,2,3), on 2 cores two runs at a time -> runs/ablations/REPORT.md. Resumable: re-running

@@ -50,6 +50,9 @@ from bench.common import markdown_table, synced, time_fn, write_results  # noqa:
 from moe_rl.config import to_dict  # noqa: E402
 from moe_rl.plan.flops import PEAK_BF16_TFLOPS, device_short_name, peak_bf16_flops, train_flops  # noqa: E402
 
+NEEDS_CUDA = True
+"""`bench.run_all` skips this benchmark with one line without a CUDA GPU."""
+
 PRECISIONS = (("bf16", []), ("bf16, fused permutation", ["model.moe_permute_fusion=true"]),
               ("fp8 blockwise", ["model.fp8=hybrid", "model.fp8_recipe=blockwise"]),
               ("fp8 tensorwise", ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"]),

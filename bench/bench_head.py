@@ -70,7 +70,8 @@ def run(tokens: int, hidden: int, vocab: int, chunk: int, iters: int) -> list[di
     return rows
 
 
-def main() -> None:
+def main(quick: bool = False, argv: list[str] | None = None) -> None:
+    """The benchmark with `argv`'s flags (none: the defaults; `quick`: the smoke size)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384, help="response tokens (default 16384: 8 x 2048)")
     ap.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048, Qwen3-30B-A3B)")
@@ -78,7 +79,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (parallel.logprob_chunk_tokens)")
     ap.add_argument("--iters", type=int, default=5, help="timed passes per row (median)")
     ap.add_argument("--quick", action="store_true", help="256 tokens, hidden 64, vocab 512 (a smoke test)")
-    args = ap.parse_args()
+    args = ap.parse_args([*(argv or []), *(["--quick"] if quick else [])])
     if args.quick:
         args.tokens, args.hidden, args.vocab, args.chunk, args.iters = 256, 64, [512], 64, 2
     rows = [r for v in args.vocab for r in run(args.tokens, args.hidden, v, args.chunk, args.iters)]
@@ -99,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(argv=sys.argv[1:])

@@ -72,12 +72,17 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+RESULTS_ENV = "MOE_RL_BENCH_RESULTS"
+"""Where `write_results` writes when set (a smoke run's results never overwrite the committed ones)."""
+
+
 def write_results(name: str, data: dict[str, Any], table_md: str, notes: str = "",
                   results_dir: Path | None = None) -> Path:
-    """Write <name>.json and <name>.md under bench/results (or `results_dir`), atomically."""
+    """Write <name>.json and <name>.md under bench/results (or `results_dir`, or the directory
+    RESULTS_ENV names: `bench.run_all --quick` points it at a temporary one), atomically."""
     from moe_rl.runtime.atomic import atomic_write_text
 
-    out = results_dir or RESULTS_DIR
+    out = results_dir or Path(os.environ.get(RESULTS_ENV) or RESULTS_DIR)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"name": name, "machine": machine(), **data}
     atomic_write_text(out / f"{name}.json", json.dumps(payload, indent=2) + "\n")

@@ -1,17 +1,26 @@
 """`make bench`: run every bench/bench_*.py module's main() and list the result tables.
 
-    python -m bench.run_all            # all benchmarks, full size
-    python -m bench.run_all --quick    # smoke-sized
+    python -m bench.run_all            # all benchmarks, full size -> bench/results/
+    python -m bench.run_all --quick    # smoke-sized, into a temporary directory (make bench-smoke)
     python -m bench.run_all objectives learner   # a subset by name
+
+A benchmark that needs a CUDA GPU says so (`NEEDS_CUDA = True` in its module) and is skipped
+with one line on a machine without one. Any other failure is reported and the run exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS_DIR, RESULTS_ENV
 
 HERE = Path(__file__).resolve().parent
 
@@ -20,25 +29,46 @@ def available() -> list[str]:
     return sorted(p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
 
 
+def _run_one(name: str, quick: bool) -> bool:
+    """One benchmark's main(); False when it failed (a GPU-only one on a CPU machine is skipped)."""
+    t0 = time.perf_counter()
+    module = importlib.import_module(f"bench.bench_{name}")
+    if getattr(module, "NEEDS_CUDA", False) and not torch.cuda.is_available():
+        print(f"== bench {name} skipped: needs a CUDA GPU", flush=True)
+        return True
+    print(f"== bench {name}", flush=True)
+    try:
+        module.main(quick=quick)
+    except (Exception, SystemExit) as e:  # keep going: one broken benchmark should not hide the others
+        print(f"!! bench {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
+    print(f"== bench {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"subset of {available()}")
-    ap.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    ap.add_argument("--quick", action="store_true", help="small sizes, for smoke tests (results to a temporary "
+                    "directory unless --results is given)")
+    ap.add_argument("--results", type=Path, help=f"where the result files go (default {RESULTS_DIR})")
     args = ap.parse_args()
     names = args.names or available()
     unknown = sorted(set(names) - set(available()))
     if unknown:
         ap.error(f"unknown benchmark(s) {unknown}; available: {available()}")
-    failed = []
-    for name in names:
-        t0 = time.perf_counter()
-        print(f"== bench {name}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_smoke_") as tmp:
+        results = args.results or (Path(tmp) if args.quick else RESULTS_DIR)
+        before = os.environ.get(RESULTS_ENV)
+        os.environ[RESULTS_ENV] = str(results)  # (the benchmarks and their child processes write there)
+        print(f"== results to {results}", flush=True)
         try:
-            importlib.import_module(f"bench.bench_{name}").main(quick=args.quick)
-        except Exception as e:  # keep going: one broken benchmark should not hide the others
-            failed.append(name)
-            print(f"!! bench {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        print(f"== bench {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
+            failed = [name for name in names if not _run_one(name, args.quick)]
+        finally:
+            if before is None:
+                os.environ.pop(RESULTS_ENV, None)
+            else:
+                os.environ[RESULTS_ENV] = before
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
         return 1

@@ -262,7 +262,7 @@ OUTSIDE_REFERENCES = re.compile(r"\.\./shared|\bshared/(DESIGN|OBJECTIVES|seeds)
                                 r"DESIGN\.md|OBJECTIVES\.md|\bDESIGN in\b")
 HISTORY = re.compile(r"\b[Ii]ssues? #?\d+|\(#\d+\)|\b20\d\d-\d\d-\d\d\b|\bround[ -]\d\b")
 USER_DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "docs" / "ablations" / "README.md",
-             REPO / "docs" / "mismatch" / "README.md"]
+             REPO / "docs" / "mismatch" / "README.md", REPO / "CONTRIBUTING.md"]
 """The user's pages. Generated reports (REPORT.md, STRESS.md, SWEEP.md), pre-registered plans
 (a dated record by design) and lab notes (docs/notes/) keep their dates."""
 
