@@ -185,3 +185,40 @@ def test_dumped_ratios_read_the_learner_and_sampler_log_probs(tmp_path):
                     + json.dumps({"sampler_logprobs": [], "learner_logprobs": []}) + "\n")
     out = study.dumped_ratios(tmp_path)
     assert out["token_log_ratio"] == pytest.approx([0.1, -0.2]) and out["seq_mean_log_ratio"] == pytest.approx([-0.05])
+
+
+def test_the_runner_goes_on_to_the_blocks_each_pass_unlocks(tmp_path, monkeypatch):
+    """A pass that completes its blocks goes on to the ones their results unlock (here a
+    second block of more runs than the first), and stops when a pass makes no progress."""
+    from moe_rl.ablations.runner import Run
+
+    monkeypatch.setattr(study, "ensure_base", lambda out, base, threads: tmp_path / "base")
+    monkeypatch.setattr(study, "warm_start_id", lambda base: "w")
+    monkeypatch.setattr(study, "code_commit", lambda: "c")
+    trained: list[tuple[str, int]] = []
+
+    def fake_run_all(runs, runs_dir, base, jobs, on_done):
+        for r in runs:
+            trained.append((r.setting, r.seed))
+            path = study.mismatch_result_path(tmp_path, runs_dir.name, r)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}")
+        return []
+
+    monkeypatch.setattr(study, "run_all", fake_run_all)
+    first = study.Block("first", (Run("a", 1, own=True),))
+    second = study.Block("second", tuple(Run("b", s, own=True) for s in (1, 2, 3)))
+
+    def make_blocks():
+        done = study.mismatch_result_path(tmp_path, "first", first.runs[0]).is_file()
+        return [first, second] if done else [first]
+
+    assert study.run_study(tmp_path / "out", make_blocks, None, 2, tmp_path) == []
+    assert trained == [("a", 1), ("b", 1), ("b", 2), ("b", 3)]
+
+    def stuck_run_all(runs, runs_dir, base, jobs, on_done):
+        return []  # trains nothing, fails nothing: no progress
+
+    monkeypatch.setattr(study, "run_all", stuck_run_all)
+    third = study.Block("third", (Run("c", 1, own=True),))
+    assert study.run_study(tmp_path / "out", lambda: [third], None, 2, tmp_path) == []

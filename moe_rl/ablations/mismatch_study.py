@@ -259,6 +259,8 @@ def run_study(out: Path, make_blocks: Callable[[], list[Block]], base: Path | No
                 if r.done(runs_dir):
                     recorded(r, runs_dir, blk.name)
             failed += run_all(left, runs_dir, base, jobs, on_done=lambda r, d=runs_dir, b=blk.name: recorded(r, d, b))
-        if failed or missing_runs(results, make_blocks()) >= before:  # (no progress: stop rather than loop)
+        # (a pass that left its own blocks' runs missing made no progress: stop rather than
+        # loop; the next pass's blocks may be more than this one's, since each unlocks the next)
+        if failed or missing_runs(results, todo) >= before:
             return failed
     return []
