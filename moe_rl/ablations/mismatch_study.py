@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any
 from moe_rl.ablations import mismatch_rules as rules
 from moe_rl.ablations.runner import MARKER, ROOT, Run, ensure_base, run_all
 from moe_rl.ablations.stress import code_commit
-from moe_rl.ablations.stress_runs import _git_commit, metrics_digest, rounded, warm_start_id
+from moe_rl.ablations.stress_runs import commit_result_file, metrics_digest, rounded, warm_start_id
 from moe_rl.runtime.atomic import atomic_write_text
 
 RESULTS = ROOT / "docs" / "ablations" / "mismatch"
@@ -205,7 +206,7 @@ def record_run(run: Run, runs_dir: Path, results: Path, block: str, stamp: dict[
     atomic_write_text(path, json.dumps(out, separators=(",", ":")) + "\n")
     if commit:  # (the caller serializes record calls: one git commit at a time)
         state = "collapsed" if out["collapsed"] else "kept training"
-        _git_commit(path, f"mismatch {block}: {run.setting} seed {run.seed} {state} "
+        commit_result_file(path, f"mismatch {block}: {run.setting} seed {run.seed} {state} "
                           f"(final reward {out['final_reward']:.3f}, k3 {out['k3_end']:.2e})")
 
 
@@ -237,8 +238,6 @@ def run_study(out: Path, make_blocks: Callable[[], list[Block]], base: Path | No
               results: Path = RESULTS, commit: bool = False) -> list[Run]:
     """Train what `make_blocks` names until nothing is missing; the plan is read again after
     every pass, since each block's files unlock the next."""
-    import os
-
     base = ensure_base(out, base, os.cpu_count() or 1)
     stamp = {"commit": code_commit(), "warm_start": warm_start_id(base)}
     lock = threading.Lock()  # (runs finish on the runner's threads; their commits go one at a time)

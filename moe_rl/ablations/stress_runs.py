@@ -189,11 +189,13 @@ class Recorder:
             atomic_write_text(path, json.dumps(out, separators=(",", ":")) + "\n")
             if self.commit:
                 state = "collapsed" if out["collapsed"] else "survived"
-                _git_commit(path, f"stress {self.block.name}: {run.setting} seed {run.seed} {state} "
+                commit_result_file(path, f"stress {self.block.name}: {run.setting} seed {run.seed} {state} "
                                   f"(final reward {out['final_reward']:.3f})")
 
 
-def _git_commit(path: Path, message: str) -> None:
+def commit_result_file(path: Path, message: str) -> None:
+    """Commit `path` alone with `message` (retrying while another git command holds the
+    index): each study commits its result files as they land."""
     repo = path.parent
     for attempt in range(20):  # another git command may hold the index for a moment
         add = subprocess.run(["git", "add", "--", str(path)], cwd=repo, capture_output=True, text=True)
