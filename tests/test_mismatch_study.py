@@ -163,6 +163,19 @@ def test_stage2_takes_the_settings_whose_interval_straddles_delta(tmp_path):
     assert "| GSPO against the sampler | final reward | 0.25 |" in report
     assert "| the gap alone (grpo - grpo-fp32) | final reward | 0 |" in report
     assert {p.name for p in paths} >= {"mismatch_k3.png", "reward_mean.png", "collapses.png"}
+    assert "## Both stages" not in report
+    # Stage 2: R3 and grpo get seeds 11-20, R3 now only 0.02 better there (same spread): over
+    # all 20 seeds R3's difference is (10 x 0.08 + 10 x 0.02) / 20 = 0.05; stage 1's row stays.
+    for n, shift in ((study.REFERENCE, 0.0), ("grpo-r3", 0.02)):
+        for s in study.STAGE2_SEEDS:
+            _write(tmp_path, _result("stage2", n, s, [0.3 + shift + (s - 15.5) / 50] * 100, [1e-3] * 100))
+    write_reports(tmp_path)
+    report = (tmp_path.parent / "MISMATCH.md").read_text()
+    stage1, both = report.split("## Both stages")
+    assert "| R3 (the learner replays the sampler's routing) | final reward | 0.08 |" in stage1
+    assert "Stage 2 (seeds 11-20) ran for `grpo` (10), `grpo-r3` (10)" in both
+    assert "| R3 (the learner replays the sampler's routing) | final reward | 0.05 |" in both
+    assert "| GSPO against the sampler | final reward | 0.25 |" in both  # (stage 1's seeds alone)
 
 
 def test_reports_are_regenerated_byte_for_byte(tmp_path):
