@@ -25,7 +25,7 @@ from moe_rl.ablations.mismatch_study import (
     pilot_choices,
     read_block,
 )
-from moe_rl.ablations.stats import holm_adjusted, interval, welch, welch_interval
+from moe_rl.ablations.stats import holm_adjusted, interval, mean_or_nan, welch, welch_interval
 from moe_rl.runtime.atomic import atomic_write_text
 
 CLAIMS = {"grpo-r3": "R3 (the learner replays the sampler's routing)", "grpo-tis": "token TIS",
@@ -99,13 +99,9 @@ def claim_rows(main: dict[str, list[dict[str, Any]]], key: str) -> dict[str, dic
     ref = _column(main.get(REFERENCE, []), key)
     raw = {n: welch(_column(main.get(n, []), key), ref) for n in CLAIMS}
     adjusted = holm_adjusted(raw)
-    return {n: {"diff": _mean_or_nan(_column(main.get(n, []), key)) - _mean_or_nan(ref),
+    return {n: {"diff": mean_or_nan(_column(main.get(n, []), key)) - mean_or_nan(ref),
                 "ci": welch_interval(_column(main.get(n, []), key), ref), "p": raw[n], "holm": adjusted[n]}
             for n in CLAIMS}
-
-
-def _mean_or_nan(xs: list[float]) -> float:
-    return statistics.fmean(xs) if xs else math.nan
 
 
 def collapse_rows(main: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -131,7 +127,7 @@ def claim_table(main: dict[str, list[dict[str, Any]]]) -> list[str]:
     lines = ["| claim | outcome | effect (setting - grpo) | 95% interval | p | Holm p |", "|---|---|---|---|---|---|"]
     for key, label in CONTINUOUS:
         a, b = _column(ref, key), _column(ctl, key)
-        lines.append(f"| the gap alone (grpo - grpo-fp32) | {label} | {fmt(_mean_or_nan(a) - _mean_or_nan(b))} | "
+        lines.append(f"| the gap alone (grpo - grpo-fp32) | {label} | {fmt(mean_or_nan(a) - mean_or_nan(b))} | "
                      f"{_ci(welch_interval(a, b))} | {fmt(welch(a, b))} | (family of one) |")
     for key, label in CONTINUOUS:
         for n, row in claim_rows(main, key).items():
