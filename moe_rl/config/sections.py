@@ -275,11 +275,9 @@ class TaskConfig:
             raise ConfigError(f"task.reward={t.reward!r}: expected 'math' or a function 'module.path:function'")
         if t.chat_template not in ("auto", "none") and not t.chat_template.endswith(".jinja"):
             raise ConfigError(f"task.chat_template={t.chat_template!r}: expected auto, none or a .jinja file")
-        require_all({
-            "task.agent_timeout_s": (t.agent_timeout_s > 0, f"> 0 seconds, got {t.agent_timeout_s}"),
-            "task.max_agent_failures_frac": (0 <= t.max_agent_failures_frac <= 1,
-                                             f"in [0, 1], got {t.max_agent_failures_frac}"),
-        })
+        frac = t.max_agent_failures_frac
+        require_all({"task.agent_timeout_s": (t.agent_timeout_s > 0, f"> 0 seconds, got {t.agent_timeout_s}"),
+                     "task.max_agent_failures_frac": (0 <= frac <= 1, f"in [0, 1], got {frac}")})
         if t.agent and t.environment:
             raise ConfigError(f"task.agent={t.agent} and task.environment={t.environment}: an episode runs either an "
                               "agent program or an environment; set one of them to \"\"")

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from moe_rl.rollout.gateway.server import Gateway
-from moe_rl.rollout.gateway.trajectory import AgentEpisode
+from moe_rl.rollout.gateway.trajectory import AgentEpisode, Budget
 from moe_rl.rollout.types import ScoredGroup
 
 log = logging.getLogger(__name__)
@@ -172,3 +172,27 @@ def check_agent_failures(stats: dict[str, float], max_frac: float, spec: str) ->
             f"({stats.get('rollout/agent_timeouts', 0):.0f} timeouts, {stats.get('rollout/agent_errors', 0):.0f} "
             f"errors), above task.max_agent_failures_frac={max_frac:g}; fix the agent (the log names each failure) "
             "or raise task.agent_timeout_s")
+
+
+def draw_agent_groups(sampler: Any, tokenizer: Any, template: str | None, task: Any, *, task_cfg: Any, rl: Any,
+                      sampler_cfg: Any, problems: Sequence[Any], seeds: Sequence[int],
+                      version: int) -> list[ScoredGroup]:
+    """One draw's problems through `task_cfg.agent`, G episodes each, on a gateway over
+    `sampler` served for the draw alone (started, then stopped: no port stays open), with
+    the run's sampling settings (`sampler_cfg`) and turn limits (`rl`)."""
+    from moe_rl.tasks.user_code import load_object
+
+    if template is None:
+        raise ValueError(f"task.agent={task_cfg.agent}: the gateway renders the agent's messages with a chat "
+                         "template; set task.chat_template=auto with a tokenizer that has one, or a .jinja file")
+    agent = load_object(task_cfg.agent, "task.agent")
+    budget = Budget(rl.max_turns, rl.max_turn_tokens or sampler_cfg.max_new_tokens, sampler_cfg.max_new_tokens)
+    gateway = Gateway(sampler, tokenizer, template, budget=budget, sampling=(sampler_cfg.temperature, sampler_cfg.top_p),
+                      tool_parser=task_cfg.tool_parser)
+    gateway.start()
+    try:
+        outcomes = run_agents(gateway, agent, task_cfg.agent, problems, seeds, rl.group_size, task,
+                              task_cfg.agent_timeout_s)
+    finally:
+        gateway.stop()
+    return agent_groups(outcomes, version, tokenizer.eos_id, tokenizer.decode)
