@@ -8,6 +8,7 @@ counted; a rewritten history is a counted reset; no port is left open."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import sys
 import threading
@@ -38,12 +39,19 @@ TURNS, TURN, EPISODE, G = 3, 40, 128, 4
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(gateway, sampler, tokenizer, task, config): the shipped tool base served once."""
+def tool_base_hf(tmp_path_factory):
+    """The shipped tool base as a Hugging Face directory."""
     from moe_rl.convert import megatron_to_hf
 
     hf = tmp_path_factory.mktemp("toolbase") / "hf"
     megatron_to_hf(ROOT / "moe_rl/assets/tool_base", hf, force=True, trust=True)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def served(tool_base_hf):
+    """(gateway, sampler, tokenizer, task, config): the shipped tool base served once."""
+    hf = tool_base_hf
     cfg = load_config(None, ["task.name=calculator", "task.tokenizer=moe_rl/assets/tool_tokenizer", "task.min_digits=5",
                              "task.max_digits=7", f"rl.max_turns={TURNS}", f"rl.max_turn_tokens={TURN}",
                              f"sampler.max_new_tokens={EPISODE}", f"rl.group_size={G}", "model.vocab_size=512"])
@@ -199,3 +207,26 @@ def test_a_rewritten_history_is_a_counted_reset_not_a_wrong_sequence(served):
     assert tok.hf.decode(ep.segments[1].prompt, skip_special_tokens=False).startswith("<|im_start|>system\nBe brief.")
     (group,) = agent_groups([outs], 0, tok.eos_id, tok.decode)
     assert group.episodes[0][5] == 1 and group.prompt + group.responses[0] == ep.segments[1].prompt + ep.segments[1].tokens
+
+
+def test_serve_answers_the_openai_client_with_any_sampling_settings(tool_base_hf):
+    """`moe_rl.serve` (no run): any key, n, temperature and seed; tool calls parsed into the
+    standard shape; the same seed answers the same; the port is closed once stopped."""
+    from moe_rl.serve import start_server
+
+    gateway = start_server(tool_base_hf, tokenizer="moe_rl/assets/tool_tokenizer", max_tokens=TURN)
+    try:
+        client = _client(gateway, "anything")
+        ask = {"model": "m", "messages": Q, "tools": TOOLS, "n": 8, "temperature": 0.9, "seed": 3}
+        first, again = client.chat.completions.create(**ask), client.chat.completions.create(**ask)
+        assert len(first.choices) == 8 and first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
+        assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+        called = [c for c in first.choices if c.message.tool_calls]
+        assert called and all(c.finish_reason == "tool_calls" for c in called)
+        args = json.loads(called[0].message.tool_calls[0].function.arguments)
+        assert called[0].message.tool_calls[0].function.name == "add" and set(args) == {"a", "b"}
+    finally:
+        port = gateway.port
+        gateway.stop()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0

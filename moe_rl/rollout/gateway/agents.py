@@ -113,6 +113,7 @@ def run_agents(gateway: Gateway, agent: Callable[..., Any], spec: str, problems:
                group_size: int, task: Any, timeout_s: float) -> list[list[Outcome]]:
     """Every problem's `group_size` episodes through `agent` (named `spec`), concurrently, on
     the started `gateway`; the outcomes by problem then response."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (not a line per agent call in the run's log)
     keys = gateway.open([((i, j), seeds[i]) for i in range(len(problems)) for j in range(group_size)])
 
     async def everything() -> list[Outcome]:
