@@ -230,3 +230,42 @@ def test_serve_answers_the_openai_client_with_any_sampling_settings(tool_base_hf
         gateway.stop()
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_groups_advantage_is_over_the_episodes_it_kept_and_failures_stop_the_run():
+    """dr_grpo over rewards [1, 0, dropped, 1]: the kept mean is 2/3, so [1/3, -2/3, 0, 1/3]; the
+    agent statistics count the step's episodes; above the fraction the run stops in one line."""
+    from moe_rl.rollout.gateway.agents import AgentFailuresError, check_agent_failures
+    from moe_rl.rollout.packing import plan_step
+    from moe_rl.rollout.types import GroupSummary
+
+    rl = load_config(None, ["rl.advantage=dr_grpo", "rl.group_size=4"]).rl
+    tallies = ((2, 1, 0, 0, 0, 0), (1, 0, 0, 0, 0, 1), (0, 0, 0, 1, 0, 0), (1, 0, 0, 0, 0, 0))
+    g = GroupSummary(5, (9, 3, 1, 3), (1.0, 0.0, 0.0, 1.0), ("stop",) * 4, episodes=tallies)
+    plan = plan_step([g], [g], 1, rl, 1)
+    torch.testing.assert_close(plan.adv_NG, torch.tensor([[1 / 3, -2 / 3, 0.0, 1 / 3]]))
+    s = plan.stats
+    assert (s["rollout/agent_timeouts"], s["rollout/agent_errors"], s["rollout/agent_resets"]) == (1.0, 0.0, 1.0)
+    assert s["rollout/agent_failed_frac"] == 0.25
+    check_agent_failures(s, 0.25, "a:b")
+    with pytest.raises(AgentFailuresError, match=r"task.agent=a:b: 25% of the step's episodes timed out or raised "
+                                                 r"\(1 timeouts, 0 errors\), above task.max_agent_failures_frac=0.2"):
+        check_agent_failures(s, 0.2, "a:b")
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["rl.max_turns=1"], "task.agent=m:f: an agent's episode is multi-turn; set rl.max_turns > 1"),
+    (["rl.partial_rollouts=true", "rl.max_staleness=1", "sampler.placement=separate", "sampler.engine_ranks=1",
+      "rl.rollout_correction=tis"],
+     "task.agent=m:f: partial rollouts and in-flight weight updates would need"),
+    (["task.environment=m:E"], "task.agent=m:f and task.environment=m:E: an episode runs either"),
+    (["task.agent_timeout_s=0"], "task.agent_timeout_s"),
+    (["task.max_agent_failures_frac=2"], "task.max_agent_failures_frac"),
+])
+def test_agent_settings_are_checked_with_one_line_errors(overrides, line):
+    from moe_rl.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["task.name=calculator", "task.tokenizer=moe_rl/assets/tool_tokenizer", "task.agent=m:f",
+                           "rl.max_turns=3", "model.vocab_size=512", *overrides])
+    assert line in str(e.value) and "\n" not in str(e.value)
