@@ -68,15 +68,13 @@ def _reward(result: Any) -> float:
     return float(value)
 
 
-async def _call(agent: Callable[..., Any], problem: Any, task: Any, url: str, api_key: str, timeout_s: float) -> Any:
+async def _call(agent: Callable[..., Any], problem: Any, task: Any, url: str, api_key: str, timeout_s: float,
+                http: Any) -> Any:
     import openai
 
-    if inspect.iscoroutinefunction(agent):
-        client = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0)
-        try:
-            return await asyncio.wait_for(agent(problem, client, task), timeout_s)
-        finally:
-            await client.close()
+    if inspect.iscoroutinefunction(agent):  # (the episodes' clients share one connection pool, `http`)
+        client = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, http_client=http)
+        return await asyncio.wait_for(agent(problem, client, task), timeout_s)
     sync_client = openai.OpenAI(base_url=url, api_key=api_key, max_retries=0)
     fut: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -91,9 +89,9 @@ async def _call(agent: Callable[..., Any], problem: Any, task: Any, url: str, ap
 
 
 async def _episode(gateway: Gateway, agent: Callable[..., Any], spec: str, problem: Any, task: Any, api_key: str,
-                   timeout_s: float) -> Outcome:
+                   timeout_s: float, http: Any) -> Outcome:
     try:
-        result = await _call(agent, problem, task, gateway.url, api_key, timeout_s)
+        result = await _call(agent, problem, task, gateway.url, api_key, timeout_s, http)
         reward, failure, line = _reward(result), "", ""
     except TimeoutError:
         reward, failure = None, "timeout"
@@ -113,12 +111,16 @@ def run_agents(gateway: Gateway, agent: Callable[..., Any], spec: str, problems:
                group_size: int, task: Any, timeout_s: float) -> list[list[Outcome]]:
     """Every problem's `group_size` episodes through `agent` (named `spec`), concurrently, on
     the started `gateway`; the outcomes by problem then response."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # (not a line per agent call in the run's log)
+    for name in ("httpx", "httpx2"):  # (the openai client's HTTP library: not a line per agent call in the log)
+        logging.getLogger(name).setLevel(logging.WARNING)
     keys = gateway.open([((i, j), seeds[i]) for i in range(len(problems)) for j in range(group_size)])
 
     async def everything() -> list[Outcome]:
-        return await asyncio.gather(*[_episode(gateway, agent, spec, problems[i], task, keys[(i, j)], timeout_s)
-                                      for i in range(len(problems)) for j in range(group_size)])
+        import openai
+
+        async with openai.DefaultAsyncHttpxClient() as http:
+            return await asyncio.gather(*[_episode(gateway, agent, spec, problems[i], task, keys[(i, j)], timeout_s,
+                                                   http) for i in range(len(problems)) for j in range(group_size)])
 
     flat = asyncio.run(everything())
     return [flat[i * group_size:(i + 1) * group_size] for i in range(len(problems))]

@@ -6,8 +6,8 @@
     batcher.close()
 
 A batch is flushed when every open episode has a request waiting (`expect(n)`: the episodes
-the rollout opened and has not closed), or `window_s` after its first request, whichever
-comes first; its rows go in episode-key order (group, response), which is the order the tool
+the rollout opened and has not closed), or once no further request has arrived for
+`window_s`, whichever comes first; its rows go in episode-key order (group, response), which is the order the tool
 episodes' pool feeds them in, so the same episodes through an agent decode the same batches.
 Every row is decoded to `turn_tokens` (the run's rl.max_turn_tokens) and cut at its own room
 by the episode (`AgentEpisode.record`), as the pool does. The engine is called from this
@@ -24,8 +24,8 @@ from typing import Any
 from moe_rl.rollout.gateway.trajectory import Feed
 
 WINDOW_S = 0.05
-"""How long a batch waits for further requests after its first (unless every open episode
-has one waiting before)."""
+"""How long a batch waits for a further request after the last one arrived (unless every
+open episode has one waiting before)."""
 
 
 class EngineBatcher:
@@ -78,9 +78,11 @@ class EngineBatcher:
                 self._cv.wait()
             if self._closed:
                 return None
-            deadline = time.monotonic() + self.window_s
+            deadline, seen = time.monotonic() + self.window_s, len(self._waiting)
             while not self._closed and len(self._waiting) < self._open and (left := deadline - time.monotonic()) > 0:
                 self._cv.wait(left)
+                if len(self._waiting) > seen:  # (a new arrival: the window starts again)
+                    deadline, seen = time.monotonic() + self.window_s, len(self._waiting)
             batch, self._waiting = sorted(self._waiting, key=lambda w: w[0]), []
             return batch
 
