@@ -84,7 +84,7 @@ def test_calculator_episodes_through_the_agent_equal_the_tool_environments(serve
     outcomes = run_agents(gateway, solve, "calculator_agent:solve", problems, seeds, G, task, 120.0)
     assert gateway.batcher.batches - batches <= TURNS  # (one engine call per round, as the pool's)
     agent = agent_groups(outcomes, 0, tok.eos_id, tok.decode)
-    calls = multi = round_trip = 0
+    calls = multi = 0
     for eg, ag, outs in zip(env_groups, agent, outcomes):
         assert ag.prompt == eg.prompt
         for r, ids, lps, obs, routed, o, reward in zip(eg.responses, ag.responses, ag.logprobs, ag.observed, ag.routed,
@@ -97,10 +97,34 @@ def test_calculator_episodes_through_the_agent_equal_the_tool_environments(serve
             assert reward == r.episode.reward
             calls += o.episode.tool_calls
             multi += len(o.episode.segments[0].turns) > 1
-            text = tok.hf.decode(ids, skip_special_tokens=False)
-            round_trip += tok.hf.encode(text, add_special_tokens=False) != ids
     assert calls >= 1 and multi >= 1, (calls, multi)
-    assert round_trip >= 1  # (the agent sends that text back: the gateway kept the engine's ids)
+
+
+def test_the_engines_ids_are_kept_where_re_encoding_the_history_would_change_them(served):
+    """A turn the engine sampled in ids the tokenizer would not produce from its text (the
+    round trip tests/test_episodes.py finds): the agent sends the text back in its history,
+    and the episode goes on from the engine's ids, the new user message appended as ids;
+    rendering and encoding the agent's history would have given other ids."""
+    gateway, _, tok, _, _ = served
+    ep = gateway._episode((950, 0), 1)
+    history = [{"role": "user", "content": "What is 1 + 2?"}]
+    feed = ep.begin(history, TOOLS)
+    word = "The answer is"
+    split = [i for ch in word for i in tok.encode(ch)]  # (one id per character: not how `word` encodes)
+    assert split != tok.encode(word)
+    sampled = [*split, tok.eos_ids[0]]
+    message, reason = ep.record(feed, sampled, [-0.5] * len(sampled), "stop", None)
+    assert (message, reason) == ({"role": "assistant", "content": word}, "stop")
+    history += [message, {"role": "user", "content": "Sure?"}]
+    again = ep.begin(history, TOOLS)
+    seg, turns = ep.segments[0], gateway.turns_for(TOOLS)
+    observation = turns.observation([{"role": "user", "content": "Sure?"}])
+    assert ep.resets == 0 and seg.tokens == sampled + observation and again.ids == seg.prompt + seg.tokens
+    assert seg.observed == [False] * len(sampled) + [True] * len(observation)
+    assert seg.logprobs == [-0.5] * len(sampled) + [0.0] * len(observation)
+    re_encoded = turns.opening(history)  # (what re-encoding the history would have fed: the same text, other ids)
+    assert re_encoded != again.ids
+    assert tok.hf.decode(re_encoded, skip_special_tokens=False) == tok.hf.decode(again.ids, skip_special_tokens=False)
 
 
 def _client(gateway: Gateway, key: str) -> openai.OpenAI:
