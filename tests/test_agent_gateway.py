@@ -196,6 +196,14 @@ async def raises(problem, client, task):
     raise ValueError("no answer today")
 
 
+def test_an_agent_returns_a_number_or_a_dict_with_per_call_rewards():
+    from moe_rl.rollout.gateway.agents import _reward
+
+    assert _reward(1) == 1.0 and _reward({"reward": 0.5, "call_rewards": [0.25, -0.5]}) == 0.25
+    with pytest.raises(TypeError, match="return the reward"):
+        _reward("1.0")
+
+
 @pytest.mark.parametrize(("agent", "failure", "line"), [
     (hangs_async, "timeout", "took longer than task.agent_timeout_s=1.5 s"),
     (hangs_plain, "timeout", "took longer than task.agent_timeout_s=1.5 s"),

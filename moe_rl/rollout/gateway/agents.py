@@ -7,7 +7,8 @@ Each of a problem's G episodes calls the agent once, concurrently: an `async def
 agent(problem, client, task)` gets an `openai.AsyncOpenAI` bound to its episode (the
 gateway's base URL, the episode's api key, `max_retries=0`: a refused call is the agent's to
 handle, never silently retried); a plain function gets an `openai.OpenAI` and runs in a
-worker thread. It returns the episode's reward (a number, or a dict with `reward`).
+worker thread. It returns the episode's reward: a number, or a dict with `reward` and
+optionally `call_rewards` (per-call rewards, added to it).
 
 `task.agent_timeout_s` ends an episode that hangs: an async agent is cancelled, a plain
 function's thread abandoned (its late result, and any later call, ignored: the episode is
@@ -61,11 +62,15 @@ class Outcome:
 
 
 def _reward(result: Any) -> float:
+    """The episode's reward: a number, or a dict's `reward` plus the sum of its `call_rewards`
+    (per-call rewards, as an environment's per-turn rewards add to its final one)."""
     value = result.get("reward") if isinstance(result, dict) else result
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    extra = result.get("call_rewards", ()) if isinstance(result, dict) else ()
+    numbers = [value, *extra]
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in numbers):
         raise TypeError(f"returned {type(result).__name__} {str(result)[:60]!r}; return the reward (a number) "
-                        "or a dict with 'reward'")
-    return float(value)
+                        "or a dict with 'reward' (and optionally 'call_rewards', a list of numbers)")
+    return float(sum(numbers))
 
 
 async def _call(agent: Callable[..., Any], problem: Any, task: Any, url: str, api_key: str, timeout_s: float,
