@@ -30,7 +30,7 @@ export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo bench bench-smoke lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep ablations-mismatch clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo agent-demo bench bench-smoke lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep ablations-mismatch clean-runs
 
 help:
 	@echo "make demo             RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
@@ -38,6 +38,7 @@ help:
 	@echo "make rm-demo          a reward model on the same pairs, the starting point of PPO's critic (CPU)"
 	@echo "make ppo-demo         PPO with a critic pretrained on the base's rollouts (CPU, ~17 min once + ~4 min)"
 	@echo "make tool-demo        multi-turn RL with a calculator tool on the shipped tool base (CPU)"
+	@echo "make agent-demo       the same through an agent program on an OpenAI-compatible endpoint (CPU)"
 	@echo "make install          the stack into $(VENV): CPU, or with nvidia-smi (ACCEL=gpu [WHEELS=dir]) the GPU one on the machine's torch"
 	@echo "make test             the full test suite (what CI runs; the 25 slowest tests are listed at the end)"
 	@echo "make test-fast        the tests without slow, multi-process or vLLM ones (a quick check while editing)"
@@ -124,6 +125,9 @@ ppo-demo: install
 # task, episodes of up to 3 turns with an `add` tool -> runs/tool_demo (metrics.jsonl, tb/).
 tool-demo: install
 	$(PY) -m moe_rl.train --config examples/tiny_tools.yaml run.name=tool_demo run.overwrite=true
+
+agent-demo: install
+	$(PY) -m moe_rl.train --config examples/tiny_agent.yaml run.name=agent_demo run.overwrite=true
 
 bench: install
 	$(PY) -m bench.run_all

@@ -67,6 +67,9 @@ NOT_RUN_AS_WRITTEN = {
     "tools/gpu/stage_wheels.sh": "downloads wheels from a package registry: the script's --help runs",
     "tools/gpu/lease.sh": "installs and runs on a lent GPU machine: the script's --help runs",
     "vllm": "serves a model on CUDA GPUs: the vllm executable is in the venv",
+    "moe_rl.serve": "serves until Ctrl-C: its flags parse, in-process, without serving "
+                    "(tests/test_agent_gateway.py serves the tool base)",
+    "examples/agents/calculator_agent.py": "calls a served endpoint: the agent module loads and has `solve`",
 }
 # Recipes whose documented commands tests/test_hf_recipes.py runs as written for 2 real steps
 # (stand-ins for their paths, test-sized batches), which a --check here would only repeat.
@@ -232,6 +235,14 @@ def _measure_mismatch(argv: tuple[str, ...], env: Env) -> None:
     _main_without_work(tool, "measure", argv[2:], lambda args: (tool.settings_from_args(args, recipe), 0)[1])
 
 
+def _serve(argv: tuple[str, ...], env: Env) -> None:
+    _main_without_work(_load("moe_rl.serve"), "serve_forever", argv[3:], lambda args: 0)
+
+
+def _agent_module(argv: tuple[str, ...], env: Env) -> None:
+    assert callable(getattr(_load(argv[1]), "solve", None)), f"{argv[1]} has no solve(problem, client, task)"
+
+
 def _executable(argv: tuple[str, ...], env: Env) -> None:
     exe = VENV_BIN / argv[0]
     assert exe.is_file() and os.access(exe, os.X_OK), f"{argv[0]} is not installed in {VENV_BIN}"
@@ -272,7 +283,7 @@ FAST_FORMS = {
     # NOT_RUN_AS_WRITTEN
     "moe_rl.plan.table": _plan_table, "tools/measure_mismatch.py": _measure_mismatch,
     "tools/gpu/stage_wheels.sh": _help_runs, "tools/gpu/lease.sh": _help_runs, "vllm": _executable,
-    "sbatch": _sbatch,
+    "sbatch": _sbatch, "moe_rl.serve": _serve, "examples/agents/calculator_agent.py": _agent_module,
 }
 
 

@@ -96,6 +96,8 @@ def check_rl_against_sampler(cfg: Config) -> None:
 def check_episodes_against_task(cfg: Config) -> None:
     """Multi-turn episodes are rendered by the task's chat template and parsed by its parser."""
     rl, t = cfg.rl, cfg.task
+    if t.agent:
+        check_agent_against_run(cfg)
     if not rl.multi_turn:
         return
     if t.chat_template == "none":
@@ -103,6 +105,21 @@ def check_episodes_against_task(cfg: Config) -> None:
                           "rendered by it); set task.chat_template=auto with a tokenizer that has one, or a .jinja file")
     if t.tool_parser != "auto" and t.tool_parser not in ("hermes", "glm45"):
         raise ConfigError(f"task.tool_parser={t.tool_parser}: use auto, hermes or glm45")
+
+
+def check_agent_against_run(cfg: Config) -> None:
+    """task.agent: multi-turn limits, and nothing that would need an agent replayed."""
+    rl, t = cfg.rl, cfg.task
+    if not rl.multi_turn:
+        raise ConfigError(f"task.agent={t.agent}: an agent's episode is multi-turn; set rl.max_turns > 1 (its calls "
+                          "per episode) and rl.max_turn_tokens (its tokens per call)")
+    if rl.segmented:
+        raise ConfigError(f"task.agent={t.agent}: partial rollouts and in-flight weight updates would need an agent "
+                          "program paused and replayed; set rl.partial_rollouts=false and "
+                          "rl.inflight_weight_updates=false")
+    if cfg.sampler.tensor_parallel_size > 1:
+        raise ConfigError(f"task.agent={t.agent}: the gateway drives one engine rank; set "
+                          "sampler.tensor_parallel_size=1")
 
 
 def check_critic_against_run(cfg: Config) -> None:

@@ -243,6 +243,18 @@ class TaskConfig:
     """How the model writes tool calls: hermes (Qwen2.5 / Qwen3 `<tool_call>{json}</tool_call>`,
     the shipped tool base), glm45 (GLM-4.5 `<arg_key>` / `<arg_value>`), or auto (read off
     the chat template)."""
+    agent: str = ""
+    """Multi-turn episodes through an agent program (docs/tools.md): `module.path:function`,
+    an `async def f(problem, client, task)` (client: an `openai.AsyncOpenAI` bound to its
+    episode) or a plain function (run in a worker thread, given an `openai.OpenAI`), which
+    calls the run's OpenAI-compatible gateway as often as it likes and returns the reward (or
+    a dict with `reward`). "": the environment (task.environment) runs the episodes."""
+    agent_timeout_s: float = 300.0
+    """task.agent: seconds one agent episode may take; past it an async agent is cancelled and
+    a plain one abandoned, the episode dropped from the step (rollout/agent_timeouts)."""
+    max_agent_failures_frac: float = 0.5
+    """task.agent: the run stops when more than this fraction of a step's episodes time out or
+    raise (each dropped and counted: rollout/agent_timeouts, rollout/agent_errors)."""
     reward_timeout_s: float = 60.0
     """Dataset: seconds one response's reward (math-verify or a user function) may take; one
     that runs longer is cut, scores 0.0 and is counted in reward/timeouts. Rewards run in a
@@ -263,7 +275,13 @@ class TaskConfig:
             raise ConfigError(f"task.reward={t.reward!r}: expected 'math' or a function 'module.path:function'")
         if t.chat_template not in ("auto", "none") and not t.chat_template.endswith(".jinja"):
             raise ConfigError(f"task.chat_template={t.chat_template!r}: expected auto, none or a .jinja file")
-        for name, spec in [("task.environment", t.environment)] + [("task.tools", x) for x in t.tools]:
+        frac = t.max_agent_failures_frac
+        require_all({"task.agent_timeout_s": (t.agent_timeout_s > 0, f"> 0 seconds, got {t.agent_timeout_s}"),
+                     "task.max_agent_failures_frac": (0 <= frac <= 1, f"in [0, 1], got {frac}")})
+        if t.agent and t.environment:
+            raise ConfigError(f"task.agent={t.agent} and task.environment={t.environment}: an episode runs either an "
+                              "agent program or an environment; set one of them to \"\"")
+        for name, spec in [("task.environment", t.environment), ("task.agent", t.agent)] + [("task.tools", x) for x in t.tools]:
             if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
                 raise ConfigError(f"{name}={spec!r}: expected 'module.path:name'")
         for key in ("prompt_key", "messages_key", "answer_key", "metadata_key"):

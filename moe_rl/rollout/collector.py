@@ -245,6 +245,10 @@ class RolloutCollector:
         rollout.stats.update(self._engine_stats(public.engine_seconds, drawn))
         rollout.stats["reward/timeouts"] = float(public.reward_timeouts)
         rollout.stats["rollout/engine_restarts"] = float(restarts)
+        if self.task_cfg.agent:  # (every rank sees the same statistics: they stop together)
+            from moe_rl.rollout.gateway.agents import check_agent_failures
+
+            check_agent_failures(rollout.stats, self.task_cfg.max_agent_failures_frac, self.task_cfg.agent)
         rollout.stats.update({"time/learner_wait": self.learner_wait, "time/engine_wait": public.engine_wait})
         return rollout
 
@@ -275,7 +279,8 @@ class RolloutCollector:
         problems = self.problems(step, draw)
         seeds = self.seeds(step, draw, len(problems))
         share = self.placement.share(len(problems))
-        draw_groups = self._draw_responses if self.episodes is None else self._draw_episodes
+        draw_groups = (self._draw_agents if self.task_cfg.agent else
+                       self._draw_responses if self.episodes is None else self._draw_episodes)
         groups, sample_seconds, cut = draw_groups(step, [problems[i] for i in share], [seeds[i] for i in share],
                                                   version, timer)
         mine = {share[i]: g for i, g in enumerate(groups)}
@@ -338,6 +343,19 @@ class RolloutCollector:
                   for g in sorted(pool.done, key=lambda g: g.key)]
         cut = sum(r.episode.reward_timeouts for g in pool.done for r in g.responses)
         return groups, time.perf_counter() - t0, cut
+
+    def _draw_agents(self, step: int, problems: list[Problem], seeds: list[int], version: int,
+                     timer: StepTimer) -> tuple[list[ScoredGroup], float, int]:
+        """This engine's problems of a draw, G episodes each through the agent program
+        `task.agent` on the gateway (`moe_rl.rollout.gateway`); its rewards are the agent's."""
+        from moe_rl.rollout.gateway.agents import draw_agent_groups
+
+        t0 = time.perf_counter()
+        with timer.phase("sample"):
+            groups = draw_agent_groups(self.sampler, self.tok, self.prompts.template, self.task, task_cfg=self.task_cfg,
+                                       rl=self.rl_cfg, sampler_cfg=self.sampler_cfg, problems=problems, seeds=seeds,
+                                       version=version)
+        return groups, time.perf_counter() - t0, 0
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy accuracy and pass@k on `task.eval_data_path`, every engine taking its block of

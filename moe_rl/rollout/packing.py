@@ -48,10 +48,28 @@ def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, r
     if rl.overlong_max_len:
         shaped_NG = rewards_NG + overlong_penalty(lengths_NG, rl.overlong_max_len, rl.overlong_cache)
     critic = rl.uses_critic  # (its token advantages come once the step is scored)
-    adv_NG = torch.zeros_like(shaped_NG) if critic else compute_advantages(rl.advantage, shaped_NG)
+    adv_NG = torch.zeros_like(shaped_NG) if critic else over_kept(compute_advantages(rl.advantage, shaped_NG),
+                                                                   shaped_NG, kept, rl.advantage)
     longest = max(g.prompt_len + max(g.response_lens, default=0) for g in kept)
     stats = rollout_stats(kept, drawn, draws, rewards_NG, lengths_NG, None if critic else adv_NG)
     return StepPlan(rewards_NG, adv_NG, shaped_NG, -(-longest // tp) * tp, stats)
+
+
+def over_kept(adv_NG: torch.Tensor, shaped_NG: torch.Tensor, kept: list[GroupSummary], estimator: str) -> torch.Tensor:
+    """Agent episodes (`moe_rl.rollout.gateway.agents`): a group's advantages over the
+    episodes it kept, 0 for those dropped (timed out or raised; tally entries 3 and 4); a
+    group with fewer kept than the estimator needs gets zeros."""
+    for n, g in enumerate(kept):
+        if not g.episodes or len(g.episodes[0]) <= 3 or not any(t[3] or t[4] for t in g.episodes):
+            continue
+        idx = [j for j, t in enumerate(g.episodes) if not (t[3] or t[4])]
+        adv_NG[n] = 0.0
+        if idx:
+            try:
+                adv_NG[n, idx] = compute_advantages(estimator, shaped_NG[n, idx][None])[0]
+            except ValueError:  # (too few kept for the estimator, rloo's one)
+                pass
+    return adv_NG
 
 
 def pack_rows(rows: list[RowSample], plan: StepPlan, model: ModelConfig, max_new_tokens: int,
@@ -116,6 +134,12 @@ def rollout_stats(kept: list[GroupSummary], drawn: list[GroupSummary], draws: in
                       "rollout/tool_calls_mean": sum(t[1] for t in tallies) / len(tallies),
                       "rollout/tool_parse_errors": float(sum(t[2] for t in tallies)),
                       "rollout/truncated_frac": stats["response/truncated_frac"]})
+        if len(tallies[0]) > 3:  # agent episodes: (..., timed out, raised, resets)
+            failed = sum(bool(t[3] or t[4]) for t in tallies)
+            stats.update({"rollout/agent_timeouts": float(sum(t[3] for t in tallies)),
+                          "rollout/agent_errors": float(sum(t[4] for t in tallies)),
+                          "rollout/agent_resets": float(sum(t[5] for t in tallies)),
+                          "rollout/agent_failed_frac": failed / len(tallies)})
     return stats
 
 

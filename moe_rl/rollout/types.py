@@ -49,8 +49,9 @@ class ScoredGroup:
     """Per response, whether it continued across a step boundary (a partial rollout)."""
     observed: list[list[bool]] | None = None
     """Multi-turn episodes: per response, which tokens are the environment's observations."""
-    episodes: list[tuple[int, int, int]] | None = None
-    """Multi-turn episodes: per response, (turns, tool calls, tool-call parse errors)."""
+    episodes: list[tuple[int, ...]] | None = None
+    """Multi-turn episodes: per response, (turns, tool calls, tool-call parse errors), and for
+    agent episodes (timed out, raised, resets) after them (`moe_rl.rollout.gateway.agents`)."""
 
     def summary(self) -> GroupSummary:
         runs = None
@@ -90,8 +91,9 @@ class GroupSummary:
     """Per response, its tokens' versions as (version, count) runs; None: all `version`."""
     carried: tuple[bool, ...] | None = None
     """Per response, whether it continued across a step boundary (a partial rollout)."""
-    episodes: tuple[tuple[int, int, int], ...] | None = None
-    """Multi-turn episodes: per response, (turns, tool calls, tool-call parse errors)."""
+    episodes: tuple[tuple[int, ...], ...] | None = None
+    """Multi-turn episodes: per response, (turns, tool calls, tool-call parse errors[, timed
+    out, raised, resets] for agent episodes)."""
 
     def spans(self) -> tuple[int, ...]:
         """Per response, newest minus oldest token version (0: one version)."""
