@@ -14,7 +14,7 @@ The package is a leaf: it imports nothing of moe_rl but the leaf utilities `atom
 
 Modules: `errors`, `coerce` (plain data -> typed values, the ConfigValue protocol,
 did-you-mean), `yaml_text` (YAML with file:line:col errors), `objective_hparams` (the
-registry), `model` / `rl` / `sections` (the sections and `Config`), `shipped` (paths to
+registry), `model` / `rl` / `task` / `sections` (the sections and `Config`), `shipped` (paths to
 assets inside the installed package), `validate` (per-section checks and the layout check),
 `loading` (recipes in and out), `docs` (attribute docstrings and `--help-config`).
 """
@@ -47,8 +47,8 @@ from moe_rl.config.sections import (
     RunConfig,
     SamplerConfig,
     SFTConfig,
-    TaskConfig,
 )
+from moe_rl.config.task import TaskConfig
 from moe_rl.config.validate import (
     learner_world_size,
     validate,
