@@ -53,6 +53,7 @@ class Engines:
         self.sampler_cfg, self.rl_cfg, self.seed, self.trust_checkpoint = sampler, rl, seed, trust_checkpoint
         self.group = placement.engines_group()  # (collective)
         """The engine ranks' process group (None: they are the whole world)."""
+        weight_sync.engines_group = self.group  # (where the engines agree on a check after a push)
         self.sampler: Sampler | None = None
         self.restarts = RestartBudget(sampler.max_restarts)
         """Engine rebuilds after a failure (`engine_faults`): rollout/engine_restarts."""
