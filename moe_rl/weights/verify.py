@@ -30,7 +30,7 @@ import torch
 from moe_rl.rollout.engine_faults import EngineFailedError
 from moe_rl.sampler.precision import transform_weight
 
-TOLERANCE: dict[str, float] = {"fp32": 1e-4, "bf16": 0.25, "fp8_emulated": 0.25, "fp8": 0.5}
+TOLERANCE: dict[str, float] = {"fp32": 1e-4, "bf16": 0.35, "fp8_emulated": 0.4, "fp8": 0.5}
 """Largest |engine - learner| log-prob over the probe's tokens that a correct push shows, per
 resolved `sampler.precision` (docs/sampler.md has the measurements: fp32 ~1e-6 on the demo
 model; bf16 and fp8_emulated compute in bf16 against the fp32 learner)."""
