@@ -95,22 +95,9 @@ class RolloutCollector:
         self.engine_wait = 0.0
         """Seconds this engine last waited for the learner's weights (set by the trainer)."""
         self.held_out = HeldOut(task, run)
-        if make_sync is not None and sampler.verify_every:
-            self.weight_sync.verifier = self._verifier(sampler.verify_every, run.seed, sampler.backend)
         self._row_owners: list[int | None] = [0] * self.placement.world  # (until assign_rows: all rows everywhere)
         self._dp = 1
         self._signal = LearningSignalWatch(rl.dynamic_sampling, group_advantages=not rl.uses_critic)
-
-    def _verifier(self, every: int, seed: int, backend: str) -> Any:
-        """The engines' check after every `every`-th push (`moe_rl.weights.verify`): its probe
-        batch from a few of the task's prompts drawn from `seed` alone; tensor checksums too
-        for the transformers sampler, whose engines hold plain parameters."""
-        from moe_rl.weights.verify import PROBE_ROWS, SyncVerifier, probe_batch
-
-        problems = self.task.sample(PROBE_ROWS, np.random.default_rng([seed, 65]))
-        prompts, responses = probe_batch([self.prompts.encode(p) for p in problems], seed)
-        return SyncVerifier(every, prompts, responses, hashes=backend == "transformers", seq_multiple=self.tp,
-                            pad_id=self.pad_id)
 
     @property
     def pad_id(self) -> int:

@@ -148,3 +148,16 @@ class SyncVerifier:
         precision = str(getattr(engine, "precision", "fp32"))
         return SyncVerdict(rank, check.version, float(diff), TOLERANCE.get(precision, TOLERANCE["bf16"]),
                            time.perf_counter() - t0, sorted(set(bad)))
+
+
+def attach_verifier(collector: Any, every: int, seed: int, backend: str) -> None:
+    """The run's check after every `every`-th push (0: none) on `collector`'s weight
+    transport: its probe from a few of the task's prompts drawn from `seed` alone, tensor
+    checksums too for the transformers sampler (`backend`), whose engines hold plain
+    parameters. Every rank, once, after the collector exists."""
+    if not every:
+        return
+    problems = collector.task.sample(PROBE_ROWS, np.random.default_rng([seed, 65]))
+    prompts, responses = probe_batch([collector.prompts.encode(p) for p in problems], seed)
+    collector.weight_sync.verifier = SyncVerifier(every, prompts, responses, hashes=backend == "transformers",
+                                                  seq_multiple=collector.tp, pad_id=collector.pad_id)
