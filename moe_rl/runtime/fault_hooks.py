@@ -23,7 +23,8 @@ loss is multiplied by NaN. Engine failures (tests/test_engine_faults.py): this p
 `Sampler.generate` calls that raise a RuntimeError, as an out-of-memory error or a crashed
 worker would (`2,5` -> `1,4` -> `3` as calls pass). Engine hangs (tests/test_engine_faults.py):
 the generate calls that block forever instead, as a deadlocked engine would
-(`sampler.generate_timeout_s` must end them). Corrupted pushes (tests/test_sync_verify.py):
+(`sampler.generate_timeout_s` must end them; killing an out-of-process engine,
+`release_hangs`, makes the call fail as a call to a killed worker does). Corrupted pushes (tests/test_sync_verify.py):
 the engine of this process (only on global rank `rank` with `@<rank>`) loads its n-th push
 (1-based, counted by the pushes it receives) with the first attention output projection of
 the push scaled by 1.5 (`corrupt_bucket`, applied to the bucket before `update_weights`, so
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+import threading
 
 KILL_ENV = "MOE_RL_TEST_KILL_AT"
 NAN_ENV = "MOE_RL_TEST_NAN_AT"
@@ -86,8 +87,19 @@ def engine_fail_point() -> None:
     if _due(ENGINE_FAIL_ENV):
         raise InjectedEngineError(f"injected engine failure ({ENGINE_FAIL_ENV})")
     if _due(ENGINE_HANG_ENV):
-        while True:  # (a deadlocked engine: only the watchdog ends this)
-            time.sleep(3600)
+        _released.clear()
+        while not _released.wait(3600):  # (a deadlocked engine: only the watchdog ends this)
+            pass
+        raise InjectedEngineError(f"injected engine hang ({ENGINE_HANG_ENV}): the engine process was killed")
+
+
+_released = threading.Event()
+
+
+def release_hangs() -> None:
+    """What killing a hung out-of-process engine does to its pending call, for the hang
+    hook: the call fails (as a call to a killed worker does). A no-op without a hung hook."""
+    _released.set()
 
 
 def corrupt_push_due() -> bool:
