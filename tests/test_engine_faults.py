@@ -215,3 +215,26 @@ def test_a_hung_engine_ends_the_run_with_one_line_and_a_resume_continues(uninter
                              cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["reward/mean"] for r in _rows(run)] == [r["reward/mean"] for r in uninterrupted]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_hung_separate_engine_rank_ends_every_rank_in_bounded_time(tmp_path):
+    """One learner rank, one engine rank whose generate call of step 2 never returns: the
+    engine rank prints the one line and exits 3 after sampler.generate_timeout_s; the
+    learner rank, waiting for step 2's rollout in a collective, is ended by torchrun; step
+    1's row and checkpoint are the run's."""
+    from moe_rl.runtime.fault_hooks import ENGINE_HANG_ENV
+
+    overrides = [*SMALL, "sampler.placement=separate", "sampler.engine_ranks=1", "run.async_save=false",
+                 "sampler.generate_timeout_s=20"]
+    t0 = time.monotonic()
+    proc = subprocess.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**env(), ENGINE_HANG_ENV: "2"})
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-5000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("moe_rl: the engine on rank")]
+    assert len(lines) == 1 and lines[0].startswith(HANG_LINE.replace("rank 0", "rank 1")), proc.stderr[-5000:]
+    assert took < 20 + 5 * BOUND_S  # (a hang guard with the start-up in it, not a timing test)
+    run = tmp_path / "r"
+    assert [r["step"] for r in rows(run)] == [1] and latest_checkpoint(run).name == "step_000001"
