@@ -40,8 +40,8 @@ SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8",
 HF = [*SMALL, "sampler.backend=transformers"]
 VLLM = [*SMALL, "sampler.backend=vllm", "sampler.precision=fp32"]
 SEPARATE = ["sampler.placement=separate", "sampler.engine_ranks=1"]
-LINE = ("python -m moe_rl.train: error: engine rank {rank} does not hold the weights pushed after step 2: its probe "
-        "log-probs differ from the learner's by up to ")
+LINE = ("python -m moe_rl.train: error: engine rank {rank} does not hold the weights pushed after step {step}: its "
+        "probe log-probs differ from the learner's by up to ")
 CORRUPT = {CORRUPT_PUSH_ENV: "2", ENGINE_FAIL_ENV: "3"}  # (the push after step 2; step 3's generate would fail)
 
 
@@ -89,9 +89,9 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _one_line(stderr: str, rank: int) -> str:
+def _one_line(stderr: str, rank: int, step: int = 2) -> str:
     lines = [ln for ln in stderr.splitlines() if ln.startswith("python -m moe_rl.train:")]
-    assert len(lines) == 1 and lines[0].startswith(LINE.format(rank=rank)), stderr[-5000:]
+    assert len(lines) == 1 and lines[0].startswith(LINE.format(rank=rank, step=step)), stderr[-5000:]
     return lines[0]
 
 
@@ -131,7 +131,7 @@ def test_vllm_loads_a_corrupted_push_and_the_check_catches_it(tmp_path):
                           env={**env(), **CORRUPT}, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 3, proc.stderr[-5000:]
     line = _one_line(proc.stderr, rank=0)
-    assert float(line[len(LINE.format(rank=0)):].split()[0]) > 100 * TOLERANCE["fp32"], line
+    assert float(line[len(LINE.format(rank=0, step=2)):].split()[0]) > 100 * TOLERANCE["fp32"], line
     assert "held tensor" not in line  # (no checksums: vLLM holds no plain parameters)
     assert [r["step"] for r in rows(tmp_path / "r")] == [1]
 
@@ -155,3 +155,20 @@ def test_a_separate_engine_rank_with_a_corrupted_push_stops_every_rank(backend, 
     if backend == "transformers":
         plain = verified[0]
         assert [r["reward/mean"] for r in got] == [r["reward/mean"] for r in plain[:2]]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_at_ep2_every_rank_checks_its_engine_and_one_corrupted_engine_stops_the_run(verified, tmp_path):
+    """Two ranks, colocated, the learner's experts split over them (EP2), a transformers
+    engine on each: pushes 1 and 2 pass the check on both engines and steps 1 and 2 train
+    as the one-process run without the check did; rank 1's engine loads push 3 corrupted:
+    the one line names rank 1 and step 3 (the run's last push: checked like the others)."""
+    overrides = [*HF, "parallel.expert_model_parallel_size=2", "sampler.verify_every=1"]
+    proc = subprocess.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**env(), CORRUPT_PUSH_ENV: "3@1"})
+    assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-5000:]
+    assert "held tensor(s)" in _one_line(proc.stderr, rank=1, step=3)
+    got = rows(tmp_path / "r")
+    assert [r["reward/mean"] for r in got] == [r["reward/mean"] for r in verified[0][:2]]
+    assert all(r["sync/verify_max_abs_diff"] <= TOLERANCE["fp32"] for r in got[:2])
