@@ -453,5 +453,6 @@ def _verified(verdicts: list[SyncVerdict], engine: Any, learner_seconds: float) 
     out = {"sync/verify_learner_seconds": learner_seconds}
     if verdicts:
         out["sync/verify_max_abs_diff"] = max(v.max_abs_diff for v in verdicts)
+        out["sync/verify_mean_abs_diff"] = max(v.mean_abs_diff for v in verdicts)
         out["sync/verify_seconds"] = max(v.seconds for v in verdicts) + learner_seconds
     return out

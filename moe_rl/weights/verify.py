@@ -30,10 +30,14 @@ import torch
 from moe_rl.rollout.engine_faults import EngineFailedError
 from moe_rl.sampler.precision import transform_weight
 
-TOLERANCE: dict[str, float] = {"fp32": 1e-4, "bf16": 0.35, "fp8_emulated": 0.4, "fp8": 0.5}
+TOLERANCE: dict[str, float] = {"fp32": 1e-4, "bf16": 1.5, "fp8_emulated": 1.5, "fp8": 2.0}
 """Largest |engine - learner| log-prob over the probe's tokens that a correct push shows, per
 resolved `sampler.precision` (docs/sampler.md has the measurements: fp32 ~1e-6 on the demo
-model; bf16 and fp8_emulated compute in bf16 against the fp32 learner)."""
+model; bf16 and fp8_emulated compute in bf16 against the fp32 learner, whose single-token
+differences reach 0.4 in a clean 20-step run: there the mean below decides)."""
+MEAN_TOLERANCE: dict[str, float] = {"fp32": 1e-4, "bf16": 0.06, "fp8_emulated": 0.08, "fp8": 0.1}
+"""The same for the mean |difference| over the probe's tokens: at low precision a single
+token's difference is noisy, the mean is what a wrong tensor moves."""
 
 PROBE_ROWS, PROBE_RESPONSE_TOKENS = 4, 8
 _CHUNK = 1 << 22
@@ -89,18 +93,22 @@ class SyncVerdict:
     tolerance: float
     seconds: float
     bad_tensors: list[str] = field(default_factory=list)
+    mean_abs_diff: float = 0.0
+    mean_tolerance: float = float("inf")
 
     @property
     def failed(self) -> bool:
-        return not self.max_abs_diff <= self.tolerance or bool(self.bad_tensors)
+        return (not self.max_abs_diff <= self.tolerance or not self.mean_abs_diff <= self.mean_tolerance
+                or bool(self.bad_tensors))
 
     def line(self, precision: str) -> str:
         """The one line the run stops with."""
         held = (f"; {len(self.bad_tensors)} held tensor(s) differ from the learner's export, first "
                 f"{self.bad_tensors[0]}") if self.bad_tensors else ""
         return (f"engine rank {self.rank} does not hold the weights pushed after step {self.version}: its probe "
-                f"log-probs differ from the learner's by up to {self.max_abs_diff:.3g} (tolerance {self.tolerance:g} "
-                f"at sampler.precision={precision}){held}; the run stops before sampling with them, the last "
+                f"log-probs differ from the learner's by up to {self.max_abs_diff:.3g}, {self.mean_abs_diff:.3g} on "
+                f"average (tolerances {self.tolerance:g} and {self.mean_tolerance:g} at sampler.precision={precision})"
+                f"{held}; the run stops before sampling with them, the last "
                 "checkpoint stays the latest: check the engine's weight loading (sampler.verify_every found it)")
 
 
@@ -142,12 +150,13 @@ class SyncVerifier:
         placement)."""
         t0 = time.perf_counter()
         got = engine.score(self.prompts, self.responses, temperature=1.0)
-        diff = max((abs(a - b) for g, w in zip(got, check.logp) for a, b in zip(g, w)), default=0.0)
+        diffs = [abs(a - b) for g, w in zip(got, check.logp) for a, b in zip(g, w)] or [0.0]
         bad = [n for n, s in expected.items() if tensor_checksum(engine.held_tensor(n)) != s]
         bad += [n for n, s in check.sums.items() if raw.get(n) != s]
         precision = str(getattr(engine, "precision", "fp32"))
-        return SyncVerdict(rank, check.version, float(diff), TOLERANCE.get(precision, TOLERANCE["bf16"]),
-                           time.perf_counter() - t0, sorted(set(bad)))
+        return SyncVerdict(rank, check.version, float(max(diffs)), TOLERANCE.get(precision, TOLERANCE["bf16"]),
+                           time.perf_counter() - t0, sorted(set(bad)), float(sum(diffs) / len(diffs)),
+                           MEAN_TOLERANCE.get(precision, MEAN_TOLERANCE["bf16"]))
 
 
 def attach_verifier(collector: Any, every: int, seed: int, backend: str) -> None:
