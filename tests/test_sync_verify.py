@@ -131,7 +131,7 @@ def test_vllm_loads_a_corrupted_push_and_the_check_catches_it(tmp_path):
                           env={**env(), **CORRUPT}, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 3, proc.stderr[-5000:]
     line = _one_line(proc.stderr, rank=0)
-    assert float(line[len(LINE.format(rank=0, step=2)):].split()[0]) > 100 * TOLERANCE["fp32"], line
+    assert float(line[len(LINE.format(rank=0, step=2)):].split(",")[0]) > 100 * TOLERANCE["fp32"], line
     assert "held tensor" not in line  # (no checksums: vLLM holds no plain parameters)
     assert [r["step"] for r in rows(tmp_path / "r")] == [1]
 
