@@ -215,3 +215,61 @@ def test_a_hung_engine_ends_the_run_with_one_line_and_a_resume_continues(uninter
                              cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["reward/mean"] for r in _rows(run)] == [r["reward/mean"] for r in uninterrupted]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_hung_separate_engine_rank_ends_every_rank_in_bounded_time(tmp_path):
+    """One learner rank, one engine rank whose generate call of step 2 never returns: the
+    engine rank prints the one line and exits 3 after sampler.generate_timeout_s; the
+    learner rank, waiting for step 2's rollout in a collective, is ended by torchrun; step
+    1's row and checkpoint are the run's."""
+    from moe_rl.runtime.fault_hooks import ENGINE_HANG_ENV
+
+    overrides = [*SMALL, "sampler.placement=separate", "sampler.engine_ranks=1", "run.async_save=false",
+                 "sampler.generate_timeout_s=20"]
+    t0 = time.monotonic()
+    proc = subprocess.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**env(), ENGINE_HANG_ENV: "2"})
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-5000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("moe_rl: the engine on rank")]
+    assert len(lines) == 1 and lines[0].startswith(HANG_LINE.replace("rank 0", "rank 1")), proc.stderr[-5000:]
+    assert took < 20 + 5 * BOUND_S  # (a hang guard with the start-up in it, not a timing test)
+    run = tmp_path / "r"
+    assert [r["step"] for r in rows(run)] == [1] and latest_checkpoint(run).name == "step_000001"
+
+
+def test_a_hung_out_of_process_engine_is_killed_and_its_call_fails():
+    """`Engines.guarded`: a score (or generate) call that outlives sampler.generate_timeout_s
+    on an engine that can be killed (out of process) kills it; the pending call then fails
+    as a killed worker's does (here: the fake worker's call returns an error once killed),
+    which the restart budget then handles like any engine failure."""
+    import threading
+    from types import SimpleNamespace
+
+    from moe_rl.config import SamplerConfig
+    from moe_rl.rollout.engines import Engines
+
+    class _Worker:
+        in_process = False
+
+        def __init__(self):
+            self.killed = threading.Event()
+
+        def score(self, prompts, responses, temperature=1.0):
+            if not self.killed.wait(60):
+                return [[0.0]]
+            raise RuntimeError("engine core died")
+
+        def kill(self):
+            self.killed.set()
+
+    engines = Engines.__new__(Engines)
+    engines.sampler, engines.placement = _Worker(), SimpleNamespace(rank=0)
+    engines.sampler_cfg = SamplerConfig(generate_timeout_s=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="engine core died"):
+        engines.guarded("checking the weights pushed to it").score([[1, 2]], [[3]])
+    assert engines.sampler.killed.is_set() and time.monotonic() - t0 < 30
+    assert engines.guarded("x").in_process is False  # (every other attribute is the engine's)

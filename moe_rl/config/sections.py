@@ -150,6 +150,15 @@ class SamplerConfig:
     rank and the call and exits with status 3 (torchrun then ends the job; run.resume=true
     continues from the last checkpoint)."""
 
+    verify_every: int = 0
+    """Check the engines every this many weight pushes (0: never): after the push each
+    engine scores a fixed probe batch (a few short sequences drawn once from run.seed) and
+    the learner scores it with the weights it pushed; a largest |log-prob difference| beyond
+    sampler.precision's tolerance (`moe_rl.weights.verify.TOLERANCE`, docs/sampler.md), or
+    with the transformers sampler a held tensor whose checksum differs from the learner's
+    export, stops the run with one line naming the engine rank and the step (exit 3) before
+    the engine samples with those weights. Logged as sync/verify_max_abs_diff."""
+
     def timeout_for(self, requested_tokens: int) -> float:
         """The deadline of a call requesting `requested_tokens` tokens (0: none)."""
         return self.generate_timeout_s * max(1.0, requested_tokens / TIMEOUT_TOKENS)
@@ -177,6 +186,7 @@ class SamplerConfig:
             raise ConfigError(f"sampler.top_p must be in (0, 1], got {s.top_p}")
         require_all({
             "sampler.max_restarts": (s.max_restarts >= 0, f">= 0, got {s.max_restarts}"),
+            "sampler.verify_every": (s.verify_every >= 0, f">= 0 (0: never), got {s.verify_every}"),
             "sampler.gpu_memory_utilization": (0 < s.gpu_memory_utilization <= 1,
                                                f"in (0, 1], got {s.gpu_memory_utilization}"),
             "sampler.vllm_kv_cache_gib": (s.vllm_kv_cache_gib >= 1, f">= 1, got {s.vllm_kv_cache_gib}"),

@@ -34,7 +34,7 @@ from moe_rl.rollout.engine_faults import (
 from moe_rl.rollout.placement import EnginePlacement
 from moe_rl.rollout.sampler_start import build_sampler, sampler_weights_dir
 from moe_rl.runtime.failures import describe_error
-from moe_rl.runtime.fault_hooks import kill_point
+from moe_rl.runtime.fault_hooks import kill_point, release_hangs
 from moe_rl.runtime.watchdog import HUNG_EXIT, call_deadline, exit_on_hang
 from moe_rl.sampler import Rollouts, Sampler
 
@@ -53,6 +53,7 @@ class Engines:
         self.sampler_cfg, self.rl_cfg, self.seed, self.trust_checkpoint = sampler, rl, seed, trust_checkpoint
         self.group = placement.engines_group()  # (collective)
         """The engine ranks' process group (None: they are the whole world)."""
+        weight_sync.engines_group = self.group  # (where the engines agree on a check after a push)
         self.sampler: Sampler | None = None
         self.restarts = RestartBudget(sampler.max_restarts)
         """Engine rebuilds after a failure (`engine_faults`): rollout/engine_restarts."""
@@ -77,7 +78,7 @@ class Engines:
         group_env = pl.group_env() if pl.ranks_per_engine > 1 else None  # (collective over every rank)
         if pl.hosts_engine:
             self.sampler = self._build(hf_dir, group_env)
-        self.weight_sync.attach(self.sampler)
+        self.weight_sync.attach(self._checked())
         self.returns_routed_experts = all(pl.gather(bool(getattr(self.sampler, "returns_routed_experts", False))))
 
     def _build(self, hf_dir: Path, group_env: dict[str, str] | None) -> Sampler:
@@ -90,10 +91,8 @@ class Engines:
         while True:
             ro, fault = None, None
             kill_point("generate")  # (a test hook: a no-op unless MOE_RL_TEST_KILL_AT names it)
-            requested = len(prompt_ids) * int(kwargs.get("n", 1)) * int(kwargs.get("max_new_tokens", 1))
             try:
-                with call_deadline(self.sampler_cfg.timeout_for(requested), self._on_hang(doing, requested)):
-                    ro = self.sampler.generate(prompt_ids, **kwargs)
+                ro = self.guarded(doing).generate(prompt_ids, **kwargs)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 fault = EngineFault(self.placement.rank, describe_error(e))
             faults = [f for f in self.placement.all_engines(fault, self.group) if f is not None]
@@ -101,10 +100,32 @@ class Engines:
                 return ro
             self.recover(faults, doing, everywhere=self.group is None)
 
+    def _checked(self) -> GuardedSampler | None:
+        """What the weight transport loads into and checks (`sampler.verify_every`: its
+        score call under the deadline too); None without an engine."""
+        return self.guarded("checking the weights pushed to it") if self.sampler is not None else None
+
+    def guarded(self, doing: str) -> GuardedSampler:
+        """This rank's engine with its generate and score calls under
+        `sampler.generate_timeout_s` (`doing`: what the one line says the engine was doing):
+        the rollout's, the evaluation's, each decoding segment's and the weight check's."""
+        return GuardedSampler(self, doing)
+
     def _on_hang(self, doing: str, requested: int) -> Callable[[], None]:
-        """What a hung call does: the engine cannot be interrupted from here, so the process
-        says so in one line and exits (`moe_rl.runtime.watchdog`)."""
+        """What a hung call does: an out-of-process engine (one that can `kill` itself) is
+        killed, so that the call fails like a crashed worker and `sampler.max_restarts`
+        decides; an in-process one cannot be interrupted from here, so the process says so
+        in one line and exits (`moe_rl.runtime.watchdog`)."""
         limit = self.sampler_cfg.timeout_for(requested)
+        kill = getattr(self.sampler, "kill", None)
+        if kill is not None and not getattr(self.sampler, "in_process", True):
+            def killed() -> None:
+                log.warning("the engine on rank %d hung while %s: no result after %.0f s (sampler.generate_timeout_s"
+                            "=%g); killing its process", self.placement.rank, doing, limit,
+                            self.sampler_cfg.generate_timeout_s)
+                kill()
+                release_hangs()
+            return killed
         return exit_on_hang(f"moe_rl: the engine on rank {self.placement.rank} hung while {doing}: no result after "
                             f"{limit:.0f} s (sampler.generate_timeout_s={self.sampler_cfg.generate_timeout_s:g} for "
                             f"{requested} requested tokens); the job ends here (exit {HUNG_EXIT}): continue from the "
@@ -130,7 +151,7 @@ class Engines:
             pl = self.placement
             group_env = pl.group_env(self.group) if pl.ranks_per_engine > 1 else None
             self.sampler = self._build(self._hf_dir, group_env)
-            self.weight_sync.attach(self.sampler)
+            self.weight_sync.attach(self._checked())
         if self.weight_sync.synced:
             raise EnginesRebuilt()
 
@@ -165,3 +186,26 @@ class Engines:
             self.sampler.close()
             self.sampler = None
             self.weight_sync.attach(None)
+
+
+class GuardedSampler:
+    """An engine whose generate and score calls must return within the run's deadline
+    (`Engines.guarded`); every other attribute is the engine's own."""
+
+    def __init__(self, engines: Engines, doing: str) -> None:
+        self._engines, self._doing = engines, doing
+
+    def generate(self, prompt_ids: list[list[int]], **kwargs: Any) -> Rollouts:
+        requested = len(prompt_ids) * int(kwargs.get("n", 1)) * int(kwargs.get("max_new_tokens", 1))
+        e = self._engines
+        with call_deadline(e.sampler_cfg.timeout_for(requested), e._on_hang(self._doing, requested)):
+            return e.sampler.generate(prompt_ids, **kwargs)
+
+    def score(self, prompt_ids: Any, response_ids: Any, **kwargs: Any) -> list[list[float]]:
+        requested = sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+        e = self._engines
+        with call_deadline(e.sampler_cfg.timeout_for(requested), e._on_hang(self._doing, requested)):
+            return e.sampler.score(prompt_ids, response_ids, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engines.sampler, name)

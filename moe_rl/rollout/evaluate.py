@@ -133,7 +133,7 @@ class HeldOut:
             mine, fault = EvalReport(k), None
             try:
                 if engines.sampler is not None:
-                    mine = evaluate_problems(GenerateOnly(engines.sampler), encoder, tok, task,
+                    mine = evaluate_problems(GenerateOnly(engines.guarded(f"evaluating after step {step}")), encoder, tok, task,
                                              [problems[i] for i in share], k=k, temperature=s.temperature,
                                              top_p=s.top_p, max_new_tokens=s.max_new_tokens,
                                              seed=self.run_cfg.seed + 7 * share.start, episodes=episodes)

@@ -171,7 +171,8 @@ class SegmentedRollout:
                 if self.streaming:
                     self.pool.stream(sampler, self.epoch_versions.__getitem__, s.temperature, s.top_p, POLL_S)
                 else:
-                    self.pool.segment(sampler, self.collector.weight_sync.held_version or 0, s.temperature, s.top_p)
+                    self.pool.segment(self.collector.engines.guarded(f"generating step {step}"),  # (the deadline)
+                                      self.collector.weight_sync.held_version or 0, s.temperature, s.top_p)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 raise self.collector.failed_alone(f"generating step {step}", e) from e
         self.seconds += time.perf_counter() - t0

@@ -212,8 +212,27 @@ class HFSampler:
                 rows = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
                 gate_up[e, rows].copy_(w)
 
+    def held_tensor(self, name: str) -> torch.Tensor:
+        """The tensor this engine computes with for HF checkpoint name `name` (a view into
+        the fused expert tensors for a per-expert name): what `update_weights` wrote."""
+        params = getattr(self, "_named", None)
+        if params is None:  # (kept: update_weights copies into these tensors in place)
+            params = self._named = dict(self.model.named_parameters(remove_duplicate=False))
+            params.update(self.model.named_buffers())
+        if name in params:
+            return params[name]
+        m = _EXPERT_WEIGHT.match(name)
+        if m is None or f"{m.group(1)}.down_proj" not in params:
+            raise KeyError(f"held_tensor: {name!r} matches no parameter of {type(self.model).__name__}")
+        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        if proj == "down":
+            return params[f"{prefix}.down_proj"][e]
+        gate_up = params[f"{prefix}.gate_up_proj"]
+        inter = gate_up.shape[1] // 2
+        return gate_up[e, :inter] if proj == "gate" else gate_up[e, inter:]
+
     def close(self) -> None:
-        self.model = None
+        self.model, self._named = None, None
 
     # ----------------------------------------------------------------- decoding
 

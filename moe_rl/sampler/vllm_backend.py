@@ -427,6 +427,16 @@ class VLLMSampler:
             with preserved_torch_state(), self._worlds.engine(shutting_down=True):
                 llm.llm_engine.engine_core.shutdown()
 
+    def kill(self) -> None:
+        """SIGKILL the engine-core process(es) of an out-of-process engine (one that hung:
+        its pending call then fails as a crashed worker's does, and the engine is rebuilt
+        or the run stops, as `sampler.max_restarts` says). No-op in process."""
+        resources = getattr(getattr(getattr(self.llm, "llm_engine", None), "engine_core", None), "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        for proc in getattr(manager, "processes", []):
+            with contextlib.suppress(Exception):
+                proc.kill()
+
     # ----------------------------------------------------------------- helpers
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -51,8 +51,16 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.rollout.placement import EnginePlacement
+from moe_rl.runtime.fault_hooks import corrupt_bucket, corrupt_push_due
 from moe_rl.runtime.worlds import bridge
 from moe_rl.sampler import Sampler
+from moe_rl.weights.verify import (
+    SyncCheck,
+    SyncVerdict,
+    SyncVerifier,
+    SyncVerifyError,
+    tensor_checksum,
+)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -99,6 +107,8 @@ class SyncReport:
     """Bytes of full tensors this rank drained from the learner or received by broadcast."""
     buckets: int = 0
     """Layer-aligned buckets (engine calls, where this rank has an engine)."""
+    check: SyncCheck | None = None
+    """What the engine compares itself against after this push (`sampler.verify_every`)."""
 
     def metrics(self) -> dict[str, float]:
         return {"sync/version": float(self.version), "sync/seconds": self.seconds,
@@ -192,17 +202,21 @@ def _send(t: torch.Tensor, group: object, inflight: InFlight) -> None:
 
 
 def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: object, send: bool,
-                      version: int, inflight: InFlight) -> SyncReport:
+                      version: int, inflight: InFlight, check: SyncCheck | None = None,
+                      hashes: bool = False) -> SyncReport:
     """Drain `named_tensors`; with `send` (global rank 0), broadcast every bucket over
     `group` to the engine ranks (`receive_buckets`) without waiting for them: each bucket's
     names, shapes and dtypes, then its tensors (staged copies), then an end mark naming the
     version, all issued asynchronously into `inflight`. An engine takes them when it next
-    calls `receive_buckets`, at its batch boundary."""
+    calls `receive_buckets`, at its batch boundary. `check` (`sampler.verify_every`) goes
+    with the end mark, with `hashes` the checksum of every tensor sent in it."""
     report, t0 = SyncReport(version), time.perf_counter()
     for bucket in layer_buckets(named_tensors, bucket_bytes):
         report.buckets += 1
         report.bytes_streamed += _nbytes(bucket)
         if send:
+            if check is not None and hashes:
+                check.sums.update((n, tensor_checksum(t)) for n, t in bucket)
             with bridge():
                 dev = _device()
                 metas = _metas(bucket)
@@ -211,7 +225,7 @@ def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: obj
                 _send(_packed(bucket, metas, dev), group, inflight)
     if send:
         with bridge():
-            for t in _meta_tensors((version, None)):
+            for t in _meta_tensors((version, None, check)):
                 _send(t.to(_device()), group, inflight)
     report.seconds = time.perf_counter() - t0
     return report
@@ -238,9 +252,11 @@ def receive_buckets(group: object, load: Callable[[Bucket], None],
     while True:
         with bridge():
             dev = _device()
-            report.version, metas = _receive_meta(group, dev, posted)
+            head = _receive_meta(group, dev, posted)
+            report.version, metas = head[0], head[1]
             posted = None
             if metas is None:
+                report.check = head[2]
                 break
             flat = torch.empty(_spans(metas)[1], dtype=torch.uint8, device=dev)
             dist.broadcast(flat, src=0, group=group)
@@ -272,6 +288,15 @@ class WeightSynchronizer(ABC):
         self.synced = False
         """A push has been made (a learner rank) or received (an engine rank) since this
         process started: an engine rebuilt from its starting weights then lacks the newest."""
+        self.verifier: SyncVerifier | None = None
+        """The engines' check after pushes (`sampler.verify_every`; None: never)."""
+        self.engines_group: Any = None
+        """The engine ranks' process group (`Engines` sets it; None: every rank)."""
+        self._expected: dict[str, int] = {}
+        self._raw: dict[str, int] = {}
+        self._corrupt = self._hashing = False
+        self.last_verdicts: list[SyncVerdict] = []
+        """The engine ranks' verdicts on the last push they checked (an engine-only rank)."""
 
     def attach(self, engine: Sampler | None) -> None:
         """This rank's engine (None on a learner-only rank), once it has started."""
@@ -285,16 +310,26 @@ class WeightSynchronizer(ABC):
         from moe_rl.learner.gather import SyncTraffic
 
         traffic = SyncTraffic()
-        report = self._deliver(hf_named_tensors(learner, dst=self.gather_dst, traffic=traffic), version)
+        t0 = time.perf_counter()
+        check = self.verifier.learner_side(learner, version) if self.verifier and self.verifier.due() else None
+        learner_probe_seconds = time.perf_counter() - t0
+        self._begin_receipt(check)
+        report = self._deliver(hf_named_tensors(learner, dst=self.gather_dst, traffic=traffic), version, check)
         self.synced = True
+        verdict = None
         if self.engine is not None:
             self.held_version = version
+            if check is not None and self.gather_dst is None:  # (colocated: this rank's engine, now)
+                verdict = self._verify(check)
         mine = {**report.metrics(), "sync/bytes_received": float(traffic.bytes_received),
                 "sync/bytes_sent": float(traffic.bytes_sent), "sync/drain_wait_seconds": self.last_drain_seconds}
-        everyone = learner.all_gather_object(mine)
-        per_rank = {f"{k}_rank{r}": v for r, m in enumerate(everyone) if len(everyone) > 1 for k, v in m.items()
+        everyone = learner.all_gather_object((mine, verdict))
+        per_rank = {f"{k}_rank{r}": v for r, (m, _) in enumerate(everyone) if len(everyone) > 1 for k, v in m.items()
                     if k in ("sync/seconds", "sync/bytes_received")}
-        return {**mine, **per_rank, "sync/seconds_max": max(m["sync/seconds"] for m in everyone)}
+        out = {**mine, **per_rank, "sync/seconds_max": max(m["sync/seconds"] for m, _ in everyone)}
+        if check is not None:
+            out.update(_verified([v for _, v in everyone if v is not None], self.engine, learner_probe_seconds))
+        return out
 
     def receive(self) -> SyncReport:
         """An engine-only rank's side (separate placement): load the weights rank 0 pushes."""
@@ -309,12 +344,34 @@ class WeightSynchronizer(ABC):
         """Wait for anything a push left in flight (before the process groups go away)."""
 
     @abstractmethod
-    def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
-        """Drain the learner's stream to the end, handing the engines what they load."""
+    def _deliver(self, named_tensors: NamedTensors, version: int, check: SyncCheck | None) -> SyncReport:
+        """Drain the learner's stream to the end, handing the engines what they load (and,
+        under `BroadcastSync`, `check` for them to compare themselves against)."""
+
+    def _begin_receipt(self, check: SyncCheck | None) -> None:
+        """Before this engine loads a push: what the checks after it collect, reset; the
+        corruption test hook counts the push."""
+        self._expected, self._raw = {}, {}
+        self._hashing = check is not None and self.verifier is not None and self.verifier.hashes
+        self._corrupt = self.engine is not None and corrupt_push_due()
 
     def _load(self, bucket: Bucket) -> None:
-        if self.engine is not None:  # (none: an engine dropped after a failure drains the push, loads nothing)
-            self.engine.update_weights(bucket)
+        if self.engine is None:  # (none: an engine dropped after a failure drains the push, loads nothing)
+            return
+        if self._hashing:
+            from moe_rl.weights.verify import expected_checksums
+
+            self._expected.update(expected_checksums(bucket, str(self.engine.precision)))
+            if self.gather_dst is not None:  # (sent: the transport is checked too)
+                self._raw.update((n, tensor_checksum(t)) for n, t in bucket)
+        if self._corrupt:  # (the test hook: this engine loads one tensor changed)
+            bucket, hit = corrupt_bucket(bucket)
+            self._corrupt = not hit
+        self.engine.update_weights(bucket)
+
+    def _verify(self, check: SyncCheck) -> SyncVerdict:
+        """This rank's engine against `check`, right after the push was loaded."""
+        return self.verifier.engine_side(self.engine, self.placement.rank, check, self._expected, self._raw)
 
 
 class ColocatedSync(WeightSynchronizer):
@@ -322,7 +379,7 @@ class ColocatedSync(WeightSynchronizer):
 
     gather_dst = None
 
-    def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
+    def _deliver(self, named_tensors: NamedTensors, version: int, check: SyncCheck | None) -> SyncReport:
         report = stream_in_buckets(named_tensors, self.bucket_bytes, self._load if self.engine is not None else None)
         report.version = version
         return report
@@ -339,18 +396,30 @@ class BroadcastSync(WeightSynchronizer):
         self.inflight = InFlight()
         self._posted: tuple[torch.Tensor, Any] | None = None
 
-    def _deliver(self, named_tensors: NamedTensors, version: int) -> SyncReport:
+    def _deliver(self, named_tensors: NamedTensors, version: int, check: SyncCheck | None) -> SyncReport:
         send = self.placement.rank == 0
         self.last_drain_seconds = self.inflight.wait()  # (one staged copy of the weights at a time)
-        return broadcast_buckets(named_tensors, self.bucket_bytes, self.group, send, version, self.inflight)
+        hashes = self.verifier is not None and self.verifier.hashes
+        return broadcast_buckets(named_tensors, self.bucket_bytes, self.group, send, version, self.inflight,
+                                 check if send else None, hashes)
 
     def finish(self) -> None:
         self.inflight.wait()
 
     def receive(self) -> SyncReport:
+        """(Under `sampler.verify_every`, a push that comes with a check is compared right
+        after it is loaded, agreed over the engine ranks: `SyncVerifyError` on each.)"""
         posted, self._posted = self._posted, None
+        self._begin_receipt(self.verifier and SyncCheck(0, []))  # (whether a check comes is told at its end)
         report = receive_buckets(self.group, self._load, posted)
         self.held_version, self.synced = report.version, True
+        if report.check is not None:
+            verdict = self._verify(report.check) if self.engine is not None else None
+            verdicts = [v for v in self.placement.all_engines(verdict, self.engines_group) if v is not None]
+            self.last_verdicts = verdicts
+            failed = [v for v in verdicts if v.failed]
+            if failed:
+                raise SyncVerifyError(failed[0].line(str(getattr(self.engine, "precision", "fp32"))))
         return report
 
     def poll(self) -> bool:
@@ -371,3 +440,19 @@ def make_weight_synchronizer(placement: EnginePlacement, *, bucket_mib: int) -> 
     if placement.engine_ranks and placement.world > 1:
         return BroadcastSync(placement, bucket_bytes)
     return ColocatedSync(placement, bucket_bytes)
+
+
+def _verified(verdicts: list[SyncVerdict], engine: Any, learner_seconds: float) -> dict[str, float]:
+    """The check's metrics over the engine ranks' verdicts (colocated: every rank's; none
+    under the separate placement, whose engines check themselves when they load the push),
+    or the run's end: `SyncVerifyError` naming the first engine rank that failed (on every
+    rank alike, rank 0 prints it)."""
+    failed = [v for v in verdicts if v.failed]
+    if failed:
+        raise SyncVerifyError(failed[0].line(str(getattr(engine, "precision", "fp32"))), everywhere=True)
+    out = {"sync/verify_learner_seconds": learner_seconds}
+    if verdicts:
+        out["sync/verify_max_abs_diff"] = max(v.max_abs_diff for v in verdicts)
+        out["sync/verify_mean_abs_diff"] = max(v.mean_abs_diff for v in verdicts)
+        out["sync/verify_seconds"] = max(v.seconds for v in verdicts) + learner_seconds
+    return out

@@ -23,6 +23,7 @@ from moe_rl.rollout import RolloutCollector, Sampled
 from moe_rl.rollout.engine_faults import EngineFailedError, EngineNote, EnginesRebuilt
 from moe_rl.rollout.segmented import SegmentedRollout
 from moe_rl.runtime.timing import StepTimer
+from moe_rl.weights.verify import SyncVerifyError
 
 
 class EngineRole(Program):
@@ -113,10 +114,17 @@ class EngineRole(Program):
         if self._segmented is not None:
             self._segmented.save(self.run.run_dir, step)
         t0 = time.perf_counter()
-        self.collector.weight_sync.receive()
+        try:
+            self.collector.weight_sync.receive()
+        except SyncVerifyError as e:  # (told at the next delivery, before anything is sampled with them)
+            if self._segmented is not None or step >= self.run.steps:
+                raise  # (this rank says it and ends; torchrun ends the others)
+            self._failed = EngineNote.of(e)
         self.collector.engine_wait = time.perf_counter() - t0
 
     def evaluate(self, step: int) -> dict[str, float]:
+        if self._failed is not None:  # (never sample with weights that failed their check)
+            raise EngineFailedError(self._failed.line)
         while True:
             try:
                 self.collector.evaluate(step)  # (the training ranks log it)

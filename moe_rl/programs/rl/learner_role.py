@@ -89,6 +89,7 @@ class LearnerRole(Program):
         from moe_rl.learner import init_distributed
         from moe_rl.programs.rl.engine_role import EngineRole
         from moe_rl.weights import make_weight_synchronizer
+        from moe_rl.weights.verify import attach_verifier
 
         cls.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         separate = cfg.sampler.placement == "separate"
@@ -97,6 +98,7 @@ class LearnerRole(Program):
         make_sync = partial(make_weight_synchronizer, bucket_mib=cfg.sampler.weight_sync_bucket_mib)
         collector = RolloutCollector(sampler=cfg.sampler, task=cfg.task, rl=cfg.rl, model=cfg.model,
                                      parallel=cfg.parallel, run=cfg.run, make_sync=make_sync)
+        attach_verifier(collector, cfg.sampler.verify_every, cfg.run.seed, cfg.sampler.backend)
         if not collector.placement.trains:
             return EngineRole(collector, rank, world, rl=cfg.rl, run=cfg.run)
         return cls(collector, rank, world, model=cfg.model, parallel=cfg.parallel, optimizer=cfg.optimizer, rl=cfg.rl,
