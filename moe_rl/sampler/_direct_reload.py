@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -85,6 +86,9 @@ class DirectReload:
         self._lw, self._meta = layerwise, meta
         self._is_attention, self._quant_base = is_deferred_attention_layer, QuantizeMethodBase
         self._groups: dict[str, tuple[list[tuple[str, torch.nn.Module]], list[torch.nn.Module]] | None] = {}
+        self.seconds: dict[str, float] = dict.fromkeys(("swap", "load", "process", "copy_back"), 0.0)
+        """Where the pushes' time went, summed (bench/bench_weight_sync.py reads it): "process"
+        is the engine's own processing (the floor a push cannot go below)."""
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], repack_moe: bool = True) -> int:
         """Load a (name, tensor) stream, each group as soon as it is complete (the rest at the
@@ -130,11 +134,15 @@ class DirectReload:
             self.fallback(tensors)
             return 0
         processed, attention = found
+        t0 = time.perf_counter()
         infos = [self._swap_in(module) for _, module in processed]
         done = [False] * len(processed)
         repacked = 0
         try:
+            t1 = time.perf_counter()
             loaded = self.model.load_weights(tensors)
+            self.seconds["swap"] += t1 - t0
+            self.seconds["load"] += time.perf_counter() - t1
             stray = sorted(n for n in loaded if n != group and not n.startswith(group + "."))
             if stray:
                 raise RuntimeError(f"direct weight reload: tensors of {group} were loaded into {stray[:3]}; "
@@ -172,9 +180,13 @@ class DirectReload:
 
     def _process(self, module: torch.nn.Module, info: Any, repack_moe: bool) -> int:
         """The module's own processing (and on CPU the MoE prepack), copied into its live storage."""
+        t0 = time.perf_counter()
         module.quant_method.process_weights_after_loading(module)
         if hasattr(module, "update_param_tp_status"):
             module.update_param_tp_status()
         repacked = repack_moe and repack_cpu_moe_module(module)
+        t1 = time.perf_counter()
         self._lw._copy_and_restore_kernel_tensors(module, info)
+        self.seconds["process"] += t1 - t0
+        self.seconds["copy_back"] += time.perf_counter() - t1
         return int(repacked)

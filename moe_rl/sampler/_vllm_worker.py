@@ -141,3 +141,11 @@ class MoeRLWorkerExtension:
         layer_ids: set[int] = set()
         self.reload_weights(weights_iterator=_tracking(tensors, layer_ids))
         repack_cpu_moe(self.model_runner.get_model(), layer_ids)
+
+    def moe_rl_reload_seconds(self: Any) -> dict[str, float]:
+        """The direct route's time split so far (`DirectReload.seconds`), then reset."""
+        direct = getattr(self, "_moe_rl_direct_reload", None)
+        if direct is None:
+            return {}
+        out, direct.seconds = dict(direct.seconds), dict.fromkeys(direct.seconds, 0.0)
+        return out
