@@ -122,6 +122,30 @@ def test_update_weights_changes_logprobs_and_matches(sampler, tiny_dir, tmp_path
     assert max_abs_untied(r2.logprobs, new_ref.score(P2, R2, 0.8), P2, R2, model) < TOL
 
 
+@pytest.mark.parametrize("weight_sync", ["stream", "disk"])
+def test_direct_reload_equals_the_layerwise_route_bit_for_bit(sampler, tiny_dir, original_weights, weight_sync):
+    """Two pushes in a row by each route, from the same starting weights: the same samples,
+    the same sampled and teacher-forced log-probs, to the last bit (the direct route runs
+    the same loaders and processing, without vLLM's layer-wise tracking)."""
+    ps, seen = prompts(6), {}
+    sampler.weight_sync = weight_sync
+    try:
+        for route in ("layerwise", "direct"):
+            sampler.weight_reload = route
+            sampler.update_weights(iter_checkpoint(tiny_dir))
+            before = sampler.generate(ps, n=4, max_new_tokens=16, seed=5)
+            sampler.update_weights(perturbed(tiny_dir, seed=1))
+            sampler.update_weights(perturbed(tiny_dir, scale=0.03, seed=2))
+            r = sampler.generate(ps, n=4, max_new_tokens=16, seed=5)
+            P, R = _prompts_of(before), before.response_token_ids
+            seen[route] = (r.response_token_ids, r.logprobs, sampler.score(P, R, temperature=0.8))
+            assert _max_abs(seen[route][2], sampler.score(P, R, temperature=0.8)) == 0.0
+            assert _max_abs(sampler.score(P, R), before.logprobs) > 0.1  # the pushes moved the engine
+    finally:
+        sampler.weight_sync, sampler.weight_reload = "stream", "direct"
+    assert seen["direct"] == seen["layerwise"]
+
+
 def test_moe_repack_fix_is_needed_and_works(sampler, tiny_dir, tmp_path, original_weights):
     new_ref = HFSampler(save_stream(perturbed(tiny_dir), tiny_dir, tmp_path / "new"))
     r = new_ref.generate(prompts(6), n=4, max_new_tokens=16, seed=9)

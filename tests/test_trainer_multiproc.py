@@ -109,6 +109,10 @@ PLACEMENTS = {
     # rank 0 trains alone (megatron's world is just it), rank 1 hosts the engine only and
     # receives the weights by broadcast: the numerics of one process, bit for bit
     "separate": Placement(("sampler.placement=separate", "sampler.engine_ranks=1"), engines=1, learner="exact"),
+    # the same with delta pushes (push 2 sends only the changed elements, pushes 1 and 3 all):
+    # the engine rebuilds the same weights, so everything is the one-process run's, bit for bit
+    "separate-delta": Placement(("sampler.placement=separate", "sampler.engine_ranks=1", "sampler.sync=delta",
+                                 "sampler.full_sync_every=2"), engines=1, learner="exact"),
 }
 
 
@@ -136,6 +140,9 @@ def test_placement_matches_one_process(reference, tmp_path, name):
         elif p.learner == "exact":
             for key in ("learner/loss", "learner/grad_norm", "mismatch/dp_max", "policy/clip_frac"):
                 assert r[key] == q[key], key
+    if "sampler.sync=delta" in p.overrides:
+        assert [r["sync/delta_frac"] == 1.0 for r in rows] == [True, False, True]  # whole, delta, whole
+        assert 0 < rows[1]["sync/delta_frac"] < 1
     if p.engines == 2:
         assert rows[-1]["sync/bytes_streamed"] > 0
     if name.startswith("dp2-"):

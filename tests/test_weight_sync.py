@@ -122,6 +122,14 @@ def test_weight_sync_keeps_vllm_and_the_learner_in_agreement(megatron_world, tmp
             # and its samples after the sync are again the learner's distribution
             batch2, v2, l2 = sample_and_score(sampler, learner, prompts, seed=2)
             assert (v2 - l2)[batch2.response_mask()].abs().max() <= 1e-4
+            # a few more updates, each pushed by the direct route (the default): fp32 agreement
+            for version in (4, 5, 6):
+                with torch.no_grad():
+                    for p in learner.gpt.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 0.01)
+                sync.push(learner, version=version)
+                batch3, v3, l3 = sample_and_score(sampler, learner, prompts, seed=version)
+                assert (v3 - l3)[batch3.response_mask()].abs().max() <= 1e-5, version
     finally:
         sampler.close()
 
@@ -160,3 +168,81 @@ def test_a_packed_bucket_unpacks_to_the_same_tensors():
     assert flat.numel() == size and all(o % 16 == 0 for o, _ in spans)
     for (name, want), (got_name, got) in zip(bucket, _unpacked(flat, metas)):
         assert got_name == name and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _bits(t):
+    from moe_rl.weights.delta import _INT_VIEW
+
+    return t.contiguous().view(-1).view(_INT_VIEW[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_patch_round_trips_bit_exact(dtype):
+    """Only elements whose bits changed travel (-0.0 against 0.0 does, an unchanged NaN does
+    not), and applying the patch to the old tensor gives the new one bit for bit."""
+    from moe_rl.weights.delta import apply_patch, encode_tensor
+
+    g = torch.Generator().manual_seed(5)
+    old = torch.randn(64, 32, generator=g).to(dtype)
+    old[0, 0], old[0, 1] = 0.0, float("nan")
+    new = old.clone()
+    new[0, 0] = -0.0  # equal value, other bits
+    new[3, 7] += 1.0
+    new[63, 31] = 123.0
+    new[10] = torch.randn(32, generator=g).to(dtype)  # a whole row
+    kind, (idx, val) = encode_tensor(new, old)
+    want = torch.nonzero(_bits(new) != _bits(old)).view(-1)
+    assert kind == "patch" and idx.dtype == torch.int32 and val.dtype == dtype
+    assert 0 in want.tolist() and 1 not in want.tolist() and idx.tolist() == want.tolist()
+    assert 34 <= idx.numel() <= 35  # -0.0, [3, 7], [63, 31], the row (an element may come out equal)
+    patched = old.clone()
+    apply_patch(patched, idx, val)
+    assert torch.equal(_bits(patched), _bits(new))
+
+
+@pytest.mark.parametrize(("dtype", "numel", "patch_up_to"), [(torch.float32, 100, 49), (torch.bfloat16, 90, 29)])
+def test_the_whole_tensor_goes_when_it_is_smaller(dtype, numel, patch_up_to):
+    """A patch costs 4 index bytes + the value per changed element: for fp32 (4 bytes) it
+    wins below half the elements changed (49 of 100: 392 < 400 bytes; 50: 400, whole),
+    for bf16 (2 bytes) below a third (29 of 90: 174 < 180; 30: 180, whole)."""
+    from moe_rl.weights.delta import encode_tensor
+
+    old = torch.zeros(numel, dtype=dtype)
+    for k, kind in ((patch_up_to, "patch"), (patch_up_to + 1, "full")):
+        new = old.clone()
+        new[:k] = 1.0
+        got_kind, parts = encode_tensor(new, old)
+        assert got_kind == kind, k
+        assert sum(p.numel() * p.element_size() for p in parts) == (k * (4 + dtype.itemsize) if kind == "patch"
+                                                                    else numel * dtype.itemsize)
+    assert encode_tensor(old, None)[0] == "full"  # nothing held yet
+    assert encode_tensor(old, old.to(torch.float64))[0] == "full"  # another dtype
+
+
+def test_delta_pushes_rebuild_the_sent_tensors_and_go_whole_on_schedule():
+    """Rank 0's and an engine rank's `WireFormat` over 4 pushes (delta, whole every 2nd):
+    the engine side rebuilds exactly what a full push would carry, in the sampler's dtype
+    (bf16 here; the router's expert bias stays fp32), from patches of what changed."""
+    from moe_rl.weights.delta import WireFormat, wire_bytes
+
+    sender, receiver = WireFormat("delta", full_every=2, precision="bf16"), WireFormat("delta", 2, "bf16")
+    g = torch.Generator().manual_seed(0)
+    weights = {"model.layers.0.mlp.experts.0.up_proj.weight": torch.randn(48, 16, generator=g),
+               "model.layers.0.mlp.gate.e_score_correction_bias": torch.randn(8, generator=g)}
+    fracs = []
+    for push in range(4):
+        if push:  # an update that bf16 rounding mostly hides, and one element it does not
+            for t in weights.values():
+                t.add_(1e-6 * torch.randn(t.shape, generator=g))
+                t.view(-1)[push] += 0.5
+        full = sender.next_push_is_full()
+        out, kinds, whole = sender.encode(list(weights.items()), full, torch.device("cpu"))
+        got = dict(receiver.decode(out, kinds))
+        assert full == (push % 2 == 0)
+        # (every fp32 bias element moved: that tensor goes whole)
+        assert [k for _, k in kinds] == (["full", "full"] if full else ["patch", "full"])
+        for name, t in weights.items():
+            want = t.to(torch.float32 if name.endswith("bias") else torch.bfloat16)
+            assert got[name].dtype == want.dtype and torch.equal(_bits(got[name]), _bits(want))
+        fracs.append(wire_bytes(out) / whole)
+    assert fracs[0] == fracs[2] == 1.0 and 0 < fracs[1] < 0.1 and 0 < fracs[3] < 0.1

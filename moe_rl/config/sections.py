@@ -133,6 +133,15 @@ class SamplerConfig:
     weight_sync_bucket_mib: int = 512
     """Weight sync streams the learner's tensors to each engine in layer-aligned buckets of
     about this size (MiB): the most any rank holds in flight beyond its own shard."""
+    sync: Literal["full", "delta"] = "full"
+    """What a push to separate engine ranks (placement=separate) sends: full (every tensor
+    whole) or delta (per tensor, only the elements whose bits changed since the last push,
+    as indices + values, or the whole tensor where that is smaller; the engine rank rebuilds
+    whole tensors before loading). Delta keeps one copy of the model in the sampler's dtype
+    on rank 0 and on each engine rank (docs/sampler.md "Weight sync"); the engine's weights
+    are bit-identical either way."""
+    full_sync_every: int = 10
+    """With sync=delta: every this-many pushes (the first included) sends every tensor whole."""
     max_restarts: int = 0
     """An engine that fails mid-generation (an exception inside the sampler: out of memory, a
     bad request, a crashed worker) is rebuilt from the newest weights and the step's rollout
@@ -169,13 +178,17 @@ class SamplerConfig:
         if s.generate_timeout_s < 0:
             raise ConfigError(f"sampler.generate_timeout_s must be >= 0 (0: no limit), got {s.generate_timeout_s}")
         require_positive({"sampler.max_new_tokens": s.max_new_tokens, "sampler.tensor_parallel_size":
-                          s.tensor_parallel_size, "sampler.weight_sync_bucket_mib": s.weight_sync_bucket_mib})
+                          s.tensor_parallel_size, "sampler.weight_sync_bucket_mib": s.weight_sync_bucket_mib,
+                          "sampler.full_sync_every": s.full_sync_every})
         if s.tensor_parallel_size > 1 and s.backend != "vllm":
             raise ConfigError(f"sampler.tensor_parallel_size={s.tensor_parallel_size} needs sampler.backend=vllm "
                               "(the transformers sampler runs one whole model per rank)")
         if s.placement == "separate" and (s.engine_ranks < 1 or s.engine_ranks % s.tensor_parallel_size):
             raise ConfigError(f"sampler.placement=separate needs sampler.engine_ranks >= 1 and a multiple of "
                               f"sampler.tensor_parallel_size={s.tensor_parallel_size}, got {s.engine_ranks}")
+        if s.sync == "delta" and s.placement != "separate":
+            raise ConfigError("sampler.sync=delta is for sampler.placement=separate (a colocated engine loads the "
+                              "learner's tensors in place, nothing travels); set sampler.sync=full")
         if s.placement == "colocated" and s.engine_ranks:
             raise ConfigError("sampler.engine_ranks is for sampler.placement=separate; leave it 0 when colocated")
         if s.sleep_between_steps and s.backend != "vllm":

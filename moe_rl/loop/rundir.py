@@ -78,7 +78,8 @@ RESUME_MAY_CHANGE = (
     "sft.target_reward", "sft.output", "eval.", "dpo.eval_max_pairs", "rm.eval_max_pairs", "parallel.",
     "sampler.vllm_kv_cache_gib", "sampler.gpu_memory_utilization", "sampler.in_process",
     "sampler.tensor_parallel_size", "sampler.expert_parallel", "sampler.sleep_between_steps", "sampler.placement",
-    "sampler.engine_ranks", "sampler.weight_sync_bucket_mib", "sampler.generate_timeout_s",
+    "sampler.engine_ranks", "sampler.weight_sync_bucket_mib", "sampler.generate_timeout_s", "sampler.sync",
+    "sampler.full_sync_every",
 )
 
 

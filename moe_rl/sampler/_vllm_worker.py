@@ -1,5 +1,10 @@
 """Code that runs inside vLLM's worker: in-place weight reload plus the CPU MoE repack fix.
 
+Two routes (`VLLMEngineConfig.weight_reload`): "direct" (the default) loads and processes
+each decoder layer itself (`_direct_reload.py`: the engine's own processing and little
+more); "layerwise" goes through vLLM's `reload_weights` and then repacks, as below. Both
+give bit-identical engine weights (`tests/test_sampler_vllm.py`).
+
 `MoeRLWorkerExtension` is passed to vLLM as `worker_extension_cls`, which mixes its methods
 into the worker class, so `llm.collective_rpc("moe_rl_reload_weights", ...)` reaches them
 in-process (arguments passed as they are, a generator included) and in separate worker
@@ -25,7 +30,12 @@ from typing import Any
 
 import torch
 
-from moe_rl.sampler.weights import checkpoint_names, expert_layer_id
+from moe_rl.sampler._direct_reload import (
+    DirectReload,
+    direct_route_supported,
+    repack_cpu_moe_module,
+)
+from moe_rl.sampler.weights import checkpoint_names, expert_layer_id, iter_checkpoint
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -41,14 +51,9 @@ def repack_cpu_moe(model: torch.nn.Module, layer_ids: set[int]) -> int:
         return 0
     n = 0
     for name, module in model.named_modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is None or not hasattr(module, "w13_weight"):
-            continue
         m = _LAYER.search(name)
-        if m is None or int(m.group(1)) not in layer_ids:
-            continue
-        kernel.fused_experts.process_weights_after_loading(module)
-        n += 1
+        if m is not None and int(m.group(1)) in layer_ids:
+            n += repack_cpu_moe_module(module)
     return n
 
 
@@ -82,15 +87,21 @@ class MoeRLWorkerExtension:
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
         weights_path: str | None = None,
         repack_moe: bool = True,
+        route: str = "direct",
     ) -> int:
         """Reload from a stream (in-process) or a safetensors directory; returns the number
-        of MoE layers repacked.
+        of MoE layers repacked. `route`: "direct" or "layerwise" (module docstring).
 
-        One `reload_weights` call per update: vLLM finishes each layer as soon as all its
+        Layer-wise: one `reload_weights` call per update: vLLM finishes each layer as soon as all its
         tensors arrived and finalizes the rest at the end of the call, so a stream ordered
         by layer holds at most one layer in flight, and a layer must not be split across
         calls (it would be processed half-loaded).
         """
+        if weights is None and weights_path is None:
+            raise ValueError("moe_rl_reload_weights needs weights or weights_path")
+        if route == "direct" and direct_route_supported(self.vllm_config):
+            stream = weights if weights is not None else iter_checkpoint(weights_path)
+            return self._moe_rl_direct().load(stream, repack_moe)
         layer_ids: set[int] = set()
         quiet = _DropRotaryReloadWarning()
         logging.getLogger(_LAYERWISE_LOGGER).addFilter(quiet)
@@ -113,3 +124,28 @@ class MoeRLWorkerExtension:
             self.reload_weights(weights_path=weights_path)
         else:
             raise ValueError("moe_rl_reload_weights needs weights or weights_path")
+
+    def _moe_rl_direct(self: Any) -> DirectReload:
+        """This worker's direct reloader, made at the first push (the tensor names of a complete
+        push are the engine's starting checkpoint's)."""
+        model = self.model_runner.get_model()
+        direct = getattr(self, "_moe_rl_direct_reload", None)
+        if direct is None or direct.model is not model:
+            names = checkpoint_names(self.vllm_config.model_config.model)
+            direct = DirectReload(model, self.vllm_config, names, fallback=self._moe_rl_layerwise_group)
+            self._moe_rl_direct_reload = direct
+        return direct
+
+    def _moe_rl_layerwise_group(self: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's own reload of tensors the direct route has no module for (then repacked)."""
+        layer_ids: set[int] = set()
+        self.reload_weights(weights_iterator=_tracking(tensors, layer_ids))
+        repack_cpu_moe(self.model_runner.get_model(), layer_ids)
+
+    def moe_rl_reload_seconds(self: Any) -> dict[str, float]:
+        """The direct route's time split so far (`DirectReload.seconds`), then reset."""
+        direct = getattr(self, "_moe_rl_direct_reload", None)
+        if direct is None:
+            return {}
+        out, direct.seconds = dict(direct.seconds), dict.fromkeys(direct.seconds, 0.0)
+        return out

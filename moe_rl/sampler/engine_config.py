@@ -21,6 +21,7 @@ from moe_rl.config import ConfigError, RLConfig, SamplerConfig
 from moe_rl.sampler.precision import check_precision, resolve_precision
 
 WEIGHT_SYNC_MODES = ("auto", "stream", "disk")
+WEIGHT_RELOADS = ("direct", "layerwise")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class VLLMEngineConfig(EngineConfig):
     in-process worker), "disk" (a temporary safetensors directory), "auto" (stream when possible)."""
     weight_sync_bucket_mib: int = SamplerConfig.weight_sync_bucket_mib
     """Shard size of the disk weight sync's temporary files (the run's `sampler.weight_sync_bucket_mib`)."""
+    weight_reload: Literal["direct", "layerwise"] = "direct"
+    """How the worker loads pushed weights: "direct" (each layer loaded and processed by
+    itself, `_direct_reload.py`) or "layerwise" (vLLM's `reload_weights`, the older route;
+    bit-identical weights, more bookkeeping per push)."""
     repack_moe_after_reload: bool = True
     """The CPU MoE repack fix after a reload (`_vllm_worker.py`); off only to show it is needed."""
     prefix_caching: bool = False
@@ -101,6 +106,8 @@ class VLLMEngineConfig(EngineConfig):
         super().__post_init__()
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {self.weight_sync!r}")
+        if self.weight_reload not in WEIGHT_RELOADS:
+            raise ValueError(f"weight_reload must be one of {', '.join(WEIGHT_RELOADS)}, got {self.weight_reload!r}")
         if self.weight_sync_bucket_mib < 1:
             raise ValueError(f"weight_sync_bucket_mib must be >= 1, got {self.weight_sync_bucket_mib}")
         if self.devices is not None and self.in_process:

