@@ -82,6 +82,9 @@ def resolve_layer_spec(model: ModelConfig) -> str:
     else:
         spec = model.layer_spec
     _check_fp8(model, spec)
+    if spec == "te" and model.lora.enabled:
+        raise ConfigError(f"model.lora.rank={model.lora.rank} needs the local layer spec (the Transformer Engine / "
+                          "grouped-experts path is not verified with LoRA yet): set model.layer_spec=local")
     if spec != "te":
         for key, value in model.gpu_only_settings().items():
             off = GPU_ONLY_DEFAULTS[key.removeprefix("model.")]
@@ -172,13 +175,14 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         # megatron skips a falsy factor; 1.0 multiplies by one, exactly
         moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+        # a frozen router (model.freeze, or LoRA's frozen base) keeps its bias and has no aux losses
+        moe_router_bias_update_rate=0.0 if model.router_frozen else model.moe_router_bias_update_rate,
         # DeepSeek-V3's group-limited routing (None: off)
         moe_router_num_groups=model.moe_router_num_groups if model.moe_router_num_groups > 1 else None,
         moe_router_group_topk=model.moe_router_group_topk if model.moe_router_num_groups > 1 else None,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-        moe_z_loss_coeff=model.moe_z_loss_coeff or None,
+        moe_aux_loss_coeff=0.0 if model.router_frozen else model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=None if model.router_frozen else (model.moe_z_loss_coeff or None),
         moe_router_dtype="fp32",  # routing decisions in fp32 even for bf16 models
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
         moe_grouped_gemm=spec == "te",
