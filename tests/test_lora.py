@@ -229,3 +229,48 @@ def test_frozen_groups_do_not_move_and_router_losses_are_off(layout):
         assert torch.equal(p, before[n]) or not frozen, n
         moved += not torch.equal(p, before[n])
     assert moved >= 8  # the experts and the output layer trained
+
+
+# ----------------------------------------------------------------- layouts (torchrun)
+
+LAYOUTS = ["tp2", "ep2", "pp2", "tp2etp2"]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """tests/workers/lora_layouts.py: a one-process reference, then TP2, EP2, PP2 and
+    TP2 x ETP2 from its LoRA checkpoint, then EP2's checkpoint at one process; one launch."""
+    from dist_helpers import torchrun
+
+    out = tmp_path_factory.mktemp("lora_layouts")
+    torchrun("lora_layouts.py", 4, str(out))
+    return tuple(torch.load(out / f"{name}.pt") for name in ("reference", "layouts", "check"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layouts_match_one_process(layout_runs, name):
+    """Loaded from a one-process LoRA checkpoint (adapters resharded), each layout scores
+    and takes the update as one process does; every base weight stays bit-identical."""
+    ref, lay, _ = layout_runs
+    r = lay[name]
+    assert (ref["logp_after"] - ref["logp"]).abs().max() > 1e-2  # the update moved the policy
+    assert (r["logp"] - ref["logp"]).abs().max() <= 1e-5
+    assert (r["logp_after"] - ref["logp_after"]).abs().max() <= 1e-5
+    assert set(r["params"]) == set(ref["params"]) and any(k.endswith(".lora_B") for k in r["params"])
+    assert max((r["params"][k] - ref["params"][k]).abs().max().item() for k in r["params"]) <= 1e-5
+    for k, t in r["params"].items():
+        if not k.endswith((".lora_A", ".lora_B")):
+            assert torch.equal(t, ref["params_before"][k]), k
+    assert r["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_ep2_checkpoint_resumes_bit_exactly_and_loads_at_one_process(layout_runs):
+    _, lay, check = layout_runs
+    ep2 = lay["ep2"]
+    assert ep2["next"]["loss"] == ep2["next_resumed"]["loss"]
+    assert all(torch.equal(ep2["params_next"][k], ep2["params_next_resumed"][k]) for k in ep2["params_next"])
+    assert (check["logp"] - ep2["logp_after"]).abs().max() <= 1e-5

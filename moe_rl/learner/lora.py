@@ -13,11 +13,10 @@ base weight:
 - column-parallel (q/k/v, an MLP's fused gate+up `linear_fc1`): A replicated, B split on
   its output rows as W is (fc1's B keeps megatron's [gate shard; up shard] layout, saved
   through the same swiglu factory as W). The low-rank activation A x is gathered over the
-  sequence (sequence parallel) or copied into the TP region (its gradient all-reduced), as
-  the base's input is;
+  sequence (megatron's MoE runs sequence parallel under TP), as the base's input is;
 - row-parallel (the attention output, an MLP's `linear_fc2`): A split on its input columns
-  as W is, B replicated; the rank-r partial sums A x are reduced over TP (reduce-scattered
-  under sequence parallelism) as the base's output is;
+  as W is, B replicated; the rank-r partial sums A x are reduce-scattered over TP as the
+  base's output is;
 - experts (`explicit_expert_comm`: the token dispatcher moves the tokens and reduces the
   outputs): no communication in the forward; under expert-TP the replicated factor's
   gradient is all-reduced over the expert-TP group. Expert adapters are expert parameters:
@@ -43,7 +42,6 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
-    reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
@@ -155,19 +153,14 @@ def _lora_delta(linear: torch.nn.Module, x: torch.Tensor, scale: float, dropout:
             else:
                 b = copy_to_tensor_model_parallel_region(b, group=linear.tp_group)
         return F.linear(F.linear(x, a), b) * scale
-    if column:
-        h = F.linear(x, a)
-        if linear.sequence_parallel:
-            h = gather_from_sequence_parallel_region(h, group=linear.tp_group)
-        else:
-            h = copy_to_tensor_model_parallel_region(h, group=linear.tp_group)
-        return F.linear(h, b) * scale
+    if not linear.sequence_parallel:  # (megatron's MoE needs sequence parallelism under TP)
+        raise ConfigError("model.lora under tensor parallelism needs sequence parallelism "
+                          "(parallel.sequence_parallel=true)")
     h = F.linear(x, a)
-    if linear.sequence_parallel:
-        h = reduce_scatter_to_sequence_parallel_region(h, group=linear.tp_group)
-    else:
-        h = reduce_from_tensor_model_parallel_region(h, group=linear.tp_group)
-    return F.linear(h, b) * scale
+    if column:  # the rank-r activation gathered over the sequence, as the base's input is
+        return F.linear(gather_from_sequence_parallel_region(h, group=linear.tp_group), b) * scale
+    # partial sums over this rank's input columns, reduce-scattered as the base's output is
+    return F.linear(reduce_scatter_to_sequence_parallel_region(h, group=linear.tp_group), b) * scale
 
 
 def _hook(scale: float, dropout: float):
