@@ -274,3 +274,52 @@ def test_ep2_checkpoint_resumes_bit_exactly_and_loads_at_one_process(layout_runs
     assert ep2["next"]["loss"] == ep2["next_resumed"]["loss"]
     assert all(torch.equal(ep2["params_next"][k], ep2["params_next_resumed"][k]) for k in ep2["params_next"])
     assert (check["logp"] - ep2["logp_after"]).abs().max() <= 1e-5
+
+
+# ----------------------------------------------------------------- the merged push into an engine
+
+
+def _push_and_score(trained, engine_cfg, where: str) -> None:
+    """An engine started from the base (B = 0) weights; the trained LoRA learner pushes
+    through the run's weight synchronizer (merged W + (alpha / r) B A, layer-aligned
+    buckets); the engine then scores the batch as the learner does."""
+    from moe_rl.batch import ragged_rows
+    from moe_rl.rollout.placement import EnginePlacement
+    from moe_rl.sampler import make_sampler
+    from moe_rl.weights.sync import make_weight_synchronizer
+
+    learner, batch = trained["learner"], trained["batch"]
+    base = {k: v for k, v in trained["full0"].items() if not k.endswith((".lora_A", ".lora_B"))}
+    sampler = make_sampler(write_hf_dir(trained["tmp"] / where, learner.model_cfg, base), engine_cfg)
+    sync = make_weight_synchronizer(EnginePlacement(world=1, rank=0, ranks_per_engine=1), bucket_mib=1)
+    sync.bucket_bytes = 64 << 10  # several buckets, each cut between layers
+    sync.attach(sampler)
+    try:
+        prompts = [batch.tokens_BS[b, : int(n)].tolist() for b, n in enumerate(batch.prompt_lens_B)]
+        responses = [batch.response_tokens()[b, : int(n)].tolist() for b, n in enumerate(batch.response_lens_B)]
+        mask = batch.response_mask()
+        width = batch.response_width
+        before = ragged_rows(sampler.score(prompts, responses), width)
+        assert (before - trained["logp0"])[mask].abs().max() <= 1e-4  # the engine starts at the base
+        metrics = sync.push(learner, version=1)
+        assert metrics["sync/buckets"] >= 2
+        after = ragged_rows(sampler.score(prompts, responses), width)
+        want = learner.logprobs(batch)
+        assert (after - before)[mask].abs().max() > 1e-2  # the push moved the engine
+        assert (after - want)[mask].abs().max() <= 1e-4
+    finally:
+        sampler.close()
+
+
+def test_merged_push_into_the_transformers_sampler(trained):
+    from moe_rl.sampler import HFEngineConfig
+
+    _push_and_score(trained, HFEngineConfig(precision="fp32", seed=0, eos_token_ids=(1,)), "hf_engine")
+
+
+@pytest.mark.vllm
+def test_merged_push_into_vllm(trained):
+    from moe_rl.sampler import VLLMEngineConfig
+
+    _push_and_score(trained, VLLMEngineConfig(precision="fp32", seed=0, eos_token_ids=(1,), kv_cache_gib=0.0625),
+                    "vllm_engine")
