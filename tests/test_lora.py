@@ -323,3 +323,29 @@ def test_merged_push_into_vllm(trained):
 
     _push_and_score(trained, VLLMEngineConfig(precision="fp32", seed=0, eos_token_ids=(1,), kv_cache_gib=0.0625),
                     "vllm_engine")
+
+
+def test_a_lora_run_starts_from_a_full_checkpoint_and_records_its_origin(layout, tmp_path):
+    """run.init_checkpoint without adapters (the shipped base): the adapters keep their
+    initial values (B = 0: the base's log-probs), and the LoRA run's checkpoint names the
+    base it was started from; it resumes into the same log-probs."""
+    from moe_rl.config import to_dict
+    from moe_rl.learner.checkpoint import load_checkpoint, read_meta, save_checkpoint
+    from moe_rl.learner.start import load_start
+
+    base_dir = Path(__file__).resolve().parents[1] / "moe_rl" / "assets" / "tiny_base"
+    cfg = load_config(base_dir / "config.yaml", LORA[:1] + LORA[1:5])
+    batch, adv_B = fixed_batch()
+    plain = learner_of(load_config(base_dir / "config.yaml", LORA[:1]), layout, trainable=False)
+    load_start(plain, str(base_dir), trust=False)
+    lora = learner_of(cfg, layout, total_updates=2)
+    load_start(lora, str(base_dir), trust=False)
+    assert (lora.logprobs(batch) - plain.logprobs(batch)).abs().max() == 0
+    lora.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
+    save_checkpoint(lora, tmp_path / "ckpt", recipe=to_dict(cfg))
+    meta = read_meta(tmp_path / "ckpt")
+    assert meta["base_origin"] == str(base_dir.resolve()) and meta["trainable"]["lora_rank"] == RANK
+    resumed = learner_of(cfg, layout, total_updates=2)
+    load_checkpoint(resumed, tmp_path / "ckpt")
+    assert torch.equal(resumed.logprobs(batch), lora.logprobs(batch))
+    assert resumed.base_origin == str(base_dir.resolve())

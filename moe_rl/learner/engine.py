@@ -130,6 +130,10 @@ class Learner:
         """Pack micro-batches (THD); false: the padded reference path (switchable per pass
         only on a learner built with packing on: pipeline stages then exchange shapes)."""
         self.step = 0
+        self.base_origin: str | None = None
+        """Where the weights were loaded from (a checkpoint or Hugging Face directory; a
+        checkpoint's own record of it when it has one): what a LoRA / frozen run's
+        checkpoints name as their frozen base's origin."""
         self.skipped_in_a_row = 0
         """Updates skipped in a row (a NaN or inf loss or gradient), up to the last one."""
         self.optimizer = None
