@@ -81,7 +81,7 @@ def trained(layout, tmp_path_factory):
     for _ in range(3):
         learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
     return dict(learner=learner, before=before, full0=full0, logp0=logp0, batch=batch, adv_B=adv_B,
-                tmp=tmp_path_factory.mktemp("lora"))
+                tmp=tmp_path_factory.mktemp("lora"), cfg=cfg)
 
 
 def test_only_adapters_train_and_the_optimizer_holds_only_them(trained):
@@ -349,3 +349,67 @@ def test_a_lora_run_starts_from_a_full_checkpoint_and_records_its_origin(layout,
     load_checkpoint(resumed, tmp_path / "ckpt")
     assert torch.equal(resumed.logprobs(batch), lora.logprobs(batch))
     assert resumed.base_origin == str(base_dir.resolve())
+
+
+# ----------------------------------------------------------------- exports
+
+
+def _score(model, batch) -> torch.Tensor:
+    """A transformers model's fp32 log-probs of the batch's responses [B, T]."""
+    tokens = batch.tokens_BS
+    with torch.no_grad():
+        logp_BSV = torch.log_softmax(model(tokens).logits.float(), dim=-1)
+    out = torch.zeros(tokens.shape[0], batch.response_width)
+    for b in range(tokens.shape[0]):
+        p0, n = int(batch.prompt_lens_B[b]), int(batch.response_lens_B[b])
+        pos = torch.arange(p0, p0 + n)
+        out[b, :n] = logp_BSV[b, pos - 1, tokens[b, pos]]
+    return out
+
+
+def test_merged_export_scores_like_the_learner_and_peft_refuses_expert_adapters(trained):
+    """tools/convert_checkpoint.py's --to hf of a LoRA checkpoint (attention and experts) is
+    the merged model: transformers scores it as the learner; --peft says in one line why
+    not. (The library calls the tool makes: the tool's main ends this process's world.)"""
+    from moe_rl.config import to_dict
+    from moe_rl.convert import ConvertError, megatron_to_hf, megatron_to_peft
+    from moe_rl.learner.checkpoint import save_checkpoint
+
+    learner, tmp = trained["learner"], trained["tmp"]
+    save_checkpoint(learner, tmp / "ckpt", recipe=to_dict(trained["cfg"]))
+    megatron_to_hf(tmp / "ckpt", tmp / "export")
+    got = hf_logprobs(tmp / "export", trained["batch"])
+    assert (got - learner.logprobs(trained["batch"])).abs().max() <= TOL
+    with pytest.raises(ConvertError) as err:
+        megatron_to_peft(tmp / "ckpt", tmp / "peft")
+    line = str(err.value)
+    assert "\n" not in line and "attention adapters only" in line and "experts" in line and "--to hf" in line
+    assert not (tmp / "peft").exists()
+
+
+def test_attention_peft_export_loads_onto_the_base_and_scores_like_the_learner(layout, tmp_path):
+    from peft import PeftModel
+
+    from moe_rl.config import to_dict
+    from moe_rl.convert import megatron_to_peft
+    from moe_rl.learner.checkpoint import save_checkpoint
+
+    cfg = load_config(None, [*LORA, "model.lora.modules=[attention]"])
+    batch, adv_B = fixed_batch()
+    torch.manual_seed(6)
+    learner = learner_of(cfg, layout, total_updates=2)
+    base = {k: v for k, v in gathered(learner).items() if not k.endswith((".lora_A", ".lora_B"))}
+    for _ in range(2):
+        learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv_B})
+    want = learner.logprobs(batch)
+    save_checkpoint(learner, tmp_path / "ckpt", recipe=to_dict(cfg))
+    megatron_to_peft(tmp_path / "ckpt", tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    model = _hf_model(write_hf_dir(tmp_path / "base", learner.model_cfg, base))
+    without = _score(model, batch)
+    peft_model = PeftModel.from_pretrained(model, str(tmp_path / "peft")).eval()
+    got = _score(peft_model, batch)
+    assert (without - want)[batch.response_mask()].abs().max() > 1e-2  # the adapters matter
+    assert (got - want).abs().max() <= TOL

@@ -56,6 +56,7 @@ from moe_rl.checkpoints.temps import remove_temps, rename_into_place
 from moe_rl.checkpoints.trust import VERIFIED
 from moe_rl.config import save_config, to_dict
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
+from moe_rl.convert.lora_merge import is_lora_name
 from moe_rl.learner.checkpoint_state import (
     component_meta,
     has_optimizer_state,
@@ -64,7 +65,6 @@ from moe_rl.learner.checkpoint_state import (
 )
 from moe_rl.learner.checkpoint_writes import DcpWrite
 from moe_rl.learner.finite import nonfinite_parameter
-from moe_rl.learner.lora import is_lora_name
 from moe_rl.learner.optimizer import schedule_kept_note
 from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.collectives import all_gather_object, broadcast_object

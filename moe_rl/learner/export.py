@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.convert.layouts import layout_for
+from moe_rl.convert.lora_merge import is_lora_name, merged_weight
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, megatron_specs
 from moe_rl.learner.gather import SyncTraffic, iter_full_tensors, iter_full_tensors_everywhere
-from moe_rl.learner.lora import is_lora_name, merged_weight
 
 
 def hf_named_tensors(

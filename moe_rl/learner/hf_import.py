@@ -36,9 +36,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from moe_rl.config import Config, ModelConfig, to_dict, validate
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
 from moe_rl.convert.layouts import layout_for
+from moe_rl.convert.lora_merge import is_lora_name
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shape, megatron_specs
 from moe_rl.learner.gather import flatten_sharded, own_storages, piece_index
-from moe_rl.learner.lora import is_lora_name
 from moe_rl.runtime.atomic import check_distinct
 
 

@@ -48,9 +48,7 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from moe_rl.config import ConfigError, ModelConfig
-
-LORA_SUFFIXES = (".lora_A", ".lora_B")
-"""The adapter parameters' names after their linear's (`...linear_fc1.lora_A`)."""
+from moe_rl.convert.lora_merge import is_lora_name
 
 FREEZE_PATTERNS = {
     "router": (".mlp.router.",),
@@ -60,11 +58,6 @@ FREEZE_PATTERNS = {
     "experts": (".mlp.experts.",),
 }
 """`model.freeze` group -> substrings of the parameter names it covers."""
-
-
-def is_lora_name(name: str) -> bool:
-    """A LoRA factor's parameter (or checkpoint) name."""
-    return name.endswith(LORA_SUFFIXES)
 
 
 def _targets(layer: torch.nn.Module, modules: tuple[str, ...]) -> Iterator[tuple[str, str, torch.nn.Module]]:
@@ -234,11 +227,3 @@ def freeze(gpt: torch.nn.Module, model: ModelConfig) -> None:
 def trainable_parameters(gpt: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) of what trains on this rank."""
     return [(n, p) for n, p in gpt.named_parameters() if p.requires_grad]
-
-
-def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale B A for full (gathered) tensors: [out, in] with A [r, in], B [out, r], or
-    stacked over experts ([E, out, in], [E, r, in], [E, out, r]); computed in fp32 and cast
-    back to W's dtype."""
-    delta = torch.matmul(lora_b.float(), lora_a.float()) * scale
-    return (weight.float() + delta).to(weight.dtype)
