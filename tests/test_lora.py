@@ -413,3 +413,41 @@ def test_attention_peft_export_loads_onto_the_base_and_scores_like_the_learner(l
     got = _score(peft_model, batch)
     assert (without - want)[batch.response_mask()].abs().max() > 1e-2  # the adapters matter
     assert (got - want).abs().max() <= TOL
+
+
+# ----------------------------------------------------------------- the planner
+
+_PLAN_SCRIPT = """
+import json, sys
+from moe_rl.config import load_config
+from moe_rl.plan.model_state import model_state
+from moe_rl.plan.planner import meta_ranks
+out = {}
+for name, overrides in (("full", []), ("lora", sys.argv[1:])):
+    cfg = load_config(None, overrides)
+    (rank,) = meta_ranks(cfg.model, cfg.parallel, world=1)
+    s = model_state(rank, distributed=False)
+    out[name] = dict(params=s.params, grads=s.grads, optimizer=s.optimizer, adapters=rank.adapter_params)
+print(json.dumps(out))
+"""
+
+
+def test_the_planner_counts_adapters_and_no_state_for_the_frozen_base(trained):
+    """The planner's meta-device build (a separate process: it makes its own world) counts
+    for LoRA exactly what the learner holds: every weight, gradients and Adam's moments
+    (fp32: no main copy) of the adapters only."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT, *LORA[1:5]], capture_output=True, text=True,
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+                          timeout=300, check=True)
+    plan = json.loads(proc.stdout.strip().splitlines()[-1])
+    named = list(trained["learner"].gpt.named_parameters())
+    adapters = sum(p.numel() for n, p in named if p.requires_grad)
+    assert plan["lora"]["adapters"] == adapters
+    assert plan["lora"]["params"] == sum(p.numel() * 4 for _, p in named)
+    assert plan["lora"]["grads"] == 4 * adapters and plan["lora"]["optimizer"] == 8 * adapters
+    assert plan["full"]["grads"] == plan["full"]["params"] == plan["lora"]["params"] - 4 * adapters
