@@ -202,8 +202,14 @@ def test_config_rules_are_one_line_errors():
         load_config(None, ["model.lora.dropout=1.0"])
     with pytest.raises(ConfigError, match=r"model\.freeze: unknown group 'routr'"):
         load_config(None, ["model.freeze=[routr]"])
+    with pytest.raises(ConfigError, match="nothing would train"):
+        load_config(None, ["model.lora.rank=4", "model.lora.modules=[attention]", "model.freeze=[attention]"])
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(None, ["model.lora.rnk=4"])
+    from moe_rl.learner.model import resolve_layer_spec
+
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank=4 needs the local layer spec.*set model\.layer_spec=local"):
+        resolve_layer_spec(load_config(None, ["model.lora.rank=4", "model.layer_spec=te"]).model)
     m = load_config(None, ["model.freeze=[router]", "model.moe_aux_loss_coeff=0.01"]).model
     assert m.router_frozen and any("auxiliary losses" in n for n in m.training_notes())
     assert load_config(None, []).model.training_notes() == []

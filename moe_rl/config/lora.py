@@ -59,8 +59,11 @@ class LoraConfig:
             raise ConfigError(f"{key}.modules lists a module twice: {list(self.modules)}")
 
 
-def validate_freeze(freeze: tuple[str, ...], key: str = "model.freeze") -> None:
-    """`model.freeze` names known groups, each once."""
+def validate_freeze(freeze: tuple[str, ...], lora: LoraConfig | None = None, key: str = "model.freeze") -> None:
+    """`model.freeze` names known groups, each once, and leaves some adapter of `lora` training."""
+    if lora is not None and lora.enabled and all(m in freeze for m in lora.modules):
+        raise ConfigError(f"{key}={list(freeze)} freezes every adapter of model.lora.modules={list(lora.modules)}: "
+                          "nothing would train; drop a group from model.freeze or adapt another module")
     for name in freeze:
         if name not in FREEZE_GROUPS:
             raise ConfigError(f"{key}: unknown group {name!r}; valid: {', '.join(FREEZE_GROUPS)}")

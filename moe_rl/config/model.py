@@ -249,7 +249,7 @@ class ModelConfig:
         self._validate_ranges()
         self._validate_throughput_levers()
         self.lora.validate()
-        validate_freeze(self.freeze)
+        validate_freeze(self.freeze, self.lora)
 
     def _validate_ranges(self) -> None:
         m = self

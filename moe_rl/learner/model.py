@@ -70,10 +70,17 @@ def _check_fp8(model: ModelConfig, spec: str) -> None:
                           "(use blockwise, the Hopper default, or tensorwise/delayed)")
 
 
+def _refuse_lora_on_te(model: ModelConfig) -> None:
+    raise ConfigError(f"model.lora.rank={model.lora.rank} needs the local layer spec (the Transformer Engine / "
+                      "grouped-experts path is not verified with LoRA yet): set model.layer_spec=local")
+
+
 def resolve_layer_spec(model: ModelConfig) -> str:
     """'te' or 'local' for this machine; an explicit 'te' without TE/CUDA is an error, and so
     is fp8 or the fused MoE permutation without the TE spec (checked here, before megatron
     fails deep in a layer)."""
+    if model.lora.enabled and model.layer_spec == "te":
+        _refuse_lora_on_te(model)
     if model.layer_spec == "auto":
         spec = "te" if transformer_engine_available() else "local"
     elif model.layer_spec == "te" and not transformer_engine_available():
@@ -83,8 +90,7 @@ def resolve_layer_spec(model: ModelConfig) -> str:
         spec = model.layer_spec
     _check_fp8(model, spec)
     if spec == "te" and model.lora.enabled:
-        raise ConfigError(f"model.lora.rank={model.lora.rank} needs the local layer spec (the Transformer Engine / "
-                          "grouped-experts path is not verified with LoRA yet): set model.layer_spec=local")
+        _refuse_lora_on_te(model)
     if spec != "te":
         for key, value in model.gpu_only_settings().items():
             off = GPU_ONLY_DEFAULTS[key.removeprefix("model.")]
