@@ -2,6 +2,11 @@
 
     python tools/convert_checkpoint.py --to hf --src runs/x/checkpoints/step_000050 --dst runs/x/hf
     python tools/convert_checkpoint.py --to megatron --src Qwen3-MoE-dir --dst ckpt [--dtype fp32]
+    python tools/convert_checkpoint.py --to hf --peft --src runs/x/checkpoints/step_000050 --dst runs/x/peft
+
+A LoRA run's checkpoint converts --to hf merged (every adapted weight written as
+W + (alpha / rank) B A); with --peft its attention adapters are written as a PEFT adapter
+directory instead (expert adapters have no PEFT target: refused in one line).
 
 --to hf streams tensor by tensor (peak memory ~ the largest tensor) from a checkpoint saved
 at any TP/EP/PP layout; --to megatron builds a one-process learner and saves it (loadable
@@ -57,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output dtype (default: as stored / as config.json says)")
     ap.add_argument("--tokenizer", default=None,
                     help="SentencePiece model for the tokenizer files (--to hf; default: the checkpoint's)")
+    ap.add_argument("--peft", action="store_true",
+                    help="--to hf of a LoRA checkpoint: its attention adapters as a PEFT adapter directory "
+                         "(instead of the merged model)")
     ap.add_argument("--force", action="store_true", help="replace an existing output")
     ap.add_argument("--trust", action="store_true",
                     help="read a megatron checkpoint that has no manifest.json (its pickles can run code: only "
@@ -74,7 +82,13 @@ def convert(args: argparse.Namespace) -> int:
     if dst.exists() and not args.force:  # checked here so the line names this tool's flag
         raise ConfigError(f"--dst {dst} already exists; pass --force to replace it, or choose another --dst")
     remove_temps(dst.parent, glob.escape(dst.name))  # what a killed conversion to this --dst left
-    if args.to == "hf":
+    if args.peft and args.to != "hf":
+        raise ConfigError("--peft exports a LoRA checkpoint's adapters: use it with --to hf")
+    if args.peft:
+        from moe_rl.convert import megatron_to_peft
+
+        out = megatron_to_peft(args.src, args.dst, force=args.force, trust=args.trust)
+    elif args.to == "hf":
         from moe_rl.convert import megatron_to_hf
 
         out = megatron_to_hf(args.src, args.dst, max_shard_bytes=args.shard_size, dtype=args.dtype,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from moe_rl.config.errors import ConfigError, require_all, require_positive
+from moe_rl.config.lora import LoraConfig, validate_freeze
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,31 @@ class ModelConfig:
     `moe_pad_expert_input_to_capacity`): fixed shapes, so the dispatch needs no
     device-to-host sync (what whole-layer CUDA graphs need). Needs
     moe_expert_capacity_factor > 0. Written, not yet run on a GPU."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (rank 0: off): base weights frozen, only the adapters train;
+    pushes and exports carry W + (alpha / rank) B A (docs/lora.md). CPU / local spec only."""
+    freeze: tuple[str, ...] = ()
+    """Parameter groups that do not train: any of router, embeddings, output_head,
+    attention, experts (their adapters too). A frozen router also turns its auxiliary
+    losses (moe_aux_loss_coeff, moe_z_loss_coeff) and expert-bias updates off."""
+
+    @property
+    def router_frozen(self) -> bool:
+        """The router does not train (model.freeze lists it, or LoRA freezes every base weight)."""
+        return "router" in self.freeze or self.lora.enabled
+
+    def training_notes(self) -> list[str]:
+        """What LoRA and freezing change, one line each (the run's config summary)."""
+        notes = []
+        if self.lora.enabled:
+            notes.append(f"LoRA rank {self.lora.rank} (alpha {self.lora.alpha:g}) on {', '.join(self.lora.modules)}: "
+                         "base weights frozen, only adapters train; pushes and exports are merged")
+        if self.freeze:
+            notes.append(f"frozen parameter groups: {', '.join(self.freeze)}")
+        if self.router_frozen and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff or self.moe_router_bias_update_rate):
+            notes.append("router frozen: its auxiliary losses (moe_aux_loss_coeff, moe_z_loss_coeff) and "
+                         "expert-bias updates are off")
+        return notes
 
     def gpu_only_settings(self) -> dict[str, object]:
         """The settings that need the Transformer Engine layer spec on a GPU and are on, by
@@ -222,6 +248,8 @@ class ModelConfig:
             raise ConfigError("model.moe_router_enable_expert_bias needs model.moe_router_score_function=sigmoid")
         self._validate_ranges()
         self._validate_throughput_levers()
+        self.lora.validate()
+        validate_freeze(self.freeze, self.lora)
 
     def _validate_ranges(self) -> None:
         m = self

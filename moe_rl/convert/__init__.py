@@ -1,6 +1,7 @@
 """megatron <-> Hugging Face conversion on files (no megatron import here).
 
     megatron_to_hf(ckpt_dir, hf_dir)          # streamed, any TP/EP/PP layout, atomic output
+    megatron_to_peft(ckpt_dir, peft_dir)      # a LoRA run's attention adapters as a PEFT directory
     HFCheckpoint(hf_dir), megatron_tensors()  # an HF directory as global megatron tensors
     layout_for(model_cfg)                     # Qwen3-MoE, Glm4-MoE for a sigmoid router /
                                               # shared expert, DeepseekV3 for MLA (layouts.py)
@@ -25,6 +26,7 @@ from moe_rl.convert.layouts import (
     to_hf,
 )
 from moe_rl.convert.megatron_keys import ConvertError, megatron_specs
+from moe_rl.convert.peft_export import megatron_to_peft
 from moe_rl.convert.safetensors_writer import ShardedSafetensorsWriter
 from moe_rl.runtime.atomic import atomic_output_dir
 
@@ -46,6 +48,7 @@ __all__ = [
     "megatron_specs",
     "megatron_tensors",
     "megatron_to_hf",
+    "megatron_to_peft",
     "model_config_from_hf",
     "to_hf",
 ]

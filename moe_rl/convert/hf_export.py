@@ -35,6 +35,7 @@ from moe_rl.convert.dcp import CONFIG_FILE, DcpCheckpoint, RawChunk
 from moe_rl.convert.hf_files import find_hf_source, source_dtype, write_from_source, write_own
 from moe_rl.convert.hf_layout import HFArchitecture
 from moe_rl.convert.layouts import layout_for
+from moe_rl.convert.lora_merge import adapter_keys, is_lora_name, merged_weight
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, is_model_key, megatron_specs
 from moe_rl.convert.mtp_carry import planned_mtp_tensors, write_mtp_tensors
 from moe_rl.convert.safetensors_writer import PlannedTensor, ShardedSafetensorsWriter
@@ -68,7 +69,7 @@ def match_checkpoint_keys(ckpt: DcpCheckpoint, m: ModelConfig) -> dict[str, str]
     expected = megatron_specs(m)
     stored: dict[str, str] = {}
     for key in ckpt.tensors:
-        if is_model_key(key):
+        if is_model_key(key) and not is_lora_name(key):  # (adapters: `stored_adapters`)
             stored[canonical_key(key)] = key
     unexpected = [k for k in stored if k not in expected]
     if unexpected:
@@ -90,6 +91,23 @@ def match_checkpoint_keys(ckpt: DcpCheckpoint, m: ModelConfig) -> dict[str, str]
                 f"implies {list(shape)} (config.yaml does not match the weights?)"
             )
     return stored
+
+
+def stored_adapters(ckpt: DcpCheckpoint, m: ModelConfig) -> dict[str, tuple[str, str]]:
+    """{canonical weight key: (A key, B key) as stored} of every LoRA-adapted linear; a
+    checkpoint whose adapters its config.yaml does not describe is a ConvertError."""
+    lora = {canonical_key(k): k for k in ckpt.tensors if is_model_key(k) and is_lora_name(k)}
+    if lora and not m.lora.enabled:
+        raise ConvertError(f"checkpoint {ckpt.path} holds LoRA adapters but its {CONFIG_FILE} has model.lora.rank=0 "
+                           "(config.yaml does not match the weights?)")
+    out = {}
+    for key in megatron_specs(m):
+        a, b = adapter_keys(key)
+        if a in lora and b in lora:
+            out[key] = (lora.pop(a), lora.pop(b))
+    if lora:
+        raise ConvertError(f"checkpoint adapter {next(iter(lora.values()))!r} has no weight to merge into")
+    return out
 
 
 def megatron_to_hf(
@@ -122,6 +140,7 @@ def megatron_to_hf(
     layout = layout_for(m)
     layout.check_supported(m)
     stored = match_checkpoint_keys(ckpt, m)
+    adapters = stored_adapters(ckpt, m)  # LoRA: these weights are written merged, W + (alpha / rank) B A
     dtypes = {key: out_dtype or ckpt.tensors[stored[key]].dtype for key in stored}
     plan = [
         PlannedTensor(spec.name, spec.shape, spec.dtype or dtypes[key])  # a spec may fix its dtype
@@ -148,7 +167,7 @@ def megatron_to_hf(
                 from tqdm import tqdm
 
                 bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="convert")
-            _write_tensors(writer, ckpt, stored, layout, m, dtypes, bar)
+            _write_tensors(writer, ckpt, stored, layout, m, dtypes, bar, adapters)
             if mtp:
                 write_mtp_tensors(writer, source, mtp)
             if bar is not None:
@@ -165,15 +184,18 @@ def _hf_source(cfg: Config, tokenizer: str | os.PathLike | None) -> Path | None:
 
 
 def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored: dict[str, str],
-                   layout: HFArchitecture, m: ModelConfig, dtypes: dict[str, torch.dtype], bar: Any) -> None:
+                   layout: HFArchitecture, m: ModelConfig, dtypes: dict[str, torch.dtype], bar: Any,
+                   adapters: dict[str, tuple[str, str]] | None = None) -> None:
     """Every megatron tensor, in plan order: as file-to-file copies when its HF tensors are
     saved chunks as they are, else read into one reused buffer, re-laid out and written.
-    (Fresh memory per tensor would cost a page fault per 4 KiB, more than the read itself.)"""
+    (Fresh memory per tensor would cost a page fault per 4 KiB, more than the read itself.)
+    A LoRA-adapted weight (`adapters`) is read, merged with its factors and written."""
+    adapters = adapters or {}
     infos = {key: ckpt.tensors[stored[key]] for key in megatron_specs(m)}
     specs = {key: layout.hf_specs(key, m) for key in infos}
     direct = {
         key: _stored_as_is(key, ckpt, stored[key], m, layout)
-        if all((spec.dtype or dtypes[key]) == info.dtype for spec in specs[key]) else None
+        if key not in adapters and all((spec.dtype or dtypes[key]) == info.dtype for spec in specs[key]) else None
         for key, info in infos.items()
     }
     nbytes = {key: math.prod(info.shape) * info.dtype.itemsize for key, info in infos.items()}
@@ -184,6 +206,9 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored
                 writer.copy_from_file(spec.name, spec.shape, info.dtype, chunk.path, chunk.file_offset)
         else:
             full = ckpt.read(stored[key], out=arena[: nbytes[key]].view(info.dtype).view(info.shape))
+            if key in adapters:
+                a, b = adapters[key]
+                full = merged_weight(full, ckpt.read(a), ckpt.read(b), m.lora.scale)
             for name, t in layout.to_hf(key, full, m, dtypes[key]):
                 writer.write(name, t)  # written before the buffer is reused
         if bar is not None:

@@ -56,6 +56,7 @@ from moe_rl.checkpoints.temps import remove_temps, rename_into_place
 from moe_rl.checkpoints.trust import VERIFIED
 from moe_rl.config import save_config, to_dict
 from moe_rl.convert.dcp import load_metadata, safe_dcp_reading
+from moe_rl.convert.lora_merge import is_lora_name
 from moe_rl.learner.checkpoint_state import (
     component_meta,
     has_optimizer_state,
@@ -265,11 +266,23 @@ def start_checkpoint(
         "layout": layout_tag(learner),
         "has_optimizer": with_opt,
         "scheduler": learner.scheduler.state_dict() if with_opt else None,
+        **_trainable_meta(learner),
         **(extra_meta or {}),
     }
     for name, model in components.items():
         meta[name] = component_meta(model, name in optimizers)
     return PendingSave(path, tmp, write, meta, recipe, time.perf_counter() - t0)
+
+
+def _trainable_meta(learner: Any) -> dict[str, Any]:
+    """With LoRA or frozen groups: what trains (adapters, frozen groups) and where the frozen
+    base weights came from (`base_origin`: the starting checkpoint or Hugging Face
+    directory, carried over resumes; None for a fresh initialisation)."""
+    m = learner.model_cfg
+    if not m.lora.enabled and not m.freeze:
+        return {}
+    return {"trainable": {"lora_rank": m.lora.rank, "lora_modules": list(m.lora.modules), "freeze": list(m.freeze)},
+            "base_origin": getattr(learner, "base_origin", None)}
 
 
 def _refuse_nonfinite(learner: Any, path: Path, components: Mapping[str, Any]) -> None:
@@ -353,6 +366,7 @@ def load_checkpoint(
     missing_hint: str = "",
     optional: tuple[str, ...] = (),
     restore_rng: bool = True,
+    adapters_optional: bool = False,
 ) -> dict[str, Any]:
     """Collective. Load `path` (saved at any layout) into the learner, after checking its
     manifest (`trust=True` accepts a checkpoint without one). Optimizer state and LR
@@ -362,7 +376,8 @@ def load_checkpoint(
     (PPO's `{"critic": Critic}`: weights, optimizer, schedule and step); a checkpoint that
     lacks one is a one-line error ending with `missing_hint`. `optional`: parameter-name
     prefixes the checkpoint may lack (a critic started from the actor's weights has no value
-    head in them). Returns the checkpoint's metadata."""
+    head in them). `adapters_optional`: LoRA adapters the checkpoint lacks keep their initial
+    values (a LoRA run starting from a full model's weights). Returns the checkpoint's metadata."""
     path = Path(path)
     components = dict(components or {})
     restricted, meta = _checked_meta(path, trust, list(components), missing_hint)
@@ -372,9 +387,11 @@ def load_checkpoint(
     optimizers = frozenset(n for n in components if load_optimizer and meta[n].get("has_optimizer", False))
     sd = sharded_state(learner, with_optimizer=want_opt, with_rng=with_rng, loading=True, components=components,
                         optimizers=optimizers)
-    sd["model"] = {k: v for k, v in sd["model"].items() if not k.startswith(optional)}  # (not asked of the files)
+    saved_adapters = bool(meta.get("trainable", {}).get("lora_rank"))
+    sd["model"] = {k: v for k, v in sd["model"].items()  # (not asked of the files)
+                   if not k.startswith(optional) and not (adapters_optional and not saved_adapters and is_lora_name(k))}
     loaded = _load_files(learner, path, sd, restricted)
-    _load_weights(learner, loaded["model"], path, strict, optional)
+    _load_weights(learner, loaded["model"], path, strict, optional, adapters_optional)
     _load_optimizer(learner, loaded.get("optimizer"), meta.get("scheduler") if want_opt else None, want_opt)
     for name, model in components.items():
         _load_weights(model, _saved_weights(loaded, name), path, strict, optional)
@@ -383,6 +400,7 @@ def load_checkpoint(
     if restore_rng:
         _restore_rng(loaded, same_layout, path, meta, learner)
     learner.step = int(meta.get("step", 0))
+    learner.base_origin = meta.get("base_origin") or str(path.resolve())
     return meta
 
 
@@ -417,9 +435,11 @@ def _saved_weights(loaded: dict, name: str) -> dict:
     return {k.removeprefix(f"{name}."): v for k, v in loaded[name].items()}
 
 
-def _load_weights(learner: Any, model_sd: dict, path: Path, strict: bool, optional: tuple[str, ...]) -> None:
+def _load_weights(learner: Any, model_sd: dict, path: Path, strict: bool, optional: tuple[str, ...],
+                  adapters_optional: bool = False) -> None:
     missing, _unexpected = learner.gpt.load_state_dict(model_sd, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith(optional)]
+    missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith(optional)
+               and not (adapters_optional and is_lora_name(k))]
     if strict and missing:
         raise CheckpointError(f"checkpoint {path} lacks parameters {missing[:5]} (model config differs?)")
 

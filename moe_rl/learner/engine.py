@@ -50,6 +50,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from moe_rl.batch import TokenBatch
 from moe_rl.config import ModelConfig, OptimizerConfig, ParallelConfig
 from moe_rl.learner.finite import update_is_finite
+from moe_rl.learner.lora import apply_lora, freeze
 from moe_rl.learner.microbatch import (
     BatchTotals,
     ForwardHooks,
@@ -70,7 +71,7 @@ from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
 from moe_rl.learner.model_input import packed_input, packed_seq_params, padded_input, padding_mask
 from moe_rl.learner.optimizer import build_optimizer
 from moe_rl.learner.output_head import OutputHead
-from moe_rl.learner.parallel import Layout, all_reduce_, comm_device
+from moe_rl.learner.parallel import Layout, active_seed, all_reduce_, comm_device
 from moe_rl.learner.reduce import reduce_metrics, reduce_sums
 from moe_rl.learner.routing import RouterTaps, RoutingPlan
 from moe_rl.learner.routing.compare import sampler_disagreement
@@ -121,12 +122,18 @@ class Learner:
         self.layout = layout
         self.tcfg = transformer_config(model, parallel)
         self.gpt = build_gpt(model, self.tcfg)
+        apply_lora(self.gpt, model, active_seed())
+        freeze(self.gpt, model)
         self._prepare_model(self.gpt)
         self.trainable = optimizer is not None
         self.packing = parallel.packing
         """Pack micro-batches (THD); false: the padded reference path (switchable per pass
         only on a learner built with packing on: pipeline stages then exchange shapes)."""
         self.step = 0
+        self.base_origin: str | None = None
+        """Where the weights were loaded from (a checkpoint or Hugging Face directory; a
+        checkpoint's own record of it when it has one): what a LoRA / frozen run's
+        checkpoints name as their frozen base's origin."""
         self.skipped_in_a_row = 0
         """Updates skipped in a row (a NaN or inf loss or gradient), up to the last one."""
         self.optimizer = None
@@ -143,6 +150,9 @@ class Learner:
                 p.requires_grad_(False)
         self.head = self._make_head()
         self.taps = RouterTaps(self.gpt, self.tcfg, layout)
+        if self.trainable and (not dist.is_initialized() or dist.get_rank() == 0):
+            for note in model.training_notes():
+                log.info("%s", note)
         self.hooks: ForwardHooks = self.taps
 
     # ------------------------------------------------------------------ what the model computes per token

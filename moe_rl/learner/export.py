@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.convert.layouts import layout_for
+from moe_rl.convert.lora_merge import is_lora_name, merged_weight
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, megatron_specs
 from moe_rl.learner.gather import SyncTraffic, iter_full_tensors, iter_full_tensors_everywhere
 
@@ -37,7 +38,9 @@ def hf_named_tensors(
     every rank, with `traffic` counting this rank's bytes); collective.
     `dtype` casts on the way out (None keeps the parameter dtype; tensors whose HF dtype is
     fixed, the float32 expert bias, are never cast). Every tensor the model config implies
-    is yielded exactly once; anything else is a ConvertError naming the key."""
+    is yielded exactly once; anything else is a ConvertError naming the key. LoRA-adapted
+    weights are yielded merged, W + (alpha / rank) B A, one linear at a time (its adapters
+    arrive just before its weight: no extra copy of the model)."""
     m = learner.model_cfg
     layout = layout_for(m)
     layout.check_supported(m)
@@ -46,12 +49,21 @@ def hf_named_tensors(
     seen: set[str] = set()
     full_tensors = (iter_full_tensors_everywhere(learner.gpt, traffic) if dst is None
                     else iter_full_tensors(learner.gpt, dst=dst))
+    adapters: dict[str, torch.Tensor] = {}  # this linear's (A, B): keys sort just before its weight
     for key, full in full_tensors:
         key = canonical_key(key)
+        if is_lora_name(key):
+            adapters[key] = full
+            continue
+        if key.endswith(".weight") and key.removesuffix("weight") + "lora_A" in adapters:
+            stem = key.removesuffix("weight")
+            full = merged_weight(full, adapters.pop(stem + "lora_A"), adapters.pop(stem + "lora_B"), m.lora.scale)
         if key not in expected:
             raise ConvertError(f"learner tensor {key!r} has no {layout.name} counterpart")
         seen.add(key)
         yield from layout.to_hf(key, full, m, dtype)
+    if adapters:
+        raise ConvertError(f"adapter {next(iter(adapters))!r} has no weight to merge into")
     if dst is None or rank == dst:
         missing = [k for k in expected if k not in seen]
         if missing:

@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from moe_rl.config import Config, ModelConfig, to_dict, validate
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
 from moe_rl.convert.layouts import layout_for
+from moe_rl.convert.lora_merge import is_lora_name
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shape, megatron_specs
 from moe_rl.learner.gather import flatten_sharded, own_storages, piece_index
 from moe_rl.runtime.atomic import check_distinct
@@ -56,7 +57,7 @@ def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str, list[tuple]]
     storages = own_storages(model)
     pieces: dict[str, list[ShardedTensor]] = {}
     for sh in flatten_sharded(sd):
-        if sh.key.startswith(optional):
+        if sh.key.startswith(optional) or is_lora_name(sh.key):  # (adapters keep their initial values)
             continue
         key = canonical_key(sh.key)
         if key not in expected:

@@ -35,7 +35,9 @@ from torch.overrides import TorchFunctionMode
 
 from moe_rl.config import ModelConfig, ParallelConfig
 from moe_rl.config.model import GPU_ONLY_DEFAULTS
+from moe_rl.convert.lora_merge import is_lora_name
 from moe_rl.learner import megatron_patches
+from moe_rl.learner.lora import apply_lora, freeze
 from moe_rl.learner.model import build_gpt, transformer_config, wrap_ddp
 from moe_rl.learner.parallel import parallel_layout
 
@@ -121,7 +123,13 @@ class MetaRank:
     num_moe_layers: int
     buffers: tuple[BufferShard, ...]
     """megatron's DDP buffers, laid out for the distributed optimizer (padded); without it
-    megatron does not pad, so `params_numel` is the buffer size then."""
+    megatron does not pad, so `params_numel` is the buffer size then. They hold only what
+    trains (with LoRA: the adapters)."""
+    adapter_params: int = 0
+    """LoRA adapter elements on this rank (`model.lora`; not in `params_by_kind`)."""
+    frozen_param_bytes: int = 0
+    """Bytes of this rank's frozen parameters (LoRA's base, `model.freeze`): outside the DDP
+    buffers, no gradient, no optimizer state."""
 
     @property
     def params(self) -> int:
@@ -255,10 +263,16 @@ def _build_rank(model: ModelConfig, parallel: ParallelConfig, rank: int, world: 
         tcfg.perform_initialization = False  # values are not needed, and meta has none
         with torch.device(META), _OnMeta():
             gpt = build_gpt(model, tcfg)
+            apply_lora(gpt, model, seed=0)
+            freeze(gpt, model)
             ddp = wrap_ddp(gpt, tcfg, distributed_optimizer=True)  # both variants' sizes from one layout
         by_kind = dict.fromkeys(KINDS, 0)
         layers, moe_layers = set(), set()
+        adapters = 0
         for name, p in gpt.named_parameters():
+            if is_lora_name(name):
+                adapters += p.numel()
+                continue
             by_kind[param_kind(name)] += p.numel()
             if name.startswith("decoder.layers."):
                 layer = int(name.split(".")[2])
@@ -278,6 +292,8 @@ def _build_rank(model: ModelConfig, parallel: ParallelConfig, rank: int, world: 
             num_layers=len(layers),
             num_moe_layers=len(moe_layers),
             buffers=buffers,
+            adapter_params=adapters,
+            frozen_param_bytes=sum(p.numel() * p.element_size() for p in gpt.parameters() if not p.requires_grad),
         )
 
 

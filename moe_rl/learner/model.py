@@ -70,10 +70,17 @@ def _check_fp8(model: ModelConfig, spec: str) -> None:
                           "(use blockwise, the Hopper default, or tensorwise/delayed)")
 
 
+def _refuse_lora_on_te(model: ModelConfig) -> None:
+    raise ConfigError(f"model.lora.rank={model.lora.rank} needs the local layer spec (the Transformer Engine / "
+                      "grouped-experts path is not verified with LoRA yet): set model.layer_spec=local")
+
+
 def resolve_layer_spec(model: ModelConfig) -> str:
     """'te' or 'local' for this machine; an explicit 'te' without TE/CUDA is an error, and so
     is fp8 or the fused MoE permutation without the TE spec (checked here, before megatron
     fails deep in a layer)."""
+    if model.lora.enabled and model.layer_spec == "te":
+        _refuse_lora_on_te(model)
     if model.layer_spec == "auto":
         spec = "te" if transformer_engine_available() else "local"
     elif model.layer_spec == "te" and not transformer_engine_available():
@@ -82,6 +89,8 @@ def resolve_layer_spec(model: ModelConfig) -> str:
     else:
         spec = model.layer_spec
     _check_fp8(model, spec)
+    if spec == "te" and model.lora.enabled:
+        _refuse_lora_on_te(model)
     if spec != "te":
         for key, value in model.gpu_only_settings().items():
             off = GPU_ONLY_DEFAULTS[key.removeprefix("model.")]
@@ -172,13 +181,14 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         # megatron skips a falsy factor; 1.0 multiplies by one, exactly
         moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+        # a frozen router (model.freeze, or LoRA's frozen base) keeps its bias and has no aux losses
+        moe_router_bias_update_rate=0.0 if model.router_frozen else model.moe_router_bias_update_rate,
         # DeepSeek-V3's group-limited routing (None: off)
         moe_router_num_groups=model.moe_router_num_groups if model.moe_router_num_groups > 1 else None,
         moe_router_group_topk=model.moe_router_group_topk if model.moe_router_num_groups > 1 else None,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-        moe_z_loss_coeff=model.moe_z_loss_coeff or None,
+        moe_aux_loss_coeff=0.0 if model.router_frozen else model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=None if model.router_frozen else (model.moe_z_loss_coeff or None),
         moe_router_dtype="fp32",  # routing decisions in fp32 even for bf16 models
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
         moe_grouped_gemm=spec == "te",

@@ -205,6 +205,11 @@ def _destroy_groups(groups: list) -> None:
 _layout_seed: list[int] = []  # the active layout's seed
 
 
+def active_seed() -> int:
+    """The active parallel_layout()'s seed (0 outside one)."""
+    return _layout_seed[0] if _layout_seed else 0
+
+
 def graph_safe_rng() -> None:
     """megatron's CUDA RNG tracker in its graph-safe form (megatron's CUDA graphs refuse the
     other), re-seeded with the active layout's seed; nothing when it is graph-safe already

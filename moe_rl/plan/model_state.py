@@ -6,7 +6,9 @@ and the optimizer: Adam's two fp32 moments per parameter element plus an fp32 ma
 every non-fp32 (bf16) parameter (megatron's Float16Optimizer / DistributedOptimizer; an fp32
 model is its own main copy). Under the distributed optimizer each rank keeps only its
 data-parallel shard of those (dense weights over the DP group, experts over the expert-DP
-group), and parameters and gradients sit in megatron's padded buffers.
+group), and parameters and gradients sit in megatron's padded buffers. Frozen parameters
+(LoRA's base weights, `model.freeze`) are counted as parameters only: megatron gives them no
+gradient buffer and no optimizer state.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def model_state(rank: MetaRank, distributed: bool) -> ModelState:
     megatron's buffers are unpadded, so both variants are exact)."""
     if distributed:
         return ModelState(
-            params=sum(b.param_buffer_bytes for b in rank.buffers),
+            params=sum(b.param_buffer_bytes for b in rank.buffers) + rank.frozen_param_bytes,
             grads=sum(b.grad_bytes for b in rank.buffers),
             optimizer=sum(MAIN_BYTES * b.shard_low_precision_numel + ADAM_BYTES * b.shard_numel
                           for b in rank.buffers),
