@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -50,6 +50,10 @@ class StoppedBySignal(SystemExit):
     def __init__(self, signum: int) -> None:
         super().__init__(signal_exit_status(signum))
         self.signum = signum
+
+
+NoteT = TypeVar("NoteT")
+"""What the ranks gather with the stop signal (the run loop's `SaveNote`, a flag)."""
 
 
 class StopOnSignal:
@@ -88,7 +92,7 @@ class StopOnSignal:
             raise KeyboardInterrupt
         raise SystemExit(signal_exit_status(signum))
 
-    def agreed(self, note: Any = None) -> tuple[int | None, list[Any]]:
+    def agreed(self, note: NoteT) -> tuple[int | None, list[NoteT]]:
         """Collective over every rank: the signal to stop for, when any rank received one
         (the lowest rank's), else None, and every rank's `note` in rank order (what else the
         ranks must decide alike once per step rides on the same gather: the run loop's

@@ -56,7 +56,7 @@ from moe_rl.runtime.failures import describe_error
 from moe_rl.runtime.fault_hooks import kill_point
 from moe_rl.runtime.timing import StepTimer
 from moe_rl.sampler import Sampler
-from moe_rl.sampler.base import base_seeds
+from moe_rl.sampler.base import SleepingSampler, base_seeds
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem
 from moe_rl.tokenization import PromptEncoder, load_tokenizer
@@ -168,7 +168,7 @@ class RolloutCollector:
             log.warning("step %d: every group had equal rewards in %d draws", step, len(out.drawn))
             out.kept = [(len(out.drawn) - 1, i) for i in range(len(out.drawn[-1]))]
         out.kept = out.kept[: rl.prompts_per_step]
-        if self.sampler_cfg.sleep_between_steps and self.sampler is not None:  # the learner's turn
+        if self.sampler_cfg.sleep_between_steps and isinstance(self.sampler, SleepingSampler):  # the learner's turn
             self.sampler.sleep()
         return out
 
@@ -334,9 +334,9 @@ class RolloutCollector:
                     self.engines.recover(faults, f"generating step {step}", everywhere=self.engines.group is None)
                 elif not any(running for _, running in parts):
                     break
-        groups = [g.scored([self.tok.decode(r.tokens) for r in g.responses], [r.episode.reward for r in g.responses])
+        groups = [g.scored([self.tok.decode(r.tokens) for r in g.responses], g.episode_rewards()[0])
                   for g in sorted(pool.done, key=lambda g: g.key)]
-        cut = sum(r.episode.reward_timeouts for g in pool.done for r in g.responses)
+        cut = sum(g.episode_rewards()[1] for g in pool.done)
         return groups, time.perf_counter() - t0, cut
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ import gc
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,10 +41,26 @@ from moe_rl.sampler import Rollouts, Sampler
 log = logging.getLogger(__name__)
 
 
+class EngineWeights(Protocol):
+    """What the engines need of the weight transport that feeds them
+    (`moe_rl.weights.WeightSynchronizer`, or the collector's `FixedWeights`)."""
+
+    synced: bool
+    """A push has been made or received since this process started."""
+
+    def attach(self, engine: Sampler | None) -> None:
+        """This rank's engine (None: none, or dropped), once it has started."""
+        ...
+
+    def finish(self) -> None:
+        """Wait for anything a push left in flight."""
+        ...
+
+
 class Engines:
     """This rank's engine (None on a learner-only rank) and what rebuilding it needs."""
 
-    def __init__(self, placement: EnginePlacement, weight_sync: Any, *, sampler: SamplerConfig, rl: RLConfig,
+    def __init__(self, placement: EnginePlacement, weight_sync: EngineWeights, *, sampler: SamplerConfig, rl: RLConfig,
                  seed: int, trust_checkpoint: bool) -> None:
         """Collective: the engine groups form. The engines are built as `sampler` and `rl`
         ask (`moe_rl.sampler.engine_config`), seeded with the run's `seed`; `trust_checkpoint`

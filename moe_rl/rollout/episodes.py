@@ -115,12 +115,14 @@ class Episodes:
 
     def turn_room(self, r: PartialResponse) -> int:
         """Tokens the turn in progress may still take."""
+        assert r.episode is not None  # (admitted as an episode)
         return self.max_turn_tokens - (len(r.tokens) - r.episode.turn_start)
 
     def end_turn(self, r: PartialResponse, ended_on_eos: bool) -> None:
         """The turn in progress is over (EOS, or cut at a limit: `ended_on_eos` false): let
         the environment answer it, then append its observation or end the episode."""
         ep = r.episode
+        assert ep is not None and ep.env is not None  # (a running episode has its environment)
         turn_ids = r.tokens[ep.turn_start:]
         ep.turns.append((ep.turn_start, len(r.tokens)))
         if not ended_on_eos:  # cut mid-turn: its calls are not run, it is the answer as it stands
@@ -150,6 +152,7 @@ class Episodes:
         turn = self._turn(turn_ids)
         ep.tool_calls += len(turn.calls)
         ep.parse_errors += turn.error is not None
+        assert ep.env is not None  # (a running episode has its environment)
         obs = ep.env.step(turn)
         ep.turn_rewards += float(obs.reward)
         return obs
@@ -159,6 +162,7 @@ class Episodes:
         """End the episode and score it now: its reward is the environment's final reward plus
         the per-turn rewards (the environment is not needed after, nor saved)."""
         ep = r.episode
+        assert ep is not None and ep.env is not None  # (a running episode has its environment)
         ep.truncated = truncated
         r.finish = "length" if truncated else "stop"
         ep.reward = float(ep.env.reward()) + ep.turn_rewards
@@ -169,7 +173,7 @@ class Episodes:
         """Rebuild a resumed running episode's environment by showing a fresh one the turns it
         had (a finished one keeps its reward and needs none)."""
         ep = r.episode
-        if r.finish is not None:
+        if r.finish is not None or ep is None:
             return
-        ep.env = self.make_env(problem)
-        replay(ep.env, [self._turn(r.tokens[start:end]) for start, end in ep.turns])
+        ep.env = env = self.make_env(problem)
+        replay(env, [self._turn(r.tokens[start:end]) for start, end in ep.turns])

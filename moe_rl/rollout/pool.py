@@ -42,6 +42,8 @@ import numpy as np
 
 from moe_rl.rollout.types import ScoredGroup
 from moe_rl.sampler import Sampler
+from moe_rl.tasks.base import Problem
+from moe_rl.tasks.environment import Environment
 
 
 def segment_seed(base: int, j: int, segment: int) -> int:
@@ -55,7 +57,7 @@ def segment_seed(base: int, j: int, segment: int) -> int:
 class EpisodeState:
     """What an episode keeps besides its tokens: its environment and its tallies."""
 
-    env: Any = field(default=None, repr=False, compare=False)
+    env: Environment | None = field(default=None, repr=False, compare=False)
     """The episode's `Environment` (rebuilt by `Episodes.restore` after a resume)."""
     turns: list[tuple[int, int]] = field(default_factory=list)
     """[start, end) of each finished assistant turn in the episode's tokens."""
@@ -108,6 +110,9 @@ class EpisodeDriver(Protocol):
 
     def end_turn(self, r: PartialResponse, ended_on_eos: bool) -> None:
         """The turn in progress is over: the environment answers (or the episode ends)."""
+
+    def restore(self, problem: Problem, r: PartialResponse) -> None:
+        """Rebuild a resumed running episode's environment."""
 
 
 @dataclass
@@ -171,16 +176,26 @@ class PoolGroup:
         """The version of its oldest token (None before its first segment)."""
         return min((r.versions[0] for r in self.responses if r.versions), default=None)
 
+    def episode_rewards(self) -> tuple[list[float], int]:
+        """(Each finished episode's reward, how many were cut at task.reward_timeout_s): a
+        multi-turn group's rewards, given as each episode ended."""
+        eps = [r.episode for r in self.responses]
+        if any(ep is None or ep.reward is None for ep in eps):
+            raise RuntimeError(f"group {self.key}: an episode without a reward (not a finished multi-turn group)")
+        return [ep.reward for ep in eps if ep is not None and ep.reward is not None], sum(
+            ep.reward_timeouts for ep in eps if ep is not None)
+
     def scored(self, texts: list[str], rewards: list[float]) -> ScoredGroup:
         """The finished group as the rollout's `ScoredGroup`, with its responses' `texts` and
         `rewards`."""
         rs = self.responses
         routed = [r.routed for r in rs] if all(r.routed is not None for r in rs) else None
-        episodes = all(r.episode is not None for r in rs)
+        eps = [r.episode for r in rs if r.episode is not None]
+        episodes = len(eps) == len(rs)
         return ScoredGroup(self.prompt, [r.tokens for r in rs], [r.logprobs for r in rs], texts, rewards,
                            [r.finish for r in rs], routed, self.oldest or 0, [r.versions for r in rs],
                            [r.carried for r in rs], [r.observed for r in rs] if episodes else None,
-                           [r.episode.tally() for r in rs] if episodes else None)
+                           [ep.tally() for ep in eps] if episodes else None)
 
     def to_json(self) -> dict:
         return {"key": list(self.key), "prompt": self.prompt, "seed": self.seed,

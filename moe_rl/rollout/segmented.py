@@ -202,8 +202,8 @@ class SegmentedRollout:
             return
         if self.pool.episodes is not None:
             for g in groups:
-                g.rewards = [r.episode.reward for r in g.responses]
-                self.reward_timeouts += sum(r.episode.reward_timeouts for r in g.responses)
+                g.rewards, cut = g.episode_rewards()
+                self.reward_timeouts += cut
             return
         draws: dict[tuple[int, int], list] = {}
         texts = [self._texts(g) for g in groups]

@@ -125,6 +125,16 @@ class Sampler(Protocol):
         ...
 
 
+@runtime_checkable
+class SleepingSampler(Sampler, Protocol):
+    """A sampler that frees its device memory between steps (vLLM's sleep mode,
+    sampler.sleep_between_steps) and wakes for its next call by itself."""
+
+    def sleep(self) -> None:
+        """Release the weights and KV cache until the next call."""
+        ...
+
+
 # --------------------------------------------------------------------------- helpers
 
 
