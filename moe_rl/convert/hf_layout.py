@@ -346,7 +346,8 @@ def common_hf_config(m: ModelConfig, dtype: torch.dtype, *, bos_token_id: int | 
     }
 
 
-def generation_config(*, bos_token_id: int | None, eos_token_id: int | None, pad_token_id: int | None) -> dict[str, Any]:
+def generation_config(*, bos_token_id: int | None, eos_token_id: int | list[int] | None,
+                      pad_token_id: int | None) -> dict[str, Any]:
     """generation_config.json: token ids only (no sampling defaults imposed on users)."""
     return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from megatron.core.models.gpt import GPTModel
 
 from moe_rl.config import Config, ModelConfig, to_dict, validate
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
@@ -42,7 +43,7 @@ from moe_rl.runtime.atomic import check_distinct
 
 
 @torch.no_grad()
-def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str, list[tuple]], torch.Tensor], m: ModelConfig,
+def load_full_tensors(model: GPTModel, fetch: Callable[[str, list[tuple]], torch.Tensor], m: ModelConfig,
                       optional: tuple[str, ...] = ()) -> int:
     """Copy this rank's slices of every global tensor into `model`'s parameters.
 

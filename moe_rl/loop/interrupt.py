@@ -65,7 +65,7 @@ class StopOnSignal:
         self.signum: int | None = None
         """The first signal this process received, None until then."""
         self._first_at = 0.0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, signal._HANDLER] = {}
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():

@@ -123,6 +123,7 @@ def agreed_ahead(placement: Any, group: Any, run_dir: Path, step: int) -> Sample
                         "with the checkpoint's weights (the uninterrupted run used the step before's)", step,
                         "; ".join(missing))
         return None
+    assert saved is not None  # (no engine lacks its share: this one's was read)
     if not p.leader:
         saved.held = {}
     return saved

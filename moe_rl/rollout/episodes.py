@@ -92,9 +92,9 @@ class Episodes:
 
     def start(self, problem: Problem, group_size: int) -> tuple[list[int], list[EpisodeState]]:
         """The prompt ids of `problem`'s episodes and one fresh episode per response."""
-        states = [EpisodeState(self.make_env(problem)) for _ in range(group_size)]
-        openings = [s.env.start() for s in states]
-        return self.turns_for(states[0].env).opening(openings[0]), states
+        envs = [self.make_env(problem) for _ in range(group_size)]
+        openings = [env.start() for env in envs]
+        return self.turns_for(envs[0]).opening(openings[0]), [EpisodeState(env) for env in envs]
 
     def admit(self, pool: RolloutPool, key: tuple[int, int, int], problem: Problem, seed: int,
               group_size: int) -> None:

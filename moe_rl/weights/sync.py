@@ -45,7 +45,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ import torch.distributed as dist
 from moe_rl.rollout.placement import EnginePlacement
 from moe_rl.runtime.worlds import bridge
 from moe_rl.sampler import Sampler
+
+if TYPE_CHECKING:
+    from moe_rl.learner.protocols import PolicyLearner
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -277,7 +280,7 @@ class WeightSynchronizer(ABC):
         """This rank's engine (None on a learner-only rank), once it has started."""
         self.engine = engine
 
-    def push(self, learner: Any, version: int) -> dict[str, float]:
+    def push(self, learner: PolicyLearner, version: int) -> dict[str, float]:
         """A learner rank's side: drain the learner's weights (collective over the learner
         ranks, and with the engine ranks under `BroadcastSync`) into the engines, and return
         the sync's metrics, every learner rank's gathered (`sync/seconds_max`, per-rank ones)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,8 +10,11 @@ from moe_rl.diagnostics import combine_mismatch_summaries, compute_mismatch
 from moe_rl.rollout.types import VERSION_SPAN
 from moe_rl.step_batch import StepBatch
 
+if TYPE_CHECKING:
+    from moe_rl.learner.protocols import PolicyLearner
 
-def mismatch_metrics(learner: Any, batch: StepBatch, step: int, max_staleness: int,
+
+def mismatch_metrics(learner: PolicyLearner, batch: StepBatch, step: int, max_staleness: int,
                      by_span: bool = False) -> dict[str, float]:
     """Sampler-learner mismatch over every data-parallel rank's rows (each rank measures its
     own; the scalars are combined by count), split by staleness under asynchronous rollout
