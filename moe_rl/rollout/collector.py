@@ -44,7 +44,7 @@ from moe_rl.rollout.engine_faults import (
     EngineFault,
     EngineNote,
 )
-from moe_rl.rollout.engines import Engines
+from moe_rl.rollout.engines import Engines, WeightTransport
 from moe_rl.rollout.episodes import Episodes
 from moe_rl.rollout.evaluate import HeldOut
 from moe_rl.rollout.learning_signal import LearningSignalWatch
@@ -68,7 +68,8 @@ class RolloutCollector:
     """Owns the task, the tokenizer and this rank's engine (shard)."""
 
     def __init__(self, *, sampler: SamplerConfig, task: TaskConfig, rl: RLConfig, model: ModelConfig,
-                 parallel: ParallelConfig, run: RunConfig, make_sync: Callable[[EnginePlacement], Any] | None = None,
+                 parallel: ParallelConfig, run: RunConfig,
+                 make_sync: Callable[[EnginePlacement], WeightTransport] | None = None,
                  placement: EnginePlacement | None = None) -> None:
         """The run's sections: `sampler` (the engines), `task` (problems, tokenizer, rewards),
         `rl` (the step's groups), `model` and `parallel` (the learner's batch layout), `run`
@@ -81,7 +82,7 @@ class RolloutCollector:
         separate = sampler.placement == "separate"
         self.placement = placement or EnginePlacement.current(sampler.tensor_parallel_size,
                                                               sampler.engine_ranks if separate else 0)
-        self.weight_sync = make_sync(self.placement) if make_sync is not None else FixedWeights()
+        self.weight_sync: WeightTransport = make_sync(self.placement) if make_sync is not None else FixedWeights()
         self.engines = Engines(self.placement, self.weight_sync, sampler=sampler, rl=rl, seed=run.seed,
                                trust_checkpoint=run.trust_checkpoint)  # (collective too)
         self.task = make_task(task)
@@ -386,3 +387,13 @@ class FixedWeights:
 
     def finish(self) -> None:
         """(nothing in flight)"""
+
+    def push(self, learner: Any, version: int) -> dict[str, float]:
+        raise RuntimeError("this collector's engines keep their starting weights: nothing pushes to them")
+
+    def receive(self) -> object:
+        raise RuntimeError("this collector's engines keep their starting weights: nothing arrives")
+
+    def poll(self) -> bool:
+        """(no push ever begins)"""
+        return False

@@ -57,6 +57,27 @@ class EngineWeights(Protocol):
         ...
 
 
+class WeightTransport(EngineWeights, Protocol):
+    """The weight transport of a run (`moe_rl.weights.WeightSynchronizer`): the learner ranks
+    push, the engine-only ranks receive, every engine remembers the version it holds."""
+
+    held_version: int | None
+    """The learner's update count of the weights this rank's engine holds (None: its start)."""
+
+    def push(self, learner: Any, version: int) -> dict[str, float]:
+        """A learner rank's side (`learner`: a `moe_rl.learner.protocols.PolicyLearner`, which
+        the rollout may not import): the weights into the engines; the sync's metrics."""
+        ...
+
+    def receive(self) -> object:
+        """An engine-only rank's side: load the weights the learner pushes."""
+        ...
+
+    def poll(self) -> bool:
+        """An engine-only rank's side: the learner's next push has begun to arrive."""
+        ...
+
+
 class Engines:
     """This rank's engine (None on a learner-only rank) and what rebuilding it needs."""
 
@@ -108,12 +129,14 @@ class Engines:
             kill_point("generate")  # (a test hook: a no-op unless MOE_RL_TEST_KILL_AT names it)
             requested = len(prompt_ids) * int(kwargs.get("n", 1)) * int(kwargs.get("max_new_tokens", 1))
             try:
+                if self.sampler is None:
+                    raise RuntimeError("this rank has no engine (dropped after a failure)")
                 with call_deadline(self.sampler_cfg.timeout_for(requested), self._on_hang(doing, requested)):
                     ro = self.sampler.generate(prompt_ids, **kwargs)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 fault = EngineFault(self.placement.rank, describe_error(e))
             faults = [f for f in self.placement.all_engines(fault, self.group) if f is not None]
-            if not faults:
+            if not faults and ro is not None:  # (no fault here: this rank's call returned)
                 return ro
             self.recover(faults, doing, everywhere=self.group is None)
 
@@ -145,6 +168,7 @@ class Engines:
             self.discard()
             pl = self.placement
             group_env = pl.group_env(self.group) if pl.ranks_per_engine > 1 else None
+            assert self._hf_dir is not None  # (set by start)
             self.sampler = self._build(self._hf_dir, group_env)
             self.weight_sync.attach(self.sampler)
         if self.weight_sync.synced:

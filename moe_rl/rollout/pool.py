@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -90,8 +90,12 @@ class EpisodeState:
                             d.get("reward_timeouts", 0))
 
 
+@runtime_checkable
 class StreamingEngine(Protocol):
     """What the pool asks of a streaming engine (`moe_rl.sampler.vllm_stream`)."""
+
+    epoch: int
+    """Weight loads so far (tokens are drawn under the epoch they report)."""
 
     def submit(self, request_id: str, prompt: Sequence[int], *, seed: int, max_new_tokens: int,
                temperature: float, top_p: float) -> None: ...
@@ -185,15 +189,20 @@ class PoolGroup:
         return [ep.reward for ep in eps if ep is not None and ep.reward is not None], sum(
             ep.reward_timeouts for ep in eps if ep is not None)
 
-    def scored(self, texts: list[str], rewards: list[float]) -> ScoredGroup:
+    def scored(self, texts: list[str], rewards: list[float] | None = None) -> ScoredGroup:
         """The finished group as the rollout's `ScoredGroup`, with its responses' `texts` and
-        `rewards`."""
+        `rewards` (None: its own, given as it finished)."""
+        rewards = self.rewards if rewards is None else rewards
+        if rewards is None:
+            raise RuntimeError(f"group {self.key} has no rewards yet")
         rs = self.responses
-        routed = [r.routed for r in rs] if all(r.routed is not None for r in rs) else None
+        routed = [r.routed for r in rs if r.routed is not None]
         eps = [r.episode for r in rs if r.episode is not None]
         episodes = len(eps) == len(rs)
+        finish = [r.finish for r in rs if r.finish is not None]
+        assert len(finish) == len(rs)  # (a finished group)
         return ScoredGroup(self.prompt, [r.tokens for r in rs], [r.logprobs for r in rs], texts, rewards,
-                           [r.finish for r in rs], routed, self.oldest or 0, [r.versions for r in rs],
+                           finish, routed if len(routed) == len(rs) else None, self.oldest or 0, [r.versions for r in rs],
                            [r.carried for r in rs], [r.observed for r in rs] if episodes else None,
                            [ep.tally() for ep in eps] if episodes else None)
 
@@ -293,7 +302,7 @@ class RolloutPool:
 
     def _room(self, r: PartialResponse) -> int:
         room = self.max_new_tokens - len(r.tokens)
-        return min(room, self.episodes.turn_room(r)) if r.episode is not None else room
+        return min(room, self.episodes.turn_room(r)) if r.episode is not None and self.episodes is not None else room
 
     def _extend(self, r: PartialResponse, prompt_len: int, tokens: list[int], logprobs: list[float],
                 versions: list[int], routed: np.ndarray | None) -> tuple[int, bool]:
@@ -320,9 +329,10 @@ class RolloutPool:
         the environment."""
         if finish == "stop" and not cut:
             r.finish = "stop"
-        elif cut or finish is not None or (r.episode is not None and self.episodes.turn_room(r) <= 0):
+        elif cut or finish is not None or (r.episode is not None and self.episodes is not None
+                                           and self.episodes.turn_room(r) <= 0):
             r.finish = "length"
-        if r.episode is not None and r.finish is not None:  # a turn ended: the environment answers
+        if r.episode is not None and r.finish is not None and self.episodes is not None:  # a turn ended: the environment answers
             self.episodes.end_turn(r, ended_on_eos=r.finish == "stop")
 
     def _retire(self) -> None:

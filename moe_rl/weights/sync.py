@@ -190,11 +190,11 @@ def _meta_tensors(payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([data.numel()], dtype=torch.int64), data
 
 
-def _send(t: torch.Tensor, group: object, inflight: InFlight) -> None:
+def _send(t: torch.Tensor, group: dist.ProcessGroup | None, inflight: InFlight) -> None:
     inflight.add(dist.broadcast(t, src=0, group=group, async_op=True), t)
 
 
-def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: object, send: bool,
+def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: dist.ProcessGroup | None, send: bool,
                       version: int, inflight: InFlight) -> SyncReport:
     """Drain `named_tensors`; with `send` (global rank 0), broadcast every bucket over
     `group` to the engine ranks (`receive_buckets`) without waiting for them: each bucket's
@@ -220,7 +220,7 @@ def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: obj
     return report
 
 
-def _receive_meta(group: object, dev: torch.device, posted: tuple[torch.Tensor, Any] | None = None) -> Any:
+def _receive_meta(group: dist.ProcessGroup | None, dev: torch.device, posted: tuple[torch.Tensor, Any] | None = None) -> Any:
     """The next announcement; `posted`: its size already requested (`BroadcastSync.poll`)."""
     if posted is None:
         size = torch.empty(1, dtype=torch.int64, device=dev)
@@ -233,7 +233,7 @@ def _receive_meta(group: object, dev: torch.device, posted: tuple[torch.Tensor, 
     return pickle.loads(data.cpu().numpy().tobytes())  # (from global rank 0 of this run)
 
 
-def receive_buckets(group: object, load: Callable[[Bucket], None],
+def receive_buckets(group: dist.ProcessGroup | None, load: Callable[[Bucket], None],
                     posted: tuple[torch.Tensor, Any] | None = None) -> SyncReport:
     """An engine rank's side of `broadcast_buckets`: receive and load buckets until the end
     (`posted`: the first announcement's size, already requested)."""

@@ -154,6 +154,7 @@ class LearnerRole(Program):
         with self._learner_on_host(timer) as offloaded:
             rollout = self._again_if_rebuilt(lambda: self.collector.collect(step, timer), version=step - 1)
         batch = rollout.batch
+        assert batch is not None and batch.sampler_logp_BT is not None  # (a training rank's rows, as sampled)
         with timer.phase("old_logprob"):
             if rl.old_logprobs == "sampler":  # bypass: the sampler's log-probs are the behaviour policy
                 batch = batch.scored(batch.sampler_logp_BT, None)
