@@ -209,8 +209,8 @@ class RolloutCollector:
     def save_ahead(self, run_dir: Path, sampled: Sampled | None, keep: int = 3) -> None:
         """Keep a batch sampled ahead on disk (each engine leader its share) for a resume,
         with the `keep` newest before it."""
-        if sampled is not None and self.placement.leader:
-            p = self.placement
+        p = self.placement
+        if sampled is not None and p.leader and p.engine is not None:  # (a leader is an engine rank)
             save_ahead(run_dir, p.engine, (p.engines, p.ranks_per_engine), sampled, keep)
 
     def deliver(self, step: int, sampled: Sampled | EngineNote | None, timer: StepTimer) -> Rollout:
@@ -221,9 +221,9 @@ class RolloutCollector:
         on every rank (`engine_faults`: push the weights again, or stop)."""
         t0 = time.perf_counter()
         with timer.phase("gather"):
-            note = isinstance(sampled, EngineNote)
             public = self.placement.from_engines(
-                sampled if note or sampled is None else (sampled.public(self.engine_wait), self.engines.restarts.used))
+                sampled if isinstance(sampled, EngineNote) or sampled is None
+                else (sampled.public(self.engine_wait), self.engines.restarts.used))
         if isinstance(public, EngineNote):
             raise public.error()
         public, restarts = public
@@ -236,7 +236,7 @@ class RolloutCollector:
         dropped = (len(public.kept) - len(kept)) * rl.group_size + public.dropped_stale
         plan.stats.update(staleness_stats([drawn[d][i] for d, i in kept], current, dropped))
         with timer.phase("gather"):
-            rows = self._deliver(kept, sampled.held if sampled is not None else {}, rl.group_size)
+            rows = self._deliver(kept, sampled.held if isinstance(sampled, Sampled) else {}, rl.group_size)
         self._signal.observe(step, plan.stats["reward/zero_variance_frac"])
         if self._row_owners[self.placement.rank] is None:  # an engine-only rank trains on nothing
             rollout = Rollout(None, torch.zeros(0), [], plan.stats)
@@ -315,10 +315,11 @@ class RolloutCollector:
         """This engine's problems of a draw, G multi-turn episodes each (`episodes`), decoded in
         rounds of at most rl.max_turn_tokens tokens until every engine's episodes are over
         (each round's failure agreed over the engine ranks, as `Engines.generate`'s)."""
-        s, G = self.sampler_cfg, self.rl_cfg.group_size
-        pool = RolloutPool(s.max_new_tokens, self.episodes.max_turn_tokens, self.episodes)
+        s, G, episodes = self.sampler_cfg, self.rl_cfg.group_size, self.episodes
+        assert episodes is not None  # (a multi-turn task's collector has its episodes)
+        pool = RolloutPool(s.max_new_tokens, episodes.max_turn_tokens, episodes)
         for i, (problem, seed) in enumerate(zip(problems, seeds)):
-            self.episodes.admit(pool, (step, 0, i), problem, seed, G)
+            episodes.admit(pool, (step, 0, i), problem, seed, G)
         t0 = time.perf_counter()
         with timer.phase("sample"):
             while True:
@@ -326,6 +327,8 @@ class RolloutCollector:
                 fault = None
                 if pool.running:
                     try:
+                        if self.sampler is None:
+                            raise RuntimeError("this rank has no engine (dropped after a failure)")
                         pool.segment(self.sampler, version, s.temperature, s.top_p)
                     except Exception as e:  # (whatever the engine raised; the round is retried on a rebuilt engine)
                         fault = EngineFault(self.placement.rank, describe_error(e))
