@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from moe_rl.config.errors import ConfigError, require_all, require_positive
 
@@ -273,7 +273,7 @@ class ModelConfig:
                 raise ConfigError(f"model.cuda_graph_scope={m.cuda_graph_scope}: {why}")
 
 
-GPU_ONLY_DEFAULTS: dict[str, object] = {
+GPU_ONLY_DEFAULTS: dict[str, Any] = {
     "moe_permute_fusion": False,
     "gradient_accumulation_fusion": False,
     "cuda_graph_scope": "none",

@@ -66,7 +66,8 @@ class ScoredTokens:
 def scored_tokens(batch: TokenBatch, logit_index_BT: torch.Tensor, b_in: int, s_in: int) -> ScoredTokens:
     """`ScoredTokens` of a micro-batch whose model input is [b_in, s_in]."""
     mask_BT = batch.response_mask()
-    at_N = mask_BT.nonzero(as_tuple=True)
+    rows_N, cols_N = mask_BT.nonzero(as_tuple=True)
+    at_N = (rows_N, cols_N)
     index_N = logit_index_BT[at_N]
     targets_N = batch.response_tokens()[at_N]
     slot_BT = (logit_index_BT % s_in) * b_in + logit_index_BT // s_in  # b-major output -> s-major router order
@@ -156,6 +157,7 @@ def packed_seq_params(inp: ModelInput, device: torch.device) -> Any:
     lengths (at least 1) as `cu_seqlens_*` for Transformer Engine's THD attention."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    assert inp.cu_seqlens is not None and inp.cu_seqlens_real is not None  # (a packed input has both)
     cu_padded = inp.cu_seqlens.to(device, non_blocking=True)
     cu_real = inp.cu_seqlens_real.to(device, non_blocking=True)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
