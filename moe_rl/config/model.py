@@ -7,6 +7,9 @@ from typing import Any, Literal
 
 from moe_rl.config.errors import ConfigError, require_all, require_positive
 
+ParamsDtype = Literal["auto", "fp32", "bf16"]
+"""`ModelConfig.params_dtype`'s values (for a value checked elsewhere, as a type)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:

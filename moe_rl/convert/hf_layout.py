@@ -132,7 +132,7 @@ def _span(view: torch.Tensor) -> tuple[int, int] | None:
     if view.numel() == 0:
         return None
     first = view.storage_offset()
-    return first, first + sum((int(n) - 1) * stride for n, stride in zip(view.shape, view.stride()))
+    return first, first + sum((int(n) - 1) * int(stride) for n, stride in zip(view.shape, view.stride()))
 
 
 def _unread_parts(parts: list[Part], shape: tuple[int, ...], wanted: Sequence[tuple]) -> set[int]:

@@ -29,6 +29,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -40,6 +41,9 @@ from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shape, megatron_specs
 from moe_rl.learner.gather import flatten_sharded, own_storages, piece_index
 from moe_rl.runtime.atomic import check_distinct
+
+if TYPE_CHECKING:
+    from moe_rl.config.model import ParamsDtype
 
 
 @torch.no_grad()
@@ -163,7 +167,7 @@ def hf_to_megatron(
     with hf_read_errors(src), HFCheckpoint(src) as hf:
         m = hf.model_config(base=base or ModelConfig())
         if dtype is not None:
-            m = dataclasses.replace(m, params_dtype=dtype)
+            m = dataclasses.replace(m, params_dtype=cast("ParamsDtype", dtype))  # (validate(cfg) below refuses others)
         cfg = Config(model=m)
         validate(cfg)
         check_tensors(hf, m)  # before building anything: a bad directory fails fast

@@ -6,7 +6,6 @@ moves the later ones aside (`metrics.jsonl.after-step-<n>-<time>`), never droppi
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import logging
 import math
@@ -21,6 +20,7 @@ from moe_rl.runtime.atomic import atomic_write_text
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
+
     from moe_rl.runtime.wandb_log import WandbRun
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,9 @@ class MetricsLog:
     def _heatmap(self, step: int, row: dict[str, Any]) -> np.ndarray | None:
         """The routing flip-rate heat map (HWC uint8) when logging.heatmap_every says so."""
         # The MoE layers are the ones the row has a flip rate for (0, 1, ... without a gap).
-        flips: list[float] = list(itertools.takewhile(lambda f: f is not None,
-                                                      (row.get(f"routing/flip_rate_layer{i}") for i in itertools.count())))
+        flips: list[float] = []
+        while (f := row.get(f"routing/flip_rate_layer{len(flips)}")) is not None:
+            flips.append(f)
         if not flips:
             return None
         self._flip_history.append(flips)

@@ -40,7 +40,7 @@ class Suggestion:
     plan: Plan
 
 
-def _more_gpus(state: State, factor: int) -> State:
+def _scaled_gpus(state: State, factor: int) -> State:
     """`state` on `factor` times its GPUs."""
     src, hw, sw = state
     return src, dataclasses.replace(hw, gpus=hw.gpus * factor), sw
@@ -141,7 +141,7 @@ def _more_gpus(plan: Plan) -> list[Change]:
     ep = plan.cfg.parallel.expert_model_parallel_size
     for f in (2, 4, 8):
         gpus = Change(f"--gpus {plan.hw.gpus * f}",
-                      partial(_more_gpus, factor=f))
+                      partial(_scaled_gpus, factor=f))
         out.append(gpus)
         if plan.cfg.model.num_experts % (ep * f) == 0:
             out.append(Change(f"{gpus.text} parallel.expert_model_parallel_size={ep * f}",
