@@ -131,7 +131,7 @@ def _span(view: torch.Tensor) -> tuple[int, int] | None:
     """The first and last storage element a view reads; None when it reads none."""
     if view.numel() == 0:
         return None
-    first = view.storage_offset()
+    first = int(view.storage_offset())
     return first, first + sum((int(n) - 1) * int(stride) for n, stride in zip(view.shape, view.stride()))
 
 
