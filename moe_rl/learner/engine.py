@@ -39,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,7 @@ from moe_rl.runtime.fault_hooks import kill_point, nan_update_due
 from moe_rl.step_batch import StepBatch, dp_rows
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _poisoned(loss_fn: LossFn) -> LossFn:
@@ -455,11 +456,11 @@ class Learner:
 
     # ------------------------------------------------------------------ collectives for callers
 
-    def all_gather_object(self, obj: Any, group: Any = None) -> list[Any]:
+    def all_gather_object(self, obj: T, group: dist.ProcessGroup | None = None) -> list[T]:
         """Every rank's picklable `obj` in `group` (default: every learner rank), in rank order."""
         return all_gather_object(obj, group)
 
-    def dp_gather_object(self, obj: Any) -> list[Any]:
+    def dp_gather_object(self, obj: T) -> list[T]:
         """Every data-parallel rank's `obj` (one per model replica), in data-parallel rank order."""
         if self.layout.dp == 1:
             return [obj]

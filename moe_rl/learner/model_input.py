@@ -28,11 +28,14 @@ segment of `multiple` slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moe_rl.batch import TokenBatch
+
+if TYPE_CHECKING:
+    from moe_rl.learner.parallel import Layout
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ def packed_seq_params(inp: ModelInput, device: torch.device) -> Any:
                            max_seqlen_q=inp.max_seqlen, max_seqlen_kv=inp.max_seqlen)
 
 
-def padding_mask(inp: ModelInput, layout: Any) -> torch.Tensor:
+def padding_mask(inp: ModelInput, layout: Layout) -> torch.Tensor:
     """[b, s] True on the slots without a real token (right and alignment padding, padding
     rows), in the model input's shape: megatron-core's MoE layers then leave them out of the
     load-balancing and z losses. megatron shards it over sequence-parallel ranks on the

@@ -221,12 +221,13 @@ class RolloutCollector:
         on every rank (`engine_faults`: push the weights again, or stop)."""
         t0 = time.perf_counter()
         with timer.phase("gather"):
-            public = self.placement.from_engines(
+            got = self.placement.from_engines(
                 sampled if isinstance(sampled, EngineNote) or sampled is None
                 else (sampled.public(self.engine_wait), self.engines.restarts.used))
-        if isinstance(public, EngineNote):
-            raise public.error()
-        public, restarts = public
+        if isinstance(got, EngineNote):
+            raise got.error()
+        assert got is not None  # (the first engine rank's: it sampled)
+        public, restarts = got
         self.learner_wait = time.perf_counter() - t0 if not self.placement.hosts_engine else 0.0
         drawn, current = public.drawn, step - 1  # the learner's policy: the weights of `step - 1` pushes
         rl = self.rl_cfg

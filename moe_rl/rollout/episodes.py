@@ -59,6 +59,7 @@ from moe_rl.tokenization.turns import ChatTurns
 
 if TYPE_CHECKING:
     from moe_rl.config import RLConfig, TaskConfig
+    from moe_rl.sampler.base import Generates
     from moe_rl.tasks.base import Problem, Task
 
 
@@ -102,7 +103,7 @@ class Episodes:
         prompt, states = self.start(problem, group_size)
         pool.admit(key, prompt, seed, group_size, states)
 
-    def run(self, sampler: Any, problems: Sequence[Problem], n: int, temperature: float, top_p: float,
+    def run(self, sampler: Generates, problems: Sequence[Problem], n: int, temperature: float, top_p: float,
             seeds: Sequence[int]) -> list[PoolGroup]:
         """`n` episodes of each problem decoded to the end on `sampler` (one engine alone: an
         evaluation), the groups in problem order; seeds as `base_seeds` gives them."""

@@ -41,7 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from moe_rl.rollout.types import ScoredGroup
-from moe_rl.sampler import Sampler
+from moe_rl.sampler.base import Generates
 from moe_rl.tasks.base import Problem
 from moe_rl.tasks.environment import Environment
 
@@ -240,7 +240,7 @@ class RolloutPool:
             r.episode = ep
         self.running.append(PoolGroup(key, list(prompt), seed, responses))
 
-    def segment(self, sampler: Sampler, version: int, temperature: float, top_p: float) -> int:
+    def segment(self, sampler: Generates, version: int, temperature: float, top_p: float) -> int:
         """Decode one segment of every unfinished response with the engine's weights
         (`version`); move groups that finished to `done`. Returns the tokens decoded."""
         rows = [(g, r, j) for g in self.running for j, r in enumerate(g.responses) if r.finish is None]

@@ -48,7 +48,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from moe_rl.learner.megatron_patches.router_replay import drop_autograd_state, route, tap
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
-from moe_rl.learner.parallel import all_reduce_, comm_device, wait_for_device
+from moe_rl.learner.parallel import Layout, all_reduce_, comm_device, wait_for_device
 from moe_rl.learner.routing.checks import (
     ReplayError,
     check_replay_covers,
@@ -94,7 +94,7 @@ def _in_backward() -> bool:
 class RouterTaps(ForwardHooks):
     """Owns the routers (and their RouterReplay instances) of one model."""
 
-    def __init__(self, gpt: torch.nn.Module, tcfg: Any, layout: Any) -> None:
+    def __init__(self, gpt: torch.nn.Module, tcfg: Any, layout: Layout) -> None:
         self.layout = layout
         self.tcfg = tcfg
         self.num_experts = tcfg.num_moe_experts
@@ -428,7 +428,7 @@ class RouterTaps(ForwardHooks):
         return list(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[:-1])
 
 
-def _pipeline_side_group(layout: Any) -> Any:
+def _pipeline_side_group(layout: Layout) -> Any:
     """A process group per pipeline (same members as megatron's), used only for the
     router-shift sums so they never interleave with megatron's activation messages."""
     if layout.pp == 1:

@@ -47,8 +47,8 @@ from moe_rl.step_batch import StepBatch
 
 if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)
     from moe_rl.learner import MicroBatch, MicroBatchLoss
+    from moe_rl.learner.engine import Learner
     from moe_rl.learner.parallel import Layout
-    from moe_rl.learner.protocols import PolicyLearner
 
 OLD_VALUES = "old_values_BT"
 """StepBatch.extras key: the critic's values at the start of the step."""
@@ -103,7 +103,7 @@ class CriticStage(StepComponent):
         self.kl_coef = rl.kl_coef
         """beta, the KL weight in the reward of the next step (rl.kl_in_reward)."""
 
-    def models(self) -> dict[str, PolicyLearner]:
+    def models(self) -> dict[str, Learner]:
         return {"critic": self.critic}
 
     def start(self, init: str, trust: bool) -> None:

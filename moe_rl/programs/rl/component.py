@@ -18,7 +18,7 @@ import torch
 from moe_rl.step_batch import StepBatch
 
 if TYPE_CHECKING:
-    from moe_rl.learner.protocols import PolicyLearner
+    from moe_rl.learner.engine import Learner
 
 
 class StepComponent:
@@ -31,7 +31,7 @@ class StepComponent:
     passes: tuple[int, int] = (1, 1)
     """(epochs, mini-batches per epoch) of its updates in a step."""
 
-    def models(self) -> dict[str, PolicyLearner]:
+    def models(self) -> dict[str, Learner]:
         """Its trained models by checkpoint name (saved and loaded beside the actor, offloaded
         with it)."""
         raise NotImplementedError
@@ -56,6 +56,6 @@ class StepComponent:
         """Resume `state` from a checkpoint's metadata."""
 
 
-def models_of(components: list[StepComponent]) -> dict[str, PolicyLearner]:
+def models_of(components: list[StepComponent]) -> dict[str, Learner]:
     """Every component's trained models by checkpoint name."""
     return {name: model for c in components for name, model in c.models().items()}

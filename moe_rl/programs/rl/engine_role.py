@@ -42,7 +42,9 @@ class EngineRole(Program):
 
     def setup(self, resume_from: Path | None) -> int:
         self.collector.start_sampler(self.run.run_dir, None)
-        start = self.collector.placement.from_rank0(None)
+        nothing: int | None = None  # (an engine-only rank has no start of its own)
+        start = self.collector.placement.from_rank0(nothing)
+        assert start is not None  # (rank 0's: a training rank's)
         self.collector.weight_sync.held_version = start
         self.collector.assign_rows(None)  # (trains on no rows)
         if self.rl.segmented:
