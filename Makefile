@@ -42,7 +42,7 @@ help:
 	@echo "make install          the stack into $(VENV): CPU, or with nvidia-smi (ACCEL=gpu [WHEELS=dir]) the GPU one on the machine's torch"
 	@echo "make test             the full test suite (what CI runs; the 25 slowest tests are listed at the end)"
 	@echo "make test-fast        the tests without slow, multi-process or vLLM ones (a quick check while editing)"
-	@echo "make lint             ruff over moe_rl, tools, tests, examples and bench"
+	@echo "make lint             ruff over moe_rl, tools, tests, examples and bench; mypy over moe_rl"
 	@echo "make bench            every bench/bench_*.py -> bench/results/"
 	@echo "make bench-smoke      every CPU benchmark at its smallest size, results to a temporary directory"
 	@echo "make ablations        off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/ (resumable)"
@@ -96,8 +96,10 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow and not multiproc and not vllm" $(PYTEST_ARGS)
 
+# ruff, then the type checker over the package (mypy.ini; its cache in .mypy_cache/)
 lint: install
 	$(VENV)/bin/ruff check moe_rl tools tests examples bench
+	$(VENV)/bin/mypy
 
 demo: install
 	$(PY) -m moe_rl.demo

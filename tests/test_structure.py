@@ -364,3 +364,21 @@ def test_the_root_config_reaches_only_entry_points_checks_and_factories():
     # (the reader sees the ones that do: the list shrinks when one stops, it never rots)
     assert found == ROOT_CONFIG_MODULES, f"no longer take the root config: {sorted(ROOT_CONFIG_MODULES - found)}"
     assert len(ROOT_CONFIG_MODULES) <= 10
+
+
+def test_the_type_checker_exempts_no_module_of_the_package():
+    """mypy.ini (what `make lint` runs after ruff) checks every module of moe_rl: no
+    `ignore_errors` anywhere, no section for a moe_rl module, and missing imports ignored only
+    for third-party packages, each named (no global `ignore_missing_imports`)."""
+    import configparser
+
+    ini = configparser.ConfigParser()
+    ini.read(REPO / "mypy.ini")
+    assert ini["mypy"]["files"].split(",") == ["moe_rl"] and ini["mypy"].getboolean("check_untyped_defs")
+    assert "ignore_missing_imports" not in ini["mypy"] and "ignore_errors" not in ini["mypy"]
+    for section in ini.sections():
+        patterns = [p.strip() for p in section.removeprefix("mypy-").split(",")]
+        assert section == "mypy" or not any(p.split(".")[0] in ("moe_rl", "*") for p in patterns), section
+        assert not ini[section].getboolean("ignore_errors", fallback=False), section
+    make_lint = (REPO / "Makefile").read_text().split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    assert "ruff check" in make_lint and make_lint.index("ruff check") < make_lint.index("mypy")

@@ -25,6 +25,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -257,7 +258,7 @@ def run_study(out: Path, make_blocks: Callable[[], list[Block]], base: Path | No
             for r in left:  # finished earlier but not recorded (stopped between the two)
                 if r.done(runs_dir):
                     recorded(r, runs_dir, blk.name)
-            failed += run_all(left, runs_dir, base, jobs, on_done=lambda r, d=runs_dir, b=blk.name: recorded(r, d, b))
+            failed += run_all(left, runs_dir, base, jobs, on_done=partial(recorded, runs_dir=runs_dir, block=blk.name))
         # (a pass that left its own blocks' runs missing made no progress: stop rather than
         # loop; the next pass's blocks may be more than this one's, since each unlocks the next)
         if failed or missing_runs(results, todo) >= before:

@@ -166,7 +166,7 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
         return _coerce_list(value, hint, key)
     if is_config_value(hint):
         return hint.from_config(value, key)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build_section(hint, value if value is not None else {}, f"{key}.")
     return _coerce_scalar(value, hint, key)
 

@@ -67,7 +67,7 @@ def describe(cls: type = Config, prefix: str = "", defaults: Any = None) -> str:
         if is_config_value(hint):
             lines += _describe_parts(hint, key, doc)
             continue
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             lines.append(f"[{key}]  {doc}")
             lines.append(describe(hint, prefix=key + ".", defaults=getattr(defaults, f.name)))
             continue

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from moe_rl.config.errors import ConfigError, require_all, require_positive
 from moe_rl.config.lora import LoraConfig, validate_freeze
+
+ParamsDtype = Literal["auto", "fp32", "bf16"]
+"""`ModelConfig.params_dtype`'s values (for a value checked elsewhere, as a type)."""
 
 
 @dataclass(frozen=True)
@@ -301,7 +304,7 @@ class ModelConfig:
                 raise ConfigError(f"model.cuda_graph_scope={m.cuda_graph_scope}: {why}")
 
 
-GPU_ONLY_DEFAULTS: dict[str, object] = {
+GPU_ONLY_DEFAULTS: dict[str, Any] = {
     "moe_permute_fusion": False,
     "gradient_accumulation_fusion": False,
     "cuda_graph_scope": "none",

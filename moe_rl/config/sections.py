@@ -15,6 +15,10 @@ from moe_rl.config.reward_model import RewardModelConfig
 from moe_rl.config.rl import RLConfig
 from moe_rl.config.task import TaskConfig
 
+SamplerBackend = Literal["vllm", "transformers"]
+"""`SamplerConfig.backend`'s values (for a value checked elsewhere, as a type)."""
+SamplerPrecision = Literal["auto", "fp32", "bf16", "fp8_emulated", "fp8"]
+"""`SamplerConfig.precision`'s values."""
 WANDB_FORBIDDEN = "/\\#?%:"
 """Characters W&B refuses in a project or entity name."""
 WANDB_TAG_MAX = 64

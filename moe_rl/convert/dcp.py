@@ -114,6 +114,7 @@ def _safe_read_metadata(self: FileSystemReader, *args: Any, **kwargs: Any) -> Me
     md = load_metadata(self._get_metadata_path(kwargs.get("rank")))
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
+    assert md.storage_meta is not None
     md.storage_meta.load_id = self.load_id
     return md
 
@@ -127,11 +128,11 @@ def safe_dcp_reading() -> Iterator[None]:
     original = FileSystemReader.read_metadata
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    FileSystemReader.read_metadata = _safe_read_metadata
+    FileSystemReader.read_metadata = _safe_read_metadata  # type: ignore[method-assign]  # (the patch: DCP's own reader)
     try:
         yield
     finally:
-        FileSystemReader.read_metadata = original
+        FileSystemReader.read_metadata = original  # type: ignore[method-assign]  # (restored)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -255,7 +256,10 @@ class DcpCheckpoint:
     def _locate(self, key: str) -> list[RawChunk] | None:
         metadata = self._reader.read_metadata()
         info = self.tensors[key]
-        chunks = metadata.state_dict_metadata[key].chunks
+        entry = metadata.state_dict_metadata[key]
+        if not isinstance(entry, TensorStorageMetadata):
+            return None  # (a byte object, not a tensor: DCP reads it)
+        chunks = entry.chunks
         if sum(math.prod(c.sizes) for c in chunks) != math.prod(info.shape):
             return None  # chunks do not tile the tensor exactly once: let DCP decide
         located = []
@@ -390,7 +394,7 @@ def _raw_tensor_offset(path: Path, base: int, length: int, dtype: torch.dtype, s
 
 def _pread_into(path: Path, offset: int, dest: torch.Tensor) -> None:
     """Fill contiguous `dest` with the bytes of `path` at `offset`."""
-    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # (numpy's stubs declare __buffer__ for Python >= 3.12 only)
     fd = os.open(path, os.O_RDONLY)
     try:
         done = 0

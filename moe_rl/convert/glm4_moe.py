@@ -124,7 +124,7 @@ class Glm4MoeLayout(HFArchitecture):
         if rest == "mlp.shared_experts.linear_fc2.weight":
             return [(TensorSpec(p + "shared_experts.down_proj.weight", (H, S)), as_is)]
         parts = super().layer_parts(i, rest, m)
-        if rest == "mlp.router.weight":  # what the architecture has and this model lacks: zeros
+        if rest == "mlp.router.weight" and parts is not None:  # what the architecture has and this model lacks: zeros
             zeros = []
             if not m.moe_router_enable_expert_bias:
                 zeros.append(TensorSpec(p + "gate.e_score_correction_bias", (E,), torch.float32, NO_BIAS))
@@ -140,7 +140,7 @@ class Glm4MoeLayout(HFArchitecture):
         parts = super().global_parts(key, m)
         if key == "embedding.word_embeddings.weight" and not m.untie_embeddings_and_output_weights:
             # vLLM's Glm4MoeForCausalLM never ties lm_head to the embedding: write it.
-            parts = [*parts, (TensorSpec("lm_head.weight", (m.vocab_size, m.hidden_size)), as_is)]
+            parts = [*(parts or []), (TensorSpec("lm_head.weight", (m.vocab_size, m.hidden_size)), as_is)]
         return parts
 
     # ------------------------------------------------------------------ config.json
@@ -173,7 +173,7 @@ class Glm4MoeLayout(HFArchitecture):
         match = _LAYER_NAME.match(name)
         first = int(cfg.get("num_hidden_layers") or 0)
         mtp = int(cfg.get("num_nextn_predict_layers") or 0)
-        return bool(match) and first <= int(match.group(1)) < first + mtp
+        return match is not None and first <= int(match.group(1)) < first + mtp
 
     def model_config_from_hf(self, cfg: dict[str, Any], base: ModelConfig | None = None, *,
                              notes: list[str] | None = None) -> ModelConfig:
@@ -198,9 +198,9 @@ class Glm4MoeLayout(HFArchitecture):
             )
         fields = common_model_fields(cfg, notes)
         plain_sigmoid = base is not None and base.moe_router_score_function == "sigmoid"
-        bias = not (plain_sigmoid and not base.moe_router_enable_expert_bias)
+        bias = not (plain_sigmoid and base is not None and not base.moe_router_enable_expert_bias)
         shared = n_shared * fields["moe_ffn_hidden_size"]
-        if plain_sigmoid and not base.moe_shared_expert_intermediate_size and n_shared == 1:
+        if plain_sigmoid and base is not None and not base.moe_shared_expert_intermediate_size and n_shared == 1:
             shared = 0
         fields.update(
             num_dense_layers=int(get_field(cfg, "first_k_dense_replace", default=1)),

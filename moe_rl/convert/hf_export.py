@@ -168,7 +168,7 @@ def megatron_to_hf(
 
                 bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="convert")
             _write_tensors(writer, ckpt, stored, layout, m, dtypes, bar, adapters)
-            if mtp:
+            if mtp and source is not None:  # (MTP tensors come from a source directory)
                 write_mtp_tensors(writer, source, mtp)
             if bar is not None:
                 bar.close()
@@ -201,8 +201,8 @@ def _write_tensors(writer: ShardedSafetensorsWriter, ckpt: DcpCheckpoint, stored
     nbytes = {key: math.prod(info.shape) * info.dtype.itemsize for key, info in infos.items()}
     arena = torch.empty(max([nbytes[k] for k in infos if direct[k] is None], default=0), dtype=torch.uint8)
     for key, info in infos.items():
-        if direct[key] is not None:
-            for spec, chunk in zip(specs[key], direct[key]):
+        if (chunks_of := direct[key]) is not None:
+            for spec, chunk in zip(specs[key], chunks_of):
                 writer.copy_from_file(spec.name, spec.shape, info.dtype, chunk.path, chunk.file_offset)
         else:
             full = ckpt.read(stored[key], out=arena[: nbytes[key]].view(info.dtype).view(info.shape))
@@ -234,8 +234,8 @@ def _stored_as_is(key: str, ckpt: DcpCheckpoint, stored_key: str, m: ModelConfig
             by_range[(box.storage_offset(), box.numel())] = c
     found = []
     for view in (layout or layout_for(m)).hf_views(key, meta, m):
-        c = None if view is None or not view.is_contiguous() else by_range.get((view.storage_offset(), view.numel()))
-        if c is None:
+        got = None if view is None or not view.is_contiguous() else by_range.get((view.storage_offset(), view.numel()))
+        if got is None:
             return None
-        found.append(c)
+        found.append(got)
     return found

@@ -111,7 +111,8 @@ def _write_own_hf_tokenizer(out_dir: Path, m: ModelConfig, dtype: torch.dtype, d
     ids = {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "eos_token_id": tok.eos_ids[0],
            "pad_token_id": tok.pad_id}
     (out_dir / "config.json").write_text(json.dumps(hf_config(m, dtype, **ids), indent=2) + "\n")
-    gen = generation_config(**{**ids, "eos_token_id": tok.eos_ids})  # (a turn may end on any of them)
+    gen = generation_config(bos_token_id=ids["bos_token_id"], eos_token_id=tok.eos_ids,  # (a turn may end on any of them)
+                            pad_token_id=ids["pad_token_id"])
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (directory / name).is_file():

@@ -106,23 +106,33 @@ def expert_parts(prefix: str, m: ModelConfig, fc: str) -> list[Part]:
     expert and projection (`{prefix}{e}.gate_proj.weight`, ...)."""
     E, F, H = m.num_experts, m.moe_ffn_hidden_size, m.hidden_size
     if fc == "fc2":
-        return [(TensorSpec(f"{prefix}{e}.down_proj.weight", (H, F)), lambda w, e=e: w[e]) for e in range(E)]
+        return [(TensorSpec(f"{prefix}{e}.down_proj.weight", (H, F)), _expert_view(e)) for e in range(E)]
     return [
         part
         for e in range(E)
         for part in (
-            (TensorSpec(f"{prefix}{e}.gate_proj.weight", (F, H)), lambda w, e=e: w[e, :F]),
-            (TensorSpec(f"{prefix}{e}.up_proj.weight", (F, H)), lambda w, e=e: w[e, F:]),
+            (TensorSpec(f"{prefix}{e}.gate_proj.weight", (F, H)), _expert_view(e, slice(None, F))),
+            (TensorSpec(f"{prefix}{e}.up_proj.weight", (F, H)), _expert_view(e, slice(F, None))),
         )
     ]
+
+
+def _expert_view(e: int, rows: slice = slice(None)) -> View:
+    """Expert `e`'s `rows` of a grouped [E, ...] tensor (all of them by default)."""
+    return lambda w: w[e, rows]
+
+
+def _qkv_view(j: int, m: ModelConfig) -> View:
+    """The j-th of (q, k, v) of a fused linear_qkv weight or bias."""
+    return lambda w: qkv_views(w, m)[j]
 
 
 def _span(view: torch.Tensor) -> tuple[int, int] | None:
     """The first and last storage element a view reads; None when it reads none."""
     if view.numel() == 0:
         return None
-    first = view.storage_offset()
-    return first, first + sum((n - 1) * stride for n, stride in zip(view.shape, view.stride()))
+    first = int(view.storage_offset())
+    return first, first + sum((int(n) - 1) * int(stride) for n, stride in zip(view.shape, view.stride()))
 
 
 def _unread_parts(parts: list[Part], shape: tuple[int, ...], wanted: Sequence[tuple]) -> set[int]:
@@ -205,13 +215,13 @@ class HFArchitecture:
         if rest == "self_attention.linear_qkv.weight":
             shapes = [(m.num_attention_heads * D, H), (m.num_query_groups * D, H), (m.num_query_groups * D, H)]
             return [
-                (TensorSpec(f"{p}self_attn.{n}_proj.weight", s), lambda w, j=j: qkv_views(w, m)[j])
+                (TensorSpec(f"{p}self_attn.{n}_proj.weight", s), _qkv_view(j, m))
                 for j, (n, s) in enumerate(zip("qkv", shapes))
             ]
         if rest == "self_attention.linear_qkv.bias":
             Q, G = m.num_attention_heads * D, m.num_query_groups * D
             return [
-                (TensorSpec(f"{p}self_attn.{n}_proj.bias", (s,)), lambda b, j=j: qkv_views(b, m)[j])
+                (TensorSpec(f"{p}self_attn.{n}_proj.bias", (s,)), _qkv_view(j, m))
                 for j, (n, s) in enumerate(zip("qkv", (Q, G, G)))
             ]
         if rest == "mlp.linear_fc1.weight":
@@ -300,6 +310,7 @@ class HFArchitecture:
             elif t.dtype != out.dtype and spec.dtype is None:
                 raise ConvertError(f"Hugging Face tensor {spec.name!r} is {t.dtype}, its siblings {out.dtype}")
             dest = views[i]
+            assert dest is not None  # (read: its view was made)
             twin = next((j for j in range(i) if j not in unread and views[j] is dest), None)
             if twin is None:
                 dest.copy_(t.reshape(dest.shape))
@@ -346,7 +357,8 @@ def common_hf_config(m: ModelConfig, dtype: torch.dtype, *, bos_token_id: int | 
     }
 
 
-def generation_config(*, bos_token_id: int | None, eos_token_id: int | None, pad_token_id: int | None) -> dict[str, Any]:
+def generation_config(*, bos_token_id: int | None, eos_token_id: int | list[int] | None,
+                      pad_token_id: int | None) -> dict[str, Any]:
     """generation_config.json: token ids only (no sampling defaults imposed on users)."""
     return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
 

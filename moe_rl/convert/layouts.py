@@ -43,9 +43,9 @@ def layout_for_hf(cfg: dict[str, Any]) -> HFArchitecture:
         known = model_type in (layout.model_type, *layout.model_type_aliases)
         if known or (model_type is None and layout.architecture in archs):
             return layout
-    known = ", ".join(f"{lay.model_type!r} ({lay.architecture})" for lay in LAYOUTS)
+    names = ", ".join(f"{lay.model_type!r} ({lay.architecture})" for lay in LAYOUTS)
     raise ConvertError(
-        f"config.json has model_type={model_type!r} (architectures {archs}); supported: {known}"
+        f"config.json has model_type={model_type!r} (architectures {archs}); supported: {names}"
     )
 
 

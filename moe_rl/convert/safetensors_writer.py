@@ -131,7 +131,7 @@ def _write_all(f: BinaryIO, data: memoryview) -> None:
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes through the buffer protocol: no copy for a contiguous CPU tensor."""
     data = tensor.detach().cpu().contiguous()
-    return memoryview(data.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # (numpy's stubs declare __buffer__ for Python >= 3.12 only)
 
 
 def shard_file_name(i: int, n: int) -> str:
@@ -195,6 +195,7 @@ class ShardedSafetensorsWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next planned tensor; it must match the plan's name, shape and dtype."""
         want = self._next_planned(name, tuple(tensor.shape), tensor.dtype)
+        assert self._file is not None  # (_next_planned opened its shard)
         _write_all(self._file, _raw_bytes(tensor))
         self.bytes_written += want.nbytes
         self._next += 1
@@ -204,15 +205,17 @@ class ShardedSafetensorsWriter:
         `offset` of another file, copied inside the kernel (`copy_file_range`): the data
         never passes through this process's memory."""
         want = self._next_planned(name, shape, dtype)
+        out = self._file
+        assert out is not None  # (_next_planned opened its shard)
         src = os.open(path, os.O_RDONLY)
         try:
             done = 0
             while done < want.nbytes:
                 try:
-                    n = os.copy_file_range(src, self._file.fileno(), want.nbytes - done, offset + done)
+                    n = os.copy_file_range(src, out.fileno(), want.nbytes - done, offset + done)
                 except OSError:  # an old kernel, or filesystems that refuse it: copy by hand
                     chunk = os.pread(src, min(want.nbytes - done, 64 << 20), offset + done)
-                    _write_all(self._file, memoryview(chunk))
+                    _write_all(out, memoryview(chunk))
                     n = len(chunk)
                 if n <= 0:
                     raise ConvertError(f"{path} ends before offset {offset + done} (copying {name!r})")

@@ -293,7 +293,7 @@ def _scalars(tok: _PerToken, seq: _PerSequence) -> dict[str, Tensor]:
     }
 
 
-def ratio_moments(mean_r: Tensor, mean_r2: Tensor, any_token: Tensor | bool) -> dict[str, Tensor]:
+def ratio_moments(mean_r: Tensor | float, mean_r2: Tensor | float, any_token: Tensor | bool) -> dict[str, Tensor]:
     """ratio_mean, chi2_token and ess_token from the token means of r and r^2 (all 0 with no
     token, like every summary value); `combine_mismatch_summaries` rebuilds the whole batch's from the parts' means."""
     any_t = torch.as_tensor(any_token)

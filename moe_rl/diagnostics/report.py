@@ -234,7 +234,7 @@ def plot_routing(results: Mapping[str, MismatchResult], path: Path) -> None:
                 range(len(y)),
                 y,
                 marker="o",
-                label=f"{name} (any layer: {fmt_num(float(r.routing_disagree_any))})",
+                label=f"{name} (any layer: {fmt_num(None if r.routing_disagree_any is None else float(r.routing_disagree_any))})",
             )
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("MoE layer")
@@ -266,7 +266,7 @@ def _flags(summary: Mapping[str, float]) -> str:
 def _bucket_md(table: BucketTable) -> str:
     header = ["bucket", *BUCKET_COLUMNS]
     rows = [
-        [str(row["bucket"]), *(fmt_num(row[c]) for c in BUCKET_COLUMNS)] for row in table.rows()
+        [str(row["bucket"]), *(fmt_num(float(row[c])) for c in BUCKET_COLUMNS)] for row in table.rows()
     ]
     text = _md_table(header, rows)
     if float(table.num_outside) > 0:
@@ -341,14 +341,14 @@ def _summary_md(summaries: Mapping[str, dict[str, float]], has_routing: bool) ->
 
 def _routing_md(results: Mapping[str, MismatchResult]) -> str:
     """Per-layer disagreement, one column per setting that has routing ('–' past its layers)."""
-    routed = {n: r for n, r in results.items() if r.routing_disagree_per_layer is not None}
-    L = max(r.routing_disagree_per_layer.shape[0] for r in routed.values())
-    per_layer = {n: r.routing_disagree_per_layer.double().cpu().tolist() for n, r in routed.items()}
+    per_layer = {n: r.routing_disagree_per_layer.double().cpu().tolist() for n, r in results.items()
+                 if r.routing_disagree_per_layer is not None}
+    L = max(len(v) for v in per_layer.values())
     rows = [
         [str(layer), *(fmt_num(v[layer]) if layer < len(v) else "–" for v in per_layer.values())]
         for layer in range(L)
     ]
-    return _md_table(["MoE layer", *(_md_escape(n) for n in routed)], rows)
+    return _md_table(["MoE layer", *(_md_escape(n) for n in per_layer)], rows)
 
 
 def _plots_md(has_routing: bool) -> list[str]:

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,9 @@ from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.collectives import all_gather_object, broadcast_object
 from moe_rl.runtime.failures import RunFaultError, describe_error, disk_full
 from moe_rl.runtime.fault_hooks import kill_point
+
+if TYPE_CHECKING:
+    from moe_rl.learner.engine import Learner
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +231,7 @@ class PendingSave:
 
 
 def start_checkpoint(
-    learner: Any,
+    learner: Learner,
     path: str | os.PathLike,
     extra_meta: dict[str, Any] | None = None,
     include_optimizer: bool = True,
@@ -265,7 +268,7 @@ def start_checkpoint(
         "step": learner.step,
         "layout": layout_tag(learner),
         "has_optimizer": with_opt,
-        "scheduler": learner.scheduler.state_dict() if with_opt else None,
+        "scheduler": learner.scheduler.state_dict() if with_opt and learner.scheduler is not None else None,
         **_trainable_meta(learner),
         **(extra_meta or {}),
     }
@@ -274,7 +277,7 @@ def start_checkpoint(
     return PendingSave(path, tmp, write, meta, recipe, time.perf_counter() - t0)
 
 
-def _trainable_meta(learner: Any) -> dict[str, Any]:
+def _trainable_meta(learner: Learner) -> dict[str, Any]:
     """With LoRA or frozen groups: what trains (adapters, frozen groups) and where the frozen
     base weights came from (`base_origin`: the starting checkpoint or Hugging Face
     directory, carried over resumes; None for a fresh initialisation)."""
@@ -285,7 +288,7 @@ def _trainable_meta(learner: Any) -> dict[str, Any]:
             "base_origin": getattr(learner, "base_origin", None)}
 
 
-def _refuse_nonfinite(learner: Any, path: Path, components: Mapping[str, Any]) -> None:
+def _refuse_nonfinite(learner: Learner, path: Path, components: Mapping[str, Any]) -> None:
     """Collective: no checkpoint is ever written with a NaN or inf weight (the learner skips
     such updates, so one here is a defect or a damaged start); nothing of the save exists yet."""
     for name, model in {"model": learner, **components}.items():
@@ -297,7 +300,7 @@ def _refuse_nonfinite(learner: Any, path: Path, components: Mapping[str, Any]) -
 
 
 def save_checkpoint(
-    learner: Any,
+    learner: Learner,
     path: str | os.PathLike,
     extra_meta: dict[str, Any] | None = None,
     include_optimizer: bool = True,
@@ -339,7 +342,7 @@ def _verify(path: Path, trust: bool) -> bool:
     return not trust
 
 
-def _load_files(learner: Any, path: Path, sd: dict, restricted: bool) -> dict:
+def _load_files(learner: Learner, path: Path, sd: dict, restricted: bool) -> dict:
     if restricted:
         load_metadata(path / ".metadata")  # refused here, in one line (DCP would log a traceback and retry)
     reading = safe_dcp_reading() if restricted else contextlib.nullcontext()
@@ -356,7 +359,7 @@ def _load_files(learner: Any, path: Path, sd: dict, restricted: bool) -> dict:
 
 
 def load_checkpoint(
-    learner: Any,
+    learner: Learner,
     path: str | os.PathLike,
     *,
     load_optimizer: bool = True,
@@ -435,7 +438,7 @@ def _saved_weights(loaded: dict, name: str) -> dict:
     return {k.removeprefix(f"{name}."): v for k, v in loaded[name].items()}
 
 
-def _load_weights(learner: Any, model_sd: dict, path: Path, strict: bool, optional: tuple[str, ...],
+def _load_weights(learner: Learner, model_sd: dict, path: Path, strict: bool, optional: tuple[str, ...],
                   adapters_optional: bool = False) -> None:
     missing, _unexpected = learner.gpt.load_state_dict(model_sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith(optional)
@@ -444,8 +447,10 @@ def _load_weights(learner: Any, model_sd: dict, path: Path, strict: bool, option
         raise CheckpointError(f"checkpoint {path} lacks parameters {missing[:5]} (model config differs?)")
 
 
-def _load_optimizer(learner: Any, state: Any, scheduler: dict | None, wanted: bool) -> None:
+def _load_optimizer(learner: Learner, state: Any, scheduler: dict | None, wanted: bool) -> None:
     if wanted:
+        if learner.optimizer is None or learner.scheduler is None:
+            raise CheckpointError("a frozen learner (no optimizer) cannot load an optimizer state")
         learner.optimizer.load_state_dict(state)
         if scheduler is not None:
             note = schedule_kept_note(scheduler, learner.scheduler)
@@ -458,7 +463,7 @@ def _load_optimizer(learner: Any, state: Any, scheduler: dict | None, wanted: bo
         learner.optimizer.reload_model_params()
 
 
-def _restore_rng(loaded: dict, same_layout: bool, path: Path, meta: dict, learner: Any) -> None:
+def _restore_rng(loaded: dict, same_layout: bool, path: Path, meta: dict, learner: Learner) -> None:
     rng = loaded.get("rng_state")
     # megatron's tracker holds CUDA generator states on a GPU and (through the CPU shims) CPU
     # generator states on the host; the two differ in size and never load into each other.

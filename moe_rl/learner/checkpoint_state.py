@@ -6,17 +6,20 @@ layout tag that says where it was saved. `checkpoint` saves and loads it."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+if TYPE_CHECKING:
+    from moe_rl.learner.engine import Learner
+
 RESERVED_NAMES = frozenset({"model", "optimizer", "rng_state"})
 """The actor's own parts of a checkpoint: no component may take these names."""
 
 
-def has_optimizer_state(learner: Any) -> bool:
+def has_optimizer_state(learner: Learner) -> bool:
     """Adam's moments exist only after the first step; before it there is nothing to save."""
     if learner.optimizer is None:
         return False
@@ -24,12 +27,12 @@ def has_optimizer_state(learner: Any) -> bool:
     return any(len(p.optimizer.state) > 0 for p in parts)
 
 
-def layout_tag(learner: Any) -> dict[str, int]:
+def layout_tag(learner: Learner) -> dict[str, int]:
     lay = learner.layout
     return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp}
 
 
-def _rng_object(learner: Any) -> ShardedObject:
+def _rng_object(learner: Learner) -> ShardedObject:
     """This rank's RNG states, addressed by (pp, tp, dp) rank so each rank gets its own."""
     lay = learner.layout
     state = {
@@ -46,7 +49,7 @@ def _rng_object(learner: Any) -> ShardedObject:
     )
 
 
-def sharded_state(learner: Any, *, with_optimizer: bool, with_rng: bool, loading: bool,
+def sharded_state(learner: Learner, *, with_optimizer: bool, with_rng: bool, loading: bool,
                    components: Mapping[str, Any] | None = None, optimizers: frozenset[str] = frozenset()) -> dict:
     model_sd = learner.gpt.sharded_state_dict()
     sd: dict[str, Any] = {"model": model_sd}

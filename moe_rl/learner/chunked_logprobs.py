@@ -21,6 +21,9 @@ per-token scalars cross ranks. Gradients (with dz = dL/dz, p = softmax(z), H the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import overload
+
 import torch
 import torch.distributed as dist
 
@@ -105,7 +108,7 @@ def _world(group: _ProcessGroup) -> int:
     return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: _ProcessGroup) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType, group: _ProcessGroup) -> torch.Tensor:
     """In-place all-reduce over the TP group; nothing to do for no group or a group of one."""
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
@@ -184,6 +187,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         empty = hidden_NH.new_zeros(0, dtype=dtype)
         logp_N, lse_N, owners_N, entropy_N = (_joined([c[k] for c in chunks], empty) for k in range(4))
         if check_owners:
+            assert owners_N is not None  # (check_owners: counted)
             _check_owners(owners_N, targets_N, vocab_start, V_local)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N, entropy_N)
         ctx.settings = (temperature, chunk_tokens, tp_group, vocab_start, whole)
@@ -218,24 +222,25 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if want_h:
                 g_KH = _mm_wide(dz_CV, w_VH)
                 grad_h_parts.append(g_KH[: hi - lo] + g_KH[hi - lo:] if halves else g_KH)
-            if want_w and halves:  # an fp32 product of 16-bit operands, then accumulated
+            if grad_w_VH is not None and halves:  # an fp32 product of 16-bit operands, then accumulated
                 grad_w_VH.add_(_mm_wide(dz_CV.t(), h_CH))
-            elif want_w:  # accumulated in place: no [V, H] temporary
+            elif grad_w_VH is not None:  # accumulated in place: no [V, H] temporary
                 grad_w_VH.addmm_(dz_CV.t(), h_CH)
             del dz_CV  # before the next chunk's logits exist: two [c, V] fp32 buffers at most
         grad_h_NH = None
         if want_h:  # each rank saw only its vocabulary shard's share of dL/dh
             grad_h_NH = _joined(grad_h_parts, torch.zeros(hidden_NH.shape, dtype=dtype, device=hidden_NH.device))
+            assert grad_h_NH is not None  # (want_h: every chunk made its part)
             _all_reduce(grad_h_NH, dist.ReduceOp.SUM, tp_group)
             grad_h_NH = grad_h_NH.to(hidden_NH.dtype)
-        if want_w:
+        if grad_w_VH is not None:
             grad_w_VH = grad_w_VH.to(weight_VH.dtype)
         return grad_h_NH, grad_w_VH, None, None, None, None, None, None
 
 
 def _forward_chunk(h_CH: torch.Tensor, w_VH: torch.Tensor, targets_C: torch.Tensor, temperature: float,
                    tp_group: _ProcessGroup, vocab_start: int, whole: bool,
-                   flags: tuple[bool, bool]) -> tuple[torch.Tensor, ...]:
+                   flags: tuple[bool, bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk's (log-prob, log-sum-exp, owner count or None, entropy or None), [c] each:
     its logits exist only here. Under TP the per-token sums cross ranks in one all-reduce."""
     with_entropy, check_owners = flags
@@ -248,19 +253,24 @@ def _forward_chunk(h_CH: torch.Tensor, w_VH: torch.Tensor, targets_C: torch.Tens
     exp_CV = torch.exp(z_CV)
     rows.append(exp_CV.sum(dim=1))
     if check_owners:
+        assert owned_C is not None  # (check_owners: never the whole vocabulary)
         rows.append(owned_C.to(z_CV.dtype))  # owner count: must come out exactly 1 per token
     if with_entropy:  # sum_v e^(z-m) (z-m), one row dot product each: no [c, V] temporary
         rows.append(torch.bmm(exp_CV.unsqueeze(1), z_CV.unsqueeze(2)).view(-1))
     del exp_CV, z_CV
     if _world(tp_group) > 1:  # one all-reduce for every sum
         block_KC = _all_reduce(torch.stack(rows), dist.ReduceOp.SUM, tp_group)
-        rows = block_KC.unbind(0)
+        rows = list(block_KC.unbind(0))
     log_sum_C = rows[1].log()  # >= 0: the max itself contributes exp(0) = 1
     # H = log sum e^(z-m) - E_p[z - m]; both terms >= 0
     entropy_C = log_sum_C - rows[-1] / rows[1] if with_entropy else None
     return rows[0] - log_sum_C, max_C + log_sum_C, rows[2] if check_owners else None, entropy_C
 
 
+@overload
+def _part(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor: ...
+@overload
+def _part(t: None, lo: int, hi: int) -> None: ...
 def _part(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
     """t[lo:hi] (t itself when that is all of it: a slice is an op too)."""
     if t is None or (lo == 0 and hi >= t.shape[0]):
@@ -268,16 +278,17 @@ def _part(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
     return t[lo:hi]
 
 
-def _joined(parts: list[torch.Tensor | None], empty: torch.Tensor) -> torch.Tensor | None:
+def _joined(parts: Sequence[torch.Tensor | None], empty: torch.Tensor) -> torch.Tensor | None:
     """The chunks' pieces as one tensor (`empty` for no chunk; None for pieces not made)."""
+    made = [p for p in parts if p is not None]
     if not parts:
         return empty
-    if parts[0] is None:
+    if not made:
         return None
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return made[0] if len(made) == 1 else torch.cat(made)
 
 
-def _grad_logits(z_CV: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tensor,
+def _grad_logits(z_CV: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tensor | None,
                  g_logp_C: torch.Tensor | None, g_entropy_C: torch.Tensor | None,
                  owned: tuple[torch.Tensor | None, torch.Tensor]) -> torch.Tensor:
     """dL/dz for one chunk, built in z's buffer plus one more [c, V] buffer:
@@ -286,6 +297,7 @@ def _grad_logits(z_CV: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tenso
     p_CV = torch.exp(log_p_CV)
     dz_CV = None
     if g_entropy_C is not None:
+        assert entropy_C is not None  # (an entropy gradient: the forward computed it)
         dz_CV = log_p_CV.add_(entropy_C[:, None]).mul_(p_CV).mul_(-g_entropy_C[:, None])
     if g_logp_C is not None:
         p_CV.mul_(-g_logp_C[:, None])
@@ -293,6 +305,7 @@ def _grad_logits(z_CV: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tenso
         owned_C, col_C1 = owned
         g_C = g_logp_C if owned_C is None else torch.where(owned_C, g_logp_C, 0.0)
         dz_CV.scatter_add_(1, col_C1, g_C.to(dz_CV.dtype)[:, None])
+    assert dz_CV is not None  # (the caller has a gradient of one output at least)
     return dz_CV
 
 

@@ -72,6 +72,7 @@ class _ValueOutput:
         """[b, T] fp32 values at the response tokens (0 elsewhere); differentiable."""
         flat_NH = output.reshape(-1, output.shape[-1])
         mask_BT = mb.batch.response_mask().to(flat_NH.device, non_blocking=True)
+        assert mb.inp is not None  # (set by the learner before the forward)
         index_BT = mb.inp.logit_index_BT.to(flat_NH.device, non_blocking=True)
         # the head on every [b, T] slot, then zeros off the responses: selecting the response
         # slots first (a boolean index) would read their count back from the device

@@ -39,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,7 @@ from moe_rl.runtime.fault_hooks import kill_point, nan_update_due
 from moe_rl.step_batch import StepBatch, dp_rows
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _poisoned(loss_fn: LossFn) -> LossFn:
@@ -138,7 +139,7 @@ class Learner:
         """Updates skipped in a row (a NaN or inf loss or gradient), up to the last one."""
         self.optimizer = None
         self.scheduler = None
-        if optimizer is not None:
+        if optimizer is not None and total_updates is not None:  # (checked above: both or neither)
             self.model = wrap_ddp(self.gpt, self.tcfg, distributed_optimizer=optimizer.distributed)
             self.tcfg.finalize_model_grads_func = finalize_model_grads
             self.tcfg.grad_scale_func = None
@@ -215,7 +216,7 @@ class Learner:
             short = torch.tensor([int(bins is None)], dtype=torch.int64)
             if self.layout.dp > 1:
                 all_reduce_(short, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-            if not int(short):
+            if not int(short) and bins is not None:
                 return bins
             n += 1
 
@@ -231,6 +232,7 @@ class Learner:
         mb = next(data_iterator)
         self.hooks.before_forward(mb)
         inp = mb.inp
+        assert inp is not None and mb.padding_BS is not None  # (set by _micro_batches)
         tokens, positions, pad_BS = inp.tokens, inp.positions, mb.padding_BS
         mb.scored = inp.scored
         if torch.cuda.is_available():  # the loss callback then sees device tensors only
@@ -268,7 +270,8 @@ class Learner:
         mbs = self._micro_batches(batch)
         self._num_microbatches = len(mbs)
         self._scoring = loss_fn is None
-        self._slots = [sum(mb.inp.slots for mb in mbs), sum(mb.inp.real_tokens for mb in mbs),
+        inps = [mb.inp for mb in mbs if mb.inp is not None]  # (every one: set by _micro_batches)
+        self._slots = [sum(inp.slots for inp in inps), sum(inp.real_tokens for inp in inps),
                        float((batch.tokens.total_lens_B.double() ** 2).sum())]
         forward_backward = get_forward_backward_func()
         with self.head.learner_pass():
@@ -277,8 +280,8 @@ class Learner:
                 data_iterator=iter(mbs),
                 model=[self.model],
                 num_microbatches=len(mbs),
-                seq_length=mbs[0].inp.tokens.shape[1],  # (packed: pipeline stages exchange shapes)
-                micro_batch_size=mbs[0].inp.tokens.shape[0],
+                seq_length=inps[0].tokens.shape[1],  # (packed: pipeline stages exchange shapes)
+                micro_batch_size=inps[0].tokens.shape[0],
                 forward_only=loss_fn is None,
             )
 
@@ -297,6 +300,7 @@ class Learner:
         keys = ["logp_BT", "router_shift_BT" if plan.old is not None else None,
                 "entropy_BT" if self.head.chunk_tokens else None]
         logp, gamma, entropy = self._collect(store, keys, batch.batch_size, batch.tokens.response_width)
+        assert logp is not None  # (a key given: collected)
         return ScoreResult(logp, record, gamma, entropy)
 
     def update(self, batch: StepBatch, loss_fn: LossFn, plan: RoutingPlan | None = None,
@@ -312,6 +316,7 @@ class Learner:
         metrics, logp, record, sums = self._gradients(batch, loss_fn, plan, temperature)
         ok, grad_norm = False, None
         kill_point("update")  # (a test hook: mid-step, the gradients computed, nothing applied yet)
+        assert self.optimizer is not None and self.scheduler is not None  # (_gradients refused a frozen learner)
         if update_is_finite(self.model, metrics.get("loss", 0.0)):  # (collective) else: skipped, never applied
             ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -345,7 +350,7 @@ class Learner:
         """Gradients of the summed loss contributions into the grad buffers (`main_grad`,
         reduced over data-parallel ranks), without an optimizer step; with a
         `PassScaledLoss`, scaled by its pass-wide factor. Also the loss's tallies."""
-        if not self.trainable:
+        if not self.trainable or self.optimizer is None:
             raise RuntimeError("this learner was built without an optimizer (frozen): it cannot train")
         self.model.train()
         self.model.zero_grad_buffer()
@@ -365,6 +370,7 @@ class Learner:
                 metrics["loss"] = metrics.get("loss", 0.0) * scale
         metrics.update(routing_metrics)
         logp = self._collect(store, ["logp_BT"], batch.batch_size, batch.tokens.response_width)[0]
+        assert logp is not None  # (a key given: collected)
         return metrics, logp, record, sums
 
     def _collect(self, store: list[dict[str, Any]], keys: list[str | None], rows: int,
@@ -406,7 +412,8 @@ class Learner:
         def whole(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else self._whole(t, rows, tokens.batch_size)
 
-        return ScoreResult(whole(res.logp_BT), res.record, whole(res.router_shift_BT), whole(res.entropy_BT))
+        return ScoreResult(self._whole(res.logp_BT, rows, tokens.batch_size), res.record, whole(res.router_shift_BT),
+                           whole(res.entropy_BT))
 
     def logprobs(self, tokens: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
         """[B, T] fp32 log-probabilities of the response tokens of a whole batch, on every rank."""
@@ -452,16 +459,18 @@ class Learner:
         """Per-layer fraction of scored positions where the sampler's top-k set differs from
         this learner's own routing in `record` (collective; see routing.sampler_disagreement)."""
         scored_RS = batch.tokens.scored_positions()[row_positions(batch.row_ids_B, record.rows)]
+        if batch.sampler_routing is None:
+            raise ValueError("sampler_disagreement needs the sampler's routing (a backend that returns routed experts)")
         return sampler_disagreement(record, batch.sampler_routing.select_layers(record.layers), scored_RS,
                                     self.layout)
 
     # ------------------------------------------------------------------ collectives for callers
 
-    def all_gather_object(self, obj: Any, group: Any = None) -> list[Any]:
+    def all_gather_object(self, obj: T, group: dist.ProcessGroup | None = None) -> list[T]:
         """Every rank's picklable `obj` in `group` (default: every learner rank), in rank order."""
         return all_gather_object(obj, group)
 
-    def dp_gather_object(self, obj: Any) -> list[Any]:
+    def dp_gather_object(self, obj: T) -> list[T]:
         """Every data-parallel rank's `obj` (one per model replica), in data-parallel rank order."""
         if self.layout.dp == 1:
             return [obj]

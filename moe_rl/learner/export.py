@@ -29,10 +29,11 @@ from moe_rl.convert.layouts import layout_for
 from moe_rl.convert.lora_merge import is_lora_name, merged_weight
 from moe_rl.convert.megatron_keys import ConvertError, canonical_key, megatron_specs
 from moe_rl.learner.gather import SyncTraffic, iter_full_tensors, iter_full_tensors_everywhere
+from moe_rl.learner.protocols import PolicyLearner
 
 
 def hf_named_tensors(
-    learner, dtype: torch.dtype | None = None, dst: int | None = 0, traffic: SyncTraffic | None = None
+    learner: PolicyLearner, dtype: torch.dtype | None = None, dst: int | None = 0, traffic: SyncTraffic | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(HF name, full tensor)` for the learner's whole model on rank `dst` (None: on
     every rank, with `traffic` counting this rank's bytes); collective.

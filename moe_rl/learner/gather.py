@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from megatron.core.models.gpt import GPTModel
 
 from moe_rl.learner.parallel import comm_device
 from moe_rl.runtime.collectives import all_gather_object
@@ -85,7 +86,7 @@ def local_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor, boo
     return out
 
 
-def _build_local_shards(model: torch.nn.Module) -> list[tuple[_Piece, torch.Tensor, bool]]:
+def _build_local_shards(model: GPTModel) -> list[tuple[_Piece, torch.Tensor, bool]]:
     sd = model.sharded_state_dict()
     apply_factories(sd)
     out = []
@@ -133,24 +134,25 @@ def iter_full_tensors(model: torch.nn.Module, dst: int = 0) -> Iterator[tuple[st
     dev = comm_device()  # NCCL moves device tensors only
     metas: list[list[_Piece]] = all_gather_object([p for p, _ in local])
     owners: dict[str, list[tuple[int, int, _Piece]]] = {}
-    for r, pieces in enumerate(metas):
-        for i, p in enumerate(pieces):
+    for r, held in enumerate(metas):
+        for i, p in enumerate(held):
             owners.setdefault(p.key, []).append((r, i, p))
     for key in sorted(owners):
         entries = owners[key]
         first = entries[0][2]
-        full = torch.empty(first.global_shape, dtype=first.dtype) if rank == dst else None
+        whole = torch.empty(first.global_shape, dtype=first.dtype) if rank == dst else None
         for r, i, p in entries:
             if r == rank == dst:
-                full[piece_index(p)] = local[i][1].detach().cpu()
+                assert whole is not None
+                whole[piece_index(p)] = local[i][1].detach().cpu()
             elif r == rank:
                 dist.send(local[i][1].detach().to(dev).contiguous(), dst=dst)
-            elif rank == dst:
+            elif whole is not None:  # (rank == dst)
                 buf = torch.empty(p.local_shape, dtype=p.dtype, device=dev)
                 dist.recv(buf, src=r)
-                full[piece_index(p)] = buf.cpu()
-        if rank == dst:
-            yield key, full
+                whole[piece_index(p)] = buf.cpu()
+        if whole is not None:  # (rank == dst)
+            yield key, whole
 
 
 @dataclass

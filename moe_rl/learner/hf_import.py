@@ -29,9 +29,11 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from megatron.core.models.gpt import GPTModel
 
 from moe_rl.config import Config, ModelConfig, to_dict, validate
 from moe_rl.convert.hf_checkpoint import HFCheckpoint, check_tensors
@@ -41,9 +43,12 @@ from moe_rl.convert.megatron_keys import ConvertError, canonical_key, check_shap
 from moe_rl.learner.gather import flatten_sharded, own_storages, piece_index
 from moe_rl.runtime.atomic import check_distinct
 
+if TYPE_CHECKING:
+    from moe_rl.config.model import ParamsDtype
+
 
 @torch.no_grad()
-def load_full_tensors(model: torch.nn.Module, fetch: Callable[[str, list[tuple]], torch.Tensor], m: ModelConfig,
+def load_full_tensors(model: GPTModel, fetch: Callable[[str, list[tuple]], torch.Tensor], m: ModelConfig,
                       optional: tuple[str, ...] = ()) -> int:
     """Copy this rank's slices of every global tensor into `model`'s parameters.
 
@@ -163,7 +168,7 @@ def hf_to_megatron(
     with hf_read_errors(src), HFCheckpoint(src) as hf:
         m = hf.model_config(base=base or ModelConfig())
         if dtype is not None:
-            m = dataclasses.replace(m, params_dtype=dtype)
+            m = dataclasses.replace(m, params_dtype=cast("ParamsDtype", dtype))  # (validate(cfg) below refuses others)
         cfg = Config(model=m)
         validate(cfg)
         check_tensors(hf, m)  # before building anything: a bad directory fails fast

@@ -180,7 +180,7 @@ def pad_rows(batch: StepBatch, rows: int, seq_len: int) -> StepBatch:
         batch, tokens=tokens, row_ids_B=torch.cat([batch.row_ids_B, batch.row_ids_B.new_full((extra,), -1)]),
         adv_B=grow(batch.adv_B), sampler_logp_BT=grow(batch.sampler_logp_BT), old_logp_BT=grow(batch.old_logp_BT),
         ref_logp_BT=grow(batch.ref_logp_BT), version_B=grow(batch.version_B),
-        extras={k: grow(v) for k, v in batch.extras.items()})
+        extras={k: torch.cat([v, v.new_zeros((extra, *v.shape[1:]))]) for k, v in batch.extras.items()})
 
 
 @dataclass

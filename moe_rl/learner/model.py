@@ -110,7 +110,7 @@ def fp8_settings(model: ModelConfig) -> dict:
     same recipe."""
     if model.fp8 == "none":
         return {"fp8": None}
-    out = {"fp8": model.fp8, "fp8_recipe": model.fp8_recipe}
+    out: dict[str, object] = {"fp8": model.fp8, "fp8_recipe": model.fp8_recipe}
     if model.fp8_recipe == "delayed":
         out.update(fp8_amax_history_len=model.fp8_amax_history_len,
                    fp8_amax_compute_algo=model.fp8_amax_compute_algo)

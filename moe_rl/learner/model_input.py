@@ -28,11 +28,14 @@ segment of `multiple` slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moe_rl.batch import TokenBatch
+
+if TYPE_CHECKING:
+    from moe_rl.learner.parallel import Layout
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ class ScoredTokens:
 def scored_tokens(batch: TokenBatch, logit_index_BT: torch.Tensor, b_in: int, s_in: int) -> ScoredTokens:
     """`ScoredTokens` of a micro-batch whose model input is [b_in, s_in]."""
     mask_BT = batch.response_mask()
-    at_N = mask_BT.nonzero(as_tuple=True)
+    rows_N, cols_N = mask_BT.nonzero(as_tuple=True)
+    at_N = (rows_N, cols_N)
     index_N = logit_index_BT[at_N]
     targets_N = batch.response_tokens()[at_N]
     slot_BT = (logit_index_BT % s_in) * b_in + logit_index_BT // s_in  # b-major output -> s-major router order
@@ -156,6 +160,7 @@ def packed_seq_params(inp: ModelInput, device: torch.device) -> Any:
     lengths (at least 1) as `cu_seqlens_*` for Transformer Engine's THD attention."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    assert inp.cu_seqlens is not None and inp.cu_seqlens_real is not None  # (a packed input has both)
     cu_padded = inp.cu_seqlens.to(device, non_blocking=True)
     cu_real = inp.cu_seqlens_real.to(device, non_blocking=True)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
@@ -163,7 +168,7 @@ def packed_seq_params(inp: ModelInput, device: torch.device) -> Any:
                            max_seqlen_q=inp.max_seqlen, max_seqlen_kv=inp.max_seqlen)
 
 
-def padding_mask(inp: ModelInput, layout: Any) -> torch.Tensor:
+def padding_mask(inp: ModelInput, layout: Layout) -> torch.Tensor:
     """[b, s] True on the slots without a real token (right and alignment padding, padding
     rows), in the model input's shape: megatron-core's MoE layers then leave them out of the
     load-balancing and z losses. megatron shards it over sequence-parallel ranks on the

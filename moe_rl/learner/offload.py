@@ -13,12 +13,15 @@ storage is re-grown and the contents copied back, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from moe_rl.learner.engine import Learner
 
-def offloadable_tensors(learner: Any) -> Iterator[torch.Tensor]:
+
+def offloadable_tensors(learner: Learner) -> Iterator[torch.Tensor]:
     """The learner's grad buffers and optimizer state tensors (each storage once)."""
     seen: set[int] = set()
     buffers = [*getattr(learner.model, "buffers", []), *getattr(learner.model, "expert_parallel_buffers", [])]
@@ -38,7 +41,7 @@ def offloadable_tensors(learner: Any) -> Iterator[torch.Tensor]:
 class HostOffload:
     """Moves a learner's idle training state to host memory and back."""
 
-    def __init__(self, learner: Any) -> None:
+    def __init__(self, learner: Learner) -> None:
         self.learner = learner
         self._host: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 

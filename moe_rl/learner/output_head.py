@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from moe_rl.learner.chunked_logprobs import chunked_token_logprobs, vocab_shard_start
@@ -30,7 +31,7 @@ from moe_rl.learner.model_input import ScoredTokens
 class OutputHead:
     """Owns how the last stage turns the model's output into [B, T] log-probs."""
 
-    def __init__(self, gpt: torch.nn.Module, chunk_tokens: int, sequence_parallel: bool) -> None:
+    def __init__(self, gpt: GPTModel, chunk_tokens: int, sequence_parallel: bool) -> None:
         self.gpt = gpt
         self.chunk_tokens = chunk_tokens
         """Tokens per chunk; 0: full logits. May be switched between passes."""
@@ -65,13 +66,14 @@ class OutputHead:
         """([B, T] log-probs, [B, T] entropy or None) of the micro-batch's response tokens;
         `output` is GPTModel's output (logits, or hidden states when chunked), [b_in, s_in, *].
         `entropy`: also the entropy (chunked head only; None otherwise)."""
-        flat = output.reshape(-1, output.shape[-1])
+        flat, inp = output.reshape(-1, output.shape[-1]), mb.inp
+        assert inp is not None  # (set by the learner before the forward)
         if not self.chunk_tokens:
-            return response_logprobs(flat, mb.inp.logit_index_BT, mb.batch, temperature), None
-        scored = mb.scored if mb.scored is not None else mb.inp.scored  # (on the device, indices built on the host)
+            return response_logprobs(flat, inp.logit_index_BT, mb.batch, temperature), None
+        scored = mb.scored if mb.scored is not None else inp.scored  # (on the device, indices built on the host)
         weight = self._weight()
         tp = ps.get_tensor_model_parallel_world_size()
-        _check_targets(mb.inp.scored, weight.shape[0] * tp)
+        _check_targets(inp.scored, weight.shape[0] * tp)
         group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         logp_N, entropy_N = chunked_token_logprobs(
             flat[scored.index_N], weight, scored.targets_N, temperature=temperature,

@@ -3,6 +3,7 @@ data-parallel ranks, each by the reduction its name asks for (`moe_rl.runtime.me
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ def _on_host(store: list[dict[str, Any]]) -> list[dict[str, Any]]:
     device (one wait for a GPU per pass, not one per number)."""
     parts = [t for item in store for t in (item["loss"], *item["metrics"].values())]
     parts += [item["weight"] for item in store if isinstance(item["weight"], torch.Tensor)]
-    flat = iter(torch.stack([t.reshape(()).double() for t in parts]).cpu() if parts else [])
+    flat: Iterator[torch.Tensor] = iter(torch.stack([t.reshape(()).double() for t in parts]).cpu() if parts else [])
     out = [{"loss": next(flat), "metrics": {k: next(flat) for k in item["metrics"]}} for item in store]
     for item, host in zip(store, out):
         w = item["weight"]

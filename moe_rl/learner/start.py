@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moe_rl.config import ConfigError
 from moe_rl.learner.checkpoint import (
@@ -15,8 +15,12 @@ from moe_rl.learner.checkpoint import (
 from moe_rl.learner.critic import VALUE_HEAD_KEYS
 from moe_rl.learner.hf_import import load_hf_weights
 
+if TYPE_CHECKING:
+    from moe_rl.learner.critic import ValueModel
+    from moe_rl.learner.engine import Learner
 
-def load_start(learner: Any, path: str, trust: bool, optional: tuple[str, ...] = (),
+
+def load_start(learner: Learner, path: str, trust: bool, optional: tuple[str, ...] = (),
                key: str = "run.init_checkpoint") -> None:
     """Collective. Load `path`'s model weights into `learner` and reset its step to 0
     (`optional`: parameter-name prefixes the weights may lack, which keep their initial
@@ -37,7 +41,7 @@ def load_start(learner: Any, path: str, trust: bool, optional: tuple[str, ...] =
     learner.step = 0
 
 
-def load_critic_start(critic: Any, path: str, trust: bool, key: str = "critic.init_checkpoint") -> None:
+def load_critic_start(critic: ValueModel, path: str, trust: bool, key: str = "critic.init_checkpoint") -> None:
     """Collective. PPO's starting critic: from a PPO run's checkpoint, the critic saved in it
     (transformer and value head: a value-pretraining run's product); from any other weights
     (a policy, a reward model, a Hugging Face directory), their transformer, with the value

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -52,6 +52,10 @@ class StoppedBySignal(SystemExit):
         self.signum = signum
 
 
+NoteT = TypeVar("NoteT")
+"""What the ranks gather with the stop signal (the run loop's `SaveNote`, a flag)."""
+
+
 class StopOnSignal:
     """Records SIGINT/SIGTERM while the block runs (handlers are installed only in the main
     thread; the previous ones are restored on leaving, so a signal during clean-up acts as
@@ -61,7 +65,7 @@ class StopOnSignal:
         self.signum: int | None = None
         """The first signal this process received, None until then."""
         self._first_at = 0.0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, signal._HANDLER] = {}
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -88,7 +92,7 @@ class StopOnSignal:
             raise KeyboardInterrupt
         raise SystemExit(signal_exit_status(signum))
 
-    def agreed(self, note: Any = None) -> tuple[int | None, list[Any]]:
+    def agreed(self, note: NoteT) -> tuple[int | None, list[NoteT]]:
         """Collective over every rank: the signal to stop for, when any rank received one
         (the lowest rank's), else None, and every rank's `note` in rank order (what else the
         ranks must decide alike once per step rides on the same gather: the run loop's

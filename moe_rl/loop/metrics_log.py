@@ -6,18 +6,22 @@ moves the later ones aside (`metrics.jsonl.after-step-<n>-<time>`), never droppi
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from moe_rl.config import LoggingConfig
 from moe_rl.runtime.atomic import atomic_write_text
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from moe_rl.runtime.wandb_log import WandbRun
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,8 @@ class MetricsLog:
         self.logging, self.run_name, self.recipe, self.path = logging_cfg, run_name, recipe, path
         self.history: list[dict[str, Any]] = []
         self._flip_history: list[list[float]] = []
-        self._writer = None
-        self._tracker: Any = None  # a `moe_rl.runtime.wandb_log.WandbRun` with logging.wandb
+        self._writer: SummaryWriter | None = None
+        self._tracker: WandbRun | None = None  # with logging.wandb
 
     def start(self, start_step: int, run_id: str | None) -> None:
         """Open TensorBoard, W&B (the run id's W&B run) and metrics.jsonl, keeping the lines
@@ -114,8 +118,9 @@ class MetricsLog:
     def _heatmap(self, step: int, row: dict[str, Any]) -> np.ndarray | None:
         """The routing flip-rate heat map (HWC uint8) when logging.heatmap_every says so."""
         # The MoE layers are the ones the row has a flip rate for (0, 1, ... without a gap).
-        flips = list(itertools.takewhile(lambda f: f is not None,
-                                         (row.get(f"routing/flip_rate_layer{i}") for i in itertools.count())))
+        flips: list[float] = []
+        while (f := row.get(f"routing/flip_rate_layer{len(flips)}")) is not None:
+            flips.append(f)
         if not flips:
             return None
         self._flip_history.append(flips)

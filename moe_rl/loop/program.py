@@ -26,9 +26,39 @@ separate placement (`moe_rl.programs.rl.engine_role`), DPO and the reward model
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from moe_rl.config import Config
+
+
+class SaveInFlight(Protocol):
+    """A checkpoint a program has begun to save (`moe_rl.learner.checkpoint.PendingSave` is
+    the one the learner's programs return): the loop finishes it, at once or once its files
+    are written, or abandons it."""
+
+    seconds: float
+    """The save's own duration so far (its start; once finished, its writes and finish too)."""
+
+    @property
+    def step(self) -> int:
+        """The trainer step saved."""
+        ...
+
+    def done(self) -> bool:
+        """This rank's files are written (the others may still be writing theirs)."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds for this rank's files; whether they are written."""
+        ...
+
+    def finish(self) -> Path:
+        """Collective: complete the checkpoint and make it visible; its path."""
+        ...
+
+    def abandon(self) -> None:
+        """Give up on the save: nothing more is written under its name."""
+        ...
 
 
 class Program:
@@ -81,12 +111,12 @@ class Program:
         """Held-out metrics (`eval/*`), when the run's evaluation cadence says so; collective."""
         return {}
 
-    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
+    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> SaveInFlight | None:
         """Collective: begin saving everything a resume needs at this step into checkpoint
         `path`, with `meta` (the loop's trainer_step and run_id) in its metadata, and return
-        the `moe_rl.learner.checkpoint.PendingSave` (`start_checkpoint`) that the loop
+        the `SaveInFlight` (the learner's `PendingSave`, `start_checkpoint`) that the loop
         finishes: at once, or, with `background`, once its files are written while the next
-        steps run."""
+        steps run. None: a save that completed at once."""
         raise NotImplementedError
 
     def done(self, step: int, metrics: dict[str, float]) -> bool:

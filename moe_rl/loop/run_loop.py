@@ -34,7 +34,7 @@ from moe_rl.config import LoggingConfig, RunConfig
 from moe_rl.loop.interrupt import StopOnSignal, StoppedBySignal
 from moe_rl.loop.program import Program
 from moe_rl.loop.rundir import RunDirectory
-from moe_rl.loop.saves import Saves
+from moe_rl.loop.saves import SaveNote, Saves
 from moe_rl.runtime.failures import RunFaultError
 from moe_rl.runtime.fault_hooks import kill_point
 
@@ -122,7 +122,7 @@ class RunLoop:
         return last
 
     def _one_step(self, step: int, stop: StopOnSignal,
-                  note: Any) -> tuple[dict[str, float], int | None, list[Any]]:
+                  note: SaveNote) -> tuple[dict[str, float], int | None, list[SaveNote]]:
         """The program's step, its evaluation when due, the agreed stop signal (collective over
         every rank, every step) and the step's timings. `time/step` runs to the end of the
         agreement, so that it is the step's wall time on every rank: a rank done before the

@@ -18,13 +18,24 @@ rank decides alike.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from moe_rl.checkpoints.directories import latest_checkpoint, step_dir_name
 from moe_rl.config import RunConfig
-from moe_rl.loop.program import Program
+from moe_rl.loop.program import Program, SaveInFlight
 from moe_rl.loop.rundir import RunDirectory
+
+
+class SaveNote(NamedTuple):
+    """One rank's part of the per-step agreement on checkpoints (`Saves.note`), gathered
+    from every rank with the stop signal (`StopOnSignal.agreed`)."""
+
+    written: bool
+    """This rank's files of the save in flight are written (true when none is in flight)."""
+    clock_due: bool
+    """A save is due by this rank's wall clock (run.save_every_minutes; rank 0's decides)."""
 
 
 class Saves:
@@ -33,29 +44,28 @@ class Saves:
 
     def __init__(self, run: RunConfig, program: Program, run_dir: RunDirectory) -> None:
         self.run, self.program, self.run_dir = run, program, run_dir
-        self.pending: Any = None
+        self.pending: SaveInFlight | None = None
         """The save in flight (a `PendingSave`), None when none is."""
         self.last_seconds: float | None = None
         """How long the last complete save took: its own work (start, data files, finish),
         not the steps a background write overlapped."""
         self._last_at = time.monotonic()
 
-    def note(self) -> tuple[bool, bool]:
-        """This rank's part of the per-step agreement: (its files of the save in flight are
-        written, a save is due by its wall clock)."""
+    def note(self) -> SaveNote:
+        """This rank's part of the per-step agreement."""
         minutes = self.run.save_every_minutes
         clock_due = bool(minutes) and time.monotonic() - self._last_at >= 60 * minutes
-        return (self.pending is None or self.pending.done(), clock_due)
+        return SaveNote(written=self.pending is None or self.pending.done(), clock_due=clock_due)
 
-    def clock_due(self, notes: list[Any]) -> bool:
+    def clock_due(self, notes: Sequence[SaveNote | None]) -> bool:
         """run.save_every_minutes by rank 0's clock (the same answer on every rank)."""
-        return bool(notes and notes[0] and notes[0][1])
+        return bool(notes and notes[0] and notes[0].clock_due)
 
-    def after_step(self, step: int, notes: list[Any], *, due: bool, final: bool) -> None:
+    def after_step(self, step: int, notes: Sequence[SaveNote | None], *, due: bool, final: bool) -> None:
         """Collective over the training ranks: finish the save in flight when every rank
         wrote its files; then, when `due`, save `step` (in the background unless `final` or
         run.async_save=false)."""
-        if self.pending is not None and all(n is None or n[0] for n in notes):
+        if self.pending is not None and all(n is None or n.written for n in notes):
             self._finish()
         if due:
             self.save(step, background=self.run.async_save and not final)
@@ -86,6 +96,8 @@ class Saves:
     def _finish(self) -> None:
         """Collective: complete the save in flight; rank 0 then rotates out older checkpoints."""
         pending, self.pending = self.pending, None
+        if pending is None:
+            return
         pending.finish()
         self.last_seconds = pending.seconds
         self._rotate()
@@ -94,7 +106,7 @@ class Saves:
         if self.program.rank == 0:
             self.run_dir.rotate_checkpoints()
 
-    def on_stop(self, step: int, agree: Any) -> str:
+    def on_stop(self, step: int, agree: Callable[[Any], list[Any]]) -> str:
         """A signal after `step`: the save in flight is finished if every rank writes its
         files within run.stop_grace_s, else abandoned; then `step` is saved (synchronously)
         when the last save's duration fits in what is left of the grace (or none was measured

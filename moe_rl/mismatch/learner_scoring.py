@@ -26,6 +26,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -34,6 +35,9 @@ from moe_rl.config import config_from_dict, to_dict
 from moe_rl.mismatch.settings import MeasureError, ScoringLayout
 from moe_rl.mismatch.sources import Checkpoint
 from moe_rl.runtime.collectives import all_gather_object
+
+if TYPE_CHECKING:
+    from moe_rl.config.model import ParamsDtype
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +105,8 @@ def score_jobs(ckpt: Checkpoint, layout: ScoringLayout, jobs: list[ScoreJob], te
     precisions = list(dict.fromkeys(j.learner_precision for j in jobs))
     with parallel_layout(cfg.parallel, seed=cfg.run.seed) as lay:
         for precision in precisions:
-            learner = Learner(dataclasses.replace(m, params_dtype=precision), cfg.parallel, lay)
+            dtype = cast("ParamsDtype", precision)  # (one of LEARNER_PRECISIONS: Setting's check)
+            learner = Learner(dataclasses.replace(m, params_dtype=dtype), cfg.parallel, lay)
             _load_weights(learner, ckpt)
             for job in (j for j in jobs if j.learner_precision == precision):
                 res = learner.score_whole(job.batch, temperature, RoutingPlan(capture=job.capture_routing))

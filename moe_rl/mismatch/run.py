@@ -369,11 +369,11 @@ def measure(mc: MeasureConfig, prep: Prepared | None = None) -> tuple[dict[str, 
     for s in prep.settings:
         p = packed[s.sampler]
         learner = scored[s.layout][(s.sampler_name, s.learner_precision)]
-        routing = {}
+        sampler_ids = learner_ids = None
         if p.sampler_ids_BTLK is not None and learner.ids_BSLK is not None:
-            routing = {"sampler_ids_BTLK": p.sampler_ids_BTLK,
-                       "learner_ids_BTLK": _response_aligned(learner.ids_BSLK, p.batch)}
-        results[s.name] = compute_mismatch(p.sampler_logp_BT, learner.logp_BT, p.mask_BT, **routing)
+            sampler_ids, learner_ids = p.sampler_ids_BTLK, _response_aligned(learner.ids_BSLK, p.batch)
+        results[s.name] = compute_mismatch(p.sampler_logp_BT, learner.logp_BT, p.mask_BT,
+                                           sampler_ids_BTLK=sampler_ids, learner_ids_BTLK=learner_ids)
     agreement = layout_agreement(prep, packed, scored)
     return results, _meta(prep, mc, packed, time.perf_counter() - t0, agreement)
 
@@ -382,4 +382,4 @@ def run(mc: MeasureConfig, out_dir: str | os.PathLike) -> Path:
     """Check, measure and write the report to `out_dir` (atomic: complete or untouched)."""
     prep = prepare(mc, out_dir)
     results, meta = measure(mc, prep)
-    return write_report(out_dir, results, meta)
+    return write_report(Path(out_dir), results, meta)

@@ -23,6 +23,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -30,6 +31,9 @@ from moe_rl.config import ParallelConfig, RLConfig, SamplerConfig
 from moe_rl.sampler import BACKENDS as SAMPLER_BACKENDS
 from moe_rl.sampler import PRECISIONS as SAMPLER_PRECISIONS
 from moe_rl.sampler import EngineConfig, VLLMEngineConfig, engine_config
+
+if TYPE_CHECKING:
+    from moe_rl.config.sections import SamplerBackend, SamplerPrecision
 
 LEARNER_PRECISIONS = ("fp32", "bf16")
 SWEEP_PRECISIONS = ("fp32", "bf16", "fp8_emulated")  # what --sweep puts against the learner (any machine)
@@ -172,7 +176,9 @@ def sampler_engine(sampler: SamplerConfig, rl: RLConfig, backend: str, precision
     its `rl`) with this backend and precision, through `moe_rl.sampler.engine_config` (what
     the trainer runs), as one in-process engine; vLLM captures routed experts where it can (a
     GPU: the routing comparison) and shows no load progress bar of its own (one bar: the tool's)."""
-    sampler = dataclasses.replace(sampler, backend=backend, precision=precision, in_process=True,
+    # (backend and precision: one of the sampler's BACKENDS and PRECISIONS, Setting's check)
+    sampler = dataclasses.replace(sampler, backend=cast("SamplerBackend", backend),
+                                  precision=cast("SamplerPrecision", precision), in_process=True,
                                   tensor_parallel_size=1, expert_parallel=False, sleep_between_steps=False)
     engine = engine_config(sampler, rl, seed, eos_token_ids, routed_experts=torch.cuda.is_available())
     if isinstance(engine, VLLMEngineConfig):

@@ -120,8 +120,13 @@ def aggregation_weights(
         return mask_f_BT / (guard_count(n_seq) * guard_count(l_max))
     # (the non-empty mask only where it is used: each op is a kernel launch on a GPU)
     nonempty_B = len_B > 0 if aggregation == "seq-mean" or seq_normalizer is None else None
-    n_seq = seq_normalizer if seq_normalizer is not None else nonempty_B.sum()
+    if seq_normalizer is not None:
+        n_seq = seq_normalizer
+    else:
+        assert nonempty_B is not None  # (made above when there is no normalizer)
+        n_seq = nonempty_B.sum()
     if aggregation == "seq-mean":
+        assert nonempty_B is not None  # (made above for seq-mean)
         return nonempty_B.to(len_B.dtype) / guard_count(n_seq)
     if aggregation == "seq-mean-token-mean":
         return mask_f_BT * (1.0 / (len_B.clamp(min=1) * guard_count(n_seq))).unsqueeze(1)

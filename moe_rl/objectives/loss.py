@@ -119,7 +119,9 @@ def policy_loss_from_hparams(name: str, batch: PolicyBatch, common: CommonHParam
             is_weight = correction.weight
             if form is not None and form.batch_normalize:
                 mean = common.is_weight_mean
-                mean = counts.weight_mean() if mean is None else mean
+                if mean is None:
+                    assert counts is not None  # (a correction form: tallied above)
+                    mean = counts.weight_mean()
                 mean = torch.as_tensor(mean, dtype=is_weight.dtype, device=is_weight.device)
                 is_weight = is_weight / torch.where(mean > 0, mean, 1.0)  # (no kept unit: weights are 0 anyway)
             weight = weight * (is_weight.unsqueeze(1) if is_weight.ndim < weight.ndim else is_weight)
@@ -202,7 +204,7 @@ def _metrics(
     seq_w_B = nonempty_B.to(ctx.dtype) / n_seq.clamp(min=1)
     if per_sequence:
         tok_w_BT = (seq_w_B * ctx.inv_len_B).unsqueeze(1) * ctx.mask_f_BT
-        inv_n = 1.0
+        inv_n: float | Tensor = 1.0
     else:  # token means: dot with the float mask, then one scalar division
         tok_w_BT, inv_n = ctx.mask_f_BT, 1.0 / ctx.len_B.sum().clamp(min=1)
 

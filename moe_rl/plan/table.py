@@ -123,7 +123,7 @@ def _table(args: argparse.Namespace) -> int:
     """Print the table, a row as soon as it is planned (a bad recipe: ConfigError)."""
     from moe_rl.plan.planner import resolve_model
 
-    rows = []
+    rows: list[str] = []
     for name in args.models:
         directory = write_config_dir(name, f"{args.models_dir}/{name}")
         source = resolve_model(load_recipe(args.config, [f"run.init_checkpoint={directory}", *args.overrides])[0])

@@ -16,6 +16,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from moe_rl.config import ConfigError
 from moe_rl.plan.hardware import GIB, Hardware
@@ -38,14 +40,25 @@ class Suggestion:
     plan: Plan
 
 
-def _cfg(state: State, section: str, **values: object) -> State:
+def _scaled_gpus(state: State, factor: int) -> State:
+    """`state` on `factor` times its GPUs."""
+    src, hw, sw = state
+    return src, dataclasses.replace(hw, gpus=hw.gpus * factor), sw
+
+
+def _then_cfg(first: Callable[[State], State], section: str, state: State, **values: Any) -> State:
+    """`first`'s change, then `values` in recipe section `section`."""
+    return _cfg(first(state), section, **values)
+
+
+def _cfg(state: State, section: str, **values: Any) -> State:
     src, hw, sw = state
     cfg = src.cfg
     new = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
     return dataclasses.replace(src, cfg=new), hw, sw
 
 
-def _sw(state: State, **values: object) -> State:
+def _sw(state: State, **values: Any) -> State:
     src, hw, sw = state
     return src, hw, dataclasses.replace(sw, **values)
 
@@ -93,7 +106,7 @@ def _rollout_tp(plan: Plan) -> list[Change]:
     out, rtp = [], plan.work.rollout_tp * 2
     while rtp <= plan.hw.gpus:
         out.append(Change(f"sampler.tensor_parallel_size={rtp}",
-                          lambda s, rtp=rtp: _cfg(s, "sampler", tensor_parallel_size=rtp)))
+                          partial(_cfg, section="sampler", tensor_parallel_size=rtp)))
         rtp *= 2
     return out
 
@@ -116,7 +129,7 @@ def _expert_parallel(plan: Plan) -> list[Change]:
     out, ep = [], plan.cfg.parallel.expert_model_parallel_size * 2
     while plan.cfg.model.num_experts % ep == 0 and ep <= plan.hw.gpus:
         out.append(Change(f"parallel.expert_model_parallel_size={ep}",
-                          lambda s, ep=ep: _cfg(s, "parallel", expert_model_parallel_size=ep)))
+                          partial(_cfg, section="parallel", expert_model_parallel_size=ep)))
         ep *= 2
     return out[:2]
 
@@ -128,11 +141,11 @@ def _more_gpus(plan: Plan) -> list[Change]:
     ep = plan.cfg.parallel.expert_model_parallel_size
     for f in (2, 4, 8):
         gpus = Change(f"--gpus {plan.hw.gpus * f}",
-                      lambda s, f=f: (s[0], dataclasses.replace(s[1], gpus=s[1].gpus * f), s[2]))
+                      partial(_scaled_gpus, factor=f))
         out.append(gpus)
         if plan.cfg.model.num_experts % (ep * f) == 0:
             out.append(Change(f"{gpus.text} parallel.expert_model_parallel_size={ep * f}",
-                              lambda s, g=gpus, f=f: _cfg(g.apply(s), "parallel", expert_model_parallel_size=ep * f)))
+                              partial(_then_cfg, gpus.apply, "parallel", expert_model_parallel_size=ep * f)))
     return out
 
 

@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,12 +47,17 @@ from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem, Task
 from moe_rl.tokenization.turns import encode_conversations
 
+if TYPE_CHECKING:
+    from moe_rl.learner.checkpoint import PendingSave
+    from moe_rl.learner.protocols import PolicyLearner
+    from moe_rl.tokenization.prompts import PromptEncoder
+
 log = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003
 """The held-out problems are drawn from run.seed + this (apart from every step's draw)."""
 
 
-def encode_problems(problems: list[Problem], task: Task, encoder: Any, seq_multiple: int,
+def encode_problems(problems: list[Problem], task: Task, encoder: PromptEncoder, seq_multiple: int,
                     rng: np.random.Generator | None = None) -> TokenBatch:
     """Prompt ids (`encoder`: the run's `PromptEncoder`) + reference completion ids (ending
     in EOS) for each problem; for a task with tools (`sft_conversation`), a whole tool-calling
@@ -82,7 +87,7 @@ def nll_loss(batch: TokenBatch):
     return loss_fn
 
 
-def expected_reward(learner: Any, batch: TokenBatch) -> float:
+def expected_reward(learner: PolicyLearner, batch: TokenBatch) -> float:
     """mean_i exp(sum_t log pi(y_it)) at temperature 1: the exact-match reward of sampling."""
     logp = learner.logprobs(batch)
     seq = (logp * batch.response_mask()).sum(-1)
@@ -147,7 +152,7 @@ class SFTProgram(Program):
         return cls(make_task(cfg.task), load_prompt_encoder(cfg)[1], rank, world, model=cfg.model,
                    parallel=cfg.parallel, optimizer=cfg.optimizer, sft=cfg.sft, run=cfg.run, recipe=to_dict(cfg))
 
-    def __init__(self, task: Task, encoder: Any, rank: int, world: int, *, model: ModelConfig,
+    def __init__(self, task: Task, encoder: PromptEncoder, rank: int, world: int, *, model: ModelConfig,
                  parallel: ParallelConfig, optimizer: OptimizerConfig, sft: SFTConfig, run: RunConfig,
                  recipe: Mapping[str, Any]) -> None:
         """`encoder`: the run's `PromptEncoder`; `recipe`: the resolved recipe's plain data,
@@ -199,7 +204,7 @@ class SFTProgram(Program):
         target = self.sft.target_reward
         return bool(target) and metrics.get("eval/expected_reward", -1.0) >= target
 
-    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
+    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> PendingSave:
         from moe_rl.learner.checkpoint import start_checkpoint
 
         return start_checkpoint(self.learner, path, recipe=self.recipe, extra_meta=meta, background=background)

@@ -19,12 +19,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moe_rl.rollout.types import GroupSummary, Sampled, ScoredGroup
 from moe_rl.runtime.atomic import atomic_write_text
+from moe_rl.runtime.collectives import Group
+
+if TYPE_CHECKING:
+    from moe_rl.rollout.placement import EnginePlacement
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -
     return out, ""
 
 
-def engines_lacking(placement: Any, group: Any, why: str) -> list[str]:
+def engines_lacking(placement: EnginePlacement, group: Group, why: str) -> list[str]:
     """Every engine's reason ("engine e: why") for lacking a saved file it needs on a
     resume, this engine's being `why` ("": it has it), so that all engine ranks decide
     alike. Collective over the engine ranks (`group`: their process group)."""
@@ -106,7 +110,7 @@ def engines_lacking(placement: Any, group: Any, why: str) -> list[str]:
     return [f"engine {e}: {w}" for e, w in enumerate(whys) if w]
 
 
-def agreed_ahead(placement: Any, group: Any, run_dir: Path, step: int) -> Sampled | None:
+def agreed_ahead(placement: EnginePlacement, group: Group, run_dir: Path, step: int) -> Sampled | None:
     """The batch of `step` the engines sampled ahead before a stop, when every engine finds
     its share saved under this engine layout; else None on every engine rank alike (then
     they all sample it now), the reason logged once. Collective over the engine ranks; a
@@ -115,6 +119,7 @@ def agreed_ahead(placement: Any, group: Any, run_dir: Path, step: int) -> Sample
     p = placement
     if not p.hosts_engine:
         return None
+    assert p.engine is not None  # (hosts an engine)
     saved, why = load_ahead(run_dir, step, p.engine, (p.engines, p.ranks_per_engine))
     missing = engines_lacking(p, group, why)
     if missing:
@@ -123,6 +128,7 @@ def agreed_ahead(placement: Any, group: Any, run_dir: Path, step: int) -> Sample
                         "with the checkpoint's weights (the uninterrupted run used the step before's)", step,
                         "; ".join(missing))
         return None
+    assert saved is not None  # (no engine lacks its share: this one's was read)
     if not p.leader:
         saved.held = {}
     return saved

@@ -44,7 +44,7 @@ from moe_rl.rollout.engine_faults import (
     EngineFault,
     EngineNote,
 )
-from moe_rl.rollout.engines import Engines
+from moe_rl.rollout.engines import Engines, WeightTransport
 from moe_rl.rollout.episodes import Episodes
 from moe_rl.rollout.evaluate import HeldOut
 from moe_rl.rollout.learning_signal import LearningSignalWatch
@@ -56,7 +56,7 @@ from moe_rl.runtime.failures import describe_error
 from moe_rl.runtime.fault_hooks import kill_point
 from moe_rl.runtime.timing import StepTimer
 from moe_rl.sampler import Sampler
-from moe_rl.sampler.base import base_seeds
+from moe_rl.sampler.base import SleepingSampler, base_seeds
 from moe_rl.tasks import make_task
 from moe_rl.tasks.base import Problem
 from moe_rl.tokenization import PromptEncoder, load_tokenizer
@@ -68,7 +68,8 @@ class RolloutCollector:
     """Owns the task, the tokenizer and this rank's engine (shard)."""
 
     def __init__(self, *, sampler: SamplerConfig, task: TaskConfig, rl: RLConfig, model: ModelConfig,
-                 parallel: ParallelConfig, run: RunConfig, make_sync: Callable[[EnginePlacement], Any] | None = None,
+                 parallel: ParallelConfig, run: RunConfig,
+                 make_sync: Callable[[EnginePlacement], WeightTransport] | None = None,
                  placement: EnginePlacement | None = None) -> None:
         """The run's sections: `sampler` (the engines), `task` (problems, tokenizer, rewards),
         `rl` (the step's groups), `model` and `parallel` (the learner's batch layout), `run`
@@ -81,7 +82,7 @@ class RolloutCollector:
         separate = sampler.placement == "separate"
         self.placement = placement or EnginePlacement.current(sampler.tensor_parallel_size,
                                                               sampler.engine_ranks if separate else 0)
-        self.weight_sync = make_sync(self.placement) if make_sync is not None else FixedWeights()
+        self.weight_sync: WeightTransport = make_sync(self.placement) if make_sync is not None else FixedWeights()
         self.engines = Engines(self.placement, self.weight_sync, sampler=sampler, rl=rl, seed=run.seed,
                                trust_checkpoint=run.trust_checkpoint)  # (collective too)
         self.task = make_task(task)
@@ -168,7 +169,7 @@ class RolloutCollector:
             log.warning("step %d: every group had equal rewards in %d draws", step, len(out.drawn))
             out.kept = [(len(out.drawn) - 1, i) for i in range(len(out.drawn[-1]))]
         out.kept = out.kept[: rl.prompts_per_step]
-        if self.sampler_cfg.sleep_between_steps and self.sampler is not None:  # the learner's turn
+        if self.sampler_cfg.sleep_between_steps and isinstance(self.sampler, SleepingSampler):  # the learner's turn
             self.sampler.sleep()
         return out
 
@@ -208,8 +209,8 @@ class RolloutCollector:
     def save_ahead(self, run_dir: Path, sampled: Sampled | None, keep: int = 3) -> None:
         """Keep a batch sampled ahead on disk (each engine leader its share) for a resume,
         with the `keep` newest before it."""
-        if sampled is not None and self.placement.leader:
-            p = self.placement
+        p = self.placement
+        if sampled is not None and p.leader and p.engine is not None:  # (a leader is an engine rank)
             save_ahead(run_dir, p.engine, (p.engines, p.ranks_per_engine), sampled, keep)
 
     def deliver(self, step: int, sampled: Sampled | EngineNote | None, timer: StepTimer) -> Rollout:
@@ -220,12 +221,13 @@ class RolloutCollector:
         on every rank (`engine_faults`: push the weights again, or stop)."""
         t0 = time.perf_counter()
         with timer.phase("gather"):
-            note = isinstance(sampled, EngineNote)
-            public = self.placement.from_engines(
-                sampled if note or sampled is None else (sampled.public(self.engine_wait), self.engines.restarts.used))
-        if isinstance(public, EngineNote):
-            raise public.error()
-        public, restarts = public
+            got = self.placement.from_engines(
+                sampled if isinstance(sampled, EngineNote) or sampled is None
+                else (sampled.public(self.engine_wait), self.engines.restarts.used))
+        if isinstance(got, EngineNote):
+            raise got.error()
+        assert got is not None  # (the first engine rank's: it sampled)
+        public, restarts = got
         self.learner_wait = time.perf_counter() - t0 if not self.placement.hosts_engine else 0.0
         drawn, current = public.drawn, step - 1  # the learner's policy: the weights of `step - 1` pushes
         rl = self.rl_cfg
@@ -235,7 +237,7 @@ class RolloutCollector:
         dropped = (len(public.kept) - len(kept)) * rl.group_size + public.dropped_stale
         plan.stats.update(staleness_stats([drawn[d][i] for d, i in kept], current, dropped))
         with timer.phase("gather"):
-            rows = self._deliver(kept, sampled.held if sampled is not None else {}, rl.group_size)
+            rows = self._deliver(kept, sampled.held if isinstance(sampled, Sampled) else {}, rl.group_size)
         self._signal.observe(step, plan.stats["reward/zero_variance_frac"])
         if self._row_owners[self.placement.rank] is None:  # an engine-only rank trains on nothing
             rollout = Rollout(None, torch.zeros(0), [], plan.stats)
@@ -319,10 +321,11 @@ class RolloutCollector:
         """This engine's problems of a draw, G multi-turn episodes each (`episodes`), decoded in
         rounds of at most rl.max_turn_tokens tokens until every engine's episodes are over
         (each round's failure agreed over the engine ranks, as `Engines.generate`'s)."""
-        s, G = self.sampler_cfg, self.rl_cfg.group_size
-        pool = RolloutPool(s.max_new_tokens, self.episodes.max_turn_tokens, self.episodes)
+        s, G, episodes = self.sampler_cfg, self.rl_cfg.group_size, self.episodes
+        assert episodes is not None  # (a multi-turn task's collector has its episodes)
+        pool = RolloutPool(s.max_new_tokens, episodes.max_turn_tokens, episodes)
         for i, (problem, seed) in enumerate(zip(problems, seeds)):
-            self.episodes.admit(pool, (step, 0, i), problem, seed, G)
+            episodes.admit(pool, (step, 0, i), problem, seed, G)
         t0 = time.perf_counter()
         with timer.phase("sample"):
             while True:
@@ -330,6 +333,8 @@ class RolloutCollector:
                 fault = None
                 if pool.running:
                     try:
+                        if self.sampler is None:
+                            raise RuntimeError("this rank has no engine (dropped after a failure)")
                         pool.segment(self.sampler, version, s.temperature, s.top_p)
                     except Exception as e:  # (whatever the engine raised; the round is retried on a rebuilt engine)
                         fault = EngineFault(self.placement.rank, describe_error(e))
@@ -339,9 +344,9 @@ class RolloutCollector:
                     self.engines.recover(faults, f"generating step {step}", everywhere=self.engines.group is None)
                 elif not any(running for _, running in parts):
                     break
-        groups = [g.scored([self.tok.decode(r.tokens) for r in g.responses], [r.episode.reward for r in g.responses])
+        groups = [g.scored([self.tok.decode(r.tokens) for r in g.responses], g.episode_rewards()[0])
                   for g in sorted(pool.done, key=lambda g: g.key)]
-        cut = sum(r.episode.reward_timeouts for g in pool.done for r in g.responses)
+        cut = sum(g.episode_rewards()[1] for g in pool.done)
         return groups, time.perf_counter() - t0, cut
 
     def _draw_agents(self, step: int, problems: list[Problem], seeds: list[int], version: int,
@@ -404,3 +409,13 @@ class FixedWeights:
 
     def finish(self) -> None:
         """(nothing in flight)"""
+
+    def push(self, learner: Any, version: int) -> dict[str, float]:
+        raise RuntimeError("this collector's engines keep their starting weights: nothing pushes to them")
+
+    def receive(self) -> object:
+        raise RuntimeError("this collector's engines keep their starting weights: nothing arrives")
+
+    def poll(self) -> bool:
+        """(no push ever begins)"""
+        return False

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_rl.runtime.failures import RunFaultError, describe_error
+from moe_rl.sampler.base import Generates
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class GenerateOnly:
     """A sampler's `generate`, its failures raised as `GenerateError` (for callers that
     run more than the engine: the evaluation scores its responses too)."""
 
-    def __init__(self, sampler: Any) -> None:
+    def __init__(self, sampler: Generates) -> None:
         self._sampler = sampler
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:

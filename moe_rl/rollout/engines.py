@@ -19,7 +19,7 @@ import gc
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,10 +41,47 @@ from moe_rl.sampler import Rollouts, Sampler
 log = logging.getLogger(__name__)
 
 
+class EngineWeights(Protocol):
+    """What the engines need of the weight transport that feeds them
+    (`moe_rl.weights.WeightSynchronizer`, or the collector's `FixedWeights`)."""
+
+    synced: bool
+    """A push has been made or received since this process started."""
+
+    def attach(self, engine: Sampler | None) -> None:
+        """This rank's engine (None: none, or dropped), once it has started."""
+        ...
+
+    def finish(self) -> None:
+        """Wait for anything a push left in flight."""
+        ...
+
+
+class WeightTransport(EngineWeights, Protocol):
+    """The weight transport of a run (`moe_rl.weights.WeightSynchronizer`): the learner ranks
+    push, the engine-only ranks receive, every engine remembers the version it holds."""
+
+    held_version: int | None
+    """The learner's update count of the weights this rank's engine holds (None: its start)."""
+
+    def push(self, learner: Any, version: int) -> dict[str, float]:
+        """A learner rank's side (`learner`: a `moe_rl.learner.protocols.PolicyLearner`, which
+        the rollout may not import): the weights into the engines; the sync's metrics."""
+        ...
+
+    def receive(self) -> object:
+        """An engine-only rank's side: load the weights the learner pushes."""
+        ...
+
+    def poll(self) -> bool:
+        """An engine-only rank's side: the learner's next push has begun to arrive."""
+        ...
+
+
 class Engines:
     """This rank's engine (None on a learner-only rank) and what rebuilding it needs."""
 
-    def __init__(self, placement: EnginePlacement, weight_sync: Any, *, sampler: SamplerConfig, rl: RLConfig,
+    def __init__(self, placement: EnginePlacement, weight_sync: EngineWeights, *, sampler: SamplerConfig, rl: RLConfig,
                  seed: int, trust_checkpoint: bool) -> None:
         """Collective: the engine groups form. The engines are built as `sampler` and `rl`
         ask (`moe_rl.sampler.engine_config`), seeded with the run's `seed`; `trust_checkpoint`
@@ -92,11 +129,13 @@ class Engines:
             ro, fault = None, None
             kill_point("generate")  # (a test hook: a no-op unless MOE_RL_TEST_KILL_AT names it)
             try:
+                if self.sampler is None:
+                    raise RuntimeError("this rank has no engine (dropped after a failure)")
                 ro = self.guarded(doing).generate(prompt_ids, **kwargs)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 fault = EngineFault(self.placement.rank, describe_error(e))
             faults = [f for f in self.placement.all_engines(fault, self.group) if f is not None]
-            if not faults:
+            if not faults and ro is not None:  # (no fault here: this rank's call returned)
                 return ro
             self.recover(faults, doing, everywhere=self.group is None)
 
@@ -150,6 +189,7 @@ class Engines:
             self.discard()
             pl = self.placement
             group_env = pl.group_env(self.group) if pl.ranks_per_engine > 1 else None
+            assert self._hf_dir is not None  # (set by start)
             self.sampler = self._build(self._hf_dir, group_env)
             self.weight_sync.attach(self._checked())
         if self.weight_sync.synced:
@@ -197,15 +237,20 @@ class GuardedSampler:
 
     def generate(self, prompt_ids: list[list[int]], **kwargs: Any) -> Rollouts:
         requested = len(prompt_ids) * int(kwargs.get("n", 1)) * int(kwargs.get("max_new_tokens", 1))
-        e = self._engines
+        e, sampler = self._engines, self._sampler()
         with call_deadline(e.sampler_cfg.timeout_for(requested), e._on_hang(self._doing, requested)):
-            return e.sampler.generate(prompt_ids, **kwargs)
+            return sampler.generate(prompt_ids, **kwargs)
 
     def score(self, prompt_ids: Any, response_ids: Any, **kwargs: Any) -> list[list[float]]:
         requested = sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-        e = self._engines
+        e, sampler = self._engines, self._sampler()
         with call_deadline(e.sampler_cfg.timeout_for(requested), e._on_hang(self._doing, requested)):
-            return e.sampler.score(prompt_ids, response_ids, **kwargs)
+            return sampler.score(prompt_ids, response_ids, **kwargs)
+
+    def _sampler(self) -> Sampler:
+        if self._engines.sampler is None:
+            raise RuntimeError("this rank has no engine (dropped after a failure)")
+        return self._engines.sampler
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engines.sampler, name)

@@ -59,6 +59,7 @@ from moe_rl.tokenization.turns import ChatTurns
 
 if TYPE_CHECKING:
     from moe_rl.config import RLConfig, TaskConfig
+    from moe_rl.sampler.base import Generates
     from moe_rl.tasks.base import Problem, Task
 
 
@@ -92,9 +93,9 @@ class Episodes:
 
     def start(self, problem: Problem, group_size: int) -> tuple[list[int], list[EpisodeState]]:
         """The prompt ids of `problem`'s episodes and one fresh episode per response."""
-        states = [EpisodeState(self.make_env(problem)) for _ in range(group_size)]
-        openings = [s.env.start() for s in states]
-        return self.turns_for(states[0].env).opening(openings[0]), states
+        envs = [self.make_env(problem) for _ in range(group_size)]
+        openings = [env.start() for env in envs]
+        return self.turns_for(envs[0]).opening(openings[0]), [EpisodeState(env) for env in envs]
 
     def admit(self, pool: RolloutPool, key: tuple[int, int, int], problem: Problem, seed: int,
               group_size: int) -> None:
@@ -102,7 +103,7 @@ class Episodes:
         prompt, states = self.start(problem, group_size)
         pool.admit(key, prompt, seed, group_size, states)
 
-    def run(self, sampler: Any, problems: Sequence[Problem], n: int, temperature: float, top_p: float,
+    def run(self, sampler: Generates, problems: Sequence[Problem], n: int, temperature: float, top_p: float,
             seeds: Sequence[int]) -> list[PoolGroup]:
         """`n` episodes of each problem decoded to the end on `sampler` (one engine alone: an
         evaluation), the groups in problem order; seeds as `base_seeds` gives them."""
@@ -115,12 +116,14 @@ class Episodes:
 
     def turn_room(self, r: PartialResponse) -> int:
         """Tokens the turn in progress may still take."""
+        assert r.episode is not None  # (admitted as an episode)
         return self.max_turn_tokens - (len(r.tokens) - r.episode.turn_start)
 
     def end_turn(self, r: PartialResponse, ended_on_eos: bool) -> None:
         """The turn in progress is over (EOS, or cut at a limit: `ended_on_eos` false): let
         the environment answer it, then append its observation or end the episode."""
         ep = r.episode
+        assert ep is not None and ep.env is not None  # (a running episode has its environment)
         turn_ids = r.tokens[ep.turn_start:]
         ep.turns.append((ep.turn_start, len(r.tokens)))
         if not ended_on_eos:  # cut mid-turn: its calls are not run, it is the answer as it stands
@@ -150,6 +153,7 @@ class Episodes:
         turn = self._turn(turn_ids)
         ep.tool_calls += len(turn.calls)
         ep.parse_errors += turn.error is not None
+        assert ep.env is not None  # (a running episode has its environment)
         obs = ep.env.step(turn)
         ep.turn_rewards += float(obs.reward)
         return obs
@@ -159,6 +163,7 @@ class Episodes:
         """End the episode and score it now: its reward is the environment's final reward plus
         the per-turn rewards (the environment is not needed after, nor saved)."""
         ep = r.episode
+        assert ep is not None and ep.env is not None  # (a running episode has its environment)
         ep.truncated = truncated
         r.finish = "length" if truncated else "stop"
         ep.reward = float(ep.env.reward()) + ep.turn_rewards
@@ -169,7 +174,7 @@ class Episodes:
         """Rebuild a resumed running episode's environment by showing a fresh one the turns it
         had (a finished one keeps its reward and needs none)."""
         ep = r.episode
-        if r.finish is not None:
+        if r.finish is not None or ep is None:
             return
-        ep.env = self.make_env(problem)
-        replay(ep.env, [self._turn(r.tokens[start:end]) for start, end in ep.turns])
+        ep.env = env = self.make_env(problem)
+        replay(env, [self._turn(r.tokens[start:end]) for start, end in ep.turns])

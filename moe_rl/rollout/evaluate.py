@@ -16,9 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_rl.sampler.base import base_seeds
+
+if TYPE_CHECKING:
+    from moe_rl.config import RunConfig, SamplerConfig, TaskConfig
+    from moe_rl.rollout.engines import Engines
+    from moe_rl.rollout.episodes import Episodes
+    from moe_rl.sampler.base import Generates
+    from moe_rl.tasks.base import Problem, Task
+    from moe_rl.tokenization.prompts import PromptEncoder
 
 CORRECT = 0.5
 """A reward at or above this counts as a correct answer for pass@k."""
@@ -54,9 +62,10 @@ class EvalReport:
                 "eval/reward_timeouts": float(self.reward_timeouts)}
 
 
-def evaluate_problems(sampler: Any, encoder: Any, tok: Any, task: Any, problems: Sequence[Any], *, k: int,
+def evaluate_problems(sampler: Generates, encoder: PromptEncoder, tok: Any, task: Task, problems: Sequence[Problem],
+                      *, k: int,
                       temperature: float, top_p: float, max_new_tokens: int, seed: int,
-                      examples: int = 4, episodes: Any = None) -> EvalReport:
+                      examples: int = 4, episodes: Episodes | None = None) -> EvalReport:
     """Greedy + `k` sampled responses per problem on `sampler`, scored by `task`; with
     `episodes` (`moe_rl.rollout.episodes.Episodes`), whole multi-turn episodes scored by their
     environments."""
@@ -68,8 +77,8 @@ def evaluate_problems(sampler: Any, encoder: Any, tok: Any, task: Any, problems:
         sampled_groups = episodes.run(sampler, problems, k, temperature, top_p, base_seeds(seed + 1, len(problems), k))
         greedy_ids = [r.tokens for g in greedy_groups for r in g.responses]
         sampled_ids = [r.tokens for g in sampled_groups for r in g.responses]
-        greedy_r = [r.episode.reward for g in greedy_groups for r in g.responses]
-        sampled_r = [r.episode.reward for g in sampled_groups for r in g.responses]
+        greedy_r = [x for g in greedy_groups for x in g.episode_rewards()[0]]
+        sampled_r = [x for g in sampled_groups for x in g.episode_rewards()[0]]
         greedy_texts = [tok.decode(ids) for ids in greedy_ids]
     else:
         prompt_ids = [encoder.encode(p) for p in problems]
@@ -98,7 +107,7 @@ class HeldOut:
     on the rollout engines, each engine taking its block of the problems; an engine that
     fails is rebuilt with the weights it had and the evaluation runs again."""
 
-    def __init__(self, task_cfg: Any, run_cfg: Any) -> None:
+    def __init__(self, task_cfg: TaskConfig, run_cfg: RunConfig) -> None:
         self.task_cfg, self.run_cfg = task_cfg, run_cfg
         self._problems: tuple[Any, list[Any]] | None = None
         self.last_examples: list[dict[str, Any]] = []
@@ -120,8 +129,8 @@ class HeldOut:
             self._problems = (task, problems[: self.run_cfg.eval_max_problems or None])
         return self._problems
 
-    def evaluate(self, step: int, engines: Any, encoder: Any, tok: Any, sampler_cfg: Any,
-                 episodes: Any = None) -> dict[str, float]:
+    def evaluate(self, step: int, engines: Engines, encoder: PromptEncoder, tok: Any, sampler_cfg: SamplerConfig,
+                 episodes: Episodes | None = None) -> dict[str, float]:
         """Greedy accuracy and pass@k after step `step`. Collective: every rank returns the same."""
         from moe_rl.rollout.engine_faults import EngineFault, GenerateError, GenerateOnly
 

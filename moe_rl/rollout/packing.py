@@ -103,7 +103,10 @@ def sampler_routing(rows: list[RowSample], tokens: TokenBatch, row_ids: torch.Te
     if not rows or rows[0].routed is None:
         return None
     moe_layers = list(range(model.num_dense_layers, model.num_layers))
-    ids_BSLK, valid_BS = align_sampler_routing([r.routed for r in rows], tokens, model.num_experts, moe_layers)
+    routed = [r.routed for r in rows if r.routed is not None]
+    if len(routed) != len(rows):
+        raise ValueError(f"{len(rows) - len(routed)} of {len(rows)} rows lack the sampler's routed experts")
+    ids_BSLK, valid_BS = align_sampler_routing(routed, tokens, model.num_experts, moe_layers)
     return ReplayIds(row_ids, ids_BSLK, valid_BS)
 
 

@@ -19,12 +19,14 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar, cast
 
 import torch.distributed as dist
 
-from moe_rl.runtime.collectives import all_gather_object, broadcast_object, exchange_objects
+from moe_rl.runtime.collectives import Group, all_gather_object, broadcast_object, exchange_objects
 from moe_rl.runtime.worlds import bridge
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,12 @@ class EnginePlacement:
         start = self.engine * base + min(self.engine, extra)
         return range(start, start + base + (1 if self.engine < extra else 0))
 
-    def gather(self, mine: Any) -> list[Any]:
+    def gather(self, mine: T) -> list[T]:
         """Every engine leader's `mine`, in engine order, on every rank (collective)."""
         everyone = self.all_gather(mine if self.leader else None)
-        return [everyone[self.first_engine_rank + e * self.ranks_per_engine] for e in range(self.engines)]
+        return cast("list[T]", [everyone[self.first_engine_rank + e * self.ranks_per_engine] for e in range(self.engines)])  # (leaders' own)
 
-    def gather_engines(self, mine: Any, group: Any) -> list[Any]:
+    def gather_engines(self, mine: T, group: Group) -> list[T]:
         """Every engine leader's `mine`, in engine order, on every engine rank. Collective
         over the engine ranks only (`group`, from `engines_group`; None when every rank hosts
         an engine): under separate placement the learner ranks are not involved."""
@@ -99,9 +101,9 @@ class EnginePlacement:
             return self.gather(mine)
         with bridge():
             everyone = all_gather_object(mine if self.leader else None, group=group)
-        return [everyone[e * self.ranks_per_engine] for e in range(self.engines)]
+        return cast("list[T]", [everyone[e * self.ranks_per_engine] for e in range(self.engines)])  # (leaders' own)
 
-    def all_engines(self, mine: Any, group: Any) -> list[Any]:
+    def all_engines(self, mine: T, group: Group) -> list[T]:
         """Every engine rank's `mine` (leaders' and the others'), in rank order, on every
         engine rank: what each shard of each engine has to say (its failure). Collective over
         the engine ranks (`group` as in `gather_engines`; None: every rank)."""
@@ -110,14 +112,14 @@ class EnginePlacement:
         with bridge():
             return all_gather_object(mine, group=group)
 
-    def from_engines(self, obj: Any) -> Any:
+    def from_engines(self, obj: T) -> T:
         """The first engine rank's `obj` on every rank (collective)."""
         if self.world == 1:
             return obj
         with bridge():
             return broadcast_object(obj, src=self.first_engine_rank)
 
-    def engines_group(self) -> Any:
+    def engines_group(self) -> Group:
         """The process group of the engine-only ranks (separate placement; None otherwise).
         Collective over every rank, at the same point on each."""
         if not self.engine_ranks or self.world == 1:
@@ -125,28 +127,28 @@ class EnginePlacement:
         with bridge():
             return dist.new_group(list(range(self.first_engine_rank, self.world)))
 
-    def all_gather(self, mine: Any) -> list[Any]:
+    def all_gather(self, mine: T) -> list[T]:
         """Every rank's `mine`, in rank order, on every rank (collective)."""
         if self.world == 1:
             return [mine]
         with bridge():
             return all_gather_object(mine)
 
-    def exchange(self, outgoing: list[Any]) -> list[Any]:
+    def exchange(self, outgoing: list[T]) -> list[T]:
         """All-to-all: `outgoing[r]` goes to rank r; returns what each rank sent here (collective)."""
         if self.world == 1:
             return list(outgoing)
         with bridge():
             return exchange_objects(outgoing)
 
-    def from_rank0(self, obj: Any) -> Any:
+    def from_rank0(self, obj: T) -> T:
         """Global rank 0's `obj` on every rank (collective)."""
         if self.world == 1:
             return obj
         with bridge():
             return broadcast_object(obj, src=0)
 
-    def group_env(self, group: Any = None) -> dict[str, str]:
+    def group_env(self, group: Group = None) -> dict[str, str]:
         """The environment of this rank's engine world (vLLM's external_launcher reads it):
         the group's own rank and size, and a rendezvous address its leader picked (a fresh
         port, so vLLM's world never shares a store with the trainer's). Collective over every
@@ -161,12 +163,14 @@ class EnginePlacement:
         addresses = self.gather_engines(mine, group)
         if self.engine is None:
             return {}
-        host, port = addresses[self.engine]
+        address = addresses[self.engine]
+        assert address is not None  # (its leader's)
+        host, port = address
         return {"RANK": str((self.rank - self.first_engine_rank) % self.ranks_per_engine),
                 "WORLD_SIZE": str(self.ranks_per_engine), "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0"),
                 "MASTER_ADDR": host, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
-    def weights_group(self) -> Any:
+    def weights_group(self) -> dist.ProcessGroup:
         """Separate placement: a process group of global rank 0 (which holds the learner's
         full tensors) and the engine ranks, for the weight broadcast. Collective: every rank
         calls it once, at the same point."""
@@ -179,5 +183,5 @@ class EnginePlacement:
                 dist.barrier()
 
 
-def concat(parts: Sequence[Sequence[Any]]) -> list[Any]:
+def concat(parts: Sequence[Sequence[T]]) -> list[T]:
     return [x for part in parts for x in part]

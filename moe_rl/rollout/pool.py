@@ -36,12 +36,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from moe_rl.rollout.types import ScoredGroup
-from moe_rl.sampler import Sampler
+from moe_rl.sampler.base import Generates
+from moe_rl.tasks.base import Problem
+from moe_rl.tasks.environment import Environment
 
 
 def segment_seed(base: int, j: int, segment: int) -> int:
@@ -55,7 +57,7 @@ def segment_seed(base: int, j: int, segment: int) -> int:
 class EpisodeState:
     """What an episode keeps besides its tokens: its environment and its tallies."""
 
-    env: Any = field(default=None, repr=False, compare=False)
+    env: Environment | None = field(default=None, repr=False, compare=False)
     """The episode's `Environment` (rebuilt by `Episodes.restore` after a resume)."""
     turns: list[tuple[int, int]] = field(default_factory=list)
     """[start, end) of each finished assistant turn in the episode's tokens."""
@@ -88,8 +90,12 @@ class EpisodeState:
                             d.get("reward_timeouts", 0))
 
 
+@runtime_checkable
 class StreamingEngine(Protocol):
     """What the pool asks of a streaming engine (`moe_rl.sampler.vllm_stream`)."""
+
+    epoch: int
+    """Weight loads so far (tokens are drawn under the epoch they report)."""
 
     def submit(self, request_id: str, prompt: Sequence[int], *, seed: int, max_new_tokens: int,
                temperature: float, top_p: float) -> None: ...
@@ -108,6 +114,9 @@ class EpisodeDriver(Protocol):
 
     def end_turn(self, r: PartialResponse, ended_on_eos: bool) -> None:
         """The turn in progress is over: the environment answers (or the episode ends)."""
+
+    def restore(self, problem: Problem, r: PartialResponse) -> None:
+        """Rebuild a resumed running episode's environment."""
 
 
 @dataclass
@@ -171,16 +180,31 @@ class PoolGroup:
         """The version of its oldest token (None before its first segment)."""
         return min((r.versions[0] for r in self.responses if r.versions), default=None)
 
-    def scored(self, texts: list[str], rewards: list[float]) -> ScoredGroup:
+    def episode_rewards(self) -> tuple[list[float], int]:
+        """(Each finished episode's reward, how many were cut at task.reward_timeout_s): a
+        multi-turn group's rewards, given as each episode ended."""
+        eps = [r.episode for r in self.responses]
+        if any(ep is None or ep.reward is None for ep in eps):
+            raise RuntimeError(f"group {self.key}: an episode without a reward (not a finished multi-turn group)")
+        return [ep.reward for ep in eps if ep is not None and ep.reward is not None], sum(
+            ep.reward_timeouts for ep in eps if ep is not None)
+
+    def scored(self, texts: list[str], rewards: list[float] | None = None) -> ScoredGroup:
         """The finished group as the rollout's `ScoredGroup`, with its responses' `texts` and
-        `rewards`."""
+        `rewards` (None: its own, given as it finished)."""
+        rewards = self.rewards if rewards is None else rewards
+        if rewards is None:
+            raise RuntimeError(f"group {self.key} has no rewards yet")
         rs = self.responses
-        routed = [r.routed for r in rs] if all(r.routed is not None for r in rs) else None
-        episodes = all(r.episode is not None for r in rs)
+        routed = [r.routed for r in rs if r.routed is not None]
+        eps = [r.episode for r in rs if r.episode is not None]
+        episodes = len(eps) == len(rs)
+        finish = [r.finish for r in rs if r.finish is not None]
+        assert len(finish) == len(rs)  # (a finished group)
         return ScoredGroup(self.prompt, [r.tokens for r in rs], [r.logprobs for r in rs], texts, rewards,
-                           [r.finish for r in rs], routed, self.oldest or 0, [r.versions for r in rs],
+                           finish, routed if len(routed) == len(rs) else None, self.oldest or 0, [r.versions for r in rs],
                            [r.carried for r in rs], [r.observed for r in rs] if episodes else None,
-                           [r.episode.tally() for r in rs] if episodes else None)
+                           [ep.tally() for ep in eps] if episodes else None)
 
     def to_json(self) -> dict:
         return {"key": list(self.key), "prompt": self.prompt, "seed": self.seed,
@@ -216,7 +240,7 @@ class RolloutPool:
             r.episode = ep
         self.running.append(PoolGroup(key, list(prompt), seed, responses))
 
-    def segment(self, sampler: Sampler, version: int, temperature: float, top_p: float) -> int:
+    def segment(self, sampler: Generates, version: int, temperature: float, top_p: float) -> int:
         """Decode one segment of every unfinished response with the engine's weights
         (`version`); move groups that finished to `done`. Returns the tokens decoded."""
         rows = [(g, r, j) for g in self.running for j, r in enumerate(g.responses) if r.finish is None]
@@ -278,7 +302,7 @@ class RolloutPool:
 
     def _room(self, r: PartialResponse) -> int:
         room = self.max_new_tokens - len(r.tokens)
-        return min(room, self.episodes.turn_room(r)) if r.episode is not None else room
+        return min(room, self.episodes.turn_room(r)) if r.episode is not None and self.episodes is not None else room
 
     def _extend(self, r: PartialResponse, prompt_len: int, tokens: list[int], logprobs: list[float],
                 versions: list[int], routed: np.ndarray | None) -> tuple[int, bool]:
@@ -305,9 +329,10 @@ class RolloutPool:
         the environment."""
         if finish == "stop" and not cut:
             r.finish = "stop"
-        elif cut or finish is not None or (r.episode is not None and self.episodes.turn_room(r) <= 0):
+        elif cut or finish is not None or (r.episode is not None and self.episodes is not None
+                                           and self.episodes.turn_room(r) <= 0):
             r.finish = "length"
-        if r.episode is not None and r.finish is not None:  # a turn ended: the environment answers
+        if r.episode is not None and r.finish is not None and self.episodes is not None:  # a turn ended: the environment answers
             self.episodes.end_turn(r, ended_on_eos=r.finish == "stop")
 
     def _retire(self) -> None:

@@ -63,12 +63,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_rl.rollout.ahead import read_engine_file, write_engine_file
-from moe_rl.rollout.pool import PartialResponse, PoolGroup, RolloutPool
+from moe_rl.rollout.pool import PartialResponse, PoolGroup, RolloutPool, StreamingEngine
 from moe_rl.rollout.types import Sampled
 from moe_rl.runtime.timing import StepTimer
 
 if TYPE_CHECKING:
     from moe_rl.rollout.collector import RolloutCollector
+    from moe_rl.sampler import Sampler
     from moe_rl.tasks.base import Problem
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,20 @@ class SegmentedRollout:
         self.epoch_versions: dict[int, int] = {}
         """Streaming: the policy version of each engine epoch (weight loads) seen."""
         if self.streaming:
-            self.epoch_versions[collector.sampler.epoch] = collector.weight_sync.held_version or 0
+            self.epoch_versions[self._streamer().epoch] = collector.weight_sync.held_version or 0
+
+    def _engine(self) -> Sampler:
+        """This rank's engine (the pool runs on engine ranks only)."""
+        if self.collector.sampler is None:
+            raise RuntimeError("a rollout pool runs on an engine rank; this one has no engine")
+        return self.collector.sampler
+
+    def _streamer(self) -> StreamingEngine:
+        """This rank's engine, a streaming one (rl.inflight_kv=keep)."""
+        engine = self._engine()
+        if not isinstance(engine, StreamingEngine):
+            raise RuntimeError(f"rl.inflight_kv=keep needs a streaming engine, this rank has {type(engine).__name__}")
+        return engine
 
     # ------------------------------------------------------------------ schedule
 
@@ -152,7 +166,7 @@ class SegmentedRollout:
                 receive()
                 receive = None
                 if self.streaming:  # (tokens drawn from now on: the new epoch, the version just received)
-                    self.epoch_versions[self.collector.sampler.epoch] = self.collector.weight_sync.held_version
+                    self.epoch_versions[self._streamer().epoch] = self.collector.weight_sync.held_version or 0
                 self.pool.drop_older_than(step - 1 - rl.max_staleness)
                 continue
             if ready and receive is None:
@@ -165,12 +179,13 @@ class SegmentedRollout:
     def _segment(self, step: int, timer: StepTimer) -> None:
         """One segment of the pool; an engine that fails ends the run (the engines decode at
         their own pace, so they cannot agree on a restart: sampler.max_restarts is 0 here)."""
-        s, t0, sampler = self.sampler_cfg, time.perf_counter(), self.collector.sampler
+        s, t0 = self.sampler_cfg, time.perf_counter()
         with timer.phase("sample"):
             try:
                 if self.streaming:
-                    self.pool.stream(sampler, self.epoch_versions.__getitem__, s.temperature, s.top_p, POLL_S)
+                    self.pool.stream(self._streamer(), self.epoch_versions.__getitem__, s.temperature, s.top_p, POLL_S)
                 else:
+                    self._engine()  # (raises on a rank without one)
                     self.pool.segment(self.collector.engines.guarded(f"generating step {step}"),  # (the deadline)
                                       self.collector.weight_sync.held_version or 0, s.temperature, s.top_p)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
@@ -191,7 +206,7 @@ class SegmentedRollout:
         budget = (self.rl_cfg.max_draws - 1) * self.quota
         kept = []
         for g in self.pool.done:
-            if id(g) in new and len(set(g.rewards)) == 1 and len(self.screened) < budget:
+            if id(g) in new and g.rewards is not None and len(set(g.rewards)) == 1 and len(self.screened) < budget:
                 self.screened.append(g)
             else:
                 kept.append(g)
@@ -203,8 +218,8 @@ class SegmentedRollout:
             return
         if self.pool.episodes is not None:
             for g in groups:
-                g.rewards = [r.episode.reward for r in g.responses]
-                self.reward_timeouts += sum(r.episode.reward_timeouts for r in g.responses)
+                g.rewards, cut = g.episode_rewards()
+                self.reward_timeouts += cut
             return
         draws: dict[tuple[int, int], list] = {}
         texts = [self._texts(g) for g in groups]
@@ -249,9 +264,9 @@ class SegmentedRollout:
         seconds, self.seconds = self.seconds, 0.0
         timeouts, self.reward_timeouts = self.reward_timeouts, 0
         aside, self.screened = self.screened, []
-        scored = [g.scored(self._texts(g), g.rewards) for g in groups]
+        scored = [g.scored(self._texts(g)) for g in groups]
         return self.collector.sampled_from_groups(step, scored, seconds, dropped, timeouts,
-                                                  [g.scored(self._texts(g), g.rewards) for g in aside])
+                                                  [g.scored(self._texts(g)) for g in aside])
 
     def _problem(self, g: PoolGroup, draws: dict[tuple[int, int], list]) -> Problem:
         """The problem of a pooled group (the draws of its unit made once per batch)."""
@@ -277,12 +292,14 @@ class SegmentedRollout:
         doc = {"step": step, "layout": [p.engines, p.ranks_per_engine], "pool": self.pool.to_json(),
                "units": self.units, "seconds": self.seconds, "screened": [g.to_json() for g in self.screened],
                "reward_timeouts": self.reward_timeouts}
+        assert p.engine is not None  # (a leader is an engine rank)
         write_engine_file(pool_path(run_dir, step, p.engine), doc, p.engine, KEEP)
 
     def load(self, run_dir: Path, step: int) -> bool:
         """The pool saved at step `step`'s weight receipt, when every engine has its own
         under this layout (collective over the engine ranks); False: start afresh."""
         p = self.collector.placement
+        assert p.engine is not None  # (an engine rank)
         doc, why = read_engine_file(pool_path(run_dir, step, p.engine), (p.engines, p.ranks_per_engine))
         missing = self.collector.engines_lacking(why)
         if missing:
@@ -290,8 +307,9 @@ class SegmentedRollout:
                 log.warning("resuming from step %d without the engines' rollout pool (%s): starting a fresh pool, "
                             "so the schedule differs from the uninterrupted run's", step, "; ".join(missing))
             return False
+        assert doc is not None  # (no engine lacks its file: this one's was read)
         self.pool.load_json(doc["pool"])
-        if self.streaming and self.collector.sampler.returns_routed_experts:
+        if self.streaming and self._engine().returns_routed_experts:
             self._restart_running()
         if self.pool.episodes is not None:  # (running episodes' environments, rebuilt from their turns)
             draws: dict = {}

@@ -202,6 +202,7 @@ class Rollout:
         b = self.batch
         if b is None:
             return []
+        assert b.adv_B is not None and b.sampler_logp_BT is not None  # (a rollout's rows carry both)
         learner = None
         if scored is not None and scored.old_logp_BT is not None:
             at = {int(r): i for i, r in enumerate(scored.row_ids_B.tolist())}

@@ -127,7 +127,7 @@ def align_sampler_routing(
         if max(moe_layers, default=-1) >= L_in:
             raise ValueError(f"routed_experts has {L_in} layers; MoE layers {list(moe_layers)} do not fit")
         select = torch.tensor(list(moe_layers), dtype=torch.long)
-    L = len(moe_layers) if select is not None else L_in
+    L = len(select) if select is not None else L_in
     ids = torch.zeros(B, S, L, K, dtype=ids_dtype(num_experts))
     ids[...] = torch.arange(K, dtype=ids.dtype)  # distinct placeholder ids where invalid
     valid = torch.zeros(B, S, dtype=torch.bool)

@@ -276,7 +276,7 @@ def routing_stats(
         out |= _topk_set_stats(
             "flip_rate", "flip_any", old_ids_NLK, new_ids_NLK, valid_N, mean=True
         )
-    if sampler_ids_NLK is not None:
+    if sampler_ids_NLK is not None and learner_ids_NLK is not None:  # (_resolve_pairs refused one without)
         out |= _topk_set_stats(
             "sampler_disagree",
             "sampler_disagree_any",

@@ -13,13 +13,17 @@ everyone (how a step's rows reach the data-parallel ranks that train on them).
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
+Group = dist.ProcessGroup | None
+"""A process group (None: the default, every rank of the current world)."""
 
-def _size(group: Any) -> int:
+
+def _size(group: Group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
@@ -30,7 +34,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+def all_gather_object(obj: T, group: Group = None) -> list[T]:
     """Every rank's `obj` in `group`, in group-rank order, on every rank."""
     if _size(group) == 1:
         return [obj]
@@ -39,7 +43,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
     """Global rank `src`'s `obj` on every rank of `group`."""
     if _size(group) == 1:
         return obj
@@ -48,7 +52,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     return box[0]
 
 
-def exchange_objects(outgoing: list[Any], group: Any = None) -> list[Any]:
+def exchange_objects(outgoing: list[T], group: Group = None) -> list[T]:
     """All-to-all of objects: `outgoing[r]` is sent to group rank r; returns what each rank
     sent to this one, in group-rank order. Two collectives: the byte counts, then the bytes."""
     n = _size(group)

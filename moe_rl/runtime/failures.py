@@ -36,7 +36,7 @@ def causes(exc: BaseException) -> list[BaseException]:
     CheckpointException (a BaseException carrying {rank: (exception, traceback)}), each
     rank's exception."""
     out: list[BaseException] = []
-    todo = [exc]
+    todo: list[BaseException | None] = [exc]
     while todo:
         e = todo.pop(0)
         if e is None or any(e is seen for seen in out):

@@ -64,7 +64,7 @@ def nan_update_due(update: int) -> bool:
     """Whether the test hook asks for a NaN loss in optimizer update `update` (1-based, the
     learner's count). Unset: never."""
     want = os.environ.get(NAN_ENV)
-    return bool(want) and str(update) in want.split(",")
+    return want is not None and str(update) in want.split(",")
 
 
 class InjectedEngineError(RuntimeError):

@@ -90,7 +90,7 @@ def silence_known_noise() -> None:
 def show_third_party_warnings() -> None:
     """Undo `silence_known_noise`, here and in the processes this one starts (`--verbose`)."""
     os.environ[SHOW_ALL_ENV] = "1"
-    warnings.filters[:] = [f for f in warnings.filters if f not in _WARNING_FILTERS]
+    warnings.filters[:] = [f for f in warnings.filters if f not in _WARNING_FILTERS]  # type: ignore[index]  # (typeshed: a Sequence; a list at runtime)
     _WARNING_FILTERS.clear()
     refresh = getattr(warnings, "_filters_mutated", None)  # drop the "already filtered" caches
     if refresh is not None:

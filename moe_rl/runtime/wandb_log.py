@@ -76,7 +76,8 @@ class WandbRun:
         self.run = run
 
     @classmethod
-    def start(cls, lg: LoggingConfig, run_name: str, recipe: dict[str, Any], run_dir: Path, run_id: str) -> WandbRun:
+    def start(cls, lg: LoggingConfig, run_name: str, recipe: dict[str, Any], run_dir: Path,
+              run_id: str | None) -> WandbRun:
         """Open the W&B run `run_id` (named `logging.wandb_name` or `run_name`, its config the
         resolved `recipe`), or continue it where it exists; wandb's own errors (no key
         online, a refused name) become one line saying what to do."""

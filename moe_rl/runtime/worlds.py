@@ -50,7 +50,7 @@ class _World:
 
 
 def _empty_world(group_count: int = 0) -> _World:
-    g = {name: {} for name in _GLOBALS}
+    g: dict[str, Any] = {name: {} for name in _GLOBALS}
     g["_group_count"] = group_count
     g["_backend"] = None
     g["_default_pg_init_method"] = None

@@ -82,6 +82,17 @@ class Rollouts:
         return {"response_ids_BT": ids_BT, "logprobs_BT": logp_BT, "mask_BT": mask_BT, "lengths_B": lengths_B}
 
 
+class Generates(Protocol):
+    """What only samples needs of an engine (`Sampler.generate`; the evaluation's
+    `GenerateOnly` wraps one)."""
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int = 1, max_new_tokens: int = 16,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                 prompt_seeds: Sequence[int] | None = None) -> Rollouts:
+        """As `Sampler.generate`."""
+        ...
+
+
 @runtime_checkable
 class Sampler(Protocol):
     """A rollout engine the trainer can sample from, score with, and push weights into."""
@@ -122,6 +133,16 @@ class Sampler(Protocol):
 
     def close(self) -> None:
         """Release the engine; the trainer's process group and thread count are kept."""
+        ...
+
+
+@runtime_checkable
+class SleepingSampler(Sampler, Protocol):
+    """A sampler that frees its device memory between steps (vLLM's sleep mode,
+    sampler.sleep_between_steps) and wakes for its next call by itself."""
+
+    def sleep(self) -> None:
+        """Release the weights and KV cache until the next call."""
         ...
 
 

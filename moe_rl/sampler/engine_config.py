@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -149,7 +149,7 @@ def engine_config(sampler: SamplerConfig, rl: RLConfig, seed: int, eos_token_ids
         precision = resolve_precision(s.precision, on_gpu)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    common = dict(precision=precision, seed=seed, eos_token_ids=tuple(eos_token_ids))
+    common: dict[str, Any] = dict(precision=precision, seed=seed, eos_token_ids=tuple(eos_token_ids))
     if s.backend == "transformers":
         device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"  # this rank's GPU
         return HFEngineConfig(**common, device=device)

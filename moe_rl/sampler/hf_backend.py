@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expan
 from moe_rl.sampler.engine_config import HFEngineConfig
 from moe_rl.sampler.precision import precision_dtype, transform_weights
 from moe_rl.sampler.weights import iter_checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # model.layers.3.mlp.experts.5.gate_proj.weight -> ("model.layers.3.mlp.experts", 5, "gate")
 _EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -51,10 +55,10 @@ def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 class _RouterCapture:
     """Forward hooks that record each MoE router's top-k ids, per forward call."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         cfg = model.config
-        self.num_layers = cfg.num_hidden_layers
-        self.top_k = cfg.num_experts_per_tok
+        self.num_layers: int = cfg.num_hidden_layers
+        self.top_k: int = cfg.num_experts_per_tok
         num_experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts  # Qwen3-MoE / Glm4-MoE
         self.dtype = np.uint8 if num_experts <= 256 else np.uint16
         self.enabled = False
@@ -67,7 +71,7 @@ class _RouterCapture:
         self.moe_layers = len(self._handles)
 
     def _hook(self, layer_id: int):
-        def hook(module: torch.nn.Module, inputs: tuple, output: object) -> None:
+        def hook(module: torch.nn.Module, inputs: tuple, output: Any) -> None:
             if not self.enabled:
                 return
             if isinstance(output, tuple) and len(output) >= 3:
@@ -112,7 +116,7 @@ class HFSampler:
         self._seed_stream = np.random.default_rng(config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=precision_dtype(config.precision), attn_implementation=config.attn_implementation
-        ).to(self.device)
+        ).to(self.device)  # type: ignore[arg-type]  # (transformers types .to as a decorated method: it takes a device)
         self.model.eval().requires_grad_(False)
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self._routers = _RouterCapture(self.model)

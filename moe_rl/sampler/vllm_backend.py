@@ -261,6 +261,8 @@ def rollouts_of(prompts: list[list[int]], outputs: Sequence[Any], routed_experts
     for i, out in enumerate(outputs):
         for c in sorted(out.outputs, key=lambda c: c.index):
             ids, lps, why = tokens_of(c, out.request_id)
+            if why is None:
+                raise RuntimeError(f"vLLM request {out.request_id} came back unfinished")
             prompt_index.append(i)
             responses.append(ids)
             logprobs.append(lps)
@@ -360,8 +362,8 @@ class VLLMSampler:
         client = self.llm.llm_engine.engine_core
         fin = getattr(client, "_finalizer", None)
         if hasattr(client, "engine_core") and isinstance(fin, weakref.finalize) and fin.alive:
-            _, shutdown, _, _ = fin.detach()
-            client._finalizer = weakref.finalize(client, _shutdown_in_world, self._worlds, shutdown)
+            _, shutdown, _, _ = fin.detach()  # type: ignore[misc]  # (typeshed: detach -> tuple | None; alive: a tuple)
+            client._finalizer = weakref.finalize(client, _shutdown_in_world, self._worlds, shutdown)  # type: ignore[attr-defined]  # (vLLM's private finalizer, checked above)
 
     # ----------------------------------------------------------------- protocol
 
@@ -425,7 +427,8 @@ class VLLMSampler:
             self.asleep = False
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
+        llm = getattr(self, "llm", None)
+        self.llm = None  # type: ignore[assignment]  # (closed: `_call` refuses every later call; typed LLM for the calls before)
         if llm is not None:
             with preserved_torch_state(), self._worlds.engine(shutting_down=True):
                 llm.llm_engine.engine_core.shutdown()

@@ -297,9 +297,12 @@ class StreamingVLLMSampler:
         for i, (rid, s) in enumerate(zip(ids, seeds)):
             self.submit(rid, prompts[i // n], seed=s, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         done = self._wait(ids)
+        finish = [f for r in ids if (f := done[r].finish) is not None]
+        routed = [x for r in ids if (x := done[r].routed) is not None]
+        if len(finish) < len(ids) or (self.returns_routed_experts and len(routed) < len(ids)):
+            raise RuntimeError("the streaming engine returned a request unfinished or without its routed experts")
         return Rollouts(prompts, [i // n for i in range(len(ids))], [done[r].tokens for r in ids],
-                        [done[r].logprobs for r in ids], [done[r].finish for r in ids],
-                        [done[r].routed for r in ids] if self.returns_routed_experts else None)
+                        [done[r].logprobs for r in ids], finish, routed if self.returns_routed_experts else None)
 
     def _wait(self, ids: list[str]) -> dict[str, StreamDelta]:
         """Poll until the requests `ids` have finished (other requests' deltas are kept for

@@ -45,7 +45,7 @@ from moe_rl.tasks.base import Problem
 from moe_rl.tasks.synthetic import DigitTask
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self
 
     from moe_rl.config import TaskConfig
 

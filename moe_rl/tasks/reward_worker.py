@@ -45,6 +45,7 @@ import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import SupportsFloat
 
 from moe_rl.tasks.base import Problem
 from moe_rl.tasks.rewards import RewardError, RewardFn, make_reward, math_verify_score, row_of
@@ -114,6 +115,7 @@ class RewardWorker:
         would be out of step with the next batch)."""
         try:
             self._start()
+            assert self._conn is not None  # (_start made it)
             path = _parent_path()
             self._conn.send((path if path != self._path else None, spec, list(problems), list(responses)))
             self._path = path
@@ -126,6 +128,8 @@ class RewardWorker:
                 message = _checked(self._receive(timeout_s, spec, problem))
                 if message is _SILENT:
                     return False
+                if not isinstance(message, SupportsFloat):
+                    raise RewardError(f"task.reward={spec}: the reward process sent {message!r}, not a number")
                 values.append(float(message))
             return True
         except RewardError:
@@ -137,14 +141,16 @@ class RewardWorker:
     def _receive(self, limit_s: float, spec: str, problem: Problem) -> object:
         """The worker's next message, `_SILENT` after `limit_s` without one; a worker that
         died is a RewardError naming the row it was scoring."""
-        if not self._conn.poll(limit_s):
+        conn = self._conn
+        assert conn is not None  # (_start made it)
+        if not conn.poll(limit_s):
             return _SILENT
         try:
-            return self._conn.recv()
+            return conn.recv()
         except (EOFError, OSError):
             proc = self._proc
             self.close()
-            code = proc.returncode
+            code = proc.returncode if proc is not None else None
             raise RewardError(f"task.reward={spec}: the reward process died (exit status {code}) on "
                               f"{row_of(problem)}; fix the function (it must return, not exit or crash the "
                               "interpreter)") from None

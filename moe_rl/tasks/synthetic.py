@@ -26,7 +26,7 @@ import numpy as np
 from moe_rl.tasks.base import Problem, Task, as_rng, check_count, clean_response
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self
 
     from moe_rl.config import TaskConfig
 

@@ -34,7 +34,7 @@ import shutil
 import string
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import sentencepiece as spm
@@ -117,7 +117,7 @@ def training_corpus() -> list[str]:
 def train_tokenizer(out_path: str | os.PathLike, vocab_size: int = VOCAB_SIZE) -> Path:
     """Train the tokenizer on `training_corpus()` and write the model file to `out_path`."""
     model = io.BytesIO()
-    options = {**TRAINER_OPTIONS, "vocab_size": vocab_size}
+    options: dict[str, Any] = {**TRAINER_OPTIONS, "vocab_size": vocab_size}
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(training_corpus()), model_writer=model, **options
     )
@@ -197,7 +197,7 @@ def load_sentencepiece(path: str | os.PathLike | None = "") -> Tokenizer:
 def _load_proto(model_path: Path):  # -> sentencepiece_model_pb2.ModelProto
     from sentencepiece import sentencepiece_model_pb2
 
-    proto = sentencepiece_model_pb2.ModelProto()
+    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # (generated protobuf code: no stub declares it)
     proto.ParseFromString(model_path.read_bytes())
     return proto
 

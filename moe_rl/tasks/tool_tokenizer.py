@@ -160,7 +160,7 @@ def render(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None = Non
     (the exact text `apply_chat_template(..., tokenize=False)` gives), without a tokenizer."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template([list(messages)], tools=list(tools) if tools else None,
+    rendered, _ = render_jinja_template([list(messages)], tools=list(tools) if tools else None,  # type: ignore[str-unpack]  # (annotated -> str, returns (texts, indices))
                                         chat_template=template, add_generation_prompt=add_generation_prompt)
     return rendered[0]
 

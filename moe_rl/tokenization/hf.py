@@ -56,10 +56,11 @@ class HFTokenizer:
     def __init__(self, path: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> None:
         """`path`: the tokenizer's directory or its tokenizer.json; `model_dir`: where
         generation_config.json / config.json declare EOS and pad ids (default: `path`)."""
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
         self.path = Path(path)
         directory = self.path.parent if self.path.is_file() else self.path
+        tok: PreTrainedTokenizerBase
         try:
             if self.path.is_file():  # a bare tokenizer.json
                 tok = PreTrainedTokenizerFast(tokenizer_file=str(self.path))
@@ -106,20 +107,28 @@ class HFTokenizer:
         """Text of `ids` without special tokens; ids past the vocabulary (a padded
         embedding may sample them) are dropped."""
         kept = [i for i in map(int, ids) if 0 <= i < self.vocab_size]
-        return self._tok.decode(kept, skip_special_tokens=True)
+        return _text(self._tok.decode(kept, skip_special_tokens=True))
 
     def encode_example(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         """(prompt ids, completion ids + EOS) for a supervised example."""
         return self.encode(prompt), self.encode(completion, eos=True)
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
-        return self._tok.convert_ids_to_tokens([int(i) for i in ids])
+        pieces = self._tok.convert_ids_to_tokens([int(i) for i in ids])
+        return [pieces] if isinstance(pieces, str) else pieces
 
     def render_chat(self, messages: Sequence[dict[str, Any]], template: str, tools: Sequence[Any] | None = None,
                     add_generation_prompt: bool = True) -> str:
         """The text of `messages` under `template` (with `tools`: plain functions or JSON
         schemas, shown as the template shows them), by default ending with the assistant
         turn's opening."""
-        return self._tok.apply_chat_template(list(messages), chat_template=template, tokenize=False,
-                                             tools=list(tools) if tools else None,
-                                             add_generation_prompt=add_generation_prompt)
+        return _text(self._tok.apply_chat_template(list(messages), chat_template=template, tokenize=False,
+                                                   tools=list(tools) if tools else None,
+                                                   add_generation_prompt=add_generation_prompt))
+
+
+def _text(out: object) -> str:
+    """A transformers call's text (its annotations allow lists and encodings for other arguments)."""
+    if not isinstance(out, str):
+        raise TypeError(f"the tokenizer returned {type(out).__name__} where text was expected")
+    return out

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_rl.tokenization.hf import TokenizerError
+
+if TYPE_CHECKING:
+    from moe_rl.config import TaskConfig
+    from moe_rl.tasks.base import Problem
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class PromptEncoder:
     system_prompt: str = ""
 
     @classmethod
-    def from_config(cls, task: Any, tokenizer: Any) -> PromptEncoder:
+    def from_config(cls, task: TaskConfig, tokenizer: Any) -> PromptEncoder:
         """`task.chat_template` / `task.system_prompt` applied to `tokenizer`."""
         spec = task.chat_template
         if spec == "none":
@@ -53,14 +57,14 @@ class PromptEncoder:
                                  f"{spec}); a system prompt needs one")
         return cls(tokenizer, template, task.system_prompt)
 
-    def messages(self, problem: Any) -> list[dict[str, str]]:
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
         """The conversation a problem stands for (system prompt first when set)."""
         msgs = [dict(m) for m in problem.messages] if problem.messages else [{"role": "user", "content": problem.prompt}]
         if self.system_prompt and msgs[0].get("role") != "system":
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
-    def encode(self, problem: Any) -> list[int]:
+    def encode(self, problem: Problem) -> list[int]:
         """Prompt ids of `problem` (see the module docstring)."""
         if self.template is None:
             if problem.messages:
@@ -70,18 +74,18 @@ class PromptEncoder:
             return plain(problem.prompt)
         return self.tokenizer.encode(self.tokenizer.render_chat(self.messages(problem), self.template))
 
-    def encode_example(self, problem: Any, completion: str) -> tuple[list[int], list[int]]:
+    def encode_example(self, problem: Problem, completion: str) -> tuple[list[int], list[int]]:
         """(prompt ids, completion ids + EOS) of a supervised example: the prompt exactly as
         the sampler sees it (`encode`), the completion as the policy would sample it."""
         return self.encode(problem), self.tokenizer.encode(completion, eos=True)
 
-    def text(self, problem: Any) -> str:
+    def text(self, problem: Problem) -> str:
         """The prompt as the model reads it (for logs and rollout dumps)."""
         if self.template is None:
             return problem.prompt
         return self.tokenizer.render_chat(self.messages(problem), self.template)
 
 
-def _where(problem: Any) -> str:
+def _where(problem: Problem) -> str:
     meta = getattr(problem, "meta", {}) or {}
     return f" ({meta['path']} line {meta['line']})" if "path" in meta and "line" in meta else ""

@@ -45,7 +45,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,9 @@ from moe_rl.weights.verify import (
     SyncVerifyError,
     tensor_checksum,
 )
+
+if TYPE_CHECKING:
+    from moe_rl.learner.protocols import PolicyLearner
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -204,11 +207,11 @@ def _meta_tensors(payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([data.numel()], dtype=torch.int64), data
 
 
-def _send(t: torch.Tensor, group: object, inflight: InFlight) -> None:
+def _send(t: torch.Tensor, group: dist.ProcessGroup | None, inflight: InFlight) -> None:
     inflight.add(dist.broadcast(t, src=0, group=group, async_op=True), t)
 
 
-def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: object, send: bool,
+def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: dist.ProcessGroup | None, send: bool,
                       version: int, inflight: InFlight, wire: WireFormat | None = None,
                       check: SyncCheck | None = None, hashes: bool = False) -> SyncReport:
     """Drain `named_tensors`; with `send` (global rank 0), broadcast every bucket over
@@ -245,7 +248,7 @@ def broadcast_buckets(named_tensors: NamedTensors, bucket_bytes: int, group: obj
     return report
 
 
-def _receive_meta(group: object, dev: torch.device, posted: tuple[torch.Tensor, Any] | None = None) -> Any:
+def _receive_meta(group: dist.ProcessGroup | None, dev: torch.device, posted: tuple[torch.Tensor, Any] | None = None) -> Any:
     """The next announcement; `posted`: its size already requested (`BroadcastSync.poll`)."""
     if posted is None:
         size = torch.empty(1, dtype=torch.int64, device=dev)
@@ -258,7 +261,7 @@ def _receive_meta(group: object, dev: torch.device, posted: tuple[torch.Tensor, 
     return pickle.loads(data.cpu().numpy().tobytes())  # (from global rank 0 of this run)
 
 
-def receive_buckets(group: object, load: Callable[[Bucket], None],
+def receive_buckets(group: dist.ProcessGroup | None, load: Callable[[Bucket], None],
                     posted: tuple[torch.Tensor, Any] | None = None, wire: WireFormat | None = None) -> SyncReport:
     """An engine rank's side of `broadcast_buckets`: receive and load buckets until the end
     (`posted`: the first announcement's size, already requested), a delta push's patches
@@ -321,7 +324,7 @@ class WeightSynchronizer(ABC):
         """This rank's engine (None on a learner-only rank), once it has started."""
         self.engine = engine
 
-    def push(self, learner: Any, version: int) -> dict[str, float]:
+    def push(self, learner: PolicyLearner, version: int) -> dict[str, float]:
         """A learner rank's side: drain the learner's weights (collective over the learner
         ranks, and with the engine ranks under `BroadcastSync`) into the engines, and return
         the sync's metrics, every learner rank's gathered (`sync/seconds_max`, per-rank ones)."""

@@ -32,7 +32,8 @@ SIGNATURES = {
 
 def _write_bucket(transform_list: list, use_msc: bool, i: int, bucket: Any) -> Any:
     """One bucket (one `.distcp` file) through megatron's own writer; its results or error."""
-    local, count = queue.Queue(), queue.Queue()
+    local: queue.Queue[Any] = queue.Queue()
+    count: queue.Queue[int] = queue.Queue()
     count.put(i)
     FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, use_msc=use_msc)
     return local.get()[1]

@@ -19,10 +19,10 @@ def apply() -> None:
 
     def setup_embeddings_and_output_layer(self):
         cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t  # type: ignore[method-assign]  # (the patch: a no-op .cuda())
         try:
             return original(self)
         finally:
-            torch.Tensor.cuda = cuda
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]  # (restored)
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer

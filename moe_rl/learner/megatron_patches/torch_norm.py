@@ -24,7 +24,7 @@ def apply() -> None:
             raise ValueError(f"moe_rl builds RMSNorm models, got {config.normalization}")
         norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
         for p in norm.parameters():
-            p.sequence_parallel = bool(config.sequence_parallel)
+            p.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]  # (megatron's tag on a parameter)
         return norm
 
     WrappedTorchNorm.__new__ = staticmethod(__new__)

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from moe_rl.learner.parallel import all_reduce_, comm_device
+from moe_rl.learner.parallel import Layout, all_reduce_, comm_device
 from moe_rl.routing.record import ReplayIds, RoutingRecord, row_positions
 from moe_rl.routing.stats import topk_set_changed
 
 
 def sampler_disagreement(
-    record: RoutingRecord, sampler: ReplayIds, scored_RS: torch.Tensor, layout: Any
+    record: RoutingRecord, sampler: ReplayIds, scored_RS: torch.Tensor, layout: Layout
 ) -> dict[str, float]:
     """Per-layer fraction of scored positions where the sampler's top-k set differs from
     the learner's own routing (the router's choice, even under replay), the fraction
@@ -52,7 +52,7 @@ def sampler_disagreement(
     return per_layer
 
 
-def _any_stage(any_RS: torch.Tensor, layout: Any) -> torch.Tensor:
+def _any_stage(any_RS: torch.Tensor, layout: Layout) -> torch.Tensor:
     """A token differs "in at least one layer" if any pipeline stage's layers differ for it;
     the stages of one pipeline hold the same rows, so OR their [R, S] maps."""
     if layout.pp == 1:

@@ -59,15 +59,15 @@ class MicroBatchRouting:
         return self.needs_logr or self.spread_NK is not None or (
             self.replay_NLK is not None and self.replay_valid_N is not None)
 
-    def on(self, device: torch.device, name: str, long: bool = False) -> torch.Tensor | None:
+    def on(self, device: torch.device, name: str, long: bool = False) -> torch.Tensor:
         """A per-micro-batch input on the router's device (as int64 with `long`), moved (and
-        widened) once per micro-batch, not once per layer."""
+        widened) once per micro-batch, not once per layer; the caller checked it is set."""
         key = (name, long)
         t = self._moved.get(key)
         if t is None:
             t = getattr(self, name)
             if t is None:
-                return None
+                raise RuntimeError(f"routing input {name} is not set for this micro-batch")
             t = t.to(device, non_blocking=True)
             if long:
                 t = t.long()
@@ -92,13 +92,15 @@ class PassRouting:
 
     def add_stats(self, st: MicroBatchRouting, device: torch.device) -> None:
         """The micro-batch's per-layer statistics, weighted by its scored slots."""
-        w_N = st.on(device, "weight_N")
+        w_N, stats_2LN = st.on(device, "weight_N"), st.layer_stats_2LN
+        assert stats_2LN is not None  # (the caller's check)
         if self.stat_sums is None:
             self.stat_sums = torch.zeros(3, self.num_routers, dtype=torch.float64, device=device)
-        self.stat_sums[:2] += st.layer_stats_2LN @ w_N
+        self.stat_sums[:2] += stats_2LN @ w_N
         self.stat_sums[2] += w_N.sum()
 
     def add_misses(self, st: MicroBatchRouting) -> None:
+        assert st.misses_L is not None  # (the caller's check)
         self.misses_L = st.misses_L if self.misses_L is None else self.misses_L.add_(st.misses_L)
         self.replayed += st.replayed
 

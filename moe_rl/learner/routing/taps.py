@@ -36,6 +36,7 @@ import contextlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from moe_rl.learner.megatron_patches.router_replay import drop_autograd_state, route, tap
 from moe_rl.learner.microbatch import ForwardHooks, MicroBatch
-from moe_rl.learner.parallel import all_reduce_, comm_device, wait_for_device
+from moe_rl.learner.parallel import Layout, all_reduce_, comm_device, wait_for_device
 from moe_rl.learner.routing.checks import (
     ReplayError,
     check_replay_covers,
@@ -93,7 +94,7 @@ def _in_backward() -> bool:
 class RouterTaps(ForwardHooks):
     """Owns the routers (and their RouterReplay instances) of one model."""
 
-    def __init__(self, gpt: torch.nn.Module, tcfg: Any, layout: Any) -> None:
+    def __init__(self, gpt: torch.nn.Module, tcfg: Any, layout: Layout) -> None:
         self.layout = layout
         self.tcfg = tcfg
         self.num_experts = tcfg.num_moe_experts
@@ -109,7 +110,7 @@ class RouterTaps(ForwardHooks):
         self._ids_dtype = ids_dtype(self.num_experts)
         self._for_recompute: list[deque[torch.Tensor]] = [deque() for _ in self.routers]
         for i, router in enumerate(self.routers):
-            tap(router, lambda original, i=i, router=router: self._make_tap(i, router, original))
+            tap(router, partial(self._make_tap, i, router))
         self.plan: RoutingPlan | None = None
         self._state: MicroBatchRouting | None = None
         self._pass = PassRouting(len(self.routers))
@@ -151,6 +152,7 @@ class RouterTaps(ForwardHooks):
     def before_forward(self, mb: MicroBatch) -> None:
         """The micro-batch's routing inputs, on the host (its tensors are still there)."""
         inp = mb.inp
+        assert inp is not None  # (the learner sets it before the forward)
         shard = slot_shard(inp, self.layout.tp, self.layout.tp_rank, self.layout.sequence_parallel)
         whole = shard.stop - shard.start == inp.slots
         real_N = inp.real_N if whole else inp.real_N[shard]
@@ -178,6 +180,7 @@ class RouterTaps(ForwardHooks):
         """The slots' replay ids, which slots take them, and the coverage check (host); `src`:
         the slots' rows in `r`, when already found (R2 replays the old record's rows)."""
         mb, inp, shard = st.mb, st.mb.inp, st.shard
+        assert inp is not None  # (before_forward's)
         if src is None:
             src = slot_source(r.rows, r.ids_RSLK.shape[1], mb.rows_B, inp, shard, missing_ok=True)
         st.replay_NLK = from_rows(r.ids_RSLK, src, fill_k=self.topk)
@@ -200,7 +203,7 @@ class RouterTaps(ForwardHooks):
             copies = [None if not parts else self._gather_sp(torch.stack(parts, dim=1)).to("cpu", non_blocking=True)
                       for parts in st.captured]
             self._pass.captures.append((mb.rows_B, mb.inp, mb.batch.batch_size, mb.batch.seq_len, copies))
-        if self.plan.old is not None:
+        if self.plan is not None and self.plan.old is not None:  # (active: a plan is set)
             sums_N = st.shift_sum_N if st.shift_sum_N is not None else torch.zeros(
                 st.real_N.numel(), device=comm_device())  # sent over NCCL on GPU: never a host tensor
             sums_N = self._gather_sp(sums_N)
@@ -216,7 +219,8 @@ class RouterTaps(ForwardHooks):
         st = self._state
         if st is None or self.plan is None or self.plan.old is None:
             return {}
-        total_N = st.shift_sum_N
+        total_N, inp = st.shift_sum_N, mb.inp
+        assert total_N is not None and inp is not None  # (plan.old: after_forward summed this stage's shift)
         earlier = self._earlier_stage_ranks()
         if earlier:
             total_N = total_N.clone()
@@ -225,9 +229,9 @@ class RouterTaps(ForwardHooks):
             dist.recv(buf, src=src, group=self._side_group)
             total_N += buf
         gamma_N = router_shift_from_partial(total_N, self.num_moe_layers, self.topk, gamma_min=0.0)
-        scored = mb.scored if mb.scored is not None else mb.inp.scored
+        scored = mb.scored if mb.scored is not None else inp.scored
         gamma_BT = torch.where(scored.mask_BT, gamma_N[scored.slot_BT], 1.0)
-        self._pass.gammas.append((gamma_BT, mb.inp.scored.mask_BT))
+        self._pass.gammas.append((gamma_BT, inp.scored.mask_BT))
         return {"router_shift_BT": gamma_BT}
 
     # ------------------------------------------------------------------ the tap
@@ -282,8 +286,10 @@ class RouterTaps(ForwardHooks):
         if st.replay_NLK is not None:
             target = st.on(dev, "replay_NLK", long=True)[:, i]
             if st.replay_valid_N is not None:
+                assert fresh_NK is not None  # (needs_fresh: slots without replay ids route freely)
                 target = torch.where(st.on(dev, "replay_valid_N")[:, None], target, fresh_NK)
         if st.spread_NK is not None:  # (a where, not mask indexing, which waits for a GPU at every layer)
+            assert fresh_NK is not None  # (needs_fresh)
             target = torch.where(st.on(dev, "real_N")[:, None], fresh_NK if target is None else target,
                                  st.on(dev, "spread_NK"))
         return target
@@ -294,16 +300,20 @@ class RouterTaps(ForwardHooks):
         micro-batch shard, all into device tensors."""
         L = len(self.routers)
         if st.replay_NLK is not None:
+            assert target_NK is not None  # (replayed ids are forced)
             if st.misses_L is None:
                 st.misses_L = torch.empty(L, dtype=torch.long, device=dev)
-            count_replay_misses(routing_map_NE, target_NK, st.on(dev, "replay_valid_N"), st.misses_L[i])
+            valid_N = None if st.replay_valid_N is None else st.on(dev, "replay_valid_N")
+            count_replay_misses(routing_map_NE, target_NK, valid_N, st.misses_L[i])
         if st.capture:
+            assert logr_NE is not None and fresh_NK is not None  # (capture needs both: needs_logr, needs_fresh)
             used_NK = fresh_NK if target_NK is None else target_NK.sort(dim=-1).values
             st.captured[0].append(used_NK.to(self._ids_dtype))
             st.captured[1].append(logr_NE.gather(1, used_NK))
             if st.replay_NLK is not None:
                 st.captured[2].append(fresh_NK.to(self._ids_dtype))
         if st.old_ids_NLK is not None:
+            assert logr_NE is not None and fresh_NK is not None  # (plan.old needs both: needs_logr, needs_fresh)
             old_ids = st.on(dev, "old_ids_NLK", long=True)[:, i]
             dlogr_NK = (logr_NE.gather(1, old_ids) - st.on(dev, "old_logp_NLK")[:, i]).abs()
             part = dlogr_NK.sum(-1)
@@ -418,7 +428,7 @@ class RouterTaps(ForwardHooks):
         return list(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[:-1])
 
 
-def _pipeline_side_group(layout: Any) -> Any:
+def _pipeline_side_group(layout: Layout) -> Any:
     """A process group per pipeline (same members as megatron's), used only for the
     router-shift sums so they never interleave with megatron's activation messages."""
     if layout.pp == 1:

@@ -13,7 +13,7 @@ update runs the surrogate whose gradient is DPO's (`surrogate`). Metrics use TRL
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,8 +24,12 @@ from moe_rl.programs.dpo.surrogate import COEF_KEY, surrogate_coefficients, surr
 from moe_rl.programs.preference.data import encode_pairs, pair_rows
 from moe_rl.programs.preference.program import PreferenceProgram
 
+if TYPE_CHECKING:
+    from moe_rl.learner.parallel import Layout
+    from moe_rl.learner.protocols import PolicyLearner
 
-def sequence_logps(learner: Any, tokens: TokenBatch) -> torch.Tensor:
+
+def sequence_logps(learner: PolicyLearner, tokens: TokenBatch) -> torch.Tensor:
     """[B] fp64 log pi(response | prompt), summed over response tokens (whole batch, every rank)."""
     return (learner.logprobs(tokens).double() * tokens.response_mask()).sum(-1)
 
@@ -45,7 +49,7 @@ class DPOProgram(PreferenceProgram):
         return f"dpo ({pairs_cfg.loss}, beta {pairs_cfg.beta})"
 
 
-    def _build(self, layout: Any, resume_from: Path | None) -> None:
+    def _build(self, layout: Layout, resume_from: Path | None) -> None:
         from moe_rl.learner import Learner, load_start
 
         run = self.run
@@ -68,6 +72,7 @@ class DPOProgram(PreferenceProgram):
     def _held_out(self) -> dict[str, float]:
         """Held-out loss, preference accuracy and margins."""
         d = self.pairs_cfg
+        assert self.eval_ref is not None  # (scored by _build)
         logps = PairLogps(*pair_rows(sequence_logps(self.model, self.eval_tokens)), *pair_rows(self.eval_ref))
         return pair_metrics(logps, d.beta, d.loss, d.label_smoothing)
 

@@ -47,6 +47,7 @@ from moe_rl.step_batch import StepBatch
 
 if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)
     from moe_rl.learner import MicroBatch, MicroBatchLoss
+    from moe_rl.learner.engine import Learner
     from moe_rl.learner.parallel import Layout
 
 OLD_VALUES = "old_values_BT"
@@ -102,7 +103,7 @@ class CriticStage(StepComponent):
         self.kl_coef = rl.kl_coef
         """beta, the KL weight in the reward of the next step (rl.kl_in_reward)."""
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> dict[str, Learner]:
         return {"critic": self.critic}
 
     def start(self, init: str, trust: bool) -> None:
@@ -134,6 +135,7 @@ class CriticStage(StepComponent):
         values_BT = self.critic.values(batch).double() * mask_BT
         kl_BT = None
         if rl.kl_in_reward:
+            assert batch.old_logp_BT is not None and batch.ref_logp_BT is not None  # (kl_in_reward: both scored)
             kl_BT = (batch.old_logp_BT.double() - batch.ref_logp_BT.double()) * mask_BT
         rewards_BT = token_rewards(batch.extras[SCORE], mask_BT, kl_BT, self.kl_coef if rl.kl_in_reward else 0.0)
         adv_BT, returns_BT = gae(rewards_BT, values_BT, mask_BT, rl.gae_gamma, rl.gae_lambda)

@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,10 @@ from moe_rl.config import (
     validate_layout,
 )
 from moe_rl.loop import Program
+
+if TYPE_CHECKING:
+    from moe_rl.learner.checkpoint import PendingSave
+    from moe_rl.learner.parallel import Layout
 
 
 class PreferenceProgram(Program):
@@ -92,7 +96,7 @@ class PreferenceProgram(Program):
         self.eval_tokens: Any = None
         self._stack = contextlib.ExitStack()
 
-    def _build(self, layout: Any, resume_from: Path | None) -> None:
+    def _build(self, layout: Layout, resume_from: Path | None) -> None:
         """Build `self.model` (and whatever else the algorithm needs), from `resume_from` or
         from run.init_checkpoint, and set `self.eval_tokens`."""
         raise NotImplementedError
@@ -144,7 +148,7 @@ class PreferenceProgram(Program):
             return {}
         return {f"eval/{k}": v for k, v in self._held_out().items()}
 
-    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
+    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> PendingSave:
         """Collective: the model, optimizer, schedule and RNG."""
         from moe_rl.learner.checkpoint import start_checkpoint
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_rl.batch import TokenBatch
 from moe_rl.config import RewardModelConfig
@@ -34,6 +34,9 @@ from moe_rl.programs.reward_model.loss import (
     score_pair_metrics,
     score_surrogate_loss,
 )
+
+if TYPE_CHECKING:
+    from moe_rl.learner.parallel import Layout
 
 
 class RewardModelProgram(PreferenceProgram):
@@ -51,7 +54,7 @@ class RewardModelProgram(PreferenceProgram):
         return f"reward model (compare {pairs_cfg.compare})"
 
 
-    def _build(self, layout: Any, resume_from: Path | None) -> None:
+    def _build(self, layout: Layout, resume_from: Path | None) -> None:
         from moe_rl.learner import load_start
         from moe_rl.learner.critic import VALUE_HEAD_KEYS, ValueModel
 
@@ -74,6 +77,7 @@ class RewardModelProgram(PreferenceProgram):
 
     def _held_out(self) -> dict[str, float]:
         """Held-out loss, accuracies and margins."""
+        assert self.eval_slots is not None  # (set by _build)
         chosen_PT, rejected_PT = self.eval_slots
         scores_BT = self.model.logprobs(self.eval_tokens)
         return score_pair_metrics(scores_BT, self.eval_tokens, chosen_PT, rejected_PT)

@@ -11,9 +11,14 @@ them by name.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from moe_rl.step_batch import StepBatch
+
+if TYPE_CHECKING:
+    from moe_rl.learner.engine import Learner
 
 
 class StepComponent:
@@ -26,7 +31,7 @@ class StepComponent:
     passes: tuple[int, int] = (1, 1)
     """(epochs, mini-batches per epoch) of its updates in a step."""
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> dict[str, Learner]:
         """Its trained models by checkpoint name (saved and loaded beside the actor, offloaded
         with it)."""
         raise NotImplementedError
@@ -39,8 +44,8 @@ class StepComponent:
         `gather`: every data-parallel rank's object. Collective."""
         return batch, {}
 
-    def update(self, batch: StepBatch, minibatches: list[Any]) -> dict[str, float]:
-        """Its optimizer steps on the step's mini-batches (this rank's rows of each)."""
+    def update(self, batch: StepBatch, minibatches: list[torch.Tensor]) -> dict[str, float]:
+        """Its optimizer steps on the step's mini-batches (global row ids of each)."""
         return {}
 
     def state(self) -> dict[str, Any]:
@@ -51,6 +56,6 @@ class StepComponent:
         """Resume `state` from a checkpoint's metadata."""
 
 
-def models_of(components: list[StepComponent]) -> dict[str, Any]:
+def models_of(components: list[StepComponent]) -> dict[str, Learner]:
     """Every component's trained models by checkpoint name."""
     return {name: model for c in components for name, model in c.models().items()}

@@ -43,7 +43,9 @@ class EngineRole(Program):
 
     def setup(self, resume_from: Path | None) -> int:
         self.collector.start_sampler(self.run.run_dir, None)
-        start = self.collector.placement.from_rank0(None)
+        nothing: int | None = None  # (an engine-only rank has no start of its own)
+        start = self.collector.placement.from_rank0(nothing)
+        assert start is not None  # (rank 0's: a training rank's)
         self.collector.weight_sync.held_version = start
         self.collector.assign_rows(None)  # (trains on no rows)
         if self.rl.segmented:
@@ -56,13 +58,14 @@ class EngineRole(Program):
                 self._queue.append(self._first_batch(step, resumed=start > 0))
         return start
 
-    def _first_batch(self, step: int, resumed: bool) -> Sampled | None:
+    def _first_batch(self, step: int, resumed: bool) -> Sampled:
         """A batch of the queue at the start: the one sampled ahead before a stop, when this
         run is resumed and every engine saved its share; else sampled now."""
         saved = self.collector.sampled_ahead(self.run.run_dir, step) if resumed else None
         if saved is None:
             saved = self.collector.sample(step, StepTimer())
             self.collector.save_ahead(self.run.run_dir, saved, keep=self.rl.max_staleness + 2)
+        assert saved is not None  # (an engine rank samples)
         return saved
 
     def step(self, step: int) -> dict[str, float]:
@@ -84,8 +87,10 @@ class EngineRole(Program):
         k = self.rl.max_staleness
         if k and step + k <= self.run.steps:
             try:
-                self._queue.append(self.collector.sample(step + k, timer))
-                self.collector.save_ahead(self.run.run_dir, self._queue[-1], keep=k + 2)
+                ahead = self.collector.sample(step + k, timer)
+                assert ahead is not None  # (an engine rank samples)
+                self._queue.append(ahead)
+                self.collector.save_ahead(self.run.run_dir, ahead, keep=k + 2)
             except EnginesRebuilt:  # (the push below brings the newest weights; step + k is sampled when due)
                 pass
             except EngineFailedError as e:  # (the learners are training this step: it finishes and is saved)
@@ -99,7 +104,7 @@ class EngineRole(Program):
         weights a rebuilt engine lacks once more, which it takes before it samples again."""
         while True:
             try:
-                sampled: Sampled | EngineNote = self.collector.sample(step, timer)
+                sampled: Sampled | EngineNote | None = self.collector.sample(step, timer)
             except (EnginesRebuilt, EngineFailedError) as e:
                 sampled = EngineNote.of(e)
             try:

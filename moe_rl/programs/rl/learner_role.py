@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from moe_rl.checkpoints.directories import step_dir_name
 from moe_rl.config import (
@@ -52,6 +52,11 @@ from moe_rl.rollout import Rollout, RolloutCollector
 from moe_rl.rollout.engine_faults import EnginesRebuilt
 from moe_rl.runtime.atomic import atomic_write_text
 from moe_rl.runtime.timing import StepTimer
+from moe_rl.step_batch import StepBatch
+
+if TYPE_CHECKING:  # (the learner package imports megatron-core: loaded when a learner exists)
+    from moe_rl.learner.checkpoint import PendingSave
+    from moe_rl.learner.parallel import Layout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,6 +162,7 @@ class LearnerRole(Program):
         with self._learner_on_host(timer) as offloaded:
             rollout = self._again_if_rebuilt(lambda: self.collector.collect(step, timer), version=step - 1)
         batch = rollout.batch
+        assert batch is not None and batch.sampler_logp_BT is not None  # (a training rank's rows, as sampled)
         with timer.phase("old_logprob"):
             if rl.old_logprobs == "sampler":  # bypass: the sampler's log-probs are the behaviour policy
                 batch = batch.scored(batch.sampler_logp_BT, None)
@@ -214,7 +220,7 @@ class LearnerRole(Program):
                 for part in self._offload:
                     part.reload()
 
-    def _save_rollout(self, step: int, rollout: Rollout, scored: Any) -> None:
+    def _save_rollout(self, step: int, rollout: Rollout, scored: StepBatch) -> None:
         """Every data-parallel rank's rows to rank 0, as `<run>/rollouts/step_<n>.jsonl`, when
         a dump is due (a debugging aid: the only time rows travel to one rank), with the
         learner's log-probs from `scored`, the step's batch after its updates."""
@@ -230,7 +236,7 @@ class LearnerRole(Program):
 
     # ------------------------------------------------------------------ state and the end
 
-    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> Any:
+    def save(self, path: Path, meta: dict[str, Any], background: bool = False) -> PendingSave:
         from moe_rl.learner.checkpoint import start_checkpoint
 
         state = {k: v for component in self.components for k, v in component.state().items()}
@@ -292,7 +298,7 @@ def actor_updates(rl: RLConfig, critic: CriticConfig, run_steps: int) -> int:
 
 
 def step_components(rl: RLConfig, critic: CriticConfig, model: ModelConfig, parallel: ParallelConfig, run_steps: int,
-                    layout: Any) -> list[StepComponent]:
+                    layout: Layout) -> list[StepComponent]:
     """The models the recipe trains beside the actor: PPO's critic when the advantage
     estimator needs one (the registry says so), else none."""
     if not rl.uses_critic:

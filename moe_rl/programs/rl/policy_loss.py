@@ -118,6 +118,8 @@ class PolicyLossFn:
         old_BT = logp_BT.detach() if self.on_policy else rows.old_logp_BT
         if old_BT is None:
             raise ValueError("an off-policy update needs the batch's old logprobs (score it first)")
+        if rows.adv_B is None:
+            raise ValueError("a policy update needs the batch's advantages")
         shift_BT = None
         if self.spec.needs_router_shift:
             shift_BT = torch.ones_like(old_BT) if self.on_policy else mb.aux.get("router_shift_BT")
@@ -181,7 +183,8 @@ def token_ratio_std(logp_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch.
     `at_N`: the valid tokens' (rows, positions), found on the host (`ScoredTokens`); without
     it they are found from the mask, which makes a GPU's host wait for its queue."""
     if at_N is None:
-        at_N = mask_BT.nonzero(as_tuple=True)
+        rows_N, cols_N = mask_BT.nonzero(as_tuple=True)
+        at_N = (rows_N, cols_N)
     if not at_N[0].numel():
         return logp_BT.new_zeros(())
     r_N = torch.exp((logp_BT - old_BT)[at_N].clamp(-20, 20))

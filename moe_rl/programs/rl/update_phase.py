@@ -12,7 +12,7 @@ routing record from the update's own forward.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,14 +23,18 @@ from moe_rl.routing.record import row_positions
 from moe_rl.runtime.metrics import combine
 from moe_rl.step_batch import StepBatch
 
+if TYPE_CHECKING:
+    from moe_rl.learner.protocols import PolicyLearner
+    from moe_rl.programs.rl.component import StepComponent
+
 log = logging.getLogger(__name__)
 
 
 class UpdatePhase:
     """The optimizer steps of one RL step, for the actor and the step components."""
 
-    def __init__(self, rl: RLConfig, sampler: SamplerConfig, seed: int, learner: Any, components: list[Any], dp: int,
-                 rank: int) -> None:
+    def __init__(self, rl: RLConfig, sampler: SamplerConfig, seed: int, learner: PolicyLearner,
+                 components: list[StepComponent], dp: int, rank: int) -> None:
         """`sampler`: the sampling settings the update's log-probs and length normalizers
         follow (temperature, max_new_tokens); `seed`: run.seed, of the mini-batch shuffles."""
         self.rl, self.sampler, self.seed = rl, sampler, seed
@@ -54,7 +58,7 @@ class UpdatePhase:
             metrics.update(component.update(batch, self.minibatches(step, batch, epochs, count)))
         return metrics, batch
 
-    def minibatches(self, step: int, batch: StepBatch, epochs: int, count: int) -> list[Any]:
+    def minibatches(self, step: int, batch: StepBatch, epochs: int, count: int) -> list[torch.Tensor]:
         """`epochs` passes of `count` shuffled mini-batches (global row ids), a shuffle per
         (step, pass); a component's passes reuse the actor's shuffles."""
         most = max([self.rl.epochs, *(c.passes[0] for c in self.components)])
@@ -68,7 +72,7 @@ class UpdatePhase:
                         "learning-rate schedule runs behind", step, batch.step_rows, len(out) // epochs, count)
         return out
 
-    def _update_actor(self, batch: StepBatch, minibatches: list[Any]) -> tuple[dict[str, float], StepBatch]:
+    def _update_actor(self, batch: StepBatch, minibatches: list[torch.Tensor]) -> tuple[dict[str, float], StepBatch]:
         """The actor's updates. An unscored batch (the on-policy shortcut) takes its old
         logprobs and routing from the update's forward; under bypass (rl.old_logprobs=sampler)
         the sampler's are the old ones, and the returned batch carries each row's first
