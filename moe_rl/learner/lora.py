@@ -34,9 +34,11 @@ from __future__ import annotations
 import math
 import types
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
@@ -44,7 +46,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.mlp import MLP, apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from moe_rl.config import ConfigError, ModelConfig
@@ -98,19 +100,32 @@ def _initial_a(rank: int, fan_in: int, seed_name: str, seed: int) -> torch.Tenso
 
 
 def _tp(linear: torch.nn.Module) -> tuple[int, int]:
-    g = linear.tp_group
+    g = cast(dist.ProcessGroup, linear.tp_group)  # (the TP group megatron's linears keep)
     return g.size(), g.rank()
+
+
+def _tag(param: torch.nn.Parameter, **attrs: object) -> None:
+    """Set megatron's attributes on a parameter (`sequence_parallel`, `tensor_model_parallel`,
+    `partition_dim`, ...), which torch's `Parameter` type does not declare."""
+    for name, value in attrs.items():
+        setattr(param, name, value)
+
+
+def _bind(module: torch.nn.Module, name: str, fn: Callable[..., Any]) -> None:
+    """Replace the method `name` of this one `module` by `fn` bound to it."""
+    setattr(module, name, types.MethodType(fn, module))
 
 
 def _add_adapter(linear: torch.nn.Module, rank: int, seed_name: str, seed: int, expert: bool) -> None:
     """Register lora_A / lora_B on `linear`, sharded as its weight is."""
     w = linear.weight
+    assert isinstance(w, torch.Tensor)
     tp, tp_rank = _tp(linear)
     column = isinstance(linear, ColumnParallelLinear)
     if column and getattr(linear, "gather_output", False) and tp > 1:
         raise ConfigError(f"model.lora: {seed_name} gathers its output over TP, which the adapters do not "
                           "support; leave its module out of model.lora.modules")
-    fan_in = linear.input_size
+    fan_in = cast(int, linear.input_size)  # (megatron's linears: the full input size, an int)
     full_a = _initial_a(rank, fan_in, seed_name, seed)
     if column:
         a = full_a
@@ -119,17 +134,15 @@ def _add_adapter(linear: torch.nn.Module, rank: int, seed_name: str, seed: int, 
         per = fan_in // tp
         a = full_a[:, tp_rank * per:(tp_rank + 1) * per]
         b = torch.zeros(w.shape[0], rank, dtype=torch.float64)
-    linear.lora_A = torch.nn.Parameter(a.to(dtype=w.dtype, device=w.device).contiguous())
-    linear.lora_B = torch.nn.Parameter(b.to(dtype=w.dtype, device=w.device))
+    lora_a = linear.lora_A = torch.nn.Parameter(a.to(dtype=w.dtype, device=w.device).contiguous())
+    lora_b = linear.lora_B = torch.nn.Parameter(b.to(dtype=w.dtype, device=w.device))
     sp = bool(linear.sequence_parallel) and not linear.explicit_expert_comm and tp > 1
-    replicated = linear.lora_A if column else linear.lora_B
-    replicated.sequence_parallel = sp  # its gradient: a partial sum over this rank's sequence shard
-    for p in (linear.lora_A, linear.lora_B):
-        p.tensor_model_parallel = p is not replicated
-        p.partition_dim = 0 if column else 1
-        p.partition_stride = 1
+    replicated = lora_a if column else lora_b
+    _tag(replicated, sequence_parallel=sp)  # its gradient: a partial sum over this rank's sequence shard
+    for p in (lora_a, lora_b):
+        _tag(p, tensor_model_parallel=p is not replicated, partition_dim=0 if column else 1, partition_stride=1)
         if expert:
-            p.allreduce = False  # expert parameters: reduced over expert-DP (model._reduce_expert_grads_over_expert_dp)
+            _tag(p, allreduce=False)  # expert parameters: reduced over expert-DP (model._reduce_expert_grads_over_expert_dp)
 
 
 def _lora_delta(linear: torch.nn.Module, x: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
@@ -137,6 +150,7 @@ def _lora_delta(linear: torch.nn.Module, x: torch.Tensor, scale: float, dropout:
     tp, _ = _tp(linear)
     column = isinstance(linear, ColumnParallelLinear)
     a, b = linear.lora_A, linear.lora_B
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     if dropout:
         x = F.dropout(x, dropout, training=linear.training)
     if linear.explicit_expert_comm or tp == 1:
@@ -176,7 +190,7 @@ def _linear_sharded_state_dict(self: torch.nn.Module, prefix: str = "", sharded_
 def _mlp_sharded_state_dict(original):
     """An MLP's sharded state dict with fc1's B split into gate and up halves as fc1's weight
     is (megatron's swiglu factory), so it reloads and exports at any TP."""
-    def sharded_state_dict(self: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (),
+    def sharded_state_dict(self: MLP, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
         sd = original(prefix, sharded_offsets, metadata)
         key = f"{prefix}linear_fc1.lora_B"
@@ -205,11 +219,10 @@ def apply_lora(gpt: torch.nn.Module, model: ModelConfig, seed: int) -> int:
                 continue
             _add_adapter(linear, lora.rank, _global_name(layer, name, offset), seed, group == "experts")
             linear.register_forward_hook(_hook(lora.scale, lora.dropout))
-            linear.sharded_state_dict = types.MethodType(_linear_sharded_state_dict, linear)
+            _bind(linear, "sharded_state_dict", _linear_sharded_state_dict)
             parent = layer.get_submodule(name.rsplit(".", 1)[0])
             if name.endswith("linear_fc1") and not getattr(parent, "_lora_fc1_factory", False):
-                parent.sharded_state_dict = types.MethodType(_mlp_sharded_state_dict(parent.sharded_state_dict),
-                                                             parent)
+                _bind(parent, "sharded_state_dict", _mlp_sharded_state_dict(parent.sharded_state_dict))
                 parent._lora_fc1_factory = True
             n += 1
     return n

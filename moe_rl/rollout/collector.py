@@ -403,6 +403,7 @@ class FixedWeights:
 
     held_version: int | None = None
     synced = False
+    engines_group: Any = None
 
     def attach(self, engine: Sampler | None) -> None:
         """(nothing to deliver to it)"""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +47,9 @@ class EngineWeights(Protocol):
 
     synced: bool
     """A push has been made or received since this process started."""
+    engines_group: Any
+    """The engine ranks' process group, set by `Engines` (where the engines agree on a
+    check after a push; None: they are the whole world)."""
 
     def attach(self, engine: Sampler | None) -> None:
         """This rank's engine (None: none, or dropped), once it has started."""
@@ -235,17 +238,35 @@ class GuardedSampler:
     def __init__(self, engines: Engines, doing: str) -> None:
         self._engines, self._doing = engines, doing
 
-    def generate(self, prompt_ids: list[list[int]], **kwargs: Any) -> Rollouts:
-        requested = len(prompt_ids) * int(kwargs.get("n", 1)) * int(kwargs.get("max_new_tokens", 1))
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int = 1, max_new_tokens: int = 16,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                 prompt_seeds: Sequence[int] | None = None) -> Rollouts:
+        requested = len(prompt_token_ids) * n * max_new_tokens
         e, sampler = self._engines, self._sampler()
         with call_deadline(e.sampler_cfg.timeout_for(requested), e._on_hang(self._doing, requested)):
-            return sampler.generate(prompt_ids, **kwargs)
+            return sampler.generate(prompt_token_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_p=top_p, seed=seed, prompt_seeds=prompt_seeds)
 
-    def score(self, prompt_ids: Any, response_ids: Any, **kwargs: Any) -> list[list[float]]:
-        requested = sum(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    def score(self, prompt_token_ids: Sequence[Sequence[int]], response_token_ids: Sequence[Sequence[int]],
+              temperature: float = 1.0) -> list[list[float]]:
+        requested = sum(len(p) + len(r) for p, r in zip(prompt_token_ids, response_token_ids))
         e, sampler = self._engines, self._sampler()
         with call_deadline(e.sampler_cfg.timeout_for(requested), e._on_hang(self._doing, requested)):
-            return sampler.score(prompt_ids, response_ids, **kwargs)
+            return sampler.score(prompt_token_ids, response_token_ids, temperature=temperature)
+
+    @property
+    def precision(self) -> str:
+        return self._sampler().precision
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        return self._sampler().returns_routed_experts
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._sampler().update_weights(named_tensors)
+
+    def close(self) -> None:
+        self._sampler().close()
 
     def _sampler(self) -> Sampler:
         if self._engines.sampler is None:

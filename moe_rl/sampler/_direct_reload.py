@@ -66,6 +66,14 @@ def repack_cpu_moe_module(module: torch.nn.Module) -> bool:
     return True
 
 
+def _vllm_method(module: torch.nn.Module, name: str) -> Callable[..., Any]:
+    """A method vLLM's model or layer class defines beyond `nn.Module`'s (`load_weights`,
+    `process_weights_after_loading`), which `nn.Module.__getattr__`'s type does not cover."""
+    method = getattr(module, name)
+    assert callable(method)
+    return method
+
+
 def direct_route_supported(vllm_config: Any) -> bool:
     """The direct route covers unquantized models without LoRA (the layer-wise reload the rest)."""
     return vllm_config.model_config.quantization is None and vllm_config.lora_config is None
@@ -140,7 +148,7 @@ class DirectReload:
         repacked = 0
         try:
             t1 = time.perf_counter()
-            loaded = self.model.load_weights(tensors)
+            loaded = _vllm_method(self.model, "load_weights")(tensors)
             self.seconds["swap"] += t1 - t0
             self.seconds["load"] += time.perf_counter() - t1
             stray = sorted(n for n in loaded if n != group and not n.startswith(group + "."))
@@ -161,7 +169,7 @@ class DirectReload:
                     info.reset()
         if any(done):
             for layer in attention:  # (what vLLM's reload re-runs on every attention layer)
-                layer.process_weights_after_loading(self.dtype)
+                _vllm_method(layer, "process_weights_after_loading")(self.dtype)
         return repacked
 
     def _swap_in(self, module: torch.nn.Module) -> Any:
@@ -173,7 +181,7 @@ class DirectReload:
         self._meta.materialize_layer(module, info)
         for tensor in self._lw.get_layer_tensors(module).values():
             # (a layer-wise reload leaves its loader wrappers on the recorded metadata)
-            tensor.weight_loader = self._lw._get_original_loader(tensor)
+            setattr(tensor, "weight_loader", self._lw._get_original_loader(tensor))  # noqa: B010  # (vLLM's, undeclared on Tensor)
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
         return info
@@ -181,9 +189,12 @@ class DirectReload:
     def _process(self, module: torch.nn.Module, info: Any, repack_moe: bool) -> int:
         """The module's own processing (and on CPU the MoE prepack), copied into its live storage."""
         t0 = time.perf_counter()
-        module.quant_method.process_weights_after_loading(module)
-        if hasattr(module, "update_param_tp_status"):
-            module.update_param_tp_status()
+        quant_method = module.quant_method
+        assert isinstance(quant_method, self._quant_base)  # (what `_modules_of` selected the module by)
+        quant_method.process_weights_after_loading(module)
+        update_param_tp_status = getattr(module, "update_param_tp_status", None)
+        if update_param_tp_status is not None:
+            update_param_tp_status()
         repacked = repack_moe and repack_cpu_moe_module(module)
         t1 = time.perf_counter()
         self._lw._copy_and_restore_kernel_tensors(module, info)

@@ -100,7 +100,11 @@ class MoeRLWorkerExtension:
         if weights is None and weights_path is None:
             raise ValueError("moe_rl_reload_weights needs weights or weights_path")
         if route == "direct" and direct_route_supported(self.vllm_config):
-            stream = weights if weights is not None else iter_checkpoint(weights_path)
+            if weights is not None:
+                stream = weights
+            else:
+                assert weights_path is not None  # (checked above)
+                stream = iter_checkpoint(weights_path)
             return self._moe_rl_direct().load(stream, repack_moe)
         layer_ids: set[int] = set()
         quiet = _DropRotaryReloadWarning()

@@ -97,8 +97,15 @@ class Generates(Protocol):
 class Sampler(Protocol):
     """A rollout engine the trainer can sample from, score with, and push weights into."""
 
-    returns_routed_experts: bool
-    """Whether `generate` fills `Rollouts.routed_experts` (vLLM on CPU cannot)."""
+    @property
+    def returns_routed_experts(self) -> bool:
+        """Whether `generate` fills `Rollouts.routed_experts` (vLLM on CPU cannot)."""
+        ...
+
+    @property
+    def precision(self) -> str:
+        """The sampler's weight precision (`sampler.precision`, resolved: fp32, bf16, ...)."""
+        ...
 
     def generate(
         self,

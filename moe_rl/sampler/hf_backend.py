@@ -102,6 +102,8 @@ class HFSampler:
 
     name = "transformers"
     returns_routed_experts = True
+    _named: dict[str, torch.Tensor] | None
+    """`held_tensor`'s name -> tensor map, built on its first call."""
 
     def __init__(self, model_dir: str | Path, config: HFEngineConfig | None = None) -> None:
         from transformers import AutoModelForCausalLM

@@ -34,7 +34,7 @@ _PROBE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"
 class ChatTurns:
     """One tokenizer's chat template applied to episodes offering `tools`."""
 
-    def __init__(self, tokenizer: Any, template: str, tools: Sequence[Callable[..., Any]] = (),
+    def __init__(self, tokenizer: Any, template: str, tools: Sequence[Callable[..., Any] | dict[str, Any]] = (),
                  system_prompt: str = "") -> None:
         if not hasattr(tokenizer, "render_chat"):
             raise TokenizerError(f"multi-turn episodes need a Hugging Face tokenizer with a chat template; "

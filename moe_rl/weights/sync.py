@@ -393,6 +393,8 @@ class WeightSynchronizer(ABC):
 
     def _verify(self, check: SyncCheck) -> SyncVerdict:
         """This rank's engine against `check`, right after the push was loaded."""
+        if self.verifier is None or self.engine is None:
+            raise RuntimeError("a push is verified only with sampler.verify_every > 0, on a rank with an engine")
         return self.verifier.engine_side(self.engine, self.placement.rank, check, self._expected, self._raw)
 
 
@@ -434,7 +436,7 @@ class BroadcastSync(WeightSynchronizer):
         """(Under `sampler.verify_every`, a push that comes with a check is compared right
         after it is loaded, agreed over the engine ranks: `SyncVerifyError` on each.)"""
         posted, self._posted = self._posted, None
-        self._begin_receipt(self.verifier and SyncCheck(0, []))  # (whether a check comes is told at its end)
+        self._begin_receipt(SyncCheck(0, []) if self.verifier is not None else None)  # (whether a check comes is told at its end)
         report = receive_buckets(self.group, self._load, posted, self.wire)
         self.held_version, self.synced = report.version, True
         if report.check is not None:

@@ -150,8 +150,8 @@ def agent_groups(outcomes: list[list[Outcome]], version: int, eos_id: int,
         kept = [o for o in outs if o.reward is not None]
         prompts = [o.episode.segments[-1].prompt for o in (kept or [o for o in outs if o.episode.segments])]
         prompt = _common_prefix(prompts) if prompts else [eos_id]
-        routes = [o.episode.segments[-1].routed for o in kept]
-        routed_ok = bool(kept) and all(r is not None for r in routes)
+        routes = [r for o in kept if (r := o.episode.segments[-1].routed) is not None]
+        routed_ok = bool(kept) and len(routes) == len(kept)
         rows: list[tuple[list[int], list[float], list[bool], np.ndarray | None, str, str]] = []
         for o in outs:
             if o.reward is None:
@@ -162,11 +162,11 @@ def agent_groups(outcomes: list[list[Outcome]], version: int, eos_id: int,
             extra = seg.prompt[len(prompt):]
             rows.append((extra + seg.tokens, [0.0] * len(extra) + seg.logprobs, [True] * len(extra) + seg.observed,
                          seg.routed, decode(seg.tokens), seg.finish or "stop"))
-        tallies = [(*o.episode.tally(), int(o.failure == "timeout"), int(o.failure == "error"), o.episode.resets)
+        tallies: list[tuple[int, ...]] = [(*o.episode.tally(), int(o.failure == "timeout"), int(o.failure == "error"), o.episode.resets)
                    for o in outs]
         groups.append(ScoredGroup(prompt, [r[0] for r in rows], [r[1] for r in rows], [r[4] for r in rows],
                                   [o.reward if o.reward is not None else 0.0 for o in outs], [r[5] for r in rows],
-                                  [r[3] for r in rows] if routed_ok else None, version,
+                                  _all_routed([r[3] for r in rows]) if routed_ok else None, version,
                                   observed=[r[2] for r in rows], episodes=tallies))
     return groups
 
@@ -204,3 +204,11 @@ def draw_agent_groups(sampler: Any, tokenizer: Any, template: str | None, task: 
     finally:
         gateway.stop()
     return agent_groups(outcomes, version, tokenizer.eos_id, tokenizer.decode)
+
+
+def _all_routed(routes: list[np.ndarray | None]) -> list[np.ndarray]:
+    """Every row's routes (a group is routed only when each of its rows is)."""
+    out = [r for r in routes if r is not None]
+    if len(out) != len(routes):
+        raise RuntimeError("an agent group mixes rows with and without routed experts")
+    return out

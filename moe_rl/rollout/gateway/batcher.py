@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from moe_rl.rollout.gateway.trajectory import Feed
@@ -26,6 +27,17 @@ from moe_rl.rollout.gateway.trajectory import Feed
 WINDOW_S = 0.05
 """How long a batch waits for a further request after the last one arrived (unless every
 open episode has one waiting before)."""
+
+
+@dataclass
+class Waiting:
+    """One queued row: its episode, what the engine is fed, the caller's future and the
+    row's (temperature, top_p)."""
+
+    key: tuple[int, int]
+    feed: Feed
+    future: Future
+    sampling: tuple[float, float]
 
 
 class EngineBatcher:
@@ -37,7 +49,7 @@ class EngineBatcher:
         self.sampler, self.temperature, self.top_p = sampler, temperature, top_p
         self.turn_tokens, self.window_s = turn_tokens, window_s
         self._cv = threading.Condition()
-        self._waiting: list[tuple[tuple[int, int], Feed, Future]] = []
+        self._waiting: list[Waiting] = []
         self._open = 0
         self._closed = False
         self.batches = 0
@@ -55,24 +67,24 @@ class EngineBatcher:
         """Queue one row (`sampling`: its (temperature, top_p) when not the run's: serve mode);
         its future gets (tokens, logprobs, finish, routes)."""
         fut: Future = Future()
-        fut.sampling = sampling or (self.temperature, self.top_p)  # type: ignore[attr-defined]
         with self._cv:
             if self._closed:
                 fut.set_exception(RuntimeError("the gateway is closed"))
                 return fut
-            self._waiting.append((key, feed, fut))
+            self._waiting.append(Waiting(key, feed, fut, sampling or (self.temperature, self.top_p)))
             self._cv.notify_all()
         return fut
 
     def drop(self, key: tuple[int, int]) -> None:
         """Forget a closed episode's waiting request (its agent was cancelled or abandoned)."""
         with self._cv:
-            for _, _, fut in [w for w in self._waiting if w[0] == key]:
-                fut.cancel()
-            self._waiting = [w for w in self._waiting if w[0] != key]
+            for w in self._waiting:
+                if w.key == key:
+                    w.future.cancel()
+            self._waiting = [w for w in self._waiting if w.key != key]
             self._cv.notify_all()
 
-    def _take(self) -> list[tuple[tuple[int, int], Feed, Future]] | None:
+    def _take(self) -> list[Waiting] | None:
         with self._cv:
             while not self._waiting and not self._closed:
                 self._cv.wait()
@@ -83,39 +95,39 @@ class EngineBatcher:
                 self._cv.wait(left)
                 if len(self._waiting) > seen:  # (a new arrival: the window starts again)
                     deadline, seen = time.monotonic() + self.window_s, len(self._waiting)
-            batch, self._waiting = sorted(self._waiting, key=lambda w: w[0]), []
+            batch, self._waiting = sorted(self._waiting, key=lambda w: w.key), []
             return batch
 
     def _loop(self) -> None:
         while (batch := self._take()) is not None:
-            batch = [w for w in batch if w[2].set_running_or_notify_cancel()]
+            batch = [w for w in batch if w.future.set_running_or_notify_cancel()]
             if not batch:
                 continue
             try:
                 self._decode(batch)
             except Exception as e:  # (the engine failed: every waiting call answers with it)
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+                for w in batch:
+                    if not w.future.done():
+                        w.future.set_exception(e)
 
-    def _decode(self, batch: list[tuple[tuple[int, int], Feed, Future]]) -> None:
-        for sampling in dict.fromkeys(fut.sampling for _, _, fut in batch):  # (one call per setting: serve mode)
-            self._call([w for w in batch if w[2].sampling == sampling], *sampling)
+    def _decode(self, batch: list[Waiting]) -> None:
+        for sampling in dict.fromkeys(w.sampling for w in batch):  # (one call per setting: serve mode)
+            self._call([w for w in batch if w.sampling == sampling], *sampling)
 
-    def _call(self, batch: list[tuple[tuple[int, int], Feed, Future]], temperature: float, top_p: float) -> None:
-        tokens = self.turn_tokens or max(f.room for _, f, _ in batch)
-        ro = self.sampler.generate([f.ids for _, f, _ in batch], n=1, max_new_tokens=max(tokens, 1),
-                                   temperature=temperature, top_p=top_p, prompt_seeds=[f.seed for _, f, _ in batch])
+    def _call(self, batch: list[Waiting], temperature: float, top_p: float) -> None:
+        tokens = self.turn_tokens or max(w.feed.room for w in batch)
+        ro = self.sampler.generate([w.feed.ids for w in batch], n=1, max_new_tokens=max(tokens, 1),
+                                   temperature=temperature, top_p=top_p, prompt_seeds=[w.feed.seed for w in batch])
         self.batches += 1
-        for i, (_, _, fut) in enumerate(batch):
+        for i, fut in enumerate(w.future for w in batch):
             routed = ro.routed_experts[i] if ro.routed_experts is not None else None
             fut.set_result((ro.response_token_ids[i], ro.logprobs[i], ro.finish_reasons[i], routed))
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for _, _, fut in self._waiting:
-                fut.cancel()
+            for w in self._waiting:
+                w.future.cancel()
             self._waiting = []
             self._cv.notify_all()
         self._thread.join(timeout=60)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from moe_rl.rollout.gateway.batcher import WINDOW_S, EngineBatcher
-from moe_rl.rollout.gateway.trajectory import AgentEpisode, Budget, normal
+from moe_rl.rollout.gateway.trajectory import AgentEpisode, Budget, Feed, normal
 from moe_rl.tokenization.tool_calls import tool_call_parser
 from moe_rl.tokenization.turns import ChatTurns
 
@@ -164,10 +164,10 @@ class Gateway:
         n, seed = int(body.get("n") or 1), body.get("seed")
         seed = int(seed) if seed is not None else secrets.randbelow(1 << 30)
         turn = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.budget.turn_tokens)
-        sampling = (float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
-                    float(body.get("top_p") if body.get("top_p") is not None else 1.0))
+        temperature, top_p = body.get("temperature"), body.get("top_p")
+        sampling = (float(temperature) if temperature is not None else 1.0, float(top_p) if top_p is not None else 1.0)
         eps = [self._episode((0, i), seed, Budget(1, turn, 1 << 30)) for i in range(n)]
-        feeds = [ep.begin(messages, body.get("tools") or None) for ep in eps]
+        feeds = [_fed(ep.begin(messages, body.get("tools") or None)) for ep in eps]
         outs = await asyncio.gather(*[asyncio.wrap_future(self.batcher.submit(ep.key, f, sampling))
                                       for ep, f in zip(eps, feeds)])
         choices = []
@@ -243,9 +243,17 @@ class Gateway:
         """Stop serving (the port is closed when this returns) and the engine worker."""
         if self._server is not None:
             self._server.should_exit = True
-            self._thread.join(timeout=30)
+            if self._thread is not None:
+                self._thread.join(timeout=30)
             self._server = None
         self.batcher.close()
 
 
 __all__ = ["Gateway", "RefusedError", "normal", "refusal"]
+
+
+def _fed(feed: Feed | None) -> Feed:
+    """A serve-mode episode's first call (one turn, no episode limit: always fed)."""
+    if feed is None:
+        raise RuntimeError("a serve-mode episode's first call was refused by its own limits")
+    return feed

@@ -131,9 +131,9 @@ class AgentEpisode:
         """The engine request for a call with `messages` and `tools` (appending the new
         messages' ids, or starting a segment); None: the segment's limits are used up."""
         msgs = [normal(m) for m in messages]
-        seen = self._seen
-        extends = (seen is not None and tools == self._tools and len(msgs) > len(seen) and msgs[:len(seen)] == seen
-                   and all(m["role"] != "assistant" for m in msgs[len(seen):]))
+        seen = self._seen or []
+        extends = (self._seen is not None and tools == self._tools and len(msgs) > len(seen)
+                   and msgs[:len(seen)] == seen and all(m["role"] != "assistant" for m in msgs[len(seen):]))
         if extends and self.segments[-1].finish == "length":
             return None
         if extends:
