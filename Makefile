@@ -51,7 +51,7 @@ help:
 	@echo "make ablations-stress-sweep  the stress regime sweep [SEEDS=1-4] -> docs/ablations/stress/SWEEP.md"
 	@echo "make ablations-sweep  the lr sweep of plain off-policy GRPO (LRS=1e-4,2e-4,4e-4 [SEEDS=1,2,3])"
 	@echo "make ablate-SETTING   one ablation setting, e.g. ablate-rspo-post-off (python -m moe_rl.ablations list)"
-	@echo "make gpu-check        one Hopper GPU: install, pytest -m gpu, bench/bench_gpu.py (each under an 18-min timeout)"
+	@echo "make gpu-check        one Hopper GPU: install, pytest -m gpu, bench/device/bench_gpu.py (each under an 18-min timeout)"
 	@echo "make stage-wheels     DIR=dir [TORCH=2.11.0+cu130]: wheels for a GPU machine without a registry"
 	@echo "make clean-runs       delete runs/ (every run directory: checkpoints, metrics, ablations)"
 	@echo "make help             this list"
@@ -188,7 +188,7 @@ gpu-check:
 	$(MAKE) install ACCEL=gpu WHEELS=$(WHEELS) PYTHON=$(PYTHON) VENV=$(VENV)
 	rc=0; \
 	timeout $(GPU_CHECK_S) $(PY) -m pytest -m gpu -rs -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
-	timeout $(GPU_CHECK_S) $(PY) -m bench.bench_gpu || rc=$$?; \
+	timeout $(GPU_CHECK_S) $(PY) -m bench.device.bench_gpu || rc=$$?; \
 	exit $$rc
 
 clean-runs:

@@ -8,7 +8,7 @@ state of its own and every process of a torchrun world counts its own hits.
     engine_fail_point()           # MOE_RL_TEST_ENGINE_FAIL_AT=2,5: those generate calls raise
                                   # MOE_RL_TEST_ENGINE_HANG_AT=2: that generate call never returns
 
-Kill points (tests/test_checkpoint_safety.py, tests/test_engine_faults.py): the process
+Kill points (tests/integration/checkpoints/test_checkpoint_safety.py, tests/integration/rollout/test_engine_faults.py): the process
 kills itself the first (n-th) time it reaches point `name` (only on global rank `rank` when
 `@<rank>` is given). Points: start (the run loop's start, before the run directory is
 touched), update (mid-step: an optimizer update's gradients computed, before it is
@@ -16,10 +16,10 @@ applied), step.logged (a step's metrics written, before its save), generate (an 
 generate call), save.begin, save.file (after each data file of a save), save.dcp,
 save.meta, save.config, save.manifest (before the rename), save.renamed (before retention).
 
-NaN updates (tests/test_nonfinite.py): the learner's updates (1-based, its own count) whose
-loss is multiplied by NaN. Engine failures (tests/test_engine_faults.py): this process's
+NaN updates (tests/integration/loop/test_nonfinite.py): the learner's updates (1-based, its own count) whose
+loss is multiplied by NaN. Engine failures (tests/integration/rollout/test_engine_faults.py): this process's
 `Sampler.generate` calls that raise a RuntimeError, as an out-of-memory error or a crashed
-worker would (`2,5` -> `1,4` -> `3` as calls pass). Engine hangs (tests/test_engine_faults.py):
+worker would (`2,5` -> `1,4` -> `3` as calls pass). Engine hangs (tests/integration/rollout/test_engine_faults.py):
 the generate calls that block forever instead, as a deadlocked engine would
 (`sampler.generate_timeout_s` must end them).
 """
