@@ -18,7 +18,10 @@ setup(
     # Namespace discovery makes the asset folders packages too, so their files are package
     # data of their own package (setuptools warns about, and will drop, data folders that
     # are not in `packages`).
-    packages=find_namespace_packages(include=["moe_rl", "moe_rl.*"], exclude=["*.__pycache__"]),
+    # moe_rl_testing: the fixtures, launchers and result writer that tests/ and bench/ share
+    # (tests/README.md); a package so that both import it without sys.path edits.
+    packages=find_namespace_packages(include=["moe_rl", "moe_rl.*", "moe_rl_testing", "moe_rl_testing.*"],
+                                     exclude=["*.__pycache__"]),
     package_data={
         # the shipped SFT checkpoint; ".*" because globs skip dotfiles and torch DCP's
         # `.metadata` is what makes it loadable

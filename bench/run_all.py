@@ -71,12 +71,21 @@ def main() -> int:
         os.environ[RESULTS_ENV] = str(results)  # (the benchmarks and their child processes write there)
         print(f"== results to {results}", flush=True)
         try:
-            failed = [name for name in names if not _run_one(name, args.quick)]
+            seconds: dict[str, float] = {}
+            failed = []
+            for name in names:
+                t0 = time.perf_counter()
+                if not _run_one(name, args.quick):
+                    failed.append(name)
+                seconds[name] = time.perf_counter() - t0
         finally:
             if before is None:
                 os.environ.pop(RESULTS_ENV, None)
             else:
                 os.environ[RESULTS_ENV] = before
+    # (the longest first: what to shrink when `make bench-smoke` outgrows its 10 minutes in CI)
+    print(f"== {len(names)} benchmarks in {sum(seconds.values()):.0f}s: "
+          + ", ".join(f"{n} {s:.0f}s" for n, s in sorted(seconds.items(), key=lambda kv: -kv[1])), flush=True)
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
         return 1
