@@ -21,10 +21,9 @@ from moe_rl_testing.bench_common import markdown_table, time_fn, write_results
 
 
 def main(quick: bool = False) -> None:
-    from tests.sampler_utils import build_tiny_moe, prompts
-
     from moe_rl.sampler import HFEngineConfig, VLLMEngineConfig, make_sampler
     from moe_rl.sampler.weights import iter_checkpoint
+    from moe_rl_testing.sampler_utils import build_tiny_moe, prompts
 
     iters = 3 if quick else 10
     num_prompts, n, new_tokens = (4, 4, 8) if quick else (16, 8, 16)
