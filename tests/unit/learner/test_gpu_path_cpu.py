@@ -1,6 +1,6 @@
 """Issue 11 on CPU: the parts of the GPU path that a CPU can check (engine settings chosen
 for CUDA, precision resolution, the routed-experts request, device placement of small
-tensors). The GPU runs themselves are `tests/test_gpu_*.py` (marked `gpu`)."""
+tensors). The GPU runs themselves are `tests/integration/*/test_gpu_*.py` (marked `gpu`)."""
 
 from __future__ import annotations
 
