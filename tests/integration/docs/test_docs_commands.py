@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl_testing import ROOT
+from moe_rl_testing.dist_helpers import WORKERS
 from moe_rl_testing.doc_commands import DocCommand, doc_commands, redirect_outputs, replace_paths
 from moe_rl_testing.in_process import load_tool, run_main
 
@@ -154,7 +155,7 @@ def one_child(request, stand_ins: dict[str, str], tmp_path_factory) -> dict[str,
         jobs.append({"where": cmd.where, "program": prog, "argv": list(argv[argv.index(prog) + 1:]),
                      "env": dict(cmd.env)})
     (tmp / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "doc_commands_worker.py"),
+    proc = subprocess.run([sys.executable, str(WORKERS / "doc_commands_worker.py"),
                            str(tmp / "jobs.json"), str(tmp / "out.json")],
                           cwd=ROOT, env=_environ(), capture_output=True, text=True, timeout=1200)
     results = json.loads((tmp / "out.json").read_text()) if (tmp / "out.json").is_file() else {}
