@@ -1,9 +1,9 @@
 """Where tests, benchmarks and their shared helpers live (tests/README.md, bench/README.md), read
 from the files with `ast` (nothing imported): every test module in a tier folder under a unique
-name; unit modules start no torchrun; no sys.path edits; `moe_rl_testing` imports neither
-tests/ nor bench/, bench/ never imports tests/, and tests/ imports bench/ only to test it; every
-benchmark `make bench` runs takes `quick`, a device one says it needs CUDA, and bench/README.md
-names every benchmark file."""
+name; unit modules start no torchrun; no sys.path edits; `moe_rl` never imports
+`moe_rl_testing`, which imports neither tests/ nor bench/; bench/ never imports tests/, and
+tests/ imports bench/ only to test it; every benchmark `make bench` runs takes `quick`, a
+device one says it needs CUDA, and bench/README.md names every benchmark file."""
 
 from __future__ import annotations
 
@@ -90,6 +90,8 @@ def test_tests_and_benchmarks_share_helpers_only_through_moe_rl_testing():
     def reaches(path: Path, top: str) -> bool:
         return any(n == top or n.startswith(top + ".") for n in imported(path))
 
+    package = [rel(p) for p in py_files(ROOT / "moe_rl") if reaches(p, "moe_rl_testing")]
+    assert not package, f"{package}: the package never imports its test helpers"
     shared = [rel(p) for p in py_files(SHARED) if reaches(p, "tests") or reaches(p, "bench")]
     assert not shared, f"{shared}: moe_rl_testing imports neither tests/ nor bench/"
     bench = [rel(p) for p in py_files(BENCH) if reaches(p, "tests")]
