@@ -32,7 +32,7 @@ IM_END = 2
 
 class GoOn(Environment):
     """Never done: answers every turn with a user message, 0.25 per turn; the final reward is
-    1 when the last turn said anything. (Named by task.environment=test_episodes:GoOn.)"""
+    1 when the last turn said anything. (Named by task.environment=tests.integration.rollout.test_episodes:GoOn.)"""
 
     def __init__(self, problem, task) -> None:
         super().__init__(problem, task)
@@ -79,7 +79,7 @@ def tool_moe(tmp_path_factory):
 def episode_cfg(*overrides: str):
     return load_config(None, ["task.name=calculator", f"task.tokenizer={TOOL_TOKENIZER}", "rl.max_turns=3",
                               f"rl.max_turn_tokens={TURN}", "sampler.max_new_tokens=120",
-                              "task.environment=test_episodes:GoOn", f"rl.group_size={G}", "model.vocab_size=512",
+                              "task.environment=tests.integration.rollout.test_episodes:GoOn", f"rl.group_size={G}", "model.vocab_size=512",
                               *overrides])
 
 
