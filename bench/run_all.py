@@ -1,9 +1,10 @@
-"""`make bench`: run every bench/bench_*.py module's main() and list the result tables.
+"""`make bench`: run every benchmark's main(): bench/cpu/bench_*.py, then bench/device/bench_*.py.
 
     python -m bench.run_all            # all benchmarks, full size -> bench/results/
     python -m bench.run_all --quick    # smoke-sized, into a temporary directory (make bench-smoke)
     python -m bench.run_all objectives learner   # a subset by name
 
+Names are the module's without `bench_` (`objectives` is bench/cpu/bench_objectives.py).
 A benchmark that needs a CUDA GPU says so (`NEEDS_CUDA = True` in its module) and is skipped
 with one line on a machine without one. Any other failure is reported and the run exits 1.
 """
@@ -20,19 +21,26 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS_DIR, RESULTS_ENV
+from moe_rl_testing.bench_common import RESULTS_DIR, RESULTS_ENV
 
 HERE = Path(__file__).resolve().parent
+KINDS = ("cpu", "device")  # the folders whose bench_*.py modules `make bench` runs, in this order
+
+
+def modules() -> dict[str, str]:
+    """{name: module} of every benchmark, CPU ones first."""
+    return {p.stem.removeprefix("bench_"): f"bench.{kind}.{p.stem}"
+            for kind in KINDS for p in sorted((HERE / kind).glob("bench_*.py"))}
 
 
 def available() -> list[str]:
-    return sorted(p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
+    return list(modules())
 
 
 def _run_one(name: str, quick: bool) -> bool:
     """One benchmark's main(); False when it failed (a GPU-only one on a CPU machine is skipped)."""
     t0 = time.perf_counter()
-    module = importlib.import_module(f"bench.bench_{name}")
+    module = importlib.import_module(modules()[name])
     if getattr(module, "NEEDS_CUDA", False) and not torch.cuda.is_available():
         print(f"== bench {name} skipped: needs a CUDA GPU", flush=True)
         return True
@@ -63,12 +71,21 @@ def main() -> int:
         os.environ[RESULTS_ENV] = str(results)  # (the benchmarks and their child processes write there)
         print(f"== results to {results}", flush=True)
         try:
-            failed = [name for name in names if not _run_one(name, args.quick)]
+            seconds: dict[str, float] = {}
+            failed = []
+            for name in names:
+                t0 = time.perf_counter()
+                if not _run_one(name, args.quick):
+                    failed.append(name)
+                seconds[name] = time.perf_counter() - t0
         finally:
             if before is None:
                 os.environ.pop(RESULTS_ENV, None)
             else:
                 os.environ[RESULTS_ENV] = before
+    # (the longest first: what to shrink when `make bench-smoke` outgrows its 10 minutes in CI)
+    print(f"== {len(names)} benchmarks in {sum(seconds.values()):.0f}s: "
+          + ", ".join(f"{n} {s:.0f}s" for n, s in sorted(seconds.items(), key=lambda kv: -kv[1])), flush=True)
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
         return 1

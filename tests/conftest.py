@@ -32,10 +32,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _heavy_modules_first(items) -> None:
-    """The longest modules first (their measured seconds, tests/module_seconds.json; file
-    order kept within a module), so that `make test`'s workers (pytest-xdist, one file at a
-    time) end on short files instead of one worker finishing a long one alone. Modules not
-    measured go after, multi-process and slow ones first."""
+    """The longest modules first (their measured seconds, tests/module_seconds.json, keyed by
+    file name; file order kept within a module), so that `make test`'s workers (pytest-xdist,
+    one file at a time) end on short files instead of one worker finishing a long one alone.
+    Modules not measured go after: multi-process ones, then the rest of tests/integration/ and
+    slow ones, then the unit tests."""
     import json
     from pathlib import Path
 
@@ -45,7 +46,8 @@ def _heavy_modules_first(items) -> None:
         name = item.module.__name__.rpartition(".")[2]
         if name in seconds:
             return (0, -seconds[name])
-        return (1, 0 if "multiproc" in item.keywords else 1 if "slow" in item.keywords else 2)
+        integration = "integration" in Path(str(item.path)).parts
+        return (1, 0 if "multiproc" in item.keywords else 1 if integration or "slow" in item.keywords else 2)
 
     best: dict[str, tuple[int, float]] = {}
     for item in items:

@@ -130,7 +130,7 @@ class ModelConfig:
     layer again in the backward (megatron's recompute_granularity=full, uniform, 1 layer): one
     more forward per update for a fraction of the activations (`python -m moe_rl.plan` counts
     both). The recomputed routers take the experts their forward chose, so the update is the
-    one without recompute, bit for bit on CPU (tests/test_recompute.py)."""
+    one without recompute, bit for bit on CPU (tests/integration/learner/test_recompute.py)."""
     layer_spec: Literal["auto", "local", "te"] = "auto"
     """auto: Transformer Engine spec when CUDA and TE are present, else the local spec."""
     params_dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -163,7 +163,7 @@ class ModelConfig:
     GEMM that computes them (Transformer Engine's `fuse_wgrad_accumulation`), instead of a
     separate gradient tensor added afterwards (GPU, TE spec only). megatron's own linears
     (the output layer) need apex's `fused_weight_gradient_mlp_cuda` for it; without apex they
-    keep the unfused path. Written, not yet run on a GPU (`bench/gpu_learner_levers.py`)."""
+    keep the unfused path. Written, not yet run on a GPU (`bench/device/gpu_learner_levers.py`)."""
     cuda_graph_scope: str = "none"
     """CUDA graphs over parts of every MoE layer, megatron-core's own implementation
     (`cuda_graph_impl=local`: recorded in the first training forward-backward, replayed

@@ -21,7 +21,7 @@ __all__ = ["learner_world_size", "validate", "validate_layout", "validate_miniba
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Checks that need no process group. With `world_size`, the layout is checked too."""
     check_finite(cfg)
-    for f in dataclasses.fields(cfg):  # (every section has its own `validate`: tests/test_config.py)
+    for f in dataclasses.fields(cfg):  # (every section has its own `validate`: tests/unit/config/test_config.py)
         getattr(cfg, f.name).validate()
     for check in CROSS_SECTION_CHECKS:
         check(cfg)

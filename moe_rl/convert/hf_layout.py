@@ -5,7 +5,7 @@ fields common to the architectures (pure torch; no megatron, no transformers).
 A layout (`HFArchitecture` subclass: `qwen3_moe.Qwen3MoeLayout`, `glm4_moe.Glm4MoeLayout`) turns
 each megatron key into an ordered list of parts, an HF `TensorSpec` plus the view of the
 megatron tensor that holds its elements. Shared by all layouts (checked numerically by
-tests/test_convert.py and tests/test_convert_glm4.py against transformers and vLLM):
+tests/integration/convert/test_convert.py and tests/integration/convert/test_convert_glm4.py against transformers and vLLM):
 
   decoder.layers.{i}.                          model.layers.{i}.
   self_attention.linear_qkv.layer_norm_weight  input_layernorm.weight

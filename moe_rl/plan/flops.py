@@ -1,5 +1,5 @@
 """Model FLOPs of a training pass and the GPUs' dense bf16 peaks: the one count behind every
-MFU this project reports (`bench/bench_gpu.py`, `bench/gpu_learner_levers.py` and the RL
+MFU this project reports (`bench/device/bench_gpu.py`, `bench/device/gpu_learner_levers.py` and the RL
 metrics' `perf/mfu_learner`), so a run's MFU compares with the benchmarks'.
 
     train_flops(cfg.model, [2048, 1024])              # one forward + backward over two sequences

@@ -10,7 +10,7 @@ state of its own and every process of a torchrun world counts its own hits.
     corrupt_push_due()            # MOE_RL_TEST_CORRUPT_PUSH_AT=2@1: rank 1's engine loads its
     corrupt_bucket(bucket)        # 2nd push with one tensor changed
 
-Kill points (tests/test_checkpoint_safety.py, tests/test_engine_faults.py): the process
+Kill points (tests/integration/checkpoints/test_checkpoint_safety.py, tests/integration/rollout/test_engine_faults.py): the process
 kills itself the first (n-th) time it reaches point `name` (only on global rank `rank` when
 `@<rank>` is given). Points: start (the run loop's start, before the run directory is
 touched), update (mid-step: an optimizer update's gradients computed, before it is
@@ -18,13 +18,13 @@ applied), step.logged (a step's metrics written, before its save), generate (an 
 generate call), save.begin, save.file (after each data file of a save), save.dcp,
 save.meta, save.config, save.manifest (before the rename), save.renamed (before retention).
 
-NaN updates (tests/test_nonfinite.py): the learner's updates (1-based, its own count) whose
-loss is multiplied by NaN. Engine failures (tests/test_engine_faults.py): this process's
+NaN updates (tests/integration/loop/test_nonfinite.py): the learner's updates (1-based, its own count) whose
+loss is multiplied by NaN. Engine failures (tests/integration/rollout/test_engine_faults.py): this process's
 `Sampler.generate` calls that raise a RuntimeError, as an out-of-memory error or a crashed
-worker would (`2,5` -> `1,4` -> `3` as calls pass). Engine hangs (tests/test_engine_faults.py):
+worker would (`2,5` -> `1,4` -> `3` as calls pass). Engine hangs (tests/integration/rollout/test_engine_faults.py):
 the generate calls that block forever instead, as a deadlocked engine would
 (`sampler.generate_timeout_s` must end them; killing an out-of-process engine,
-`release_hangs`, makes the call fail as a call to a killed worker does). Corrupted pushes (tests/test_sync_verify.py):
+`release_hangs`, makes the call fail as a call to a killed worker does). Corrupted pushes (tests/integration/weights/test_sync_verify.py):
 the engine of this process (only on global rank `rank` with `@<rank>`) loads its n-th push
 (1-based, counted by the pushes it receives) with the first attention output projection of
 the push scaled by 1.5 (`corrupt_bucket`, applied to the bucket before `update_weights`, so

@@ -95,7 +95,7 @@ class DirectReload:
         self._is_attention, self._quant_base = is_deferred_attention_layer, QuantizeMethodBase
         self._groups: dict[str, tuple[list[tuple[str, torch.nn.Module]], list[torch.nn.Module]] | None] = {}
         self.seconds: dict[str, float] = dict.fromkeys(("swap", "load", "process", "copy_back"), 0.0)
-        """Where the pushes' time went, summed (bench/bench_weight_sync.py reads it): "process"
+        """Where the pushes' time went, summed (bench/cpu/bench_weight_sync.py reads it): "process"
         is the engine's own processing (the floor a push cannot go below)."""
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], repack_moe: bool = True) -> int:

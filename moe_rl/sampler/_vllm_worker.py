@@ -3,7 +3,7 @@
 Two routes (`VLLMEngineConfig.weight_reload`): "direct" (the default) loads and processes
 each decoder layer itself (`_direct_reload.py`: the engine's own processing and little
 more); "layerwise" goes through vLLM's `reload_weights` and then repacks, as below. Both
-give bit-identical engine weights (`tests/test_sampler_vllm.py`).
+give bit-identical engine weights (`tests/integration/sampler/test_sampler_vllm.py`).
 
 `MoeRLWorkerExtension` is passed to vLLM as `worker_extension_cls`, which mixes its methods
 into the worker class, so `llm.collective_rpc("moe_rl_reload_weights", ...)` reaches them

@@ -9,7 +9,7 @@ to the `math-verify` library (symbolic and numeric comparison with sympy), else 
 reference may be a bare answer (`51`, `\frac{1}{2}`, `(1, 2]`), contain `\boxed{...}`, or
 GSM8K's `#### 51`. From the response it takes the last `\boxed{}`, else a "final answer
 is"/"answer:" phrase, else the last LaTeX or plain expression. Measured against the older
-hand-written verifier (now `bench/handwritten_math_verifier.py`) by `bench/math_verify_compare.py`. It never raises:
+hand-written verifier (now `bench/archive/handwritten_math_verifier.py`) by `bench/archive/math_verify_compare.py`. It never raises:
 garbage scores 0.0, and so does a response holding a number too big to build (a numeric
 power tower such as 9^{9^{9}}, a 7-digit exponent, a 6-digit factorial), which would
 otherwise stall sympy for minutes.

@@ -14,16 +14,16 @@
 #   tools/gpu/lease.sh wait learner|rollout|te [S]
 #                                              wait up to S seconds for it; its log's end
 #   tools/gpu/lease.sh test learner|rollout    pytest -m gpu for that half -> $OUT/test_HALF.log
-#   tools/gpu/lease.sh bench learner|rollout   bench/bench_gpu.py --part HALF -> $OUT
+#   tools/gpu/lease.sh bench learner|rollout   bench/device/bench_gpu.py --part HALF -> $OUT
 #   tools/gpu/lease.sh mismatch                tools/measure_mismatch.py, bf16 and vLLM fp8 -> $OUT
-#   tools/gpu/lease.sh profile [LAYERS]        bench/profile_gpu.py: where a bf16 step's time goes -> $OUT
+#   tools/gpu/lease.sh profile [LAYERS]        bench/device/profile_gpu.py: where a bf16 step's time goes -> $OUT
 #   tools/gpu/lease.sh learner-all             after the last chunk: wait for the extension, install
 #                                              the learner half, then bench, profile, the head's
-#                                              bench (bench/bench_head.py) and tests, each
+#                                              bench (bench/cpu/bench_head.py) and tests, each
 #                                              under its own timeout (one call, ~8 minutes)
 #   tools/gpu/lease.sh rl-all [LAYERS]         device check 1 of issue 45 after the last chunk: install
 #                                              the rollout half without TE (vLLM + megatron-core, the
-#                                              local spec), then bench/gpu_rl_step.py: moe_rl.train with
+#                                              local spec), then bench/device/gpu_rl_step.py: moe_rl.train with
 #                                              vLLM, R3 and the weight push, and the mismatch report
 #                                              (one call, under 10 minutes) -> $OUT
 #
@@ -78,20 +78,20 @@ case "${1:-}" in
     [[ "$(cat "/tmp/moe_rl_install_$2.rc")" == 0 ]] || die "the $2 install failed: see $OUT/install_$2.log" ;;
   test)
     half "${2:-}"
-    if [[ "$2" == learner ]]; then sel=(tests/test_gpu_learner.py -m "gpu and not vllm"); else
-      sel=(tests/test_gpu_rollout.py tests/test_gpu_learner.py -m "gpu and vllm"); fi
+    if [[ "$2" == learner ]]; then sel=(tests/integration/learner/test_gpu_learner.py -m "gpu and not vllm"); else
+      sel=(tests/integration/rollout/test_gpu_rollout.py tests/integration/learner/test_gpu_learner.py -m "gpu and vllm"); fi
     PYTHONUNBUFFERED=1 "$PYTHON" -m pytest "${sel[@]}" -v -s -rs -p no:cacheprovider --timeout 900 \
       2>&1 | tee "$OUT/test_$2.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" || true ;;
   bench)
     half "${2:-}"
-    PYTHONUNBUFFERED=1 "$PYTHON" -m bench.bench_gpu --part "$2" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$2.log" | tail -n 25
+    PYTHONUNBUFFERED=1 "$PYTHON" -m bench.device.bench_gpu --part "$2" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$2.log" | tail -n 25
     cp bench/results/gpu_*_"$2".md bench/results/gpu_*_"$2".json "$OUT/" ;;
   mismatch)
     "$PYTHON" tools/measure_mismatch.py --settings vllm:bf16/learner:bf16 vllm:fp8/learner:bf16 \
       vllm:bf16/learner:fp32 --out /tmp/moe_rl_mismatch --no-progress 2>&1 | tail -n 25
     tar czf "$OUT/mismatch_h100.tgz" -C /tmp moe_rl_mismatch ;;
   profile)
-    PYTHONUNBUFFERED=1 "$PYTHON" -m bench.profile_gpu --layers "${2:-1}" 2>&1 | tee "$OUT/profile.log" | tail -n 70
+    PYTHONUNBUFFERED=1 "$PYTHON" -m bench.device.profile_gpu --layers "${2:-1}" 2>&1 | tee "$OUT/profile.log" | tail -n 70
     cp bench/results/gpu_*_profile.md "$OUT/" ;;
   learner-all)
     rc=0
@@ -101,7 +101,7 @@ case "${1:-}" in
     tail -n 4 "$OUT/install_learner.log"
     BENCH_ARGS="${BENCH_ARGS:---iters 3}" timeout 300 "$0" bench learner || rc=1
     timeout 90 "$0" profile 1 || rc=1
-    PYTHONUNBUFFERED=1 timeout 90 "$PYTHON" -m bench.bench_head 2>&1 | tail -n 8 || rc=1
+    PYTHONUNBUFFERED=1 timeout 90 "$PYTHON" -m bench.cpu.bench_head 2>&1 | tail -n 8 || rc=1
     timeout 150 "$0" test learner || rc=1
     exit $rc ;;
   rl-all)
@@ -109,7 +109,7 @@ case "${1:-}" in
     "$0" receive
     timeout 150 tools/gpu/install.sh --lean --without te "$W/rollout" >"$OUT/install_rollout.log" 2>&1 || rc=1
     tail -n 4 "$OUT/install_rollout.log"
-    PYTHONUNBUFFERED=1 timeout 400 "$PYTHON" -m bench.gpu_rl_step --layers "${2:-2}" --timeout 180 2>&1 \
+    PYTHONUNBUFFERED=1 timeout 400 "$PYTHON" -m bench.device.gpu_rl_step --layers "${2:-2}" --timeout 180 2>&1 \
       | tail -n 30 || rc=1
     cp bench/results/gpu_*_rl_step.* "$OUT/" 2>/dev/null || rc=1
     tar czf "$OUT/mismatch_report.tgz" -C docs mismatch 2>/dev/null || rc=1

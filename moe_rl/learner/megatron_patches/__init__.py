@@ -1,5 +1,5 @@
 """Every change moe_rl makes to megatron-core at run time, one module each, and what each
-relies on upstream (its `UPSTREAM` symbols, checked by tests/test_megatron_patches.py, which
+relies on upstream (its `UPSTREAM` symbols, checked by tests/unit/learner/test_megatron_patches.py, which
 fails naming the symbol when a megatron-core release moves or changes it).
 
 On the CPU (CI, laptops; `apply()` installs these, idempotent, before a model is built,

@@ -10,7 +10,7 @@ which is the gradient of  sum_rows c_row * log pi(row)  with c = g_p/P on chosen
 -g_p/P on rejected ones, held constant. So each step scores the pairs without gradients
 (the policy's sequence log-probs, hence g), then runs one ordinary update whose loss
 callback is that sum: row-local, so it is exact under any micro-batching, token budget or
-TP/PP/EP/DP layout (`tests/test_dpo.py` compares its gradient with the direct loss's).
+TP/PP/EP/DP layout (`tests/integration/test_dpo.py` compares its gradient with the direct loss's).
 """
 
 from __future__ import annotations
