@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_rl.config import ConfigError, load_config
+from moe_rl_testing import ROOT
 from moe_rl_testing.hf_fixtures import hf_logprobs
 from moe_rl_testing.learner_utils import fixed_batch, learner_of, reinforce_loss
 
@@ -246,7 +247,7 @@ LAYOUTS = ["tp2", "ep2", "pp2", "tp2etp2"]
 def layout_runs(tmp_path_factory):
     """moe_rl_testing/workers/lora_layouts.py: a one-process reference, then TP2, EP2, PP2 and
     TP2 x ETP2 from its LoRA checkpoint, then EP2's checkpoint at one process; one launch."""
-    from dist_helpers import torchrun
+    from moe_rl_testing.dist_helpers import torchrun
 
     out = tmp_path_factory.mktemp("lora_layouts")
     torchrun("lora_layouts.py", 4, str(out))
@@ -339,7 +340,7 @@ def test_a_lora_run_starts_from_a_full_checkpoint_and_records_its_origin(layout,
     from moe_rl.learner.checkpoint import load_checkpoint, read_meta, save_checkpoint
     from moe_rl.learner.start import load_start
 
-    base_dir = Path(__file__).resolve().parents[1] / "moe_rl" / "assets" / "tiny_base"
+    base_dir = ROOT / "moe_rl" / "assets" / "tiny_base"
     cfg = load_config(base_dir / "config.yaml", LORA[:1] + LORA[1:5])
     batch, adv_B = fixed_batch()
     plain = learner_of(load_config(base_dir / "config.yaml", LORA[:1]), layout, trainable=False)
@@ -446,7 +447,7 @@ def test_the_planner_counts_adapters_and_no_state_for_the_frozen_base(trained):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     proc = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT, *LORA[1:5]], capture_output=True, text=True,
                           cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
                           timeout=300, check=True)

@@ -305,7 +305,7 @@ def test_r3_replays_whole_agent_episodes_exactly_with_a_separate_engine(tmp_path
     """examples/tiny_agent.yaml under torchrun (one learner rank, one engine rank running the
     agents, one step ahead), the transformers sampler recording routes through the gateway:
     used = replayed at every position of every episode, tools called, several calls made."""
-    from async_runs import train
+    from moe_rl_testing.async_runs import train
 
     rows = train(ROOT / "examples" / "tiny_agent.yaml",
                  ["sampler.backend=transformers", "sampler.placement=separate", "sampler.engine_ranks=1",
