@@ -132,9 +132,7 @@ class Engines:
             ro, fault = None, None
             kill_point("generate")  # (a test hook: a no-op unless MOE_RL_TEST_KILL_AT names it)
             try:
-                if self.sampler is None:
-                    raise RuntimeError("this rank has no engine (dropped after a failure)")
-                ro = self.guarded(doing).generate(prompt_ids, **kwargs)
+                ro = self.guarded(doing).generate(prompt_ids, **kwargs)  # (raises on a rank without an engine)
             except Exception as e:  # (whatever the engine raised: out of memory, a crashed worker)
                 fault = EngineFault(self.placement.rank, describe_error(e))
             faults = [f for f in self.placement.all_engines(fault, self.group) if f is not None]
@@ -153,12 +151,16 @@ class Engines:
         the rollout's, the evaluation's, each decoding segment's and the weight check's."""
         return GuardedSampler(self, doing)
 
-    def _on_hang(self, doing: str, requested: int) -> Callable[[], None]:
+    def deadline(self, doing: str, requested: int) -> contextlib.AbstractContextManager[None]:
+        """`sampler.generate_timeout_s` for a call of `requested` tokens, and what a hang does."""
+        limit = self.sampler_cfg.timeout_for(requested)
+        return call_deadline(limit, self._on_hang(doing, requested, limit))
+
+    def _on_hang(self, doing: str, requested: int, limit: float) -> Callable[[], None]:
         """What a hung call does: an out-of-process engine (one that can `kill` itself) is
         killed, so that the call fails like a crashed worker and `sampler.max_restarts`
         decides; an in-process one cannot be interrupted from here, so the process says so
         in one line and exits (`moe_rl.runtime.watchdog`)."""
-        limit = self.sampler_cfg.timeout_for(requested)
         kill = getattr(self.sampler, "kill", None)
         if kill is not None and not getattr(self.sampler, "in_process", True):
             def killed() -> None:
@@ -242,16 +244,16 @@ class GuardedSampler:
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                  prompt_seeds: Sequence[int] | None = None) -> Rollouts:
         requested = len(prompt_token_ids) * n * max_new_tokens
-        e, sampler = self._engines, self._sampler()
-        with call_deadline(e.sampler_cfg.timeout_for(requested), e._on_hang(self._doing, requested)):
+        sampler = self._sampler()
+        with self._engines.deadline(self._doing, requested):
             return sampler.generate(prompt_token_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, seed=seed, prompt_seeds=prompt_seeds)
 
     def score(self, prompt_token_ids: Sequence[Sequence[int]], response_token_ids: Sequence[Sequence[int]],
               temperature: float = 1.0) -> list[list[float]]:
         requested = sum(len(p) + len(r) for p, r in zip(prompt_token_ids, response_token_ids))
-        e, sampler = self._engines, self._sampler()
-        with call_deadline(e.sampler_cfg.timeout_for(requested), e._on_hang(self._doing, requested)):
+        sampler = self._sampler()
+        with self._engines.deadline(self._doing, requested):
             return sampler.score(prompt_token_ids, response_token_ids, temperature=temperature)
 
     @property
