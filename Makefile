@@ -161,7 +161,7 @@ ablations-report: install
 # The stress ablations (docs/ablations/STRESS_PLAN.md): every run the plan names that has
 # no result file yet (the repeat, 17 settings x seeds 1-10 at the swept regime, stage 2, the
 # 3-seed contrast), two one-thread runs at a time, each finished run's result file written under
-# docs/ablations/stress/ and committed as it lands; then docs/ablations/STRESS.md. Add seeds to
+# docs/ablations/stress/ at once and committed in batches; then docs/ablations/STRESS.md. Add seeds to
 # settings with `make ablations-stress SEEDS=11-15 SETTINGS=gspo-off` (main block).
 SETTINGS ?=
 STRESS_ARGS = $(if $(SEEDS)$(SETTINGS),--block main $(if $(SETTINGS),--settings $(SETTINGS)) $(SEED_ARG))
@@ -170,7 +170,7 @@ ablations-stress: install
 	$(PY) -m moe_rl.ablations stress-report
 
 # The mismatch study (docs/ablations/MISMATCH_PLAN.md): every run its committed results have
-# unlocked and lack (pilot -> repeat, main -> stage 2), each result committed as it lands under
+# unlocked and lack (pilot -> repeat, main -> stage 2), results committed in batches under
 # docs/ablations/mismatch/, then its reports. `make ablations-mismatch SEEDS=11-12 SETTINGS=grpo`
 # adds seeds to the main block.
 MISMATCH_ARGS = $(if $(SEEDS)$(SETTINGS),--block main $(if $(SETTINGS),--settings $(SETTINGS)) $(SEED_ARG))

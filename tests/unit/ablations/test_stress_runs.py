@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.ablations import stress_runs
+from moe_rl.ablations.result_commits import ResultCommits
 from moe_rl.ablations.runner import MARKER, Run
 from moe_rl.ablations.settings import settings
 from moe_rl.ablations.stress_explore import ExploreRate, explore_rate
@@ -98,7 +99,7 @@ def test_result_outcomes_and_a_digest_blind_only_to_wall_times():
         assert metrics_digest(nudged) != metrics_digest(rows), key
 
 
-def test_recorder_writes_and_commits_exactly_the_result_file(tmp_path):
+def test_recorder_writes_each_file_and_commits_them_in_batches(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True).stdout  # noqa: E731
@@ -107,22 +108,40 @@ def test_recorder_writes_and_commits_exactly_the_result_file(tmp_path):
     git("config", "user.name", "t")
     (repo / "other.txt").write_text("work in progress\n")
     git("add", "other.txt")  # staged by someone else: must not ride along
-    run = Run("grpo-off", 3)
-    run_dir = tmp_path / "runs" / "grpo-off" / "seed3"
-    run_dir.mkdir(parents=True)
-    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([0.3] * 40)) + "\n")
-    (run_dir / MARKER).write_text(json.dumps({"seconds": 150.0}))
-    blk = Block("main", 3e-4, 4, (run,))
-    Recorder(tmp_path / "runs", repo / "stress", blk, "abc1234", "0123456789abcdef", commit=True)(run)
-    path = repo / "stress" / "main" / "grpo-off" / "seed3.json"
-    saved = json.loads(path.read_text())
+    runs = [Run("grpo-off", s) for s in (1, 2, 3)]
+    for run, reward in zip(runs, (0.3, 0.0, 0.5)):
+        run_dir = tmp_path / "runs" / "grpo-off" / f"seed{run.seed}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([reward] * 40)) + "\n")
+        (run_dir / MARKER).write_text(json.dumps({"seconds": 150.0}))
+    blk = Block("main", 3e-4, 4, tuple(runs))
+    commits = ResultCommits("stress", every=2)
+    record = Recorder(tmp_path / "runs", repo / "stress", blk, "abc1234", "0123456789abcdef", commits)
+    record(runs[0])
+    path = repo / "stress" / "main" / "grpo-off" / "seed1.json"
+    saved = json.loads(path.read_text())  # written at once, committed with the batch
     assert saved["warm_start"] == "0123456789abcdef"
     assert saved["commit"] == "abc1234" and saved["lr"] == 3e-4 and saved["updates"] == 4 and saved["seconds"] == 150.0
     assert not saved["collapsed"] and saved["final_reward"] == pytest.approx(0.3)
-    assert git("show", "--name-only", "--format=%s", "HEAD").split() == [
-        "stress", "main:", "grpo-off", "seed", "3", "survived", "(final", "reward", "0.300)",
-        "stress/main/grpo-off/seed3.json"]
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True).returncode != 0  # none yet
+    record(runs[1])
+    assert git("log", "--format=%s").splitlines() == ["stress main: 2 run(s) landed, 1 collapsed"]
+    assert git("log", "-1", "--format=%b").strip().splitlines() == [
+        "- grpo-off seed 1 survived (final reward 0.300)", "- grpo-off seed 2 collapsed (final reward 0.000)"]
+    assert git("show", "--name-only", "--format=", "HEAD").split() == [
+        "stress/main/grpo-off/seed1.json", "stress/main/grpo-off/seed2.json"]
+    record(runs[2])  # a batch of one, committed when the block ends
+    assert len(git("log", "--format=%s").splitlines()) == 1
+    commits.flush("main")
+    assert git("log", "-1", "--format=%s").strip() == "stress main: 1 run(s) landed, 0 collapsed"
+    assert git("show", "--name-only", "--format=", "HEAD").split() == ["stress/main/grpo-off/seed3.json"]
     assert "A  other.txt" in git("status", "--porcelain")
+
+
+def test_results_are_not_committed_without_commit(tmp_path):
+    commits = ResultCommits("stress", enabled=False, every=1)
+    commits.add("main", tmp_path / "nowhere.json", "x", False)  # would fail loudly if it tried git
+    commits.flush()
 
 
 def test_the_cli_names_the_block_a_seed_list_needs():
