@@ -208,6 +208,23 @@ def compare_steps(baseline: str, steps: int, skip: int) -> dict:
     return out
 
 
+def step_only(baseline: str, quick: bool = False) -> None:
+    """The demo step alone against `baseline` -> bench/results/step_vs_<baseline>.md (issue 69
+    compares with 7d31198, the commit before its push: 38 ms there on a quiet day)."""
+    steps, skip = (8, 3) if quick else (30, 5)
+    step = compare_steps(baseline, steps, skip)
+    parts = ("step", "sample", "update", "sync", "reward", "other")
+    rows = [[name, *(step[name][p] * 1e3 for p in parts)] for name in ("this tree", f"baseline {baseline}")]
+    rows.append(["this tree / baseline", *(step["this tree"][p] / step[f"baseline {baseline}"][p]
+                                           if step[f"baseline {baseline}"][p] else float("nan") for p in parts)])
+    table = markdown_table(["demo step (medians)", "step ms", "sample ms", "update ms", "push ms", "reward ms",
+                            "other ms"], rows)
+    notes = (f"`python -m moe_rl.train --config examples/tiny_rspo.yaml`, {steps} steps, medians of steps "
+             f"{skip + 1}-{steps} (each part's median separately), this tree then `git archive {baseline}`, back "
+             "to back, one process of 2 threads each. push = the trainer's `time/sync`.")
+    write_results(f"step_vs_{baseline}", {"demo_step": step}, table, notes)
+
+
 def main(quick: bool = False, baseline: str = "ff4e69c") -> None:
     from moe_rl.learner import init_distributed
 
@@ -242,4 +259,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--baseline", default="ff4e69c", help="git revision whose demo step is the reference")
-    main(**vars(ap.parse_args()))
+    ap.add_argument("--step-only", action="store_true", help="the demo step alone -> step_vs_<baseline>.md")
+    args = ap.parse_args()
+    if args.step_only:
+        step_only(args.baseline, args.quick)
+    else:
+        main(args.quick, args.baseline)
