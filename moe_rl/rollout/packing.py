@@ -57,7 +57,8 @@ def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, r
         last_R[rows] = rows[-1]
     shaped_R = shaped_R[last_R]
     critic = rl.uses_critic  # (its token advantages come once the step is scored)
-    adv_R = torch.zeros_like(shaped_R) if critic else episode_advantages(rl.advantage, shaped_R, episodes)
+    adv_R = (torch.zeros_like(shaped_R) if critic else
+             episode_advantages(rl.advantage, shaped_R, episodes, rl.group_size))
     longest = max(g.prompt_len + max(g.response_lens, default=0) for g in kept)
     stats = rollout_stats(kept, drawn, draws, lengths_R, None if critic else adv_R)
     return StepPlan(rewards_R, adv_R, shaped_R, -(-longest // tp) * tp, stats)
@@ -72,16 +73,17 @@ def step_episodes(kept: list[GroupSummary]) -> list[list[list[int]]]:
     return out
 
 
-def episode_advantages(estimator: str, shaped_R: torch.Tensor, episodes: list[list[list[int]]]) -> torch.Tensor:
+def episode_advantages(estimator: str, shaped_R: torch.Tensor, episodes: list[list[list[int]]],
+                       G: int) -> torch.Tensor:
     """[R] each episode's advantage within its group, over the group's trained episodes (an
     agent group's dropped ones left out, each episode counted once however many rows it
     has), on every row of the episode. Groups with as many episodes are estimated together
     (every group, but for dropped agent episodes: batch_std's scale is over those groups); a
-    group with fewer than the estimator needs (rloo's 2) gets zeros."""
+    group left with fewer than `G` and than the estimator needs (rloo's 2) gets zeros."""
     adv_R = torch.zeros_like(shaped_R)
     by_size: dict[int, list[list[list[int]]]] = {}
     for group in episodes:
-        if len(group) >= ADVANTAGES[estimator].min_group_size:
+        if len(group) >= min(G, ADVANTAGES[estimator].min_group_size):
             by_size.setdefault(len(group), []).append(group)
     for same in by_size.values():
         last_NG = torch.tensor([[rows[-1] for rows in group] for group in same], dtype=torch.long)

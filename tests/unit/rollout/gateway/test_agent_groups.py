@@ -83,7 +83,8 @@ def test_every_segment_trains_with_its_episodes_advantage_and_a_dropped_episode_
 def test_dropped_episodes_leave_a_groups_advantage_and_a_group_left_with_none_has_no_row():
     """dr_grpo over kept [1, 0, 1] beside a group of two plain rows [0, 1]: the agent group's
     mean is 2/3 (its dropped episode's 0 would make it 1/2), the plain group's 1/2; an
-    agent group whose episodes all failed has no row; with no row in the step the run stops."""
+    agent group whose episodes all failed has no row; with no row in the step the run stops;
+    rloo gives zeros to a group left with one episode, +-1 to [0, 1]."""
     rl = load_config(None, ["rl.advantage=dr_grpo", "rl.group_size=4"]).rl
     tallies = ((2, 1, 0, 0, 0, 0), (1, 0, 0, 0, 0, 1), (0, 0, 0, 1, 0, 0), (1, 0, 0, 0, 0, 0))
     agent = GroupSummary(5, (9, 3, 4, 3), (1.0, 0.0, 0.0, 1.0), ("stop",) * 4, episodes=tallies,
@@ -103,6 +104,9 @@ def test_dropped_episodes_leave_a_groups_advantage_and_a_group_left_with_none_ha
         check_agent_failures(s, 0.4, "a:b", plan.rows)
     with pytest.raises(AgentFailuresError, match="leaving nothing to train on"):
         check_agent_failures(s, 1.0, "a:b", 0)
+    rloo = load_config(None, ["rl.advantage=rloo", "rl.group_size=2"]).rl  # (one kept of two: no leave-one-out)
+    lone = GroupSummary(5, (9,), (1.0,), ("stop",), episodes=((1, 0, 0, 0, 0, 0), (1, 0, 0, 1, 0, 0)), episode_of=(0,))
+    assert plan_step([lone, plain], [lone, plain], 1, rloo, 1).adv_R.tolist() == [0.0, -1.0, 1.0]
 
 
 def test_an_agent_groups_rows_survive_a_batch_saved_ahead(tmp_path):
