@@ -6,11 +6,11 @@
     for rows in minibatch_rows(batch.step_rows, n, dp, seed):
         result = learner.update(batch.take(rows), loss_fn, plan)
 
-Rows. The step's batch has `step_rows` sequences (prompts_per_step x G), numbered by their
-global row id. Data-parallel rank d holds the rows whose id is d mod dp (`dp_rows`), in
-every pass of the step, so per-row state (old logprobs, a routing record) never moves
-between ranks; the ranks of one model replica (its TP / PP / EP peers) hold the same rows.
-Only scalar metrics are reduced across data-parallel ranks.
+Rows. The step's batch has `step_rows` sequences (prompts_per_step x G; for agent episodes,
+their segments), numbered by their global row id. Data-parallel rank d holds the rows whose
+id is d mod dp (`dp_rows`), in every pass of the step, so per-row state (old logprobs, a
+routing record) never moves between ranks; the ranks of one model replica (its TP / PP / EP
+peers) hold the same rows. Only scalar metrics are reduced across data-parallel ranks.
 """
 
 from __future__ import annotations

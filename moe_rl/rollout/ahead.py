@@ -43,8 +43,10 @@ def _path(run_dir: Path, step: int, engine: int) -> Path:
 
 def _summary(s: dict) -> GroupSummary:
     runs = tuple(tuple((v, n) for v, n in r) for r in s["version_runs"]) if s.get("version_runs") else None
+    episodes = tuple(tuple(t) for t in s["episodes"]) if s.get("episodes") is not None else None
     return GroupSummary(s["prompt_len"], tuple(s["response_lens"]), tuple(s["rewards"]), tuple(s["finish"]),
-                        s["version"], runs, tuple(s["carried"]) if s.get("carried") else None)
+                        s["version"], runs, tuple(s["carried"]) if s.get("carried") else None, episodes,
+                        tuple(s["episode_of"]) if s.get("episode_of") is not None else None)
 
 
 def save_ahead(run_dir: Path, engine: int, layout: tuple[int, int], sampled: Sampled, keep: int = KEEP) -> None:
@@ -52,7 +54,8 @@ def save_ahead(run_dir: Path, engine: int, layout: tuple[int, int], sampled: Sam
     newest `keep`. `layout`: (engines, ranks per engine) it was sampled under."""
     groups = [{"key": list(k), "prompt": g.prompt, "responses": g.responses, "logprobs": g.logprobs,
                "texts": g.texts, "rewards": g.rewards, "finish": g.finish, "version": g.version,
-               "token_versions": g.token_versions, "carried": g.carried,
+               "token_versions": g.token_versions, "carried": g.carried, "observed": g.observed,
+               "episodes": g.episodes, "episode_of": g.episode_of,
                "routed": [np.asarray(r).tolist() for r in g.routed] if g.routed is not None else None}
               for k, g in sampled.held.items()]
     doc = {"step": sampled.step, "layout": list(layout), "version": sampled.version, "kept": sampled.kept,
@@ -98,7 +101,9 @@ def load_ahead(run_dir: Path, step: int, engine: int, layout: tuple[int, int]) -
         routed = [np.asarray(r) for r in g["routed"]] if g["routed"] is not None else None
         out.held[tuple(g["key"])] = ScoredGroup(g["prompt"], g["responses"], g["logprobs"], g["texts"], g["rewards"],
                                                 g["finish"], routed, g["version"], g.get("token_versions"),
-                                                g.get("carried"))
+                                                g.get("carried"), g.get("observed"),
+                                                [tuple(t) for t in g["episodes"]] if g.get("episodes") else None,
+                                                g.get("episode_of"))
     return out, ""
 
 

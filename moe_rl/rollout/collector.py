@@ -234,10 +234,15 @@ class RolloutCollector:
         kept = [(d, i) for d, i in public.kept if current - drawn[d][i].version <= rl.max_staleness]
         with timer.phase("reward"):
             plan = plan_step([drawn[d][i] for d, i in kept], [g for d in drawn for g in d], len(drawn), rl, self.tp)
-        dropped = (len(public.kept) - len(kept)) * rl.group_size + public.dropped_stale
-        plan.stats.update(staleness_stats([drawn[d][i] for d, i in kept], current, dropped))
+        dropped = sum(len(drawn[d][i].response_lens) for d, i in public.kept if (d, i) not in kept)
+        plan.stats.update(staleness_stats([drawn[d][i] for d, i in kept], current, dropped + public.dropped_stale))
+        if self.task_cfg.agent:  # (every rank sees the same statistics: they stop together, before any row moves)
+            from moe_rl.rollout.gateway.agents import check_agent_failures
+
+            check_agent_failures(plan.stats, self.task_cfg.max_agent_failures_frac, self.task_cfg.agent, plan.rows)
         with timer.phase("gather"):
-            rows = self._deliver(kept, sampled.held if isinstance(sampled, Sampled) else {}, rl.group_size)
+            rows = self._deliver(kept, sampled.held if isinstance(sampled, Sampled) else {},
+                                 [len(drawn[d][i].response_lens) for d, i in kept])
         self._signal.observe(step, plan.stats["reward/zero_variance_frac"])
         if self._row_owners[self.placement.rank] is None:  # an engine-only rank trains on nothing
             rollout = Rollout(None, torch.zeros(0), [], plan.stats)
@@ -247,25 +252,22 @@ class RolloutCollector:
         rollout.stats.update(self._engine_stats(public.engine_seconds, drawn))
         rollout.stats["reward/timeouts"] = float(public.reward_timeouts)
         rollout.stats["rollout/engine_restarts"] = float(restarts)
-        if self.task_cfg.agent:  # (every rank sees the same statistics: they stop together)
-            from moe_rl.rollout.gateway.agents import check_agent_failures
-
-            check_agent_failures(rollout.stats, self.task_cfg.max_agent_failures_frac, self.task_cfg.agent)
         rollout.stats.update({"time/learner_wait": self.learner_wait, "time/engine_wait": public.engine_wait})
         return rollout
 
     def _deliver(self, kept: list[tuple[int, int]], held: dict[tuple[int, int], ScoredGroup],
-                 G: int) -> list[RowSample]:
-        """Send each kept group's responses, as training rows k*G + j, from the engine that
-        sampled them to every rank of the data-parallel rank that holds the row (row % dp);
-        return this rank's rows in row order. One all-to-all: nobody receives others' rows."""
+                 sizes: list[int]) -> list[RowSample]:
+        """Send each kept group's `sizes[k]` responses (G, but for agent episodes), as
+        training rows sum(sizes[:k]) + j, from the engine that sampled them to every rank of
+        the data-parallel rank that holds the row (row % dp); return this rank's rows in row
+        order. One all-to-all: nobody receives others' rows."""
         outgoing: list[list[RowSample]] = [[] for _ in self._row_owners]
         for k, key in enumerate(kept):
             group = held.get(key)
             if group is None:
                 continue
-            for j in range(G):
-                row = k * G + j
+            for j in range(sizes[k]):
+                row = sum(sizes[:k]) + j
                 for rank, owner in enumerate(self._row_owners):
                     if owner == row % self._dp:
                         outgoing[rank].append(group.row(j, row))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.advantages import compute_advantages, filter_groups, overlong_penalty
+from moe_rl.advantages import ADVANTAGES, compute_advantages, overlong_penalty
 from moe_rl.batch import TokenBatch, ragged_rows
 from moe_rl.config import ModelConfig, RLConfig
 from moe_rl.rollout.types import SCORE, VERSION_SPAN, GroupSummary, RowSample
@@ -18,15 +18,19 @@ from moe_rl.step_batch import StepBatch
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What every rank knows of the step's batch before any row arrives."""
+    """What every rank knows of the step's batch before any row arrives. Rows are the kept
+    groups' responses in order: G per group, unless agent episodes made them fewer (dropped
+    episodes) or more (an episode's segments; `GroupSummary.episode_of`)."""
 
-    rewards_NG: torch.Tensor
-    """[N, G] verifier rewards of the kept groups."""
-    adv_NG: torch.Tensor
-    """[N, G] group advantages (from the shaped rewards); zeros under rl.advantage=gae,
-    whose token advantages the critic gives after the rollout (`moe_rl.programs.ppo.critic_stage`)."""
-    scores_NG: torch.Tensor
-    """[N, G] the shaped rewards (verifier reward plus overlong shaping)."""
+    rewards_R: torch.Tensor
+    """[R] verifier rewards of the step's rows (an agent episode's rows all carry its reward)."""
+    adv_R: torch.Tensor
+    """[R] group advantages (from the shaped rewards of each group's episodes, an episode's on
+    every row of it); zeros under rl.advantage=gae, whose token advantages the critic gives
+    after the rollout (`moe_rl.programs.ppo.critic_stage`)."""
+    scores_R: torch.Tensor
+    """[R] the shaped rewards (verifier reward plus overlong shaping), an episode's on each of
+    its rows (shaped by its last row's length: the segment its reward was earned in)."""
     seq_len: int
     """S: the longest prompt + response of the batch, rounded up to the TP size."""
     stats: dict[str, float]
@@ -34,7 +38,7 @@ class StepPlan:
 
     @property
     def rows(self) -> int:
-        return self.rewards_NG.numel()
+        return self.rewards_R.numel()
 
 
 def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, rl: RLConfig,
@@ -42,34 +46,52 @@ def plan_step(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, r
     """Advantages, batch width and statistics of the `kept` groups (dynamic sampling may have
     drawn more: `drawn` is every group of the step, for the statistics), shaped and estimated
     as `rl` says, the width rounded up to `tp` (the learner's tensor-parallel size)."""
-    rewards_NG = torch.tensor([g.rewards for g in kept], dtype=torch.float32)
-    lengths_NG = torch.tensor([g.response_lens for g in kept], dtype=torch.float32)
-    shaped_NG = rewards_NG
+    rewards_R = torch.tensor([r for g in kept for r in g.rewards], dtype=torch.float32)
+    lengths_R = torch.tensor([n for g in kept for n in g.response_lens], dtype=torch.float32)
+    shaped_R = rewards_R
     if rl.overlong_max_len:
-        shaped_NG = rewards_NG + overlong_penalty(lengths_NG, rl.overlong_max_len, rl.overlong_cache)
+        shaped_R = rewards_R + overlong_penalty(lengths_R, rl.overlong_max_len, rl.overlong_cache)
+    episodes = step_episodes(kept)
+    last_R = torch.zeros(rewards_R.numel(), dtype=torch.long)  # (each row's episode's last row)
+    for rows in (rows for group in episodes for rows in group):
+        last_R[rows] = rows[-1]
+    shaped_R = shaped_R[last_R]
     critic = rl.uses_critic  # (its token advantages come once the step is scored)
-    adv_NG = torch.zeros_like(shaped_NG) if critic else over_kept(compute_advantages(rl.advantage, shaped_NG),
-                                                                   shaped_NG, kept, rl.advantage)
+    adv_R = (torch.zeros_like(shaped_R) if critic else
+             episode_advantages(rl.advantage, shaped_R, episodes, rl.group_size))
     longest = max(g.prompt_len + max(g.response_lens, default=0) for g in kept)
-    stats = rollout_stats(kept, drawn, draws, rewards_NG, lengths_NG, None if critic else adv_NG)
-    return StepPlan(rewards_NG, adv_NG, shaped_NG, -(-longest // tp) * tp, stats)
+    stats = rollout_stats(kept, drawn, draws, lengths_R, None if critic else adv_R)
+    return StepPlan(rewards_R, adv_R, shaped_R, -(-longest // tp) * tp, stats)
 
 
-def over_kept(adv_NG: torch.Tensor, shaped_NG: torch.Tensor, kept: list[GroupSummary], estimator: str) -> torch.Tensor:
-    """Agent episodes (`moe_rl.rollout.gateway.agents`): a group's advantages over the
-    episodes it kept, 0 for those dropped (timed out or raised; tally entries 3 and 4); a
-    group with fewer kept than the estimator needs gets zeros."""
-    for n, g in enumerate(kept):
-        if not g.episodes or len(g.episodes[0]) <= 3 or not any(t[3] or t[4] for t in g.episodes):
-            continue
-        idx = [j for j, t in enumerate(g.episodes) if not (t[3] or t[4])]
-        adv_NG[n] = 0.0
-        if idx:
-            try:
-                adv_NG[n, idx] = compute_advantages(estimator, shaped_NG[n, idx][None])[0]
-            except ValueError:  # (too few kept for the estimator, rloo's one)
-                pass
-    return adv_NG
+def step_episodes(kept: list[GroupSummary]) -> list[list[list[int]]]:
+    """Per kept group, the step's row ids of each of its trained episodes."""
+    out, start = [], 0
+    for g in kept:
+        out.append([[start + j for j in rows] for rows in g.episode_rows()])
+        start += len(g.response_lens)
+    return out
+
+
+def episode_advantages(estimator: str, shaped_R: torch.Tensor, episodes: list[list[list[int]]],
+                       G: int) -> torch.Tensor:
+    """[R] each episode's advantage within its group, over the group's trained episodes (an
+    agent group's dropped ones left out, each episode counted once however many rows it
+    has), on every row of the episode. Groups with as many episodes are estimated together
+    (every group, but for dropped agent episodes: batch_std's scale is over those groups); a
+    group left with fewer than `G` and than the estimator needs (rloo's 2) gets zeros."""
+    adv_R = torch.zeros_like(shaped_R)
+    by_size: dict[int, list[list[list[int]]]] = {}
+    for group in episodes:
+        if len(group) >= min(G, ADVANTAGES[estimator].min_group_size):
+            by_size.setdefault(len(group), []).append(group)
+    for same in by_size.values():
+        last_NG = torch.tensor([[rows[-1] for rows in group] for group in same], dtype=torch.long)
+        adv_NG = compute_advantages(estimator, shaped_R[last_NG])
+        rows = [r for group in same for ep in group for r in ep]
+        at = [n * len(same[0]) + e for n, group in enumerate(same) for e, ep in enumerate(group) for _ in ep]
+        adv_R[rows] = adv_NG.flatten()[at].to(adv_R.dtype)
+    return adv_R
 
 
 def pack_rows(rows: list[RowSample], plan: StepPlan, model: ModelConfig, max_new_tokens: int,
@@ -85,15 +107,15 @@ def pack_rows(rows: list[RowSample], plan: StepPlan, model: ModelConfig, max_new
     row_ids = torch.tensor([r.row_id for r in rows], dtype=torch.long)
     batch = StepBatch(
         tokens, row_ids, plan.rows,
-        adv_B=plan.adv_NG.flatten()[row_ids],
+        adv_B=plan.adv_R[row_ids],
         sampler_logp_BT=ragged_rows([r.logprobs for r in rows], T),
         sampler_routing=sampler_routing(rows, tokens, row_ids, model),
         version_B=torch.tensor([r.version for r in rows], dtype=torch.long),
-        extras={SCORE: plan.scores_NG.flatten()[row_ids],
+        extras={SCORE: plan.scores_R[row_ids],
                 VERSION_SPAN: torch.tensor([max(r.token_versions) - min(r.token_versions) if r.token_versions else 0
                                             for r in rows], dtype=torch.long)},
     )
-    return batch, plan.rewards_NG.flatten()[row_ids], [r.text for r in rows]
+    return batch, plan.rewards_R[row_ids], [r.text for r in rows]
 
 
 def sampler_routing(rows: list[RowSample], tokens: TokenBatch, row_ids: torch.Tensor,
@@ -110,39 +132,52 @@ def sampler_routing(rows: list[RowSample], tokens: TokenBatch, row_ids: torch.Te
     return ReplayIds(row_ids, ids_BSLK, valid_BS)
 
 
-def rollout_stats(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, rewards_NG: torch.Tensor,
-                  lengths_NG: torch.Tensor, adv_NG: torch.Tensor | None) -> dict[str, float]:
-    """The step's reward, length and sampling statistics (`advantage/abs_mean` of group
-    advantages; under GAE the critic stage logs it)."""
-    all_rewards = torch.tensor([g.rewards for g in drawn], dtype=torch.float32)
+def rollout_stats(kept: list[GroupSummary], drawn: list[GroupSummary], draws: int, lengths_R: torch.Tensor,
+                  adv_R: torch.Tensor | None) -> dict[str, float]:
+    """The step's reward, length and sampling statistics: rewards over the trained episodes
+    (each once: an agent episode's segments are one episode, a dropped one is none), lengths
+    over the rows (`advantage/abs_mean` of the rows' group advantages; under GAE the critic
+    stage logs it)."""
+    rewards_E = torch.tensor([r for g in kept for r in g.episode_rewards()], dtype=torch.float32)
+    all_rewards = torch.tensor([r for g in drawn for r in g.episode_rewards()], dtype=torch.float32)
     finish = [f for g in kept for f in g.finish]
+    some = rewards_E.numel() > 0
     stats = {
-        "reward/mean": float(rewards_NG.mean()),
-        "reward/std": float(rewards_NG.std()) if rewards_NG.numel() > 1 else 0.0,
-        "reward/solved_frac": float((rewards_NG == 1).float().mean()),
-        "reward/mean_all_draws": float(all_rewards.mean()),
+        "reward/mean": float(rewards_E.mean()) if some else 0.0,
+        "reward/std": float(rewards_E.std()) if rewards_E.numel() > 1 else 0.0,
+        "reward/solved_frac": float((rewards_E == 1).float().mean()) if some else 0.0,
+        "reward/mean_all_draws": float(all_rewards.mean()) if all_rewards.numel() else 0.0,
         "reward/zero_variance_frac": sum(not g.has_signal for g in kept) / max(len(kept), 1),
-        "response/length_mean": float(lengths_NG.mean()),
-        "response/length_max": float(lengths_NG.max()),
+        "response/length_mean": float(lengths_R.mean()) if lengths_R.numel() else 0.0,
+        "response/length_max": float(lengths_R.max()) if lengths_R.numel() else 0.0,
         "response/truncated_frac": sum(f == "length" for f in finish) / max(len(finish), 1),
         "sampling/draws": float(draws),
         "sampling/groups": float(len(kept)),
-        "sampling/groups_with_signal_frac": float(filter_groups(all_rewards).float().mean()),
+        "sampling/groups_with_signal_frac": sum(g.has_signal for g in drawn) / max(len(drawn), 1),
     }
-    if adv_NG is not None:
-        stats["advantage/abs_mean"] = float(adv_NG.abs().mean())
-    tallies = [t for g in kept for t in (g.episodes or ())]
-    if tallies:  # multi-turn episodes (`moe_rl.rollout.episodes`)
-        stats.update({"rollout/turns_mean": sum(t[0] for t in tallies) / len(tallies),
-                      "rollout/tool_calls_mean": sum(t[1] for t in tallies) / len(tallies),
-                      "rollout/tool_parse_errors": float(sum(t[2] for t in tallies)),
-                      "rollout/truncated_frac": stats["response/truncated_frac"]})
-        if len(tallies[0]) > 3:  # agent episodes: (..., timed out, raised, resets)
-            failed = sum(bool(t[3] or t[4]) for t in tallies)
-            stats.update({"rollout/agent_timeouts": float(sum(t[3] for t in tallies)),
-                          "rollout/agent_errors": float(sum(t[4] for t in tallies)),
-                          "rollout/agent_resets": float(sum(t[5] for t in tallies)),
-                          "rollout/agent_failed_frac": failed / len(tallies)})
+    if adv_R is not None:
+        stats["advantage/abs_mean"] = float(adv_R.abs().mean()) if adv_R.numel() else 0.0
+    stats.update(episode_stats([t for g in kept for t in (g.episodes or ())], stats["response/truncated_frac"]))
+    return stats
+
+
+def episode_stats(tallies: list[tuple[int, ...]], truncated_frac: float) -> dict[str, float]:
+    """Multi-turn episodes' statistics (`moe_rl.rollout.episodes`) from their tallies; agent
+    episodes (`moe_rl.rollout.gateway.agents`): turns and tool calls over the trained ones,
+    timeouts, errors and resets over every one."""
+    if not tallies:
+        return {}
+    agents = len(tallies[0]) > 3  # (..., timed out, raised, resets)
+    trained = [t for t in tallies if not (agents and (t[3] or t[4]))]
+    stats = {"rollout/turns_mean": sum(t[0] for t in trained) / max(len(trained), 1),
+             "rollout/tool_calls_mean": sum(t[1] for t in trained) / max(len(trained), 1),
+             "rollout/tool_parse_errors": float(sum(t[2] for t in trained)),
+             "rollout/truncated_frac": truncated_frac}
+    if agents:
+        stats.update({"rollout/agent_timeouts": float(sum(t[3] for t in tallies)),
+                      "rollout/agent_errors": float(sum(t[4] for t in tallies)),
+                      "rollout/agent_resets": float(sum(t[5] for t in tallies)),
+                      "rollout/agent_failed_frac": (len(tallies) - len(trained)) / len(tallies)})
     return stats
 
 

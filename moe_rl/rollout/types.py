@@ -50,8 +50,13 @@ class ScoredGroup:
     observed: list[list[bool]] | None = None
     """Multi-turn episodes: per response, which tokens are the environment's observations."""
     episodes: list[tuple[int, ...]] | None = None
-    """Multi-turn episodes: per response, (turns, tool calls, tool-call parse errors), and for
-    agent episodes (timed out, raised, resets) after them (`moe_rl.rollout.gateway.agents`)."""
+    """Multi-turn episodes: per episode, (turns, tool calls, tool-call parse errors), and for
+    agent episodes (timed out, raised, resets) after them (`moe_rl.rollout.gateway.agents`).
+    An episode is a response, unless `episode_of` says otherwise."""
+    episode_of: list[int] | None = None
+    """Agent episodes: per response (row), the index of its episode in `episodes`. An episode
+    whose agent rewrote its history has a row per segment, one that was dropped (timed out or
+    raised) has none; every row carries its episode's reward. None: response j is episode j."""
 
     def summary(self) -> GroupSummary:
         runs = None
@@ -60,7 +65,8 @@ class ScoredGroup:
         return GroupSummary(len(self.prompt), tuple(len(r) for r in self.responses), tuple(self.rewards),
                             tuple(self.finish), self.version, runs,
                             tuple(self.carried) if self.carried is not None else None,
-                            tuple(self.episodes) if self.episodes is not None else None)
+                            tuple(self.episodes) if self.episodes is not None else None,
+                            tuple(self.episode_of) if self.episode_of is not None else None)
 
     def row(self, j: int, row_id: int) -> RowSample:
         """Response j as training row `row_id`."""
@@ -92,8 +98,26 @@ class GroupSummary:
     carried: tuple[bool, ...] | None = None
     """Per response, whether it continued across a step boundary (a partial rollout)."""
     episodes: tuple[tuple[int, ...], ...] | None = None
-    """Multi-turn episodes: per response, (turns, tool calls, tool-call parse errors[, timed
+    """Multi-turn episodes: per episode, (turns, tool calls, tool-call parse errors[, timed
     out, raised, resets] for agent episodes)."""
+    episode_of: tuple[int, ...] | None = None
+    """Agent episodes: per response (row), its episode's index in `episodes` (ScoredGroup's);
+    None: response j is episode j."""
+
+    def episode_rows(self) -> list[list[int]]:
+        """The rows of each episode that has any, in episode order (an agent episode's
+        segments; a dropped one has no row)."""
+        if self.episode_of is None:
+            return [[j] for j in range(len(self.response_lens))]
+        rows: dict[int, list[int]] = {}
+        for j, e in enumerate(self.episode_of):
+            rows.setdefault(e, []).append(j)
+        return [rows[e] for e in sorted(rows)]
+
+    def episode_rewards(self) -> tuple[float, ...]:
+        """Each trained episode's reward, once (what the group's advantages and the reward
+        statistics count; every row of an episode carries it)."""
+        return tuple(self.rewards[rows[0]] for rows in self.episode_rows())
 
     def spans(self) -> tuple[int, ...]:
         """Per response, newest minus oldest token version (0: one version)."""
@@ -110,7 +134,7 @@ class GroupSummary:
     @property
     def has_signal(self) -> bool:
         """Rewards differ within the group (group advantages are not all zero)."""
-        return len(set(self.rewards)) > 1
+        return len(set(self.episode_rewards())) > 1
 
 
 @dataclass
@@ -119,7 +143,8 @@ class RowSample:
     that trains on it."""
 
     row_id: int
-    """Global row id in the step's batch (group index x G + response index)."""
+    """Global row id in the step's batch: the kept groups' rows in order (group index x G +
+    response index, unless agent episodes made a group's rows fewer or more than G)."""
     prompt: list[int]
     response: list[int]
     logprobs: list[float]

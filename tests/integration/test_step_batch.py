@@ -113,7 +113,8 @@ def test_zero_variance_fraction_counts_groups_with_equal_rewards():
     plan = plan_step(groups, groups, 1, cfg.rl, cfg.parallel.tensor_model_parallel_size)
     assert plan.stats["reward/zero_variance_frac"] == pytest.approx(2 / 3)
     assert plan.seq_len == 7 and plan.rows == 6  # longest prompt + response: 3 + 4
-    assert plan.adv_NG[0].abs().sum() == 0 and plan.adv_NG[2].abs().sum() == 0
+    assert plan.adv_R[:2].abs().sum() == 0 and plan.adv_R[4:].abs().sum() == 0
+    torch.testing.assert_close(plan.adv_R[2:4], torch.tensor([-0.5, 0.5]) / (0.5 ** 0.5 + 1e-6))
 
 
 @pytest.mark.multiproc

@@ -1,7 +1,7 @@
 """Agent programs as environments (`task.agent: module.path:function`).
 
     outcomes = run_agents(gateway, agent, "my_pkg.agents:solve", problems, seeds, G, task, timeout_s)
-    groups = agent_groups(outcomes, version, eos_id, decode)     # ScoredGroups, one per problem
+    groups = agent_groups(outcomes, version, decode)     # ScoredGroups, one per problem
 
 Each of a problem's G episodes calls the agent once, concurrently: an `async def
 agent(problem, client, task)` gets an `openai.AsyncOpenAI` bound to its episode (the
@@ -13,15 +13,16 @@ optionally `call_rewards` (per-call rewards, added to it).
 `task.agent_timeout_s` ends an episode that hangs: an async agent is cancelled, a plain
 function's thread abandoned (its late result, and any later call, ignored: the episode is
 closed, its calls answered 409). An agent that raises is one line naming the function and
-the problem. Either way the episode is dropped from the step: it stays in its group's rows
-with no token trained on (one observed EOS) and its group's advantage is computed over the
-episodes it kept (`moe_rl.rollout.packing`); counted in rollout/agent_timeouts and
-rollout/agent_errors, and above task.max_agent_failures_frac of a step's episodes the run
-stops with the first line (`check_agent_failures`).
+the problem. Either way the episode is dropped from the step: it has no row, its group's
+advantages are computed over the episodes it kept and the reward statistics count only
+those (`moe_rl.rollout.packing`); counted in rollout/agent_timeouts and
+rollout/agent_errors, and above task.max_agent_failures_frac of a step's episodes (or when
+none is left) the run stops with the first line (`check_agent_failures`).
 
-An episode whose agent rewrote its history has several segments (`trajectory`): it trains on
-its last one (the one its reward was earned in), the earlier ones are counted in
-rollout/agent_resets and not trained on.
+An episode whose agent rewrote its history has several segments (`trajectory`), counted in
+rollout/agent_resets: each is a row of its own, trained on with the episode's reward and
+advantage. The episode counts once in its group's advantages (`ScoredGroup.episode_of`:
+each row's episode), so a group's rows may be more than G, or fewer.
 """
 
 from __future__ import annotations
@@ -140,46 +141,48 @@ def _common_prefix(seqs: list[list[int]]) -> list[int]:
     return first[:n]
 
 
-def agent_groups(outcomes: list[list[Outcome]], version: int, eos_id: int,
+def agent_groups(outcomes: list[list[Outcome]], version: int,
                  decode: Callable[[Sequence[int]], str]) -> list[ScoredGroup]:
-    """Each problem's episodes as one `ScoredGroup`: the prompt their last segments share, and
-    per episode the rest of its prompt (observed) and its segment's tokens; a dropped
-    episode is one observed EOS with reward 0."""
+    """Each problem's episodes as one `ScoredGroup`: a row per segment of each kept episode
+    (the prompt every row shares, and per row the rest of its segment's prompt, observed,
+    then its tokens), each row with its episode's reward and index (`episode_of`); a
+    dropped episode (or one that sampled nothing) has no row. The tallies are per episode,
+    dropped ones too."""
     groups = []
     for outs in outcomes:
-        kept = [o for o in outs if o.reward is not None]
-        prompts = [o.episode.segments[-1].prompt for o in (kept or [o for o in outs if o.episode.segments])]
-        prompt = _common_prefix(prompts) if prompts else [eos_id]
-        routes = [r for o in kept if (r := o.episode.segments[-1].routed) is not None]
-        routed_ok = bool(kept) and len(routes) == len(kept)
-        rows: list[tuple[list[int], list[float], list[bool], np.ndarray | None, str, str]] = []
-        for o in outs:
-            if o.reward is None:
-                blank = np.zeros((len(prompt), *routes[0].shape[1:]), routes[0].dtype) if routed_ok else None
-                rows.append(([eos_id], [0.0], [True], blank, "", "length"))
-                continue
-            seg = o.episode.segments[-1]
+        segs = [(e, seg) for e, o in enumerate(outs) if o.reward is not None
+                for seg in o.episode.segments if seg.turns]
+        prompt = _common_prefix([seg.prompt for _, seg in segs]) if segs else []
+        if segs and not prompt:
+            raise RuntimeError("an agent group's segments share no prompt token (the chat template's openings "
+                               "differ from their first token); use a chat template that starts every conversation alike")
+        routed_ok = bool(segs) and all(seg.routed is not None for _, seg in segs)
+        trained = {e for e, _ in segs}
+        rows = []
+        for _, seg in segs:
             extra = seg.prompt[len(prompt):]
-            rows.append((extra + seg.tokens, [0.0] * len(extra) + seg.logprobs, [True] * len(extra) + seg.observed,
-                         seg.routed, decode(seg.tokens), seg.finish or "stop"))
-        tallies: list[tuple[int, ...]] = [(*o.episode.tally(), int(o.failure == "timeout"), int(o.failure == "error"), o.episode.resets)
-                   for o in outs]
-        groups.append(ScoredGroup(prompt, [r[0] for r in rows], [r[1] for r in rows], [r[4] for r in rows],
-                                  [o.reward if o.reward is not None else 0.0 for o in outs], [r[5] for r in rows],
-                                  _all_routed([r[3] for r in rows]) if routed_ok else None, version,
-                                  observed=[r[2] for r in rows], episodes=tallies))
+            rows.append((extra + seg.tokens, [0.0] * len(extra) + seg.logprobs, [True] * len(extra) + seg.observed))
+        raised = [o.failure == "error" or (o.failure == "" and e not in trained) for e, o in enumerate(outs)]
+        tallies: list[tuple[int, ...]] = [(*o.episode.tally(), int(o.failure == "timeout"), int(raised[e]),
+                                           o.episode.resets) for e, o in enumerate(outs)]
+        groups.append(ScoredGroup(prompt, [r[0] for r in rows], [r[1] for r in rows],
+                                  [decode(seg.tokens) for _, seg in segs], [float(outs[e].reward or 0.0) for e, _ in segs],
+                                  [seg.finish or "stop" for _, seg in segs],
+                                  _all_routed([seg.routed for _, seg in segs]) if routed_ok else None, version,
+                                  observed=[r[2] for r in rows], episodes=tallies, episode_of=[e for e, _ in segs]))
     return groups
 
 
-def check_agent_failures(stats: dict[str, float], max_frac: float, spec: str) -> None:
-    """Stop the run when more than `max_frac` of the step's agent episodes failed."""
+def check_agent_failures(stats: dict[str, float], max_frac: float, spec: str, rows: int = 1) -> None:
+    """Stop the run when more than `max_frac` of the step's agent episodes failed, or when
+    no episode is left to train on (`rows`: the step's)."""
     frac = stats.get("rollout/agent_failed_frac", 0.0)
-    if frac > max_frac:
+    if frac > max_frac or rows == 0:
         raise AgentFailuresError(
             f"task.agent={spec}: {frac:.0%} of the step's episodes timed out or raised "
             f"({stats.get('rollout/agent_timeouts', 0):.0f} timeouts, {stats.get('rollout/agent_errors', 0):.0f} "
-            f"errors), above task.max_agent_failures_frac={max_frac:g}; fix the agent (the log names each failure) "
-            "or raise task.agent_timeout_s")
+            f"errors), {'leaving nothing to train on' if rows == 0 else f'above task.max_agent_failures_frac={max_frac:g}'}; "
+            "fix the agent (the log names each failure) or raise task.agent_timeout_s")
 
 
 def draw_agent_groups(sampler: Any, tokenizer: Any, template: str | None, task: Any, *, task_cfg: Any, rl: Any,
@@ -203,7 +206,7 @@ def draw_agent_groups(sampler: Any, tokenizer: Any, template: str | None, task: 
                               task_cfg.agent_timeout_s)
     finally:
         gateway.stop()
-    return agent_groups(outcomes, version, tokenizer.eos_id, tokenizer.decode)
+    return agent_groups(outcomes, version, tokenizer.decode)
 
 
 def _all_routed(routes: list[np.ndarray | None]) -> list[np.ndarray]:

@@ -13,7 +13,8 @@ how the arguments JSON is spelled, do not matter), a tool message's `tool_call_i
 turn) are templated, as an observation of the tool episodes (`ChatTurns.observation`), and
 appended as ids: earlier turns are never re-encoded. When it does not (the agent rewrote or
 dropped a message, changed the system prompt or the tools), the episode starts a new segment
-from the call's messages (`ChatTurns.opening`), counted in `resets`.
+from the call's messages (`ChatTurns.opening`), counted in `resets`; every segment is
+trained on as a sequence of its own, with the episode's advantage (`agents.agent_groups`).
 
 Within a segment, as in the tool episodes (`moe_rl.rollout.episodes`): the prompt is the
 first call's opening; then the sampled turn's ids (log-probs from the sampler, `observed`

@@ -79,7 +79,7 @@ def test_calculator_episodes_through_the_agent_equal_the_tool_environments(serve
     batches = gateway.batcher.batches
     outcomes = run_agents(gateway, solve, "calculator_agent:solve", problems, seeds, G, task, 120.0)
     assert gateway.batcher.batches - batches <= TURNS  # (one engine call per round, as the pool's)
-    agent = agent_groups(outcomes, 0, tok.eos_id, tok.decode)
+    agent = agent_groups(outcomes, 0, tok.decode)
     calls = multi = 0
     for eg, ag, outs in zip(env_groups, agent, outcomes):
         assert ag.prompt == eg.prompt
@@ -211,8 +211,8 @@ def test_agents_that_hang_or_raise_are_dropped_and_counted(served, agent, failur
     assert [o.failure for o in outcomes[0]] == [failure, failure]
     assert all(line in o.line and o.line.startswith(f"task.agent=t:{agent.__name__}") for o in outcomes[0])
     assert all(e.closed for e in gateway.episodes.values()) and not gateway.batcher._waiting
-    (group,) = agent_groups(outcomes, 0, tok.eos_id, tok.decode)
-    assert group.responses == [[tok.eos_id]] * 2 and group.observed == [[True]] * 2 and group.rewards == [0.0, 0.0]
+    (group,) = agent_groups(outcomes, 0, tok.decode)
+    assert group.responses == [] and group.rewards == [] and group.episode_of == []  # (dropped: no row)
     assert [t[3:5] for t in group.episodes] == [(failure == "timeout", failure == "error")] * 2
 
 
@@ -233,8 +233,9 @@ def test_a_rewritten_history_is_a_counted_reset_not_a_wrong_sequence(served):
     turns = gateway.turns_for(TOOLS)
     assert ep.segments[0].prompt == turns.opening([{"role": "user", "content": task.sample(1, 6)[0].prompt}])
     assert tok.hf.decode(ep.segments[1].prompt, skip_special_tokens=False).startswith("<|im_start|>system\nBe brief.")
-    (group,) = agent_groups([outs], 0, tok.eos_id, tok.decode)
-    assert group.episodes[0][5] == 1 and group.prompt + group.responses[0] == ep.segments[1].prompt + ep.segments[1].tokens
+    (group,) = agent_groups([outs], 0, tok.decode)  # (each segment a row of the episode)
+    assert group.episodes[0][5] == 1 and group.episode_of == [0, 0]
+    assert [group.prompt + r for r in group.responses] == [s.prompt + s.tokens for s in ep.segments]
 
 
 def test_serve_answers_the_openai_client_with_any_sampling_settings(tool_base_hf):
@@ -258,27 +259,6 @@ def test_serve_answers_the_openai_client_with_any_sampling_settings(tool_base_hf
         gateway.stop()
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
-
-
-def test_a_groups_advantage_is_over_the_episodes_it_kept_and_failures_stop_the_run():
-    """dr_grpo over rewards [1, 0, dropped, 1]: the kept mean is 2/3, so [1/3, -2/3, 0, 1/3]; the
-    agent statistics count the step's episodes; above the fraction the run stops in one line."""
-    from moe_rl.rollout.gateway.agents import AgentFailuresError, check_agent_failures
-    from moe_rl.rollout.packing import plan_step
-    from moe_rl.rollout.types import GroupSummary
-
-    rl = load_config(None, ["rl.advantage=dr_grpo", "rl.group_size=4"]).rl
-    tallies = ((2, 1, 0, 0, 0, 0), (1, 0, 0, 0, 0, 1), (0, 0, 0, 1, 0, 0), (1, 0, 0, 0, 0, 0))
-    g = GroupSummary(5, (9, 3, 1, 3), (1.0, 0.0, 0.0, 1.0), ("stop",) * 4, episodes=tallies)
-    plan = plan_step([g], [g], 1, rl, 1)
-    torch.testing.assert_close(plan.adv_NG, torch.tensor([[1 / 3, -2 / 3, 0.0, 1 / 3]]))
-    s = plan.stats
-    assert (s["rollout/agent_timeouts"], s["rollout/agent_errors"], s["rollout/agent_resets"]) == (1.0, 0.0, 1.0)
-    assert s["rollout/agent_failed_frac"] == 0.25
-    check_agent_failures(s, 0.25, "a:b")
-    with pytest.raises(AgentFailuresError, match=r"task.agent=a:b: 25% of the step's episodes timed out or raised "
-                                                 r"\(1 timeouts, 0 errors\), above task.max_agent_failures_frac=0.2"):
-        check_agent_failures(s, 0.2, "a:b")
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
