@@ -44,4 +44,4 @@ def test_the_runs_launch_as_the_multiproc_tests_do(tmp_path):
     one = command(1, ["run.steps=2"], tmp_path, "a")
     two = command(2, ["run.steps=2"], tmp_path, "b")
     assert one[1:3] == ["-m", "moe_rl.train"] and "run.steps=2" in one and f"run.output_dir={tmp_path}" in one
-    assert two[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] and two[-1] == "run.name=b"
+    assert two[3:5] == ["--standalone", "--nproc-per-node=2"] and two[5:7] == one[1:3] and two[-1] == "run.name=b"
