@@ -152,6 +152,9 @@ def test_a_separate_engine_rank_with_a_corrupted_push_stops_every_rank(backend, 
     assert ("held tensor(s)" in line) == (backend == "transformers"), line
     got = rows(tmp_path / "r")
     assert [r["step"] for r in got] == [1, 2]
+    # (push 1's check, made by the engine rank, reported with its next batch: in step 2's row)
+    assert "sync/verify_max_abs_diff" not in got[0] and got[1]["sync/verify_version"] == 1
+    assert 0 <= got[1]["sync/verify_max_abs_diff"] <= TOLERANCE["fp32"]
     if backend == "transformers":
         plain = verified[0]
         assert [r["reward/mean"] for r in got] == [r["reward/mean"] for r in plain[:2]]
