@@ -33,8 +33,8 @@ def test_summarize_and_tables_from_hand_rows(tmp_path):
 
     text = tables({"separate": sep, "EP2": col}, (1e-4, 1e-4))
     # separate: deltas of pushes 2 and 3 average (0.25 + 0.125) / 2 MiB = 0.1875; full 1 MiB
-    assert "| separate | 3 | yes | 0 | 2 | 4e-06 | 1e-06 | 0.188 | 1 |" in text
-    assert "| EP2 | 2 | NO | 0.000977 | 2 | 3e-06 | 8e-07 | - | - |" in text
+    assert "| separate | 3 | yes | 0 | 2 | 4e-06 | yes | 1e-06 | 0.188 | 1 |" in text
+    assert "| EP2 | 2 | NO | 0.000977 | 2 | 3e-06 | yes | 8e-07 | - | - |" in text
     assert "| 3 | - | - | 0.125 | 0.125 |" in text  # (push 3: sent, its check not logged)
     assert "| 1 | 2e-06 | 5e-07 | 1 | 1.000 |" in text
     assert "1e-4" not in text and "0.0001 on the largest" in text
