@@ -101,8 +101,8 @@ def tables(results: dict[str, dict[str, Any]], tolerance: tuple[float, float]) -
                      _g(max((p["mean_abs_diff"] for p in c), default=float("nan"))),
                      _g(sum(p["sent_bytes"] for p in w) / len(w) / 2**20) if w else "-",
                      _g(w[0]["full_bytes"] / 2**20) if w else "-"])
-    out = markdown_table(["placement", "steps", "rewards equal", "max |reward diff|", "pushes checked",
-                          "max |dlogp| (largest)", f"all <= {BOUND:g}", "mean |dlogp| (largest)", "delta MiB / push (2..)",
+    out = markdown_table(["placement", "steps", "rewards equal", "max \\|reward diff\\|", "pushes checked",
+                          "max \\|dlogp\\| (largest)", f"all <= {BOUND:g}", "mean \\|dlogp\\| (largest)", "delta MiB / push (2..)",
                           "full MiB / push"], rows)
     out += (f"\nTolerances at sampler.precision=fp32: {tolerance[0]:g} on the largest |dlogp|, {tolerance[1]:g} "
             "on the mean.\n")
@@ -114,7 +114,7 @@ def tables(results: dict[str, dict[str, Any]], tolerance: tuple[float, float]) -
                 _g(wire[push]["sent_bytes"] / 2**20) if push in wire else "-",
                 f"{wire[push]['sent_bytes'] / wire[push]['full_bytes']:.3f}" if push in wire else "-"]
                for push in sorted(checks.keys() | wire.keys())]
-        out += f"\n### {name}\n\n" + markdown_table(["push (after step)", "max |dlogp|", "mean |dlogp|",
+        out += f"\n### {name}\n\n" + markdown_table(["push (after step)", "max \\|dlogp\\|", "mean \\|dlogp\\|",
                                                       "MiB sent", "sent / full"], per)
     return out
 

@@ -38,6 +38,8 @@ def test_summarize_and_tables_from_hand_rows(tmp_path):
     assert "| 3 | - | - | 0.125 | 0.125 |" in text  # (push 3: sent, its check not logged)
     assert "| 1 | 2e-06 | 5e-07 | 1 | 1.000 |" in text
     assert "1e-4" not in text and "0.0001 on the largest" in text
+    header = next(line for line in text.splitlines() if line.startswith("| placement"))
+    assert header.count(" | ") == 9  # (the |dlogp| of the headers escaped: ten columns)
 
 
 def test_the_runs_launch_as_the_multiproc_tests_do(tmp_path):
