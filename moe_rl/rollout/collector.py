@@ -192,6 +192,13 @@ class RolloutCollector:
             out.held = {(0, offset + i): g for i, g in enumerate(mine)}
         return out
 
+    def _engine_checks(self) -> dict[str, float]:
+        """Separate engine ranks: the metrics of their last check after a push
+        (`WeightSynchronizer.take_checks`; {} for a colocated or fixed transport, whose
+        learner ranks log the check with the push)."""
+        take = getattr(self.weight_sync, "take_checks", None)
+        return take() if take is not None and not self.placement.trains else {}
+
     def weight_sync_ready(self) -> bool:
         """Every engine has begun to receive the learner's next weights (a pause point of
         the throughput schedule). Collective over the engine ranks, so that they agree."""
@@ -223,11 +230,11 @@ class RolloutCollector:
         with timer.phase("gather"):
             got = self.placement.from_engines(
                 sampled if isinstance(sampled, EngineNote) or sampled is None
-                else (sampled.public(self.engine_wait), self.engines.restarts.used))
+                else (sampled.public(self.engine_wait), self.engines.restarts.used, self._engine_checks()))
         if isinstance(got, EngineNote):
             raise got.error()
         assert got is not None  # (the first engine rank's: it sampled)
-        public, restarts = got
+        public, restarts, checks = got
         self.learner_wait = time.perf_counter() - t0 if not self.placement.hosts_engine else 0.0
         drawn, current = public.drawn, step - 1  # the learner's policy: the weights of `step - 1` pushes
         rl = self.rl_cfg
@@ -252,6 +259,7 @@ class RolloutCollector:
         rollout.stats.update(self._engine_stats(public.engine_seconds, drawn))
         rollout.stats["reward/timeouts"] = float(public.reward_timeouts)
         rollout.stats["rollout/engine_restarts"] = float(restarts)
+        rollout.stats.update(checks)  # (separate engines: their check of the last push, sampler.verify_every)
         rollout.stats.update({"time/learner_wait": self.learner_wait, "time/engine_wait": public.engine_wait})
         return rollout
 

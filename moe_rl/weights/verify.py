@@ -112,6 +112,19 @@ class SyncVerdict:
                 "checkpoint stays the latest: check the engine's weight loading (sampler.verify_every found it)")
 
 
+def verdict_metrics(verdicts: Sequence[SyncVerdict], extra_seconds: float = 0.0) -> dict[str, float]:
+    """The check's metrics over the engine ranks' verdicts on one push (none: {}):
+    `sync/verify_max_abs_diff` and `sync/verify_mean_abs_diff` (the largest over the
+    engines), `sync/verify_seconds` (the slowest engine's, plus `extra_seconds`: the
+    learner's probe where it is taken in the same push) and `sync/verify_version` (the push)."""
+    if not verdicts:
+        return {}
+    return {"sync/verify_max_abs_diff": max(v.max_abs_diff for v in verdicts),
+            "sync/verify_mean_abs_diff": max(v.mean_abs_diff for v in verdicts),
+            "sync/verify_seconds": max(v.seconds for v in verdicts) + extra_seconds,
+            "sync/verify_version": float(max(v.version for v in verdicts))}
+
+
 class SyncVerifyError(EngineFailedError):
     """An engine failed the check after a push: the run stops before it samples."""
 

@@ -152,6 +152,9 @@ def test_a_separate_engine_rank_with_a_corrupted_push_stops_every_rank(backend, 
     assert ("held tensor(s)" in line) == (backend == "transformers"), line
     got = rows(tmp_path / "r")
     assert [r["step"] for r in got] == [1, 2]
+    # (push 1's check, made by the engine rank, reported with its next batch: in step 2's row)
+    assert "sync/verify_max_abs_diff" not in got[0] and got[1]["sync/verify_version"] == 1
+    assert 0 <= got[1]["sync/verify_max_abs_diff"] <= TOLERANCE["fp32"]
     if backend == "transformers":
         plain = verified[0]
         assert [r["reward/mean"] for r in got] == [r["reward/mean"] for r in plain[:2]]
@@ -172,3 +175,69 @@ def test_at_ep2_every_rank_checks_its_engine_and_one_corrupted_engine_stops_the_
     got = rows(tmp_path / "r")
     assert [r["reward/mean"] for r in got] == [r["reward/mean"] for r in verified[0][:2]]
     assert all(r["sync/verify_max_abs_diff"] <= TOLERANCE["fp32"] for r in got[:2])
+
+
+def test_an_engine_rank_takes_checksums_only_of_the_pushes_that_are_checked(monkeypatch):
+    """`BroadcastSync.receive` on an engine-only rank at sampler.verify_every=2 (the broadcast
+    itself replaced by the buckets it would deliver): push 1 is loaded without a checksum,
+    push 2 (checked: its end mark brings the learner's probe log-probs and checksums) costs
+    two per tensor (what the engine should hold, what it received) and one of what it holds;
+    the verdict passes and is reported once (`take_checks`); a check arriving on a push this
+    rank did not count as due is an error, not a false verdict."""
+    from types import SimpleNamespace
+
+    import moe_rl.weights.sync as sync_mod
+    import moe_rl.weights.verify as verify_mod
+    from moe_rl.weights.sync import BroadcastSync, SyncReport, WeightSynchronizer
+    from moe_rl.weights.verify import SyncCheck, SyncVerifier
+
+    calls = []
+
+    def counted(t):
+        calls.append(t.numel())
+        return tensor_checksum(t)
+
+    monkeypatch.setattr(verify_mod, "tensor_checksum", counted)
+    monkeypatch.setattr(sync_mod, "tensor_checksum", counted)
+
+    class Engine:  # (plain parameters, as the transformers sampler holds them)
+        precision = "fp32"
+
+        def __init__(self):
+            self.held = {}
+
+        def update_weights(self, bucket):
+            self.held.update((n, t.clone()) for n, t in bucket)
+
+        def held_tensor(self, name):
+            return self.held[name]
+
+        def score(self, prompts, responses, temperature=1.0):
+            return [[-0.5] * len(r) for r in responses]
+
+    bucket = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.ones(3, 2))]
+    arriving: list[SyncCheck | None] = []
+
+    def delivered(group, load, posted=None, wire=None):
+        load(bucket)
+        return SyncReport(check=arriving.pop(0))
+
+    monkeypatch.setattr(sync_mod, "receive_buckets", delivered)
+    sync = BroadcastSync.__new__(BroadcastSync)
+    WeightSynchronizer.__init__(sync, SimpleNamespace(rank=1, all_engines=lambda v, g: [v]), 1 << 20)
+    sync.group, sync._posted, sync.wire = None, None, None
+    sync.verifier = SyncVerifier(2, [[5, 6]], [[7, 8, 9]], hashes=True)
+    sync.attach(Engine())
+
+    arriving.append(None)
+    sync.receive()
+    assert calls == [] and sync.take_checks() == {}
+    arriving.append(SyncCheck(2, [[-0.5, -0.5, -0.5]], {n: tensor_checksum(t) for n, t in bucket}))
+    sync.receive()
+    assert sorted(calls) == [4, 4, 4, 6, 6, 6]  # (expected, received, held: per tensor)
+    checks = sync.take_checks()
+    assert checks["sync/verify_max_abs_diff"] == 0.0 and checks["sync/verify_version"] == 2.0
+    assert sync.take_checks() == {}
+    arriving.append(SyncCheck(3, [[-0.5, -0.5, -0.5]]))
+    with pytest.raises(RuntimeError, match=r"came with a check, but this engine rank counted 3 pushes"):
+        sync.receive()
