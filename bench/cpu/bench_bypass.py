@@ -23,7 +23,7 @@ PARTS = ["step", "old_logprob", "update", "sample", "sync"]
 
 
 def main(quick: bool = False) -> None:
-    steps, warmup, rounds = (4, 1, 1) if quick else (22, 2, 3)
+    steps, warmup, rounds = (2, 1, 1) if quick else (22, 2, 3)
     times: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PARTS} for name in VARIANTS}
     rewards: dict[str, list[float]] = {}
     per_run: dict[str, list[float]] = {name: [] for name in VARIANTS}

@@ -90,7 +90,7 @@ def _counting_saved(storages: dict[int, int], params: set[int]):
 
 
 def main(quick: bool = False) -> None:
-    tokens, iters = (2048, 2) if quick else (TOKENS, 4)
+    tokens, iters = (1024, 1) if quick else (TOKENS, 4)
     res = {mode: run_module_worker("bench.cpu.bench_recompute", mode, str(tokens), str(iters)) for mode in ("none", "full")}
     plain, full = res["none"], res["full"]
     med = lambda r: sorted(r["seconds"])[len(r["seconds"]) // 2]  # noqa: E731

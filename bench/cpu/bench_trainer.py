@@ -51,7 +51,7 @@ def _row(name: str, med: dict[str, float], base_s: float) -> list:
 
 
 def main(quick: bool = False) -> None:
-    steps, warmup = (4, 1) if quick else (40, 5)
+    steps, warmup = (2, 1) if quick else (40, 5)
     results, rows = {}, []
     # quick (make bench-smoke): the reference variant only; each variant is a whole run that
     # starts vLLM (a world-2 one two of them), about a minute each on the 2-core machine
