@@ -17,6 +17,7 @@ difference to the run without periodic saves.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -27,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from moe_rl_testing import ROOT
-from moe_rl_testing.bench_common import markdown_table, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, write_results
 
 COMMON = ["rl.prompts_per_step=8", "rl.group_size=4", "sampler.max_new_tokens=16", "sampler.backend=transformers",
           "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false",
@@ -137,9 +138,11 @@ def main(quick: bool = False) -> None:
     rounds, steps = (1, 3) if quick else (3, 16)
     modes = {m: MODES[m] for m in QUICK_MODES} if quick else MODES
     results: dict[str, list[dict]] = {m: [] for m in modes}
-    for _ in range(rounds):
-        for mode, overrides in modes.items():
-            results[mode].append(run(overrides, steps))
+    for _ in range(rounds):  # (quick: the runs at once, moe_rl_testing.bench_common.at_once)
+        runs = at_once({mode: functools.partial(run, overrides, steps) for mode, overrides in modes.items()},
+                       enabled=quick)
+        for mode, r in runs.items():
+            results[mode].append(r)
     base = statistics.median(r["wall_per_step"] for r in results.get("no periodic save", [{"wall_per_step": math.nan}]))
     table, data = [], {}
     for mode, runs in results.items():

@@ -8,13 +8,14 @@ of a fixed batch and reads the high-water mark."""
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import sys
 from pathlib import Path
 
 from bench.cpu.bench_update_memory import _rss
-from moe_rl_testing.bench_common import markdown_table, run_module_worker, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, run_module_worker, write_results
 
 MIB = 2**20
 MODEL = ["model.hidden_size=512", "model.moe_ffn_hidden_size=512", "model.ffn_hidden_size=1024",
@@ -65,9 +66,10 @@ def worker(out: str, variant: str) -> None:
 
 
 def main(quick: bool = False) -> None:
-    """Both variants, one update each (`quick` changes nothing: the two children are the
-    smallest run that measures the peak)."""
-    results = {name: run_module_worker("bench.cpu.bench_lora_memory", name) for name in VARIANTS}
+    """Both variants, one update each (the two children are the smallest run that measures the
+    peak; `quick` runs them at once)."""
+    results = at_once({name: functools.partial(run_module_worker, "bench.cpu.bench_lora_memory", name)
+                       for name in VARIANTS}, enabled=quick)
     full = results["full fine-tuning"]
     rows = [[name, r["params"] / 1e6, r["trained"] / 1e6, r["base"] / MIB, r["peak"] / MIB,
              (r["peak"] - r["base"]) / MIB, (r["peak"] - r["base"]) / (full["peak"] - full["base"])]
@@ -85,4 +87,4 @@ if __name__ == "__main__":
         i = sys.argv.index("--worker")
         worker(sys.argv[i + 1], sys.argv[i + 2])
     else:
-        main()
+        main(quick="--quick" in sys.argv)

@@ -8,13 +8,14 @@ chunked adds at most 25% of what the full path adds)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
 import sys
 from pathlib import Path
 
-from moe_rl_testing.bench_common import markdown_table, run_module_worker, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, run_module_worker, write_results
 
 MIB = 2**20
 VOCAB, TOKENS = 151936, 4096
@@ -72,8 +73,9 @@ def run(chunk: int, tokens: int, vocab: int = VOCAB) -> dict:
 
 def main(quick: bool = False) -> None:
     tokens, vocab = (1024, QUICK_VOCAB) if quick else (TOKENS, VOCAB)
-    results = {name: run(chunk, tokens, vocab)
-               for name, chunk in (("full logits", 0), ("chunked, 1024 tokens", 1024))}
+    results = at_once({name: functools.partial(run, chunk, tokens, vocab)
+                       for name, chunk in (("full logits", 0), ("chunked, 1024 tokens", 1024))},
+                      enabled=quick)  # (quick: both children at once)
     full = results["full logits"]["added"]
     rows = [[name, r["base"] / MIB, r["added"] / MIB, r["added"] / full, r["seconds"]] for name, r in results.items()]
     table = markdown_table(["head", "model + optimizer RSS (MiB)", "update adds (MiB)", "x full path's", "update s"],

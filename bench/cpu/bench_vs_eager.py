@@ -20,6 +20,7 @@ is timed as `moe_rl.weights` streams it into a vLLM engine (`--push`: the demo t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_rl_testing import ROOT
-from moe_rl_testing.bench_common import markdown_table, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, write_results
 
 MODELS = {  # name: (recipe, starting weights or None for the recipe's random init)
     "demo (4 layers, 8 experts top-2)": ("examples/tiny_rspo.yaml", "moe_rl/assets/tiny_base"),
@@ -190,15 +191,16 @@ def host_copy_gbps(nbytes: int) -> float:
     return nbytes / med / 1e9
 
 
-def compare_steps(baseline: str, steps: int, skip: int) -> dict:
-    """The demo's step in this tree and at `baseline`, back to back; the weight push's GB/s
-    against a host copy of the same bytes."""
+def compare_steps(baseline: str, steps: int, skip: int, quick: bool = False) -> dict:
+    """The demo's step in this tree and at `baseline`, back to back (`quick`: both at once); the
+    weight push's GB/s against a host copy of the same bytes."""
     parts = ["step", "sample", "update", "sync", "reward", "other"]
     out: dict = {"baseline": baseline, "steps_timed": steps - skip}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this tree": ROOT, f"baseline {baseline}": baseline_tree(baseline, Path(tmp))}
-        for name, tree in trees.items():
-            hist = demo_steps(tree, steps)[skip:]
+        hists = at_once({name: functools.partial(demo_steps, tree, steps) for name, tree in trees.items()},
+                        enabled=quick)
+        for name, hist in ((name, h[skip:]) for name, h in hists.items()):
             out[name] = {p: statistics.median(h.get(f"time/{p}", 0.0) for h in hist) for p in parts}
             out[name]["sync_bytes"] = hist[-1].get("sync/bytes_streamed", 0.0)
     ours, base = out["this tree"], out[f"baseline {baseline}"]
@@ -219,7 +221,7 @@ def main(quick: bool = False, baseline: str = "ff4e69c") -> None:
     models = dict(list(MODELS.items())[:1]) if quick else MODELS
     results = {name: compare_model(recipe, init, iters, warmup) for name, (recipe, init) in models.items()}
     steps, skip = (3, 1) if quick else (30, 5)
-    step = compare_steps(baseline, steps, skip)
+    step = compare_steps(baseline, steps, skip, quick)
     rows = [[name, r["tokens"], r["learner_s"] * 1e3, r["transformers_s"] * 1e3, r["ratio"],
              r["logprob_max_abs_diff"]] for name, r in results.items()]
     table = markdown_table(["model", "tokens", "learner update ms", "transformers update ms",
