@@ -107,8 +107,9 @@ def at_once(calls: dict[str, Callable[[], T]], enabled: bool = True) -> dict[str
     same time in threads when `enabled`, else in turn. For a benchmark's quick (smoke) run
     only: a child spends most of a smoke run importing torch, megatron and vLLM on one core,
     so two at once take about the time of one on a 2-core machine, and the timings of a
-    smoke run are not results. At full size the runs take turns, each with the machine to
-    itself. An exception of any call is raised once all have finished."""
+    smoke run are not results. The callers give each child one thread (two children of two
+    threads on 2 cores would fight over them). At full size the runs take turns, each with the
+    machine to itself. An exception of any call is raised once all have finished."""
     if not enabled or len(calls) < 2:
         return {name: call() for name, call in calls.items()}
     from concurrent.futures import ThreadPoolExecutor

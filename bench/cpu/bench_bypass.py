@@ -29,8 +29,8 @@ def main(quick: bool = False) -> None:
     rewards: dict[str, list[float]] = {}
     per_run: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(rounds):  # (quick: both runs at once, moe_rl_testing.bench_common.at_once)
-        hists = at_once({name: functools.partial(run, steps, [*COMMON, *overrides])
-                         for name, overrides in VARIANTS.items()}, enabled=quick)
+        hists = at_once({name: functools.partial(run, steps, [*COMMON, *overrides], threads=1 if quick else None)
+                         for name, overrides in VARIANTS.items()}, enabled=quick)  # (quick: a thread each)
         for name, hist in hists.items():
             rewards[name] = [h["reward/mean"] for h in hist]
             per_run[name].append(statistics.median(h["time/step"] for h in hist[warmup:]))

@@ -47,11 +47,11 @@ MODES = {
 QUICK_MODES = ("every step, synchronous", "every step, background")
 
 
-def run(overrides: list[str], steps: int) -> dict:
+def run(overrides: list[str], steps: int, threads: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(ROOT / "examples" / "tiny_rspo.yaml"), *COMMON,
                f"run.steps={steps}", f"run.output_dir={tmp}", "run.name=bench", *overrides]
-        env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+        env = dict(os.environ, TORCHDYNAMO_DISABLE="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-4000:])
@@ -139,8 +139,8 @@ def main(quick: bool = False) -> None:
     modes = {m: MODES[m] for m in QUICK_MODES} if quick else MODES
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(rounds):  # (quick: the runs at once, moe_rl_testing.bench_common.at_once)
-        runs = at_once({mode: functools.partial(run, overrides, steps) for mode, overrides in modes.items()},
-                       enabled=quick)
+        runs = at_once({mode: functools.partial(run, overrides, steps, 1 if quick else None)
+                        for mode, overrides in modes.items()}, enabled=quick)  # (quick: a thread each)
         for mode, r in runs.items():
             results[mode].append(r)
     base = statistics.median(r["wall_per_step"] for r in results.get("no periodic save", [{"wall_per_step": math.nan}]))

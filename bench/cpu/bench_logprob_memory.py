@@ -86,10 +86,10 @@ def run_variant(chunk: int, tokens: int, vocab: int, hidden: int, iters: int) ->
             "median_s": sorted(times)[len(times) // 2], "min_s": min(times)}
 
 
-def _in_subprocess(chunk: int, sizes: dict, iters: int) -> dict:
+def _in_subprocess(chunk: int, sizes: dict, iters: int, threads: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "bench.cpu.bench_logprob_memory", "--variant", str(chunk), "--iters", str(iters),
            *[f"--{k}={v}" for k, v in sizes.items()]]
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"variant chunk={chunk} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -101,8 +101,8 @@ def main(quick: bool = False) -> None:
              else {"tokens": 4096, "vocab": 151_936, "hidden": 256})
     chunks = [0, 256] if quick else [0, 1024, 256]  # (quick: one chunked child, the same code as two)
     iters = 1 if quick else 3
-    runs = at_once({str(c): functools.partial(_in_subprocess, c, sizes, iters) for c in chunks},
-                   enabled=quick)  # (quick: the children at once)
+    runs = at_once({str(c): functools.partial(_in_subprocess, c, sizes, iters, 1 if quick else None) for c in chunks},
+                   enabled=quick)  # (quick: the children at once, a thread each)
     write_report(sizes, iters, list(runs.values()))
 
 

@@ -68,8 +68,8 @@ def worker(out: str, variant: str) -> None:
 def main(quick: bool = False) -> None:
     """Both variants, one update each (the two children are the smallest run that measures the
     peak; `quick` runs them at once)."""
-    results = at_once({name: functools.partial(run_module_worker, "bench.cpu.bench_lora_memory", name)
-                       for name in VARIANTS}, enabled=quick)
+    results = at_once({name: functools.partial(run_module_worker, "bench.cpu.bench_lora_memory", name,
+                                               threads=1 if quick else 2) for name in VARIANTS}, enabled=quick)
     full = results["full fine-tuning"]
     rows = [[name, r["params"] / 1e6, r["trained"] / 1e6, r["base"] / MIB, r["peak"] / MIB,
              (r["peak"] - r["base"]) / MIB, (r["peak"] - r["base"]) / (full["peak"] - full["base"])]

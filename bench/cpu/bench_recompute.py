@@ -92,8 +92,9 @@ def _counting_saved(storages: dict[int, int], params: set[int]):
 
 def main(quick: bool = False) -> None:
     tokens, iters = (1024, 1) if quick else (TOKENS, 4)
-    res = at_once({mode: functools.partial(run_module_worker, "bench.cpu.bench_recompute", mode, str(tokens), str(iters))
-                   for mode in ("none", "full")}, enabled=quick)  # (quick: both children at once)
+    res = at_once({mode: functools.partial(run_module_worker, "bench.cpu.bench_recompute", mode, str(tokens), str(iters),
+                                           threads=1 if quick else 2)
+                   for mode in ("none", "full")}, enabled=quick)  # (quick: both children at once, a thread each)
     plain, full = res["none"], res["full"]
     med = lambda r: sorted(r["seconds"])[len(r["seconds"]) // 2]  # noqa: E731
     inputs = LAYERS * tokens * HIDDEN * 4

@@ -162,13 +162,13 @@ def compare_model(recipe: str, init: str | None, iters: int, warmup: int) -> dic
             "ratio": med["learner"] / med["transformers"]}
 
 
-def demo_steps(tree: Path, steps: int) -> list[dict]:
+def demo_steps(tree: Path, steps: int, threads: int = 2) -> list[dict]:
     """The demo's metrics for `steps` steps (no saves) run from the source tree `tree`."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "moe_rl.train", "--config", "examples/tiny_rspo.yaml", f"run.steps={steps}",
                f"run.output_dir={tmp}", "run.name=bench", "run.save_every=0", "logging.progress=false",
                "logging.tensorboard=false"]
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS="2", PYTHONPATH=str(tree),
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS=str(threads), PYTHONPATH=str(tree),
                    TORCHDYNAMO_DISABLE="1")
         proc = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -198,8 +198,8 @@ def compare_steps(baseline: str, steps: int, skip: int, quick: bool = False) -> 
     out: dict = {"baseline": baseline, "steps_timed": steps - skip}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this tree": ROOT, f"baseline {baseline}": baseline_tree(baseline, Path(tmp))}
-        hists = at_once({name: functools.partial(demo_steps, tree, steps) for name, tree in trees.items()},
-                        enabled=quick)
+        hists = at_once({name: functools.partial(demo_steps, tree, steps, 1 if quick else 2)
+                         for name, tree in trees.items()}, enabled=quick)  # (quick: a thread each)
         for name, hist in ((name, h[skip:]) for name, h in hists.items()):
             out[name] = {p: statistics.median(h.get(f"time/{p}", 0.0) for h in hist) for p in parts}
             out[name]["sync_bytes"] = hist[-1].get("sync/bytes_streamed", 0.0)
