@@ -139,9 +139,9 @@ def main(quick: bool = False) -> None:
     modes = {m: MODES[m] for m in QUICK_MODES} if quick else MODES
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(rounds):  # (quick: the runs at once, moe_rl_testing.bench_common.at_once)
-        runs = at_once({mode: functools.partial(run, overrides, steps, 1 if quick else None)
+        done = at_once({mode: functools.partial(run, overrides, steps, 1 if quick else None)
                         for mode, overrides in modes.items()}, enabled=quick)  # (quick: a thread each)
-        for mode, r in runs.items():
+        for mode, r in done.items():
             results[mode].append(r)
     base = statistics.median(r["wall_per_step"] for r in results.get("no periodic save", [{"wall_per_step": math.nan}]))
     table, data = [], {}
