@@ -84,7 +84,8 @@ def main() -> int:
             else:
                 os.environ[RESULTS_ENV] = before
     # (the longest first: what to shrink when `make bench-smoke` outgrows its 10 minutes in CI)
-    print(f"== {len(names)} benchmarks in {sum(seconds.values()):.0f}s: "
+    total = sum(seconds.values())
+    print(f"== {len(names)} benchmarks in {total:.0f}s ({total / 60:.1f} min): "
           + ", ".join(f"{n} {s:.0f}s" for n, s in sorted(seconds.items(), key=lambda kv: -kv[1])), flush=True)
     if failed:
         print(f"failed: {failed}", file=sys.stderr)

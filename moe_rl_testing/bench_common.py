@@ -16,11 +16,12 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from moe_rl_testing import ROOT
 
 RESULTS_DIR = ROOT / "bench" / "results"
+T = TypeVar("T")
 
 
 def machine() -> dict[str, Any]:
@@ -99,6 +100,23 @@ def synced(fn: Callable[..., Any], *args: Any) -> Any:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return out
+
+
+def at_once(calls: dict[str, Callable[[], T]], enabled: bool = True) -> dict[str, T]:
+    """{name: call()}, the calls (each starts a child process and waits for it) run at the
+    same time in threads when `enabled`, else in turn. For a benchmark's quick (smoke) run
+    only: a child spends most of a smoke run importing torch, megatron and vLLM on one core,
+    so two at once take about the time of one on a 2-core machine, and the timings of a
+    smoke run are not results. The callers give each child one thread (two children of two
+    threads on 2 cores would fight over them). At full size the runs take turns, each with the
+    machine to itself. An exception of any call is raised once all have finished."""
+    if not enabled or len(calls) < 2:
+        return {name: call() for name, call in calls.items()}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -125,11 +125,11 @@ def _interval(xs: list[float]) -> str:
 def main(quick: bool = False, seeds: list[int] | None = None, pairs: int = 3) -> None:
     rows, raw = [], {"workloads": {}}
     repeats = 1 if quick else pairs
-    # quick (make bench-smoke): the smallest workload only, 4 steps (2 timed) per run: every
-    # run is a 2-rank torchrun that starts vLLM, about a minute on the 2-core machine
+    # quick (make bench-smoke): the smallest workload only, 3 steps (1 timed) per run: every
+    # run is a 2-rank torchrun that starts vLLM, about half a minute on the 2-core machine
     workloads = dict(list(WORKLOADS.items())[-1:]) if quick else WORKLOADS
     for name, workload in workloads.items():
-        times, ratios = repeated_step_times(4 if quick else 40, workload, repeats)
+        times, ratios = repeated_step_times(3 if quick else 40, workload, repeats)
         sync, asyn = times[0], times[1]
         ideal = max(sync["sampler/sample_seconds_max"], sync["time/update"]) / (
             sync["sampler/sample_seconds_max"] + sync["time/update"])

@@ -8,11 +8,12 @@ warm-up, with the old-logprob and update parts."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 
 from bench.cpu.bench_trainer import run
-from moe_rl_testing.bench_common import markdown_table, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, write_results
 
 COMMON = ["rl.objective=grpo", "rl.num_minibatches=4", "optimizer.lr=1e-12"]
 """lr 1e-12 leaves the fp32 weights bit-identical (an Adam step of ~1e-12 is below their
@@ -23,13 +24,14 @@ PARTS = ["step", "old_logprob", "update", "sample", "sync"]
 
 
 def main(quick: bool = False) -> None:
-    steps, warmup, rounds = (4, 1, 1) if quick else (22, 2, 3)
+    steps, warmup, rounds = (2, 1, 1) if quick else (22, 2, 3)
     times: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PARTS} for name in VARIANTS}
     rewards: dict[str, list[float]] = {}
     per_run: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for _ in range(rounds):
-        for name, overrides in VARIANTS.items():
-            hist = run(steps, [*COMMON, *overrides])
+    for _ in range(rounds):  # (quick: both runs at once, moe_rl_testing.bench_common.at_once)
+        hists = at_once({name: functools.partial(run, steps, [*COMMON, *overrides], threads=1 if quick else None)
+                         for name, overrides in VARIANTS.items()}, enabled=quick)  # (quick: a thread each)
+        for name, hist in hists.items():
             rewards[name] = [h["reward/mean"] for h in hist]
             per_run[name].append(statistics.median(h["time/step"] for h in hist[warmup:]))
             for h in hist[warmup:]:

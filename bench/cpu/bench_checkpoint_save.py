@@ -12,12 +12,14 @@ evaluation-free loop and every save the loop waits for); the blocking cost of a 
 difference to the run without periodic saves.
 
     python -m bench.cpu.bench_checkpoint_save            # 3 rounds of 16 steps
-    python -m bench.run_all checkpoint_save --quick  # 1 round of 6 steps
+    python -m bench.run_all checkpoint_save --quick  # smoke: see QUICK_MODES
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -26,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from moe_rl_testing import ROOT
-from moe_rl_testing.bench_common import markdown_table, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, write_results
 
 COMMON = ["rl.prompts_per_step=8", "rl.group_size=4", "sampler.max_new_tokens=16", "sampler.backend=transformers",
           "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false",
@@ -39,13 +41,17 @@ MODES = {
     "every 4 steps, synchronous": ["run.save_every=4", "run.async_save=false"],
     "every 4 steps, background": ["run.save_every=4", "run.async_save=true"],
 }
+# --quick (make bench-smoke): one run per save path (synchronous, background with a save in
+# flight at the next), 3 steps each, no baseline run; the blocking table's tiny model only,
+# both modes in one process. Its figures are not results (no baseline: the cost columns are nan).
+QUICK_MODES = ("every step, synchronous", "every step, background")
 
 
-def run(overrides: list[str], steps: int) -> dict:
+def run(overrides: list[str], steps: int, threads: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(ROOT / "examples" / "tiny_rspo.yaml"), *COMMON,
                f"run.steps={steps}", f"run.output_dir={tmp}", "run.name=bench", *overrides]
-        env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+        env = dict(os.environ, TORCHDYNAMO_DISABLE="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-4000:])
@@ -70,44 +76,55 @@ from moe_rl.learner import init_distributed, parallel_layout
 from moe_rl.learner.checkpoint import start_checkpoint
 from moe_rl.config import to_dict
 init_distributed()
-background, out, step_s, saves = sys.argv[1] == "1", sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+modes, out, step_s, saves = sys.argv[1].split(","), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 cfg = load_config(None, sys.argv[5:])
 batch, adv = fixed_batch()
 with parallel_layout(cfg.parallel, seed=1) as layout:
     learner = learner_of(cfg, layout)
     learner.train_step(batch, reinforce_loss(batch), extras={"adv_B": adv})
     params = sum(p.numel() for p in learner.gpt.parameters())
-    blocked, own = [], []
-    for i in range(saves):
-        t0 = time.perf_counter()
-        pending = start_checkpoint(learner, f"{out}/step_{i}", {"trainer_step": i}, recipe=to_dict(cfg), background=background)
-        t1 = time.perf_counter()
-        time.sleep(step_s)  # an accelerator-bound step: the host is idle
-        t2 = time.perf_counter()
-        pending.finish()
-        blocked.append(t1 - t0 + time.perf_counter() - t2)
-        own.append(pending.seconds)
-print(json.dumps({"params": params, "blocked": blocked, "own": own}))
+    runs = {}
+    for mode in modes:  # ("0": synchronous, "1": background; one per process unless --quick)
+        blocked, own = [], []
+        for i in range(saves):
+            t0 = time.perf_counter()
+            pending = start_checkpoint(learner, f"{out}/{mode}/step_{i}", {"trainer_step": i}, recipe=to_dict(cfg),
+                                       background=mode == "1")
+            t1 = time.perf_counter()
+            time.sleep(step_s)  # an accelerator-bound step: the host is idle
+            t2 = time.perf_counter()
+            pending.finish()
+            blocked.append(t1 - t0 + time.perf_counter() - t2)
+            own.append(pending.seconds)
+        runs[mode] = {"params": params, "blocked": blocked, "own": own}
+print(json.dumps(runs))
 """
 
 
-def blocked_per_save(background: bool, overrides: list[str], step_s: float, saves: int) -> dict:
+def blocked_per_save(backgrounds: list[bool], overrides: list[str], step_s: float, saves: int) -> list[dict]:
     """Seconds the loop waits per save (its start, and its finish after a step of `step_s`
-    seconds that leaves the host idle, as a GPU step does), in a fresh process."""
+    seconds that leaves the host idle, as a GPU step does), per mode in `backgrounds`, in one
+    fresh process."""
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, "-c", BLOCKING_SCRIPT, str(int(background)), tmp, str(step_s),
+        modes = ",".join(str(int(b)) for b in backgrounds)
+        proc = subprocess.run([sys.executable, "-c", BLOCKING_SCRIPT, modes, tmp, str(step_s),
                                str(saves), *overrides], cwd=ROOT, capture_output=True, text=True, timeout=1800,
                               env=dict(os.environ, TORCHDYNAMO_DISABLE="1"))
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-4000:])
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        runs = json.loads(proc.stdout.strip().splitlines()[-1])
+        return [runs[str(int(b))] for b in backgrounds]
 
 
 def blocking_table(quick: bool) -> tuple[str, dict]:
     saves, step_s = (2, 0.5) if quick else (5, 2.0)
+    models = dict(list(BLOCKING_MODELS.items())[:1]) if quick else BLOCKING_MODELS
     rows, data = [], {}
-    for name, overrides in BLOCKING_MODELS.items():
-        sync, bg = (blocked_per_save(b, overrides, step_s, saves) for b in (False, True))
+    for name, overrides in models.items():
+        if quick:  # (both modes in one process)
+            sync, bg = blocked_per_save([False, True], overrides, step_s, saves)
+        else:  # (a fresh process per mode)
+            sync, bg = (blocked_per_save([b], overrides, step_s, saves)[0] for b in (False, True))
         med = {k: statistics.median(r["blocked"]) for k, r in (("sync", sync), ("bg", bg))}
         own = statistics.median(bg["own"])
         rows.append([name, med["sync"], med["bg"], own, med["bg"] / med["sync"]])
@@ -118,12 +135,15 @@ def blocking_table(quick: bool) -> tuple[str, dict]:
 
 
 def main(quick: bool = False) -> None:
-    rounds, steps = (1, 6) if quick else (3, 16)
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
-    for _ in range(rounds):
-        for mode, overrides in MODES.items():
-            results[mode].append(run(overrides, steps))
-    base = statistics.median(r["wall_per_step"] for r in results["no periodic save"])
+    rounds, steps = (1, 3) if quick else (3, 16)
+    modes = {m: MODES[m] for m in QUICK_MODES} if quick else MODES
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(rounds):  # (quick: the runs at once, moe_rl_testing.bench_common.at_once)
+        done = at_once({mode: functools.partial(run, overrides, steps, 1 if quick else None)
+                        for mode, overrides in modes.items()}, enabled=quick)  # (quick: a thread each)
+        for mode, r in done.items():
+            results[mode].append(r)
+    base = statistics.median(r["wall_per_step"] for r in results.get("no periodic save", [{"wall_per_step": math.nan}]))
     table, data = [], {}
     for mode, runs in results.items():
         wall = statistics.median(r["wall_per_step"] for r in runs)

@@ -213,7 +213,9 @@ def main(quick: bool = False) -> None:
 
     from moe_rl.convert import megatron_to_hf
 
-    prompts, held_prompts, updates, every = (16, 8, 20, 10) if quick else (4096, 128, 600, 100)
+    # quick (make bench-smoke): every variant, 4 updates each (one held-out point; the long run 20),
+    # on 32 training and 16 held-out rollouts, batches capped at the 32 rollouts there are
+    prompts, held_prompts, updates, every = (4, 2, 4, 4) if quick else (4096, 128, 600, 100)
     with tempfile.TemporaryDirectory() as tmp:
         policy = Path(tmp) / "tiny_base_hf"
         megatron_to_hf(str(BASE), str(policy), progress=False)
@@ -222,7 +224,8 @@ def main(quick: bool = False) -> None:
         sampled_s = time.perf_counter() - t0
         data = (train, held, AutoTokenizer.from_pretrained(policy).eos_token_id)
         with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
-            jobs = [pool.submit(fit, name, spec, str(policy), data, updates, every) for name, spec in VARIANTS.items()]
+            specs = {name: {**spec, "batch": min(spec["batch"], len(train))} for name, spec in VARIANTS.items()}
+            jobs = [pool.submit(fit, name, spec, str(policy), data, updates, every) for name, spec in specs.items()]
             results = [job.result() for job in jobs]
     reward = float(np.mean([r for _, _, r, _ in train]))
     marks = [every * k for k in (1, 3, 6)]

@@ -23,13 +23,15 @@ LAYOUTS = {
 }
 
 
-def run_worker(nproc: int, mode: str, overrides: list[str]) -> dict:
+def run_worker(nproc: int, mode: str, overrides: list[str], quick: bool = False) -> dict:
+    """The worker's result; `quick` (make bench-smoke): 3 timed passes of each kind after 1
+    warm-up instead of 15 after 3."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // nproc)), TORCHDYNAMO_DISABLE="1",
                    PYTHONPATH=str(ROOT))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(WORKER), str(out), mode, *overrides]
+               str(WORKER), str(out), mode, *(["--iters=3", "--warmup=1"] if quick else []), *overrides]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -38,7 +40,7 @@ def run_worker(nproc: int, mode: str, overrides: list[str]) -> dict:
 
 def main(quick: bool = False) -> None:
     layouts = {"1 process": LAYOUTS["1 process"]} if quick else LAYOUTS
-    results = {name: run_worker(n, "learner", ov) for name, (n, ov) in layouts.items()}
+    results = {name: run_worker(n, "learner", ov, quick) for name, (n, ov) in layouts.items()}
     rows = [[name, r["layout"], r["threads_per_rank"], r["batch"]["tokens"], r["fwd_bwd_step_s"] * 1e3,
              r["tokens_per_s"], r["fwd_only_s"] * 1e3] for name, r in results.items()]
     table = markdown_table(["layout", "megatron layout", "threads/rank", "tokens", "fwd+bwd+Adam ms",

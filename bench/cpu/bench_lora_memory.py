@@ -20,12 +20,13 @@ that peak is what an RL run holds."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 
 from bench.cpu.bench_update_memory import _rss
-from moe_rl_testing.bench_common import markdown_table, run_module_worker, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, run_module_worker, write_results
 
 MIB = 2**20
 FP32 = 4
@@ -127,9 +128,10 @@ def row(name: str, r: dict) -> list:
 
 def main(quick: bool = False) -> None:
     """Both variants, `UPDATES` updates each; `quick`: a smaller model (4 experts of 512,
-    2 layers), the same steps."""
-    results = {name: run_module_worker("bench.cpu.bench_lora_memory", name, "1" if quick else "0")
-               for name in VARIANTS}
+    2 layers), the same steps, the two children at once (one thread each)."""
+    results = at_once({name: functools.partial(run_module_worker, "bench.cpu.bench_lora_memory", name,
+                                               "1" if quick else "0", threads=1 if quick else 2)
+                       for name in VARIANTS}, enabled=quick)
     rows = [row(name, r) for name, r in results.items()]
     table = markdown_table(
         ["variant", "params (M)", "trained (M)", "weights (MiB)", "grads (MiB)", "Adam states (MiB)",
@@ -154,4 +156,4 @@ if __name__ == "__main__":
         i = sys.argv.index("--worker")
         worker(sys.argv[i + 1], sys.argv[i + 2], sys.argv[i + 3])
     else:
-        main()
+        main(quick="--quick" in sys.argv)

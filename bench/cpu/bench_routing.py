@@ -10,7 +10,7 @@ from moe_rl_testing.bench_common import markdown_table, write_results
 
 
 def main(quick: bool = False) -> None:
-    r = run_worker(1, "routing", [])
+    r = run_worker(1, "routing", [], quick)
     s = r["step_s"]
     rows = [
         ["update step, no routing work", s["plain"] * 1e3, 1.0],

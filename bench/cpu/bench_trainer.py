@@ -22,14 +22,16 @@ REFERENCE_S = 0.32  # TRL GRPOTrainer, same model size and batch, same machine k
 PARTS = ["sample", "reward", "gather", "old_logprob", "update", "sync", "other"]
 
 
-def run(steps: int, overrides: list[str], nproc: int = 1) -> list[dict]:
+def run(steps: int, overrides: list[str], nproc: int = 1, threads: int | None = None) -> list[dict]:
+    """The demo's metrics rows; each of the `nproc` processes runs `threads` threads (default
+    2 // nproc: the 2 cores)."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [*launch, "-m", "moe_rl.train", "--config", str(ROOT / "examples/tiny_rspo.yaml"),
                f"run.steps={steps}", f"run.output_dir={tmp}", "run.name=bench", "logging.progress=false",
                "logging.tensorboard=false", f"run.init_checkpoint={ROOT / 'moe_rl/assets/tiny_base'}", *overrides]
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS=str(2 // nproc))
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS=str(threads or 2 // nproc))
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-4000:])
@@ -51,7 +53,7 @@ def _row(name: str, med: dict[str, float], base_s: float) -> list:
 
 
 def main(quick: bool = False) -> None:
-    steps, warmup = (4, 1) if quick else (40, 5)
+    steps, warmup = (2, 1) if quick else (40, 5)
     results, rows = {}, []
     # quick (make bench-smoke): the reference variant only; each variant is a whole run that
     # starts vLLM (a world-2 one two of them), about a minute each on the 2-core machine

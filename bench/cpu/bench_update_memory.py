@@ -8,17 +8,22 @@ chunked adds at most 25% of what the full path adds)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
 import sys
 from pathlib import Path
 
-from moe_rl_testing.bench_common import markdown_table, run_module_worker, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, run_module_worker, write_results
 
 MIB = 2**20
 VOCAB, TOKENS = 151936, 4096
-MODEL = [f"model.vocab_size={VOCAB}", "model.max_position_embeddings=1024", "parallel.max_tokens_per_microbatch=4096"]
+QUICK_VOCAB = 32768  # (make bench-smoke: the same paths at a fifth of the head's work)
+
+
+def model(vocab: int) -> list[str]:
+    return [f"model.vocab_size={vocab}", "model.max_position_embeddings=1024", "parallel.max_tokens_per_microbatch=4096"]
 
 
 def _rss() -> int:
@@ -26,7 +31,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(out: str, chunk: int, tokens: int) -> None:
+def worker(out: str, chunk: int, tokens: int, vocab: int = VOCAB) -> None:
     import time
 
     import torch
@@ -39,8 +44,8 @@ def worker(out: str, chunk: int, tokens: int) -> None:
     g = torch.Generator().manual_seed(0)
     per = 512
     n = tokens // per
-    batch = TokenBatch.from_lists([torch.randint(1, VOCAB, (16,), generator=g).tolist() for _ in range(n)],
-                                  [torch.randint(1, VOCAB, (per - 16,), generator=g).tolist() for _ in range(n)],
+    batch = TokenBatch.from_lists([torch.randint(1, vocab, (16,), generator=g).tolist() for _ in range(n)],
+                                  [torch.randint(1, vocab, (per - 16,), generator=g).tolist() for _ in range(n)],
                                   response_width=per - 16)
     small = batch.select(torch.arange(1))
     adv = torch.randn(n, generator=g)
@@ -49,7 +54,7 @@ def worker(out: str, chunk: int, tokens: int) -> None:
     def loss_fn(logp_BT, mb):
         return MicroBatchLoss(-(mb.extras["adv_B"][:, None] * logp_BT * mb.batch.response_mask()).sum() / total)
 
-    cfg = load_config(None, [*MODEL, f"parallel.logprob_chunk_tokens={chunk}"])
+    cfg = load_config(None, [*model(vocab), f"parallel.logprob_chunk_tokens={chunk}"])
     with parallel_layout(cfg.parallel, seed=0) as layout:
         learner = Learner(cfg.model, cfg.parallel, layout, optimizer=cfg.optimizer, total_updates=4)
         learner.train_step(small, loss_fn, extras={"adv_B": adv[:1]})  # Adam's states now exist
@@ -59,22 +64,24 @@ def worker(out: str, chunk: int, tokens: int) -> None:
         seconds = time.perf_counter() - t0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(out).write_text(json.dumps({"base": base, "peak": peak, "added": peak - base, "seconds": seconds,
-                                     "microbatches": metrics["microbatches"], "tokens": tokens}))
+                                     "microbatches": metrics["microbatches"], "tokens": tokens, "vocab": vocab}))
 
 
-def run(chunk: int, tokens: int) -> dict:
-    return run_module_worker("bench.cpu.bench_update_memory", str(chunk), str(tokens))
+def run(chunk: int, tokens: int, vocab: int = VOCAB, threads: int = 2) -> dict:
+    return run_module_worker("bench.cpu.bench_update_memory", str(chunk), str(tokens), str(vocab), threads=threads)
 
 
 def main(quick: bool = False) -> None:
-    tokens = 1024 if quick else TOKENS
-    results = {name: run(chunk, tokens) for name, chunk in (("full logits", 0), ("chunked, 1024 tokens", 1024))}
+    tokens, vocab = (1024, QUICK_VOCAB) if quick else (TOKENS, VOCAB)
+    results = at_once({name: functools.partial(run, chunk, tokens, vocab, threads=1 if quick else 2)
+                       for name, chunk in (("full logits", 0), ("chunked, 1024 tokens", 1024))},
+                      enabled=quick)  # (quick: both children at once, a thread each)
     full = results["full logits"]["added"]
     rows = [[name, r["base"] / MIB, r["added"] / MIB, r["added"] / full, r["seconds"]] for name, r in results.items()]
     table = markdown_table(["head", "model + optimizer RSS (MiB)", "update adds (MiB)", "x full path's", "update s"],
                            rows)
     ratio = results["chunked, 1024 tokens"]["added"] / full
-    notes = (f"One update of a {tokens}-token packed micro-batch, vocabulary {VOCAB}, tiny MoE (hidden 64, fp32), "
+    notes = (f"One update of a {tokens}-token packed micro-batch, vocabulary {vocab}, tiny MoE (hidden 64, fp32), "
              f"1 process; fresh process per head. Chunked adds {ratio:.1%} of what the full path adds "
              "(target <= 25%).")
     write_results("update_memory", {"results": results}, table, notes)
@@ -83,6 +90,6 @@ def main(quick: bool = False) -> None:
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         i = sys.argv.index("--worker")
-        worker(sys.argv[i + 1], int(sys.argv[i + 2]), int(sys.argv[i + 3]))
+        worker(sys.argv[i + 1], int(sys.argv[i + 2]), int(sys.argv[i + 3]), int(sys.argv[i + 4]))
     else:
         main(quick="--quick" in sys.argv)

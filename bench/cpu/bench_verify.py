@@ -3,7 +3,7 @@
 sampler, the tensor checksums) against the push itself.
 
     python -m bench.run_all verify            # 8 steps per sampler
-    python -m bench.run_all verify --quick    # 3 steps, the transformers sampler only
+    python -m bench.run_all verify --quick    # 2 steps, the transformers sampler only
 
 Each sampler runs the shipped demo recipe (examples/tiny_rspo.yaml on the tiny base, one
 process, colocated) with the check after every push, in a child process; per step the run
@@ -54,7 +54,7 @@ def measure(backend: str, steps: int) -> dict[str, float]:
 
 
 def main(quick: bool = False) -> None:
-    backends, steps = (["transformers"], 3) if quick else (["transformers", "vllm"], 8)
+    backends, steps = (["transformers"], 2) if quick else (["transformers", "vllm"], 8)
     results = {b: measure(b, steps) for b in backends}
     table = markdown_table(["sampler", "pushes", "push s (median)", "verify s (median)", "verify / push",
                             "max |diff|"],

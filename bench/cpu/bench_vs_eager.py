@@ -20,6 +20,7 @@ is timed as `moe_rl.weights` streams it into a vLLM engine (`--push`: the demo t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_rl_testing import ROOT
-from moe_rl_testing.bench_common import markdown_table, write_results
+from moe_rl_testing.bench_common import at_once, markdown_table, write_results
 
 MODELS = {  # name: (recipe, starting weights or None for the recipe's random init)
     "demo (4 layers, 8 experts top-2)": ("examples/tiny_rspo.yaml", "moe_rl/assets/tiny_base"),
@@ -161,13 +162,13 @@ def compare_model(recipe: str, init: str | None, iters: int, warmup: int) -> dic
             "ratio": med["learner"] / med["transformers"]}
 
 
-def demo_steps(tree: Path, steps: int) -> list[dict]:
+def demo_steps(tree: Path, steps: int, threads: int = 2) -> list[dict]:
     """The demo's metrics for `steps` steps (no saves) run from the source tree `tree`."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "moe_rl.train", "--config", "examples/tiny_rspo.yaml", f"run.steps={steps}",
                f"run.output_dir={tmp}", "run.name=bench", "run.save_every=0", "logging.progress=false",
                "logging.tensorboard=false"]
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS="2", PYTHONPATH=str(tree),
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", OMP_NUM_THREADS=str(threads), PYTHONPATH=str(tree),
                    TORCHDYNAMO_DISABLE="1")
         proc = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -190,15 +191,16 @@ def host_copy_gbps(nbytes: int) -> float:
     return nbytes / med / 1e9
 
 
-def compare_steps(baseline: str, steps: int, skip: int) -> dict:
-    """The demo's step in this tree and at `baseline`, back to back; the weight push's GB/s
-    against a host copy of the same bytes."""
+def compare_steps(baseline: str, steps: int, skip: int, quick: bool = False) -> dict:
+    """The demo's step in this tree and at `baseline`, back to back (`quick`: both at once); the
+    weight push's GB/s against a host copy of the same bytes."""
     parts = ["step", "sample", "update", "sync", "reward", "other"]
     out: dict = {"baseline": baseline, "steps_timed": steps - skip}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this tree": ROOT, f"baseline {baseline}": baseline_tree(baseline, Path(tmp))}
-        for name, tree in trees.items():
-            hist = demo_steps(tree, steps)[skip:]
+        hists = at_once({name: functools.partial(demo_steps, tree, steps, 1 if quick else 2)
+                         for name, tree in trees.items()}, enabled=quick)  # (quick: a thread each)
+        for name, hist in ((name, h[skip:]) for name, h in hists.items()):
             out[name] = {p: statistics.median(h.get(f"time/{p}", 0.0) for h in hist) for p in parts}
             out[name]["sync_bytes"] = hist[-1].get("sync/bytes_streamed", 0.0)
     ours, base = out["this tree"], out[f"baseline {baseline}"]
@@ -230,10 +232,13 @@ def main(quick: bool = False, baseline: str = "ff4e69c") -> None:
 
     torch.set_num_threads(2)
     init_distributed("gloo")
-    iters, warmup = (4, 1) if quick else (15, 3)
-    results = {name: compare_model(recipe, init, iters, warmup) for name, (recipe, init) in MODELS.items()}
-    steps, skip = (8, 3) if quick else (30, 5)
-    step = compare_steps(baseline, steps, skip)
+    iters, warmup = (2, 1) if quick else (15, 3)
+    # quick (make bench-smoke): the demo model only (the ablation model is the same code on a
+    # larger shape), 3 demo steps per tree (1 warm-up)
+    models = dict(list(MODELS.items())[:1]) if quick else MODELS
+    results = {name: compare_model(recipe, init, iters, warmup) for name, (recipe, init) in models.items()}
+    steps, skip = (3, 1) if quick else (30, 5)
+    step = compare_steps(baseline, steps, skip, quick)
     rows = [[name, r["tokens"], r["learner_s"] * 1e3, r["transformers_s"] * 1e3, r["ratio"],
              r["logprob_max_abs_diff"]] for name, r in results.items()]
     table = markdown_table(["model", "tokens", "learner update ms", "transformers update ms",

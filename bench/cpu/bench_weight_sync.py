@@ -182,7 +182,7 @@ def delta_run(steps: int, precision: str) -> dict[str, Any]:
 
 
 def main(quick: bool = False) -> None:
-    repeats = 3 if quick else 15
+    repeats = 1 if quick else 15
     models: dict[str, Path] = {}
     results: dict[str, Any] = {"engine": {}, "quick": quick}
     with tempfile.TemporaryDirectory() as tmp:

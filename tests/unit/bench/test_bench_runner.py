@@ -1,19 +1,20 @@
 """`make bench` and `make bench-smoke`'s runner: a GPU-only benchmark skips with one line on a
 machine without CUDA, any other failure (an exception or a SystemExit) is reported and fails
 the run, and a smoke run writes its results into a temporary directory, never over
-bench/results/."""
+bench/results/; a smoke run's independent children start together (`at_once`)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import types
 
 import pytest
 import torch
 
 from bench import run_all
-from moe_rl_testing.bench_common import RESULTS_DIR, RESULTS_ENV, write_results
+from moe_rl_testing.bench_common import RESULTS_DIR, RESULTS_ENV, at_once, write_results
 
 
 def _module(monkeypatch, name: str, main, **attrs) -> None:
@@ -74,3 +75,24 @@ def test_a_smoke_run_writes_into_a_temporary_directory(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["run_all", "--quick", "--results", str(tmp_path), "fake_ok"])
     assert run_all.main() == 0 and (tmp_path / "fake_ok.md").read_text().startswith("# fake_ok")
     assert os.environ.get(RESULTS_ENV) is None  # (the runner leaves the environment as it found it)
+
+
+def test_at_once_runs_the_calls_together_and_in_turn_when_disabled():
+    # Together: each call waits at a barrier for the other (in turn, the first would time out).
+    both = threading.Barrier(2, timeout=60)
+    assert at_once({"a": lambda: both.wait() * 0 + 1, "b": lambda: both.wait() * 0 + 2}) == {"a": 1, "b": 2}
+    order: list[str] = []
+    got = at_once({"b": lambda: order.append("b") or threading.get_ident(),
+                   "a": lambda: order.append("a") or threading.get_ident()}, enabled=False)
+    assert order == ["b", "a"] and list(got) == ["b", "a"] and set(got.values()) == {threading.get_ident()}
+
+
+def test_at_once_raises_a_calls_exception_after_the_others_finish():
+    done: list[str] = []
+
+    def fail():
+        raise RuntimeError("child failed")
+
+    with pytest.raises(RuntimeError, match="child failed"):
+        at_once({"fail": fail, "ok": lambda: done.append("ok")})
+    assert done == ["ok"]
