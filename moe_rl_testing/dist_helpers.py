@@ -20,7 +20,7 @@ def torchrun(worker: str, nproc: int, *args: str, timeout: float = 900) -> subpr
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # (this checkout's moe_rl)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKERS / worker), *args]
+           f"--nproc-per-node={nproc}", "-m", "moe_rl_testing.worker_main", str(WORKERS / worker), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(

@@ -14,10 +14,7 @@ several layouts one after another in the same processes.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
-import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,63 +25,20 @@ from megatron.core import parallel_state as ps
 from megatron.core import rerun_state_machine as rerun
 from megatron.core import tensor_parallel
 
-from moe_rl.config import ConfigError, ParallelConfig
+from moe_rl.config import ParallelConfig
 from moe_rl.learner import megatron_patches
-from moe_rl.runtime import worlds as moe_worlds
+from moe_rl.runtime.process_group import join_world
 
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def resolve_backend(requested: str = "auto") -> str:
-    if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("parallel.distributed_backend=nccl needs CUDA; use gloo or auto")
-    return requested
-
-
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0, engine_ranks: int = 0) -> tuple[int, int]:
-    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT); without it, make a one-process world. Idempotent.
-    Also applies megatron-core's CPU shims when CUDA is absent. Returns (rank, world) of
-    the torchrun world.
-
-    `engine_ranks` > 0 (separate placement): the last `engine_ranks` ranks host rollout
-    engines only. Every rank then joins the bridge world of all ranks
-    (`moe_rl.runtime.worlds.BRIDGE_WORLD`), and the learner ranks' default world, megatron's, holds
-    only them; an engine-only rank has no default world."""
+    """`moe_rl.runtime.process_group.join_world` (the torchrun world, or a one-process one;
+    idempotent; `engine_ranks`: the separate placement's worlds) for a process that runs the
+    learner: megatron-core's patches (its CPU shims when CUDA is absent) are applied first.
+    Returns (rank, world) of the torchrun world."""
     megatron_patches.apply()
-    if dist.is_initialized() or moe_worlds.BRIDGE_WORLD.initialized:
-        with moe_worlds.bridge():
-            return dist.get_rank(), dist.get_world_size()
-    backend = resolve_backend(backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" not in os.environ:
-        # A plain process: a one-rank world on a private port. Nothing goes into os.environ,
-        # so a subprocess started later (a tool, torchrun) does not inherit this world's
-        # rendezvous and try to host it again.
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1, timeout=timeout)
-        return 0, 1
-    if not engine_ranks:
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
-        return dist.get_rank(), dist.get_world_size()
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    with moe_worlds.BRIDGE_WORLD.enter():
-        dist.init_process_group(backend=backend, store=dist.PrefixStore("bridge", store), rank=rank,
-                                world_size=world, timeout=timeout)
-    if rank < world - engine_ranks:
-        dist.init_process_group(backend=backend, store=dist.PrefixStore("learner", store), rank=rank,
-                                world_size=world - engine_ranks, timeout=timeout)
-    return rank, world
+    return join_world(backend, timeout_s, engine_ranks)
 
 
 def comm_device() -> torch.device:

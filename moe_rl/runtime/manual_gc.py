@@ -46,3 +46,13 @@ def restore() -> None:
 def active() -> bool:
     """Whether manual collection owns the collector now."""
     return bool(_state["owned"])
+
+
+def skip_final_collections() -> None:
+    """Called once a process's work is done and its files are closed, just before it exits:
+    the interpreter's last collections then skip every object alive now (`gc.freeze`). With
+    torch, megatron and vLLM loaded those passes walk millions of objects for 1-3 s per
+    process (measured on the CPU path: 5.0 s -> 1.6 s from a 2-rank run's summary to
+    torchrun's exit), to free memory the operating system takes back anyway. Reference
+    counting still frees what it frees; only cycle collection at exit is skipped."""
+    gc.freeze()

@@ -62,6 +62,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def join_rl_world(cfg: Config) -> tuple[int, int]:
+    """Join the torchrun world (a separate placement's worlds included); only the ranks that
+    train then import megatron-core and apply its patches (`init_distributed`): an
+    engine-only rank never does (seconds of start-up on the path of step 1's rollouts).
+    Returns (rank, world)."""
+    from moe_rl.runtime.process_group import join_world
+
+    engine_ranks = cfg.sampler.engine_ranks if cfg.sampler.placement == "separate" else 0
+    rank, world = join_world(cfg.parallel.distributed_backend, engine_ranks=engine_ranks)
+    if rank < world - engine_ranks:
+        from moe_rl.learner import init_distributed
+
+        init_distributed(cfg.parallel.distributed_backend, engine_ranks=engine_ranks)
+    return rank, world
+
+
 class LearnerRole(Program):
     """Sequences the rollout collector and the learner(s); owns nothing they own."""
 
@@ -93,16 +109,13 @@ class LearnerRole(Program):
         an `EngineRole`."""
         import torch
 
-        from moe_rl.learner import init_distributed
         from moe_rl.programs.rl.engine_role import EngineRole
         from moe_rl.sampler.precision import resolve_precision
         from moe_rl.weights import make_weight_synchronizer
         from moe_rl.weights.verify import attach_verifier
 
         cls.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        separate = cfg.sampler.placement == "separate"
-        rank, world = init_distributed(cfg.parallel.distributed_backend,
-                                       engine_ranks=cfg.sampler.engine_ranks if separate else 0)
+        rank, world = join_rl_world(cfg)
         make_sync = partial(make_weight_synchronizer, bucket_mib=cfg.sampler.weight_sync_bucket_mib,
                             sync=cfg.sampler.sync, full_sync_every=cfg.sampler.full_sync_every,
                             precision=resolve_precision("auto", torch.cuda.is_available())

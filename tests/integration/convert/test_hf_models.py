@@ -249,25 +249,32 @@ def test_each_glm_setting_changes_the_logprobs(change, hf_dirs, layout, tmp_path
 PARALLEL = {"tp2": ("parallel.tensor_model_parallel_size=2",), "ep2": ("parallel.expert_model_parallel_size=2",)}
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("par", PARALLEL)
-def test_two_process_layouts_match_transformers(par, hf_dirs, tmp_path):
-    """The same directories loaded at TP=2 (q/k/v biases and heads split by query group)
-    and EP=2 (global expert ids, expert biases) score as transformers does, and their HF
-    stream gives back the saved tensors bit for bit. Workers: this file run under torchrun."""
+@pytest.fixture(scope="module")
+def two_process(hf_dirs, tmp_path_factory) -> dict:
+    """Every two-process layout's results from one torchrun launch (this file as its worker)."""
     from moe_rl_testing.dist_helpers import torchrun
 
-    torchrun(str(Path(__file__).resolve()), 2, "worker", par, str(tmp_path / "out.pt"),
+    out = tmp_path_factory.mktemp("two_process") / "out.pt"
+    torchrun(str(Path(__file__).resolve()), 2, "worker", ",".join(PARALLEL), str(out),
              *(f"{n}={hf_dirs[n]}" for n in HF_CONFIGS))
-    results = torch.load(tmp_path / "out.pt")
+    return torch.load(out)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("par", PARALLEL)
+def test_two_process_layouts_match_transformers(par, hf_dirs, two_process):
+    """The same directories loaded at TP=2 (q/k/v biases and heads split by query group)
+    and EP=2 (global expert ids, expert biases) score as transformers does, and their HF
+    stream gives back the saved tensors bit for bit."""
     batch, _ = fixed_batch()
     for name in HF_CONFIGS:
-        assert results[name]["bad_stream"] == [], name
-        assert (results[name]["logp"] - hf_logprobs(hf_dirs[name], batch)).abs().max() < TOL, name
+        assert two_process[par][name]["bad_stream"] == [], name
+        assert (two_process[par][name]["logp"] - hf_logprobs(hf_dirs[name], batch)).abs().max() < TOL, name
 
 
-def _worker(par: str, out: str, dirs: dict[str, Path]) -> None:
-    """torchrun side of test_two_process_layouts_match_transformers (rank 0 writes `out`)."""
+def _worker(layouts: str, out: str, dirs: dict[str, Path]) -> None:
+    """torchrun side of the `two_process` fixture: each of the comma-separated `layouts` in
+    turn (rank 0 writes `out`)."""
     import torch.distributed as dist
 
     from moe_rl.learner.export import hf_named_tensors
@@ -275,16 +282,17 @@ def _worker(par: str, out: str, dirs: dict[str, Path]) -> None:
 
     rank, _ = init_distributed()
     batch, _ = fixed_batch()
-    results = {}
-    with parallel_layout(load_config(None, list(PARALLEL[par])).parallel, seed=5) as lay:
-        for name, path in dirs.items():
-            learner = _learner_from_hf(path, lay, PARALLEL[par])
-            logp = learner.logprobs(batch)
-            stream = dict(hf_named_tensors(learner))  # rank 0 gets the pairs
-            saved = load_file(str(path / "model.safetensors"))
-            bad = [n for n, t in stream.items() if not torch.equal(t, saved[n])]
-            bad += [n for n in saved if n not in stream and ".layers.3." not in n]  # layer 3: GLM's MTP
-            results[name] = {"logp": logp, "bad_stream": bad}
+    results: dict[str, dict] = {}
+    for par in layouts.split(","):
+        with parallel_layout(load_config(None, list(PARALLEL[par])).parallel, seed=5) as lay:
+            for name, path in dirs.items():
+                learner = _learner_from_hf(path, lay, PARALLEL[par])
+                logp = learner.logprobs(batch)
+                stream = dict(hf_named_tensors(learner))  # rank 0 gets the pairs
+                saved = load_file(str(path / "model.safetensors"))
+                bad = [n for n, t in stream.items() if not torch.equal(t, saved[n])]
+                bad += [n for n in saved if n not in stream and ".layers.3." not in n]  # layer 3: GLM's MTP
+                results.setdefault(par, {})[name] = {"logp": logp, "bad_stream": bad}
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
@@ -343,4 +351,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "vllm":
         _vllm_worker(sys.argv[3], dirs)
     else:
-        raise SystemExit(f"usage: {sys.argv[0]} worker tp2|ep2 OUT NAME=HF_DIR... | vllm - OUT NAME=HF_DIR...")
+        raise SystemExit(f"usage: {sys.argv[0]} worker tp2,ep2 OUT NAME=HF_DIR... | vllm - OUT NAME=HF_DIR...")

