@@ -258,7 +258,7 @@ def run_main(prog: str, doc: str, argv: list[str] | None, *, program: Callable[[
         return 0
 
     status = run_guarded(prog, body, debug=args.debug, run_dir=lambda: cfg.run_dir)
-    skip_final_collections()  # (the run's files are closed: seconds of exit-time collection saved)
+    skip_final_collections()  # (at the exit that follows: seconds of exit-time collection saved)
     sys.exit(status)
 
 
