@@ -1,6 +1,6 @@
 """`skip_final_collections` changes nothing before the interpreter exits (a test that runs a
 program's `main` in its own process keeps collecting), and registers its exit handler once.
-(What it does at the exit: tests/integration/runtime/test_exit_collections.py.)"""
+(What it does at the exit: tests/integration/runtime/test_exit_freeze_at_exit.py.)"""
 
 from __future__ import annotations
 
