@@ -49,7 +49,6 @@ def active() -> bool:
     return bool(_state["owned"])
 
 
-
 def skip_final_collections() -> None:
     """Called by an entry point once its work is done: when the interpreter then exits, the
     objects alive at that moment (`gc.freeze`, from an atexit handler) are left out of its
