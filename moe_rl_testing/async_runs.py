@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from moe_rl_testing import forked
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,7 +33,7 @@ def rows(run: Path) -> list[dict]:
 
 def train(recipe: Path, overrides: list[str], out: Path, name: str) -> list[dict]:
     """Run to the end; its metrics rows."""
-    proc = subprocess.run(command(recipe, overrides, out, name), cwd=ROOT, env=env(), capture_output=True,
+    proc = forked.run(command(recipe, overrides, out, name), cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return rows(out / name)
@@ -39,7 +41,21 @@ def train(recipe: Path, overrides: list[str], out: Path, name: str) -> list[dict
 
 def stopped_after_first_rows(recipe: Path, overrides: list[str], out: Path, name: str) -> tuple[int, int, str]:
     """Start a run, SIGTERM its engine rank (RANK 1) alone once a step is logged; the steps
-    it kept, torchrun's exit status and its stderr."""
+    it kept, the launch's exit status (torchrun's) and its stderr."""
+    err = out / f"{name}.stderr"
+    err.touch()
+    launch = forked.start(command(recipe, overrides, out, name), cwd=ROOT, env=env(), stderr=str(err))
+    if launch is None:  # (MOE_RL_TEST_NO_ZYGOTE)
+        return _stopped_under_torchrun(recipe, overrides, out, name)
+    metrics, t0 = out / name / "metrics.jsonl", time.time()
+    while launch.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
+        time.sleep(0.05)
+    os.kill(launch.pids[1], signal.SIGTERM)
+    returncode = launch.wait(timeout=300)
+    return len(rows(out / name)), returncode, err.read_text()
+
+
+def _stopped_under_torchrun(recipe: Path, overrides: list[str], out: Path, name: str) -> tuple[int, int, str]:
     import psutil
 
     with (out / f"{name}.stderr").open("w+") as err:

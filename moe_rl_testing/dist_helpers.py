@@ -1,4 +1,6 @@
-"""Launch multi-process test workers with torchrun (gloo on CPU), as users launch the learner."""
+"""Launch multi-process test workers as torchrun worlds (gloo on CPU), with the variables
+torchrun gives the learner's ranks; the ranks are forked from the preloaded zygote
+(`moe_rl_testing.forked`)."""
 
 from __future__ import annotations
 
@@ -9,19 +11,19 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
 def torchrun(worker: str, nproc: int, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run moe_rl_testing/workers/<worker> (or the script at an absolute path) under torchrun
-    with `nproc` processes; raise with the workers' output if it fails."""
+    """Run moe_rl_testing/workers/<worker> (or the script at an absolute path) as a torchrun
+    world of `nproc` processes; raise with the workers' output if it fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # (this checkout's moe_rl)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "moe_rl_testing.worker_main", str(WORKERS / worker), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = forked.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode})\n--- stdout\n{proc.stdout[-6000:]}\n"

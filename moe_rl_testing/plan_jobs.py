@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 
@@ -25,7 +24,7 @@ def run_plan_jobs(jobs: list[dict], out: Path, *, errors_allowed: bool = False, 
     """{job name: its plan (or {"error": ...})} of each job (plan_worker.py's job format);
     unless `errors_allowed`, a job that failed fails the test, naming it."""
     (out / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, str(WORKERS / "plan_worker.py"), str(out / "jobs.json"),
+    proc = forked.run([sys.executable, str(WORKERS / "plan_worker.py"), str(out / "jobs.json"),
                            str(out / "plans.json")], cwd=ROOT, env=worker_env(), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]

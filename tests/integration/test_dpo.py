@@ -20,7 +20,7 @@ from moe_rl.programs.dpo.loss import PairLogps, margin_grad, pair_losses, pair_m
 from moe_rl.programs.dpo.surrogate import COEF_KEY, surrogate_coefficients, surrogate_loss
 from moe_rl.programs.preference.data import encode_pairs, load_pairs, pair_rows, pairs_of_step
 from moe_rl.tasks.dataset import DatasetError
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 
 RECIPE = ROOT / "examples" / "tiny_dpo.yaml"
 
@@ -328,10 +328,9 @@ def test_ctrl_c_saves_and_resume_continues_the_same_run(tmp_path):
              f"run.output_dir={tmp_path}"]
     cmd = [sys.executable, "-m", "moe_rl.dpo", "--config", str(RECIPE), *small]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ref = subprocess.run([*cmd, "run.name=ref"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    ref = forked.run([*cmd, "run.name=ref"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    err = (tmp_path / "cut.stderr").open("w+")
-    proc = subprocess.Popen([*cmd, "run.name=cut"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    proc = forked.popen([*cmd, "run.name=cut"], cwd=ROOT, env=env, stderr=tmp_path / "cut.stderr")
     metrics, t0 = tmp_path / "cut" / "metrics.jsonl", time.time()
     while proc.poll() is None and time.time() - t0 < 300:
         if metrics.exists() and metrics.read_text().count("\n") >= 2:  # step 0's evaluation and step 1
@@ -339,10 +338,9 @@ def test_ctrl_c_saves_and_resume_continues_the_same_run(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=300) == 130
-    err.seek(0)
-    stopped = int(re.search(r"stopped by SIGINT after step (\d+) of 5", err.read()).group(1))
+    stopped = int(re.search(r"stopped by SIGINT after step (\d+) of 5", (tmp_path / "cut.stderr").read_text()).group(1))
     assert 1 <= stopped < 5 and (tmp_path / "cut" / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
-    resumed = subprocess.run([*cmd, "run.name=cut", "run.resume=true"], cwd=ROOT, env=env, capture_output=True,
+    resumed = forked.run([*cmd, "run.name=cut", "run.resume=true"], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     strip = lambda rows: {s: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731

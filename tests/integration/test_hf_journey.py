@@ -31,7 +31,7 @@ from moe_rl.tokenization import (
     check_fits_model,
     load_tokenizer,
 )
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.hf_fixtures import (
     CHATML,
     make_hf_model_dir,
@@ -177,7 +177,7 @@ def _train_argv(out: Path, *args: str) -> list[str]:
 
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "moe_rl.train", *_train_argv(out, *args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, env=child_env())
+    return forked.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, env=child_env())
 
 
 def _nothing_written(out: Path) -> None:
@@ -213,7 +213,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(qwen_dir, data, tmp_path):
         out = tmp_path / f"out{i}"
         argv = ["--config", str(RECIPE), f"run.output_dir={out}", "logging.progress=false", *args]
         if "task.reward=my_rewards:score" in args:  # the user's module on PYTHONPATH, in a real interpreter
-            proc = subprocess.run([sys.executable, "-m", "moe_rl.train", *argv], capture_output=True, text=True,
+            proc = forked.run([sys.executable, "-m", "moe_rl.train", *argv], capture_output=True, text=True,
                                   cwd=ROOT, timeout=600, env=child_env(PYTHONPATH=str(tmp_path)))
         else:  # the same main(argv) in this process (`in_process.run_main`)
             proc = run_main(importlib.import_module("moe_rl.train"), argv)

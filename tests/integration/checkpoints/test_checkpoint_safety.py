@@ -32,7 +32,7 @@ from moe_rl.checkpoints.temps import remove_temps
 from moe_rl.checkpoints.trust import ensure_verified
 from moe_rl.config import ConfigError, load_config, to_dict
 from moe_rl.loop.rundir import RunDirectory
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
 BASE = ROOT / "moe_rl" / "assets" / "tiny_base"
@@ -115,12 +115,12 @@ def test_kill_hook_fires_at_the_nth_hit_of_its_point_only():
     code = ("from moe_rl.runtime.fault_hooks import kill_point as k\n"
             "for p in ('save.file', 'save.meta', 'save.file', 'save.file'):\n"
             "    k(p); print(p, flush=True)")
-    proc = subprocess.run([sys.executable, "-c", code], env=child_env(MOE_RL_TEST_KILL_AT="save.file#3"),
+    proc = forked.run([sys.executable, "-c", code], env=child_env(MOE_RL_TEST_KILL_AT="save.file#3"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert proc.stdout.split() == ["save.file", "save.meta", "save.file"]
     for rank, killed in (("0", False), ("1", True)):  # `@<rank>`: on that global rank only
-        proc = subprocess.run([sys.executable, "-c", code], env={**child_env(MOE_RL_TEST_KILL_AT="save.file#2@1"),
+        proc = forked.run([sys.executable, "-c", code], env={**child_env(MOE_RL_TEST_KILL_AT="save.file#2@1"),
                                                                  "RANK": rank}, capture_output=True, text=True,
                               timeout=120)
         assert (proc.returncode == -signal.SIGKILL) == killed and proc.stdout.count("save.file") == (1 if killed else 3)
@@ -326,7 +326,7 @@ def test_a_second_process_in_the_same_run_directory_is_refused(tmp_path):
     code = ("import sys; from moe_rl.config import load_config, to_dict; from moe_rl.loop.rundir import RunDirectory\n"
             f"cfg = load_config({str(RECIPE)!r}, {[*SMALL, f'run.output_dir={tmp_path}', 'run.name=r']!r})\n"
             "try:\n    RunDirectory(cfg.run, cfg.logging, to_dict(cfg)).prepare(resume=True)\nexcept Exception as e:\n    print(e); sys.exit(3)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+    proc = forked.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env=child_env())
     first.close()
     assert proc.returncode == 3 and "is in use by another running process" in proc.stdout
@@ -484,7 +484,7 @@ SAVED_AFTER = [0, 0, 0, 1, 1, 2, 2, 2]
 @pytest.mark.slow
 def test_sigkill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
     steps = 8  # more than the kill plans reach, so every hook fires
-    ref = subprocess.run(_train_cmd(tmp_path, "ref", f"run.steps={steps}"), cwd=ROOT, capture_output=True,
+    ref = forked.run(_train_cmd(tmp_path, "ref", f"run.steps={steps}"), cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env=child_env())
     assert ref.returncode == 0, ref.stderr[-3000:]
     run, ref_run = tmp_path / "chaos", tmp_path / "ref"

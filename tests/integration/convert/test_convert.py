@@ -44,7 +44,7 @@ from moe_rl.convert import (
 )
 from moe_rl.convert.qwen3_moe import hf_specs_all, is_model_key
 from moe_rl.convert.safetensors_writer import INDEX_FILE, PlannedTensor
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.dist_helpers import WORKERS, torchrun
 
 CLI = ROOT / "tools" / "convert_checkpoint.py"
@@ -53,7 +53,7 @@ LAYOUTS = ["tp2", "ep2", "pp2"]  # 2-process checkpoints (moe_rl_testing/workers
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CLI), "--no-progress", *args],
+    return forked.run([sys.executable, str(CLI), "--no-progress", *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -369,7 +369,7 @@ def test_bf16_output(runs, tmp_path):
 @pytest.mark.vllm
 def test_vllm_loads_converted_directory(runs):
     pytest.importorskip("vllm")
-    proc = subprocess.run([sys.executable, str(WORKERS / "convert_worker.py"), "vllm", str(runs)],
+    proc = forked.run([sys.executable, str(WORKERS / "convert_worker.py"), "vllm", str(runs)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     out = json.loads((runs / "vllm.json").read_text())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from moe_rl.convert import (
 from moe_rl.convert.glm4_moe import GLM4_MOE
 from moe_rl.convert.megatron_keys import is_model_key
 from moe_rl.convert.qwen3_moe import QWEN3_MOE
+from moe_rl_testing import forked
 from moe_rl_testing.dist_helpers import WORKERS, torchrun
 
 TOL = 1e-5  # fp32 learner vs transformers per-token logprobs
@@ -290,7 +290,7 @@ def test_vllm_serves_the_converted_directory(runs):
     """vLLM's Glm4MoeForCausalLM (through the sampler package) against transformers, before
     and after weight syncs."""
     pytest.importorskip("vllm")
-    proc = subprocess.run([sys.executable, str(WORKERS / "convert_glm4_worker.py"), "vllm", str(runs)],
+    proc = forked.run([sys.executable, str(WORKERS / "convert_glm4_worker.py"), "vllm", str(runs)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = json.loads((runs / "vllm.json").read_text())["rows"]

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from moe_rl.config import ModelConfig, load_config, to_dict
 from moe_rl.convert import HFCheckpoint, hf_config, model_config_from_hf
 from moe_rl.plan.published import CONFIGS
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.deepseek_fixtures import (
     DEEPSEEK_CONFIGS,
     VLLM_PROMPTS,
@@ -291,7 +291,6 @@ def test_convert_tool_round_trips_every_tensor(ds_dirs, tmp_path):
     of the side files: every tensor back bit for bit (the MTP layer from the source), and the
     same config.json. Both command lines by the tool's main, one after the other in one child
     process (workers/doc_commands_worker.py; not this one, whose learner layout is active)."""
-    import subprocess
     import sys
 
     from moe_rl_testing.dist_helpers import WORKERS
@@ -303,7 +302,7 @@ def test_convert_tool_round_trips_every_tensor(ds_dirs, tmp_path):
     jobs = [{"where": to, "program": "tools/convert_checkpoint.py", "argv": ["--no-progress", *args], "env": {}}
             for to, args in commands.items()]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, str(WORKERS / "doc_commands_worker.py"), str(tmp_path / "jobs.json"),
+    proc = forked.run([sys.executable, str(WORKERS / "doc_commands_worker.py"), str(tmp_path / "jobs.json"),
                            str(tmp_path / "ran.json")], capture_output=True, text=True, cwd=root, timeout=600,
                           env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -318,7 +317,6 @@ def test_mismatch_tool_on_the_export_at_fp32(exported, tmp_path):
     """tools/measure_mismatch.py on the exported directory (its tokenizer and chat template):
     the transformers sampler and the fp32 learner agree to rounding, and route every token
     to the same experts (group-limited selection with the expert bias, in both)."""
-    import subprocess
     import sys
 
     from moe_rl_testing.hf_fixtures import write_math_jsonl
@@ -326,7 +324,7 @@ def test_mismatch_tool_on_the_export_at_fp32(exported, tmp_path):
 
     prompts = write_math_jsonl(tmp_path / "prompts.jsonl")
     root = ROOT
-    proc = subprocess.run([sys.executable, str(root / "tools" / "measure_mismatch.py"), "--checkpoint", str(exported),
+    proc = forked.run([sys.executable, str(root / "tools" / "measure_mismatch.py"), "--checkpoint", str(exported),
                            "--prompts", str(prompts), "--num-prompts", "4", "-n", "2", "--max-new-tokens", "12",
                            "--settings", "transformers:fp32/learner:fp32", "--no-progress", "--out", str(tmp_path / "mm")],
                           capture_output=True, text=True, cwd=root, timeout=600, env=child_env())
@@ -378,7 +376,6 @@ def test_rl_recipe_with_r3_on_the_transformers_sampler(ds_dirs, tmp_path):
     the learner used equals the sampler's on every token and layer (and so does the learner's
     own group-limited choice, at fp32); the export keeps the MTP layer as the source had it
     (the log says it stays frozen) and the expert bias too (update rate 0 by default)."""
-    import subprocess
     import sys
 
     from moe_rl.tokenization import load_tokenizer
@@ -387,7 +384,7 @@ def test_rl_recipe_with_r3_on_the_transformers_sampler(ds_dirs, tmp_path):
 
     src, root = ds_dirs["q_direct"], ROOT
     data = write_math_jsonl(tmp_path / "chat.jsonl", messages=True)
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", "--config", str(root / "examples" / "hf_rspo.yaml"),
+    proc = forked.run([sys.executable, "-m", "moe_rl.train", "--config", str(root / "examples" / "hf_rspo.yaml"),
                            f"run.output_dir={tmp_path}", "run.steps=3", "sampler.backend=transformers",
                            "logging.progress=false", "logging.rollouts_every=1", f"run.init_checkpoint={src}",
                            f"task.data_path={data}", "rl.replay=R3"],
@@ -436,7 +433,6 @@ def test_vllm_serves_and_takes_the_stream(tmp_path):
     DeepseekV3 directory as transformers does (MTP layer skipped, group-limited routing,
     YaRN), and after the learner's stream names of another directory's weights, as
     transformers scores that one (workers/deepseek_vllm_worker.py, its own process)."""
-    import subprocess
     import sys
 
     from moe_rl.batch import TokenBatch
@@ -446,7 +442,7 @@ def test_vllm_serves_and_takes_the_stream(tmp_path):
     a, b = (make_deepseek_dir(tmp_path / n, "vllm_cpu", seed=s) for n, s in (("a", 30), ("b", 31)))
     out = tmp_path / "scores.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(WORKERS / "deepseek_vllm_worker.py"), str(out), str(a), str(b)],
+    proc = forked.run([sys.executable, str(WORKERS / "deepseek_vllm_worker.py"), str(out), str(a), str(b)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     scores = json.loads(out.read_text())

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from moe_rl.config import ModelConfig, load_config
 from moe_rl.convert import HFCheckpoint, hf_config, model_config_from_hf
 from moe_rl.plan.published import CONFIGS  # the published config.json files
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.hf_fixtures import hf_logprobs
 from moe_rl_testing.learner_utils import fixed_batch
 
@@ -310,14 +310,13 @@ def test_vllm_scores_as_transformers(hf_dirs, tmp_path):
     """vLLM (the sampler's backend, fp32) serves the same directories as transformers: GLM's
     partial rotary, q/k/v biases and routed scaling (its MTP layer skipped), Qwen3 with
     either norm_topk_prob. Runs in its own process (vLLM's engine)."""
-    import subprocess
     import sys
 
     pytest.importorskip("vllm")
     from moe_rl.batch import TokenBatch
 
     out = tmp_path / "vllm.json"
-    proc = subprocess.run([sys.executable, __file__, "vllm", "-", str(out), *(f"{n}={hf_dirs[n]}" for n in HF_CONFIGS)],
+    proc = forked.run([sys.executable, __file__, "vllm", "-", str(out), *(f"{n}={hf_dirs[n]}" for n in HF_CONFIGS)],
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -27,13 +27,12 @@ import itertools
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.dist_helpers import WORKERS
 from moe_rl_testing.doc_commands import DocCommand, doc_commands, redirect_outputs, replace_paths
 from moe_rl_testing.in_process import load_tool, run_main
@@ -130,7 +129,7 @@ def _environ(env: Env = ()) -> dict[str, str]:
 def _run(argv: list[str], env: Env = (), timeout: int = 300) -> str:
     """Run from the repository root with the venv first on PATH; fail with the output unless
     the exit status is 0. Returns stdout."""
-    proc = subprocess.run(argv, cwd=ROOT, env=_environ(env), capture_output=True, text=True, timeout=timeout)
+    proc = forked.run(argv, cwd=ROOT, env=_environ(env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(argv)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -158,7 +157,7 @@ def one_child(request, stand_ins: dict[str, str], tmp_path_factory) -> dict[str,
         jobs.append({"where": cmd.where, "program": prog, "argv": list(argv[argv.index(prog) + 1:]),
                      "env": dict(cmd.env)})
     (tmp / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, str(WORKERS / "doc_commands_worker.py"),
+    proc = forked.run([sys.executable, str(WORKERS / "doc_commands_worker.py"),
                            str(tmp / "jobs.json"), str(tmp / "out.json")],
                           cwd=ROOT, env=_environ(), capture_output=True, text=True, timeout=1200)
     results = json.loads((tmp / "out.json").read_text()) if (tmp / "out.json").is_file() else {}

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.hf_fixtures import hf_logprobs
 from moe_rl_testing.learner_utils import fixed_batch, learner_of, reinforce_loss
 
@@ -470,11 +470,10 @@ def test_the_planner_counts_adapters_and_no_state_for_the_frozen_base(trained):
     for LoRA exactly what the learner holds: every weight, gradients and Adam's moments
     (fp32: no main copy) of the adapters only."""
     import os
-    import subprocess
     import sys
 
     root = ROOT
-    proc = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT, *LORA[1:5]], capture_output=True, text=True,
+    proc = forked.run([sys.executable, "-c", _PLAN_SCRIPT, *LORA[1:5]], capture_output=True, text=True,
                           cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
                           timeout=300, check=True)
     plan = json.loads(proc.stdout.strip().splitlines()[-1])

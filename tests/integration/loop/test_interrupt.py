@@ -27,7 +27,7 @@ import pytest
 from moe_rl.config import load_config, to_dict
 from moe_rl.loop import Program, RunLoop, interrupt
 from moe_rl.loop.interrupt import StoppedBySignal
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.in_process import run_main
 
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
@@ -147,7 +147,7 @@ def _train_argv(out: Path, *extra: str) -> list[str]:
 
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "moe_rl.train", *_train_argv(out, *extra)]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    return forked.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 
 def _rows(run: Path) -> list[dict]:
@@ -159,8 +159,8 @@ def _interrupt(out: Path, name: str, after_rows: int, signals: list[tuple[float,
     send each (delay, signal) in turn. Returns its exit status and stderr."""
     cmd = [sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *SMALL, f"run.output_dir={out}",
            f"run.name={name}", *extra]
-    err = (out / f"{name}.stderr").open("w+")  # a file, not a pipe: a full pipe would stall the child
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
+    err = out / f"{name}.stderr"  # a file, not a pipe: a full pipe would stall the child
+    proc = forked.popen(cmd, cwd=ROOT, env=_env(), stderr=err)
     metrics, t0 = out / name / "metrics.jsonl", time.time()
     while proc.poll() is None and time.time() - t0 < 240:
         if metrics.exists() and metrics.read_text().count("\n") >= after_rows:
@@ -170,8 +170,7 @@ def _interrupt(out: Path, name: str, after_rows: int, signals: list[tuple[float,
         time.sleep(delay)
         proc.send_signal(sig)
     proc.wait(timeout=240)
-    err.seek(0)
-    return proc.returncode, err.read()
+    return proc.returncode, err.read_text()
 
 
 @pytest.mark.slow
@@ -239,22 +238,20 @@ def test_ctrl_c_stops_sft_after_the_step_and_a_resume_finishes_it(tmp_path):
     cmd = [sys.executable, "-m", "moe_rl.sft", "--config", str(ROOT / "examples" / "tiny_sft.yaml"),
            f"run.output_dir={tmp_path}", "run.name=s", "run.steps=200", "sft.batch_size=8", "run.eval_every=1",
            "sft.eval_problems=8", "sft.target_reward=0", "logging.progress=false", "logging.tensorboard=false"]
-    err = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc = forked.popen(cmd, cwd=ROOT, env=_env(), stderr=tmp_path / "stderr")
     t0 = time.time()
     while proc.poll() is None and time.time() - t0 < 240 and "sft step 1:" not in (tmp_path / "stderr").read_text():
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=240)
-    err.seek(0)
-    text = err.read()
+    text = (tmp_path / "stderr").read_text()
     found = re.search(r"stopped by SIGINT after step (\d+) of 200, saved in (\S+);", text)
     assert proc.returncode == 130 and found, text[-3000:]
     step = int(found.group(1))
     assert Path(found.group(2)) == tmp_path / "s" / "checkpoints" / f"step_{step:06d}"
     assert (Path(found.group(2)) / "manifest.json").is_file() and not (tmp_path / "s" / "base").exists()
     assert [r["step"] for r in _rows(tmp_path / "s")] == list(range(step + 1))  # (step 0: the start's evaluation)
-    done = subprocess.run([*cmd, "run.resume=true", f"run.steps={step + 2}"], cwd=ROOT, env=_env(),
+    done = forked.run([*cmd, "run.resume=true", f"run.steps={step + 2}"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in _rows(tmp_path / "s")] == list(range(step + 3))

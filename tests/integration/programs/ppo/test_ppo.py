@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from moe_rl.config import ConfigError, load_config, to_dict
 from moe_rl.programs.ppo.critic_stage import OLD_VALUES, RETURNS, ValueLossFn
 from moe_rl.programs.ppo.gae import gae, masked_whiten, token_rewards, whiten_by_moments
 from moe_rl.rollout.types import SCORE
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 from moe_rl_testing.learner_utils import fixed_batch, plain_values
 
 RECIPE = ROOT / "examples" / "tiny_ppo.yaml"
@@ -284,14 +283,14 @@ def test_killed_ppo_run_resumes_bit_exactly(tmp_path):
     env = child_env(OMP_NUM_THREADS="1")
     # (with the adaptive KL weight in the reward: its value is part of what a checkpoint keeps)
     kl = ("run.steps=4", "rl.kl_in_reward=true", "rl.kl_coef=0.05", "rl.kl_target=0.001", "rl.kl_horizon=10")
-    ref = subprocess.run(_ppo_cmd(tmp_path, "ref", *kl), cwd=ROOT, env=env, capture_output=True,
+    ref = forked.run(_ppo_cmd(tmp_path, "ref", *kl), cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)
     assert ref.returncode == 0, ref.stderr[-3000:]
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "ref", cut)
     shutil.rmtree(cut / "checkpoints" / "step_000004")
     (cut / "metrics.jsonl").write_text("".join((cut / "metrics.jsonl").read_text().splitlines(True)[:3]))
-    resumed = subprocess.run(_ppo_cmd(tmp_path, "cut", *kl, "run.resume=true"), cwd=ROOT, env=env,
+    resumed = forked.run(_ppo_cmd(tmp_path, "cut", *kl, "run.resume=true"), cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {cut / 'checkpoints' / 'step_000003'}" in resumed.stderr
@@ -326,7 +325,7 @@ def test_a_value_pretraining_run_trains_the_critic_alone_and_starts_the_next_one
     from tests.integration.checkpoints.test_checkpoint_safety import child_env
 
     env = child_env(OMP_NUM_THREADS="1")
-    value = subprocess.run(_ppo_cmd(tmp_path, "value", "run.steps=2", "critic.warmup_steps=2"), cwd=ROOT,
+    value = forked.run(_ppo_cmd(tmp_path, "value", "run.steps=2", "critic.warmup_steps=2"), cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=900)
     assert value.returncode == 0, value.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "value" / "metrics.jsonl").read_text().splitlines()]
@@ -338,7 +337,7 @@ def test_a_value_pretraining_run_trains_the_critic_alone_and_starts_the_next_one
     assert weights and all(torch.equal(saved.read(k), start.read(k)) for k in weights)
     assert not torch.equal(saved.read("critic.decoder.final_layernorm.weight"), start.read("decoder.final_layernorm.weight"))
 
-    ppo = subprocess.run(_ppo_cmd(tmp_path, "ppo", "run.steps=1", f"critic.init_checkpoint={saved.path}"),
+    ppo = forked.run(_ppo_cmd(tmp_path, "ppo", "run.steps=1", f"critic.init_checkpoint={saved.path}"),
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert ppo.returncode == 0, ppo.stderr[-3000:]
     first = json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()[0])

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from moe_rl_testing import ROOT
+from moe_rl_testing import ROOT, forked
 
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
 COMMON = ["rl.prompts_per_step=4", "rl.group_size=4", "sampler.max_new_tokens=8", "logging.progress=false",
@@ -43,7 +42,7 @@ def train(out: Path, name: str, nproc: int, *overrides: str, timeout: float = 42
         if nproc > 1 else [sys.executable]
     cmd = [*launch, "-m", "moe_rl.train", "--config", str(RECIPE), *COMMON, f"run.output_dir={out}",
            f"run.name={name}", *overrides]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = forked.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
 
