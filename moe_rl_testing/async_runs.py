@@ -50,7 +50,7 @@ def stopped_after_first_rows(recipe: Path, overrides: list[str], out: Path, name
     metrics, t0 = out / name / "metrics.jsonl", time.time()
     while launch.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
         time.sleep(0.05)
-    os.kill(launch.pids[1], signal.SIGTERM)
+    launch.send_signal(signal.SIGTERM, rank=1)
     returncode = launch.wait(timeout=300)
     return len(rows(out / name)), returncode, err.read_text()
 

@@ -18,6 +18,9 @@ a moe_rl other than this checkout's on the child's path. Tests of the launcher i
 (torchrun's own messages, signals sent to it, what a fresh interpreter imports) keep
 `subprocess`. MOE_RL_TEST_NO_ZYGOTE=1 runs every command as a plain subprocess (to compare,
 or to rule the zygote out); MOE_RL_TEST_ZYGOTE_LOG=FILE says which way each command went.
+One thing a fork cannot give a child: its own string-hash seed (fixed when an interpreter
+starts), so the ranks of a forked world iterate a set of strings in the same order where
+torchrun's ranks may not; MOE_RL_TEST_NO_ZYGOTE=1 checks a test against that.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Zygote:
         os.close(ctl_out_w)
         self._ids = itertools.count()
         self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
         self.exits: dict[int, int] = {}
         self.ready: dict[str, Any] | None = None
@@ -88,6 +92,8 @@ class Zygote:
                 with self._cond:
                     if "ready" in msg:
                         self.ready = msg
+                    elif "error" in msg:  # the fork failed: -1 tells spawn
+                        self._pids[msg["id"]] = -1
                     elif "pid" in msg:
                         self._pids[msg["id"]] = msg["pid"]
                         self.exits.pop(msg["pid"], None)  # (a reused pid: an earlier child's end is not its)
@@ -116,8 +122,12 @@ class Zygote:
         req_id = next(self._ids)
         req = {"id": req_id, "kind": kind, "target": target, "argv": argv, "env": env, "cwd": cwd, "path": path,
                "stdout": stdout, "stderr": stderr}
-        os.write(self._ctl_in, (json.dumps(req) + "\n").encode())
-        return self._await(lambda: self._pids.get(req_id))
+        with self._lock:  # (one request a write: two threads' lines never interleave)
+            os.write(self._ctl_in, (json.dumps(req) + "\n").encode())
+        pid = self._await(lambda: self._pids.get(req_id))
+        if pid < 0:
+            raise OSError(f"the zygote could not fork (log: {self.log.name})")
+        return pid
 
     def exit_code(self, pid: int) -> int | None:
         with self._cond:
@@ -206,8 +216,12 @@ def _torchrun_env(env: dict[str, str], ranks: int, rank: int, port: int) -> dict
 class Launch:
     """Forked processes running one command line: one, or a torchrun world's ranks."""
 
+    GRACE_S = 30.0
+    """A failed rank's peers get SIGTERM, then SIGKILL this long after (torchrun's default)."""
+
     def __init__(self, zyg: Zygote, pids: list[int], world: bool) -> None:
         self.zygote, self.pids, self.world = zyg, pids, world
+        self._terminated_at: float | None = None
 
     @property
     def pid(self) -> int:
@@ -221,52 +235,53 @@ class Launch:
         """Each process's own exit status (negative: the signal), None while it runs."""
         return [self.zygote.exit_code(p) for p in self.pids]
 
-    def send_signal(self, sig: int) -> None:
-        """To the process; in a world, to every rank (torchrun passes a signal on to its workers)."""
-        for pid in self.pids:
+    def send_signal(self, sig: int, rank: int | None = None) -> None:
+        """To the process (or to one rank); in a world, to every rank by default (torchrun
+        passes a signal on to its workers). A process already ended is skipped."""
+        for pid in self.pids if rank is None else [self.pids[rank]]:
             if self.zygote.exit_code(pid) is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
 
     def poll(self) -> int | None:
-        """The status once every process has ended (a world's: 1 if a rank failed); None before."""
-        codes = [self.zygote.exit_code(p) for p in self.pids]
+        """The status once every process has ended (a world's: 1 if a rank failed); None
+        before. In a world with a failed rank, the others are ended as torchrun ends them:
+        SIGTERM at once, SIGKILL after GRACE_S."""
+        codes = self.rank_codes()
+        if self.zygote.dead and any(c is None for c in codes):
+            raise RuntimeError(f"the zygote died: {Path(self.zygote.log.name).read_text()[-4000:]}")
+        if self.world and any(c not in (None, 0) for c in codes) and any(c is None for c in codes):
+            now = time.monotonic()
+            if self._terminated_at is None:
+                self._terminated_at = now
+                self._signal(signal.SIGTERM)
+            elif now - self._terminated_at > self.GRACE_S:
+                self._signal(signal.SIGKILL)
         if any(c is None for c in codes):
             return None
-        bad = [c for c in codes if c != 0]
-        return (1 if bad else 0) if self.world else codes[0]
+        return (1 if any(c != 0 for c in codes) else 0) if self.world else codes[0]
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the end; in a world, a failed rank's peers are ended as torchrun ends them.
-        subprocess.TimeoutExpired after `timeout` seconds (the processes are killed first)."""
+        """Wait for the end (`poll`'s status). subprocess.TimeoutExpired after `timeout`
+        seconds, the processes killed first."""
         deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
         while (status := self.poll()) is None:
             if time.monotonic() >= deadline:
                 self.kill()
                 raise subprocess.TimeoutExpired(self.pids, timeout or 0)
-            failed = any((self.zygote.exit_code(p) or 0) != 0 for p in self.pids)
-            if failed and self.world:
-                self.terminate_world()
-            self.zygote.wait_any([p for p in self.pids if self.zygote.exit_code(p) is None],
-                                 min(deadline, time.monotonic() + 1.0))
+            live = [p for p in self.pids if self.zygote.exit_code(p) is None]
+            self.zygote.wait_any(live, min(deadline, time.monotonic() + 1.0))
         return status
 
-    def terminate_world(self, grace_s: float = 10.0) -> None:
-        live = [p for p in self.pids if self.zygote.exit_code(p) is None]
-        self._signal(live, signal.SIGTERM)
-        end = time.monotonic() + grace_s
-        while any(self.zygote.exit_code(p) is None for p in live) and time.monotonic() < end:
-            self.zygote.wait_any([p for p in live if self.zygote.exit_code(p) is None], end)
-        self._signal([p for p in live if self.zygote.exit_code(p) is None], signal.SIGKILL)
-
     def kill(self) -> None:
-        self._signal(self.pids, signal.SIGKILL)
+        """SIGKILL to every process's group; returns once they have ended (or after 30 s)."""
+        self._signal(signal.SIGKILL)
         end = time.monotonic() + 30
-        while any(self.zygote.exit_code(p) is None for p in self.pids) and time.monotonic() < end:
+        while not self.zygote.dead and any(c is None for c in self.rank_codes()) and time.monotonic() < end:
             self.zygote.wait_any(self.pids, end)
 
-    def _signal(self, pids: list[int], sig: int) -> None:
-        for pid in pids:
+    def _signal(self, sig: int) -> None:
+        for pid in self.pids:
             if self.zygote.exit_code(pid) is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, sig)  # (its group: what it started goes too)
@@ -285,6 +300,9 @@ def start(cmd: list[str], env: dict[str, str] | None = None, cwd: str | Path | N
         return None
     ranks, kind, target, argv = parsed
     zyg = zygote()
+    if zyg.dead:  # (killed, say by the OOM killer): a new one
+        zygote.cache_clear()
+        zyg = zygote()
     why = "the zygote has threads" if not zyg.usable() else _import_mismatch(env, zyg)
     path = None if why else _child_path(kind, target, env, cwd, zyg.base_path())
     if path is None:
@@ -294,14 +312,19 @@ def start(cmd: list[str], env: dict[str, str] | None = None, cwd: str | Path | N
     if kind == "script":
         target = os.path.join(cwd, target)
     out, err = stdout or os.devnull, stderr or os.devnull
-    if not ranks:
-        return Launch(zyg, [zyg.spawn(kind, target, argv, env, cwd, path, out, err)], world=False)
     from moe_rl.runtime.process_group import free_port
 
     port = free_port()
-    pids = [zyg.spawn(kind, target, argv, _torchrun_env(env, ranks, r, port), cwd, path, out, err)
-            for r in range(ranks)]
-    return Launch(zyg, pids, world=True)
+    launch = Launch(zyg, [], world=ranks > 0)
+    try:
+        for rank in range(max(ranks, 1)):
+            child_env = _torchrun_env(env, ranks, rank, port) if ranks else env
+            launch.pids.append(zyg.spawn(kind, target, argv, child_env, cwd, path, out, err))
+    except OSError:
+        launch.kill()
+        _note(f"subprocess (the zygote could not fork): {cmd[1:4]}")
+        return None
+    return launch
 
 
 @contextlib.contextmanager
@@ -329,6 +352,9 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | 
             code = launch.wait(timeout)
         except subprocess.TimeoutExpired as e:
             e.cmd, e.output, e.stderr = cmd, _read(out, text), _read(err, text)
+            raise
+        except BaseException:  # (interrupted, the zygote gone): nothing it started lives on
+            launch.kill()
             raise
         done = subprocess.CompletedProcess(cmd, code, _read(out, text) if capture_output else None,
                                            _read(err, text) if capture_output else None)

@@ -21,7 +21,9 @@ Closing CTL_IN ends the zygote (children left running keep running)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
 import json
 import os
 import select
@@ -36,8 +38,6 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core", "transformers", "vllm"
 def _preload() -> int:
     """Import PRELOAD; the number of threads the process has after (a fork copies only the
     calling thread, so a thread pool started here would be missing in every child)."""
-    import importlib
-
     for name in PRELOAD:
         importlib.import_module(name)
     from vllm import LLM, SamplingParams  # noqa: F401  (vllm's engine modules load on first use)
@@ -49,9 +49,9 @@ def _exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def _child(req: dict, close_fds: list[int]) -> None:
+def _child(req: dict, close_fds: list[int], import_env: dict[str, str]) -> None:
     """In the forked child: become the requested process, run it, exit. Never returns."""
-    code = 1
+    code, sig = 1, 0
     try:
         os.setsid()  # its own process group: the client can kill it and what it starts
         signal.set_wakeup_fd(-1)
@@ -60,26 +60,62 @@ def _child(req: dict, close_fds: list[int]) -> None:
             os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
+        os.close(null)
         for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
             out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(out, fd)
             os.close(out)
         os.environ.clear()
-        os.environ.update(req["env"])
+        os.environ.update({**import_env, **req["env"]})  # (what the imports set, as a fresh process has it)
         os.chdir(req["cwd"])
         sys.path[:] = req["path"]
-        if req["env"].get("PYTHONUNBUFFERED"):
-            sys.stdout.reconfigure(write_through=True)
-            sys.stderr.reconfigure(write_through=True)
-        import random
-
-        random.seed()  # (a process of its own would not share the zygote's seed)
-        code = _run(req)
+        importlib.invalidate_caches()
+        _fresh_streams(unbuffered=bool(req["env"].get("PYTHONUNBUFFERED")))
+        _fresh_random_state()
+        code, sig = _run(req)
     finally:
-        _finish(code)
+        _finish(code, sig)
 
 
-def _run(req: dict) -> int:
+def _fresh_streams(unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr as the interpreter makes them for files: stdout block
+    buffered, stderr line buffered, both unbuffered under PYTHONUNBUFFERED."""
+    import io
+
+    def stream(fd: int, line: bool, errors: str) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(binary, encoding="utf-8", errors=errors, line_buffering=line and not unbuffered,
+                                write_through=unbuffered)
+
+    _OLD_STREAMS.extend([sys.stdout, sys.stderr])
+    sys.stdout = sys.__stdout__ = stream(1, False, "strict")
+    sys.stderr = sys.__stderr__ = stream(2, True, "backslashreplace")
+
+
+_OLD_STREAMS: list = []
+"""The zygote's streams, which handlers made at import time still hold (flushed at exit)."""
+
+
+def _fresh_random_state() -> None:
+    """The random states a process of its own starts with, not copies of the zygote's:
+    Python's and numpy's from the OS, torch's CPU generator at its default seed."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed()
+    np.random.seed()
+    torch.random.default_generator.manual_seed(_TORCH_DEFAULT_SEED)
+
+
+_TORCH_DEFAULT_SEED = 67280421310721
+"""torch's CPU generator seed in a fresh process (`torch.initial_seed()` before any seeding)."""
+
+
+def _run(req: dict) -> tuple[int, int]:
+    """(exit status, signal to end with: 0 for none) of running the request."""
     import runpy
     import types
 
@@ -95,34 +131,32 @@ def _run(req: dict) -> int:
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
             exec(compile(req["target"], "<string>", "exec"), main.__dict__)
-        return 0
+        return 0, 0
     except SystemExit as e:
         if e.code is None:
-            return 0
+            return 0, 0
         if isinstance(e.code, int):
-            return e.code
+            return e.code, 0
         print(e.code, file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as e:
+        return 1, 0
+    except KeyboardInterrupt as e:  # the interpreter ends itself by SIGINT after the traceback
         _print_traceback(e)
-        return -signal.SIGINT
+        return 1, signal.SIGINT
     except BaseException as e:
         _print_traceback(e)
-        return 1
+        return 1, 0
 
 
 def _print_traceback(e: BaseException) -> None:
     """As the interpreter prints it: from the program's first frame (this module's and
     runpy's frames left out)."""
-    import traceback
-
     tb = e.__traceback__
     while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")):
         tb = tb.tb_next
-    traceback.print_exception(type(e), e, tb)
+    sys.excepthook(type(e), e.with_traceback(tb), tb)
 
 
-def _finish(code: int) -> None:
+def _finish(code: int, sig: int) -> None:
     """The interpreter's exit, without its final collections: non-daemon threads joined,
     atexit handlers run, output flushed; then the status (or the signal) it ended with."""
     import atexit
@@ -131,12 +165,15 @@ def _finish(code: int) -> None:
     try:
         threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr, *_OLD_STREAMS):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
     finally:
-        if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
+        if sig:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
         os._exit(code & 0xFF)
 
 
@@ -148,21 +185,28 @@ def serve(ctl_in: int, ctl_out: int) -> None:
     out = os.fdopen(ctl_out, "w", buffering=1)
     extra = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     base = [p for p in sys.path[1:] if p not in extra]
+    before = dict(os.environ)
     threads = _preload()
+    # what the imports put into the environment (vLLM sets some "for every process it
+    # creates"): a fresh process has them, so every child gets them under its own
+    import_env = {k: v for k, v in os.environ.items() if before.get(k) != v}
     # What the imports built is shared with every child until written; a collection that
     # walked it would write (copy) every page of it in every child: leave it to no collection.
     gc.collect()
     gc.freeze()
     out.write(json.dumps({"ready": threads, "path": base}) + "\n")
-    pending = b""
+    pending, children = b"", set()
     while True:
         readable, _, _ = select.select([ctl_in, wake_r], [], [])
         if wake_r in readable:
             os.read(wake_r, 4096)
-            _reap(out)
+            _reap(out, children)
         if ctl_in in readable:
             chunk = os.read(ctl_in, 65536)
-            if not chunk:
+            if not chunk:  # the test process is gone: so is what it started
+                for pid in children:
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
                 return
             pending += chunk
             while b"\n" in pending:
@@ -170,14 +214,19 @@ def serve(ctl_in: int, ctl_out: int) -> None:
                 req = json.loads(line)
                 sys.stdout.flush()
                 sys.stderr.flush()
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as e:  # (no memory, too many processes): the client falls back
+                    out.write(json.dumps({"id": req["id"], "error": str(e)}) + "\n")
+                    continue
                 if pid == 0:
-                    _child(req, [ctl_in, ctl_out, wake_r, wake_w])
+                    _child(req, [ctl_in, ctl_out, wake_r, wake_w], import_env)
+                children.add(pid)
                 out.write(json.dumps({"id": req["id"], "pid": pid}) + "\n")
-        _reap(out)
+        _reap(out, children)
 
 
-def _reap(out) -> None:
+def _reap(out, children: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -185,6 +234,7 @@ def _reap(out) -> None:
             return
         if pid == 0:
             return
+        children.discard(pid)
         out.write(json.dumps({"exit": pid, "code": _exit_code(status)}) + "\n")
 
 

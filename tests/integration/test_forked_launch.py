@@ -90,6 +90,15 @@ def test_a_plain_process_exits_as_the_interpreter_would(tmp_path):
     assert (ran.returncode, ran.stdout) == (-signal.SIGKILL, "up\n")
     ran = code("import os; print(os.getcwd(), os.environ['MARK'])", cwd=tmp_path, env=_env(MARK="m"))
     assert ran.stdout == f"{tmp_path} m\n"
+    assert code("import sys; sys.exit(-1)").returncode == 255  # a status, not a signal
+    assert code("raise KeyboardInterrupt").returncode == -signal.SIGINT  # as the interpreter ends then
+
+
+def test_a_child_starts_from_a_fresh_process_random_state():
+    """Not the zygote's copy: Python's and numpy's drawn anew, torch's at its default seed."""
+    src = "import random, numpy, torch; print(random.random(), numpy.random.rand(), torch.initial_seed())"
+    a, b = (forked.run([PY, "-c", src], env=_env(), capture_output=True, text=True).stdout.split() for _ in "ab")
+    assert a[0] != b[0] and a[1] != b[1] and a[2] == b[2] == "67280421310721"
 
 
 def test_a_timeout_kills_the_process():
