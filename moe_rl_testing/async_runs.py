@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,31 +42,18 @@ def stopped_after_first_rows(recipe: Path, overrides: list[str], out: Path, name
     """Start a run, SIGTERM its engine rank (RANK 1) alone once a step is logged; the steps
     it kept, the launch's exit status (torchrun's) and its stderr."""
     err = out / f"{name}.stderr"
-    err.touch()
-    launch = forked.start(command(recipe, overrides, out, name), cwd=ROOT, env=env(), stderr=str(err))
-    if launch is None:  # (MOE_RL_TEST_NO_ZYGOTE)
-        return _stopped_under_torchrun(recipe, overrides, out, name)
+    proc = forked.popen(command(recipe, overrides, out, name), cwd=ROOT, env=env(), stderr=err)
     metrics, t0 = out / name / "metrics.jsonl", time.time()
-    while launch.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
+    while proc.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
         time.sleep(0.05)
-    launch.send_signal(signal.SIGTERM, rank=1)
-    returncode = launch.wait(timeout=300)
-    return len(rows(out / name)), returncode, err.read_text()
+    if isinstance(proc, forked.Launch):
+        proc.send_signal(signal.SIGTERM, rank=1)
+    else:  # a real torchrun (MOE_RL_TEST_NO_ZYGOTE): its worker of RANK 1
+        import psutil
 
-
-def _stopped_under_torchrun(recipe: Path, overrides: list[str], out: Path, name: str) -> tuple[int, int, str]:
-    import psutil
-
-    with (out / f"{name}.stderr").open("w+") as err:
-        proc = subprocess.Popen(command(recipe, overrides, out, name), cwd=ROOT, env=env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
-        metrics, t0 = out / name / "metrics.jsonl", time.time()
-        while proc.poll() is None and time.time() - t0 < 300 and not (metrics.exists() and metrics.read_text()):
-            time.sleep(0.05)
         engine = [p for p in psutil.Process(proc.pid).children(recursive=True)
                   if "moe_rl.train" in p.cmdline() and p.environ().get("RANK") == "1"]
         assert len(engine) == 1
         engine[0].send_signal(signal.SIGTERM)
-        proc.wait(timeout=300)
-        err.seek(0)
-        return len(rows(out / name)), proc.returncode, err.read()
+    returncode = proc.wait(timeout=300)
+    return len(rows(out / name)), returncode, err.read_text()
