@@ -46,6 +46,7 @@ BIG = dict(vocab_size=16000, hidden_size=1024, num_hidden_layers=4, num_attentio
            head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512, intermediate_size=2048,
            tie_word_embeddings=False, max_position_embeddings=256, decoder_sparse_step=1, mlp_only_layers=[])
 PARTS = ("swap", "load", "process", "settle")
+DEMO_LR, ABLATION_LR = 1e-4, 2e-4  # (examples/tiny_rspo.yaml's and examples/ablations.yaml's optimizer.lr)
 
 
 def _median(xs: list[float]) -> float:
@@ -179,14 +180,15 @@ def transport(mib: int, repeats: int) -> dict[str, Any]:
     return {"bytes": r["bytes"], "push_s": push, "raw_s": raw, "push_over_raw": push / raw}
 
 
-def delta_run(steps: int, precision: str) -> dict[str, Any]:
-    """The demo recipe at the separate placement with delta pushes: every push's delta_frac."""
+def delta_run(steps: int, precision: str, lr: float) -> dict[str, Any]:
+    """The demo recipe at the separate placement with delta pushes at learning rate `lr`:
+    every push's delta_frac."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                "moe_rl.train", "--config", str(RECIPE), f"run.output_dir={tmp}", "run.name=d", f"run.steps={steps}",
                "logging.progress=false", "logging.tensorboard=false", "sampler.placement=separate",
                "sampler.engine_ranks=1", "sampler.sync=delta", "sampler.full_sync_every=1000",
-               f"sampler.precision={precision}", f"run.init_checkpoint={BASE}"]
+               f"sampler.precision={precision}", f"run.init_checkpoint={BASE}", f"optimizer.lr={lr}"]
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONPATH=str(ROOT))
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
@@ -195,7 +197,7 @@ def delta_run(steps: int, precision: str) -> dict[str, Any]:
     fracs = [r["sync/delta_frac"] for r in rows if "sync/delta_frac" in r]
     whole = rows[-1]["sync/bytes_streamed"] * (0.5 if precision == "bf16" else 1.0)  # (fp32 learner tensors)
     later = fracs[1:] or [float("nan")]
-    return {"precision": precision, "steps": steps, "fracs": fracs, "whole_bytes": whole,
+    return {"precision": precision, "lr": lr, "steps": steps, "fracs": fracs, "whole_bytes": whole,
             "mean_frac_after_first": statistics.fmean(later), "max_frac_after_first": max(later)}
 
 
@@ -214,7 +216,8 @@ def main(quick: bool = False) -> None:
             results["engine"][name] = engine_pushes(path, repeats)
     results["export_s"] = _median(_export_seconds(repeats))
     results["transport"] = transport(1 if quick else 64, repeats)
-    results["delta"] = [delta_run(3 if quick else 20, p) for p in (("fp32",) if quick else ("fp32", "bf16"))]
+    lrs = (DEMO_LR,) if quick else (DEMO_LR, ABLATION_LR)
+    results["delta"] = [delta_run(3 if quick else 20, p, lr) for lr in lrs for p in (("fp32",) if quick else ("fp32", "bf16"))]
     smoke = "SMOKE RUN (--quick): small repeats, demo model only; not a result.\n\n" if quick else ""
     write_results("weight_sync", results, smoke + _tables(results), notes=_NOTES)
 
@@ -235,9 +238,9 @@ def _tables(r: dict[str, Any]) -> str:
                           [["broadcast_buckets -> receive_buckets", t["bytes"] / 2**20, t["push_s"] * 1e3,
                             t["raw_s"] * 1e3, t["push_over_raw"]]])
     out += "\n" + markdown_table(
-        ["delta run (demo recipe, separate)", "steps", "full push MiB", "mean delta_frac (pushes 2..)",
+        ["delta run (demo recipe, separate)", "lr", "steps", "full push MiB", "mean delta_frac (pushes 2..)",
          "max delta_frac", "mean MiB per delta push"],
-        [[d["precision"], d["steps"], d["whole_bytes"] / 2**20, d["mean_frac_after_first"], d["max_frac_after_first"],
+        [[d["precision"], d.get("lr", DEMO_LR), d["steps"], d["whole_bytes"] / 2**20, d["mean_frac_after_first"], d["max_frac_after_first"],
           d["mean_frac_after_first"] * d["whole_bytes"] / 2**20] for d in r["delta"]])
     return out
 
@@ -253,7 +256,7 @@ _NOTES = ("Medians over the repeats after one warm-up; the three routes take tur
           "route's `process` part, the engine's own `process_weights_after_loading` and CPU MoE prepack on loaded "
           "tensors. Transport: rank 1's wall time from a barrier to the last bucket received (no engine), "
           "alternating with one `dist.broadcast` of the same bytes. Delta: `sync/delta_frac` of every push after "
-          "the first (whole) one; MiB per delta push = that fraction of the whole push in the sampler's dtype.")
+          "the first (whole) one, at the demo's learning rate and at the ablation recipe's; MiB per delta push = that fraction of the whole push in the sampler's dtype.")
 
 
 if __name__ == "__main__":
