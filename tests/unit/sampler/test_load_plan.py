@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moe_rl.sampler._direct_reload import ScratchPool, same_layout, sole_owner
-from moe_rl.sampler._load_plan import record, signature
+from moe_rl.sampler._load_plan import record_plan, signature
 
 
 class Block(torch.nn.Module):
@@ -55,7 +55,7 @@ def checkpoint(seed: int, d: int = 4, vocab: int = 5) -> list[tuple[str, torch.T
 
 def test_a_replayed_plan_writes_what_the_loaders_write_bit_for_bit():
     block = Block()
-    loaded, plan = record(block, "", checkpoint(0), block.load)
+    loaded, plan = record_plan(block, "", checkpoint(0), block.load)
     assert plan is not None and loaded == plan.loaded == {"qkv.weight", "emb.weight", "norm.weight"}
     assert len(plan.copies) == 5  # q, kv, emb rows, the padding fill, norm
     fresh = checkpoint(1)
@@ -70,16 +70,26 @@ def test_a_replayed_plan_writes_what_the_loaders_write_bit_for_bit():
 
 
 def test_the_plan_is_checked_against_the_loaders_before_it_is_trusted():
+    """The check's sequence (DirectReload._load_tensors): loaders, snapshot, poison, replay,
+    compare; a replay that misses even a byte already holding the loaders' value fails it."""
     block = Block()
-    _, plan = record(block, "", checkpoint(0), block.load)
+    _, plan = record_plan(block, "", checkpoint(0), block.load)
     assert plan is not None
     fresh = checkpoint(2)
-    plan.replay(block, "", fresh)
-    snap = plan.snapshot(block, "")
     block.load(fresh)
-    assert plan.matches(block, "", snap)
-    block.qkv.weight.data[0, 0] += 1.0  # (a loader that wrote something else)
+    snap = plan.snapshot(block, "")
+    plan.poison(block, "")
     assert not plan.matches(block, "", snap)
+    plan.replay(block, "", fresh)
+    assert plan.matches(block, "", snap)
+    plan.copies = [c for c in plan.copies if c[1] is not None]  # (a plan that lost the padding fill)
+    block.load(fresh)
+    snap = plan.snapshot(block, "")
+    plan.poison(block, "")
+    plan.replay(block, "", fresh)
+    assert not plan.matches(block, "", snap)  # (the zeros were already there: only the poison shows it)
+    plan.restore(block, "", snap)
+    assert plan.matches(block, "", snap)
     assert signature(fresh) == plan.key
     assert signature([(n, t.double()) for n, t in fresh]) != plan.key
 
@@ -106,8 +116,18 @@ def test_loading_that_is_not_plain_copies_is_not_planned():
         block.norm.weight.data = tensors[3][1].clone()
         return {"norm.weight"}
 
-    for load in (computed, scaled_in_place, outside, rebinds):
-        _, plan = record(block, "", checkpoint(0), load)
+    def replaces(tensors):
+        block.load(tensors)
+        block.norm.weight = torch.nn.Parameter(tensors[3][1].clone())
+        return {"norm.weight"}
+
+    def branches_on_values(tensors):
+        if tensors[0][1][0, 0].item() > 0:
+            block.qkv.weight.data.narrow(0, 0, 4).copy_(tensors[0][1])
+        return {"qkv.weight"}
+
+    for load in (computed, scaled_in_place, outside, rebinds, replaces, branches_on_values):
+        _, plan = record_plan(block, "", checkpoint(0), load)
         assert plan is None, load.__name__
 
 
@@ -115,7 +135,7 @@ def test_a_group_is_addressed_below_the_model_root():
     root = torch.nn.Module()
     root.layers = torch.nn.ModuleList([Block(), Block()])
     block = root.layers[1]
-    _, plan = record(block, "layers.1", checkpoint(0), block.load)
+    _, plan = record_plan(block, "layers.1", checkpoint(0), block.load)
     assert plan is not None and {p for _, _, p, _, _ in plan.copies} == {"layers.1.qkv", "layers.1.emb", "layers.1.norm"}
     plan.replay(block, "layers.1", checkpoint(3))
     want = Block()
@@ -146,6 +166,15 @@ def test_the_scratch_pool_reuses_memory_and_drops_what_is_held_elsewhere():
     pool.give_back()
     assert pool.nbytes == 4 * 8 * 4 and held.data_ptr() != kept.data_ptr()
     assert pool.take(like, torch.device("cpu")).data_ptr() == old.data_ptr()
+
+
+def test_a_pool_that_keeps_nothing():
+    """(On a GPU: the caching allocator reuses blocks; no standing memory outside vLLM's budget.)"""
+    pool, like = ScratchPool(keep=False), torch.empty(4, 8, device="meta")
+    a = pool.take(like, torch.device("cpu"))
+    del a
+    pool.give_back()
+    assert pool.nbytes == 0
 
 
 def test_rebind_only_where_a_kernel_could_not_tell():
