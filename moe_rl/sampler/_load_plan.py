@@ -61,7 +61,11 @@ class LoadPlan:
     """What the model's `load_weights` returned for the group."""
     trusted: bool = False
     """Set once a replay matched the loaders byte for byte."""
-    written: set[tuple[str, str]] = field(default_factory=set)
+    written: set[tuple[str, str]] = field(init=False)
+    """(module path, tensor name) of every tensor the copies and fills write."""
+
+    def __post_init__(self) -> None:
+        self.written = {(p, n) for _, _, p, n, _ in self.copies}
 
     def replay(self, root: torch.nn.Module, group: str, tensors: Named) -> set[str]:
         incoming, targets = dict(tensors), self._targets(root, group)
@@ -204,6 +208,4 @@ def record_plan(root: torch.nn.Module, group: str, tensors: Named,
     if why is not None:
         log.info("direct weight reload: %s loads through vLLM's loaders at every push (%s)", group, why)
         return loaded, None
-    plan = LoadPlan(signature(tensors), recorder.copies, set(loaded))
-    plan.written = {(p, n) for _, _, p, n, _ in plan.copies}
-    return loaded, plan
+    return loaded, LoadPlan(signature(tensors), recorder.copies, set(loaded))
