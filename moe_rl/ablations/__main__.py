@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="one block only (default: all, in the plan's order; explore: the exploratory blocks "
                          "the plan's change 6 adds, as far as its rule has got)")
     sr.add_argument("--settings", help="comma-separated settings of --block (default: the block's)")
-    sr.add_argument("--commit", action="store_true", help="git-commit each run's result file as it lands")
+    sr.add_argument("--commit", action="store_true", help="git-commit the result files in batches as they land "
+                    "(4 a commit, the rest at a block's end)")
     sr.add_argument("--mix-warm-starts", action="store_true",
                     help="add runs to a block whose runs trained from another warm start (refused without it; "
                          "the report tells the two apart)")
@@ -80,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     mm.add_argument("--block", choices=("pilot-lr", "pilot-precision", "repeat", "main", "stage2"),
                     help="one block only (default: every block the committed results unlock, in order)")
     mm.add_argument("--settings", help="comma-separated settings of --block (default: the block's)")
-    mm.add_argument("--commit", action="store_true", help="git-commit each run's result file as it lands")
+    mm.add_argument("--commit", action="store_true", help="git-commit the result files in batches as they land "
+                    "(4 a commit, the rest at a block's end)")
     mm.add_argument("--results", type=Path, default=MISMATCH_RESULTS,
                     help="where the result files go (default docs/ablations/mismatch of this checkout; another "
                          "checkout's lets a pinned copy of the code run while work goes on in that one)")

@@ -25,7 +25,7 @@ from moe_rl.ablations.mismatch_study import (
     pilot_choices,
     read_block,
 )
-from moe_rl.ablations.stats import holm_adjusted, interval, welch, welch_interval
+from moe_rl.ablations.stats import holm_adjusted, interval, mean_or_nan, welch, welch_interval
 from moe_rl.runtime.atomic import atomic_write_text
 
 CLAIMS = {"grpo-r3": "R3 (the learner replays the sampler's routing)", "grpo-tis": "token TIS",
@@ -99,13 +99,9 @@ def claim_rows(main: dict[str, list[dict[str, Any]]], key: str) -> dict[str, dic
     ref = _column(main.get(REFERENCE, []), key)
     raw = {n: welch(_column(main.get(n, []), key), ref) for n in CLAIMS}
     adjusted = holm_adjusted(raw)
-    return {n: {"diff": _mean_or_nan(_column(main.get(n, []), key)) - _mean_or_nan(ref),
+    return {n: {"diff": mean_or_nan(_column(main.get(n, []), key)) - mean_or_nan(ref),
                 "ci": welch_interval(_column(main.get(n, []), key), ref), "p": raw[n], "holm": adjusted[n]}
             for n in CLAIMS}
-
-
-def _mean_or_nan(xs: list[float]) -> float:
-    return statistics.fmean(xs) if xs else math.nan
 
 
 def collapse_rows(main: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -131,7 +127,7 @@ def claim_table(main: dict[str, list[dict[str, Any]]]) -> list[str]:
     lines = ["| claim | outcome | effect (setting - grpo) | 95% interval | p | Holm p |", "|---|---|---|---|---|---|"]
     for key, label in CONTINUOUS:
         a, b = _column(ref, key), _column(ctl, key)
-        lines.append(f"| the gap alone (grpo - grpo-fp32) | {label} | {fmt(_mean_or_nan(a) - _mean_or_nan(b))} | "
+        lines.append(f"| the gap alone (grpo - grpo-fp32) | {label} | {fmt(mean_or_nan(a) - mean_or_nan(b))} | "
                      f"{_ci(welch_interval(a, b))} | {fmt(welch(a, b))} | (family of one) |")
     for key, label in CONTINUOUS:
         for n, row in claim_rows(main, key).items():
@@ -174,7 +170,7 @@ def study_report(results: Path) -> str:
     if done < len(SETTINGS) * len(MAIN_SEEDS):
         lines += ["Not yet: the tests run once every setting has its 10 stage-1 seeds; the table below is partial "
                   "and not to be read as a result.", ""]
-    lines += [*claim_table(main), "", "## The mechanism", "", *mechanism(main), "",
+    lines += [*claim_table(main), "", *stage2_section(results, main), "## The mechanism", "", *mechanism(main), "",
               "![k3 over steps](mismatch/plots/mismatch_k3.png)",
               "![extreme-token fraction over steps](mismatch/plots/mismatch_frac_dlogp_gt_ln2.png)",
               "![reward over steps, +-1 SD over seeds](mismatch/plots/reward_mean.png)",
@@ -183,8 +179,29 @@ def study_report(results: Path) -> str:
               "model does not.",
               "- On-policy only: the off-policy interplay of router drift and mismatch is the stress study's.",
               "- With few collapses, the collapse tests have little power (MISMATCH_PLAN.md): a failure to "
-              "separate is not evidence of no effect.", ""]
+              "separate is not evidence of no effect.",
+              "- The policy's entropy, listed as descriptive in the plan, was never logged by the pinned code "
+              "(MISMATCH_PLAN.md, change 2).", ""]
     return "\n".join(lines)
+
+
+def combined_seeds(main: dict[str, list[dict[str, Any]]],
+                   stage2: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Every seed each setting has: stage 1's, plus stage 2's where the rule sent it there."""
+    return {n: [*main.get(n, []), *stage2.get(n, [])] for n in {*main, *stage2}}
+
+
+def stage2_section(results: Path, main: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The plan's second look: the same tests over all the seeds each setting has (empty
+    until stage 2 has runs); stage 1's table above stays as it was."""
+    stage2 = read_block(results, "stage2")
+    if not any(stage2.values()):
+        return []
+    both = combined_seeds(main, stage2)
+    sent = ", ".join(f"`{n}` ({len(rs)})" for n, rs in sorted(stage2.items()) if rs)
+    return ["## Both stages", "",
+            f"Stage 2 (seeds 11-20) ran for {sent}; the tests once more over every seed each setting has:", "",
+            *claim_table(both), ""]
 
 
 def _repeat_line(results: Path, main: dict[str, list[dict[str, Any]]]) -> str:

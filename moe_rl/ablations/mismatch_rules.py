@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from scipy import stats as sps
 
+from moe_rl.ablations.stats import mean_or_nan
+
 PILOT_LRS = (2e-4, 4e-4, 8e-4)
 """The learning-rate pilot's grid."""
 PILOT_SURVIVORS = 3
@@ -45,26 +47,24 @@ EXTREME = "mismatch/frac_dlogp_gt_ln2"
 DISAGREE = "routing/sampler_disagree_any"
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return statistics.fmean(xs) if xs else float("nan")
-
-
 def _series(rows: Sequence[Mapping[str, Any]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
 
 
+def _fit(values: Sequence[float]) -> Any:
+    return sps.linregress(np.arange(len(values), dtype=np.float64), np.asarray(values, dtype=np.float64))
+
+
 def slope(values: Sequence[float]) -> float:
     """Least-squares slope per step of `values` (one per step; nan below 2)."""
-    if len(values) < 2:
-        return float("nan")
-    return float(np.polyfit(np.arange(len(values), dtype=np.float64), np.asarray(values, dtype=np.float64), 1)[0])
+    return float(_fit(values).slope) if len(values) >= 2 else float("nan")
 
 
 def slope_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
     """(slope, lo, hi): the least-squares slope per step and its Student-t interval (nan below 3)."""
     if len(values) < 3:
         return float("nan"), float("nan"), float("nan")
-    fit = sps.linregress(np.arange(len(values), dtype=np.float64), np.asarray(values, dtype=np.float64))
+    fit = _fit(values)
     half = sps.t.ppf(0.5 + level / 2, len(values) - 2) * fit.stderr
     return float(fit.slope), float(fit.slope - half), float(fit.slope + half)
 
@@ -74,18 +74,18 @@ def run_collapsed(rewards: Sequence[float]) -> bool:
     more than COLLAPSE_DROP below the first START_WINDOW steps' mean (an empty run did not)."""
     if not rewards:
         return False
-    final = _mean(rewards[-COLLAPSE_LAST:])
-    return final < COLLAPSE_FLOOR or final < _mean(rewards[:START_WINDOW]) - COLLAPSE_DROP
+    final = mean_or_nan(rewards[-COLLAPSE_LAST:])
+    return final < COLLAPSE_FLOOR or final < mean_or_nan(rewards[:START_WINDOW]) - COLLAPSE_DROP
 
 
 def run_outcomes(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """A run's outcomes under the plan's definitions, from its logged steps."""
     rewards = _series(rows, "reward/mean")
     k3, extreme, disagree = _series(rows, K3), _series(rows, EXTREME), _series(rows, DISAGREE)
-    return {"steps": len(rewards), "final_reward": _mean(rewards[-FINAL_WINDOW:]), "reward_auc": _mean(rewards),
-            "collapsed": run_collapsed(rewards), "k3_end": _mean(k3[-FINAL_WINDOW:]), "k3_slope": slope(k3),
-            "extreme_end": _mean(extreme[-FINAL_WINDOW:]), "extreme_slope": slope(extreme),
-            "disagree_end": _mean(disagree[-FINAL_WINDOW:])}
+    return {"steps": len(rewards), "final_reward": mean_or_nan(rewards[-FINAL_WINDOW:]), "reward_auc": mean_or_nan(rewards),
+            "collapsed": run_collapsed(rewards), "k3_end": mean_or_nan(k3[-FINAL_WINDOW:]), "k3_slope": slope(k3),
+            "extreme_end": mean_or_nan(extreme[-FINAL_WINDOW:]), "extreme_slope": slope(extreme),
+            "disagree_end": mean_or_nan(disagree[-FINAL_WINDOW:])}
 
 
 def chosen_lr(collapses: Mapping[float, Sequence[bool]]) -> tuple[float, bool]:
@@ -98,12 +98,12 @@ def chosen_lr(collapses: Mapping[float, Sequence[bool]]) -> tuple[float, bool]:
 def pooled_per_step(runs: Sequence[Sequence[float]]) -> list[float]:
     """The per-step mean over runs (each a per-step series; the shortest decides the length)."""
     n = min((len(r) for r in runs), default=0)
-    return [_mean([r[i] for r in runs]) for i in range(n)]
+    return [mean_or_nan([r[i] for r in runs]) for i in range(n)]
 
 
 def steps_mean(values: Sequence[float], first: int, last: int) -> float:
     """The mean of steps first..last (1-based, inclusive)."""
-    return _mean(list(values[first - 1:last]))
+    return mean_or_nan(list(values[first - 1:last]))
 
 
 def chosen_precision(end_k3: Mapping[str, float]) -> str:

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from moe_rl.ablations import mismatch_rules as rules
+from moe_rl.ablations.result_commits import ResultCommits
 from moe_rl.ablations.runner import MARKER, ROOT, Run, ensure_base, run_all
 from moe_rl.ablations.stress import code_commit
-from moe_rl.ablations.stress_runs import _git_commit, metrics_digest, rounded, warm_start_id
+from moe_rl.ablations.stress_runs import metrics_digest, rounded, warm_start_id
 from moe_rl.runtime.atomic import atomic_write_text
 
 RESULTS = ROOT / "docs" / "ablations" / "mismatch"
@@ -193,8 +196,9 @@ def mismatch_result(rows: list[dict[str, Any]], meta: dict[str, Any], run_dir: P
     return out
 
 
-def record_run(run: Run, runs_dir: Path, results: Path, block: str, stamp: dict[str, str], commit: bool) -> None:
-    """Write (and with `commit`, commit) a finished run's result file."""
+def record_run(run: Run, runs_dir: Path, results: Path, block: str, stamp: dict[str, str],
+               commits: ResultCommits) -> None:
+    """Write a finished run's result file and hand it to `commits` (committed in batches)."""
     d = run.directory(runs_dir)
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
     seconds = json.loads((d / MARKER).read_text()).get("seconds")
@@ -203,10 +207,9 @@ def record_run(run: Run, runs_dir: Path, results: Path, block: str, stamp: dict[
     out = mismatch_result(rows, meta, d)
     path = mismatch_result_path(results, block, run)
     atomic_write_text(path, json.dumps(out, separators=(",", ":")) + "\n")
-    if commit:  # (the caller serializes record calls: one git commit at a time)
-        state = "collapsed" if out["collapsed"] else "kept training"
-        _git_commit(path, f"mismatch {block}: {run.setting} seed {run.seed} {state} "
-                          f"(final reward {out['final_reward']:.3f}, k3 {out['k3_end']:.2e})")
+    state = "collapsed" if out["collapsed"] else "kept training"
+    commits.add(block, path, f"{run.setting} seed {run.seed} {state} (final reward {out['final_reward']:.3f}, "
+                f"k3 {out['k3_end']:.2e})", bool(out["collapsed"]))
 
 
 def missing_runs(results: Path, todo: list[Block]) -> int:
@@ -237,16 +240,24 @@ def run_study(out: Path, make_blocks: Callable[[], list[Block]], base: Path | No
               results: Path = RESULTS, commit: bool = False) -> list[Run]:
     """Train what `make_blocks` names until nothing is missing; the plan is read again after
     every pass, since each block's files unlock the next."""
-    import os
-
     base = ensure_base(out, base, os.cpu_count() or 1)
     stamp = {"commit": code_commit(), "warm_start": warm_start_id(base)}
-    lock = threading.Lock()  # (runs finish on the runner's threads; their commits go one at a time)
+    lock = threading.Lock()  # (runs finish on the runner's threads; their records go one at a time)
+    commits = ResultCommits("mismatch", enabled=commit)
 
     def recorded(run: Run, runs_dir: Path, block: str) -> None:
         with lock:
-            record_run(run, runs_dir, results, block, stamp, commit)
+            record_run(run, runs_dir, results, block, stamp, commits)
 
+    try:
+        return _run_passes(make_blocks, out, base, jobs, results, recorded, commits)
+    finally:  # (a stop commits what landed before it)
+        commits.flush()
+
+
+def _run_passes(make_blocks: Callable[[], list[Block]], out: Path, base: Path, jobs: int, results: Path,
+                recorded: Callable[..., None], commits: ResultCommits) -> list[Run]:
+    """Passes over the plan's blocks until nothing is missing or a pass makes no progress."""
     while before := missing_runs(results, todo := make_blocks()):
         failed: list[Run] = []
         for blk in todo:
@@ -258,7 +269,8 @@ def run_study(out: Path, make_blocks: Callable[[], list[Block]], base: Path | No
             for r in left:  # finished earlier but not recorded (stopped between the two)
                 if r.done(runs_dir):
                     recorded(r, runs_dir, blk.name)
-            failed += run_all(left, runs_dir, base, jobs, on_done=lambda r, d=runs_dir, b=blk.name: recorded(r, d, b))
+            failed += run_all(left, runs_dir, base, jobs, on_done=partial(recorded, runs_dir=runs_dir, block=blk.name))
+            commits.flush(blk.name)
         # (a pass that left its own blocks' runs missing made no progress: stop rather than
         # loop; the next pass's blocks may be more than this one's, since each unlocks the next)
         if failed or missing_runs(results, todo) >= before:

@@ -27,7 +27,8 @@ def _finite(rows: list[dict[str, Any]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
 
 
-def _mean(xs: Sequence[float]) -> float:
+def mean_or_nan(xs: Sequence[float]) -> float:
+    """The mean, nan for no values (an outcome of a run that logged none)."""
     return statistics.fmean(xs) if xs else float("nan")
 
 
@@ -42,36 +43,36 @@ def collapsed(rewards: Sequence[float]) -> bool:
     if not rewards:
         return False
     peak = max(smoothed(rewards))
-    return peak > 0 and _mean(rewards[-FINAL:]) < 0.5 * peak
+    return peak > 0 and mean_or_nan(rewards[-FINAL:]) < 0.5 * peak
 
 
 def summarize_run(rows: list[dict[str, Any]]) -> dict[str, float]:
     """One run's numbers for the report (means over steps unless named otherwise)."""
     rewards = _finite(rows, "reward/mean")
     layers = sorted({k for r in rows for k in r if k.startswith("routing/sampler_disagree_layer")})
-    per_layer = [_mean(_finite(rows, k)) for k in layers]
+    per_layer = [mean_or_nan(_finite(rows, k)) for k in layers]
     return {
         "steps": float(len(rows)),
-        "final_reward": _mean(rewards[-FINAL:]),
-        "reward_auc": _mean(rewards),
+        "final_reward": mean_or_nan(rewards[-FINAL:]),
+        "reward_auc": mean_or_nan(rewards),
         "peak_reward": max(smoothed(rewards)) if rewards else float("nan"),
         "collapsed": float(collapsed(rewards)),
-        "clip_frac": _mean(_finite(rows, "policy/clip_frac")),
-        "token_ratio_std": _mean(_finite(rows, "policy/token_ratio_std")),
-        "gamma_mean": _mean(_finite(rows, "routing/gamma_mean")),
-        "gamma_p05": _mean(_finite(rows, "routing/gamma_p05")),
+        "clip_frac": mean_or_nan(_finite(rows, "policy/clip_frac")),
+        "token_ratio_std": mean_or_nan(_finite(rows, "policy/token_ratio_std")),
+        "gamma_mean": mean_or_nan(_finite(rows, "routing/gamma_mean")),
+        "gamma_p05": mean_or_nan(_finite(rows, "routing/gamma_p05")),
         "gamma_min": min(_finite(rows, "routing/gamma_min"), default=float("nan")),
-        "flip_rate": _mean(_finite(rows, "routing/flip_rate_mean")),
-        "flip_rate_max_layer": max((_mean(_finite(rows, k)) for k in
+        "flip_rate": mean_or_nan(_finite(rows, "routing/flip_rate_mean")),
+        "flip_rate_max_layer": max((mean_or_nan(_finite(rows, k)) for k in
                                     sorted({k for r in rows for k in r if k.startswith("routing/flip_rate_layer")})),
                                    default=float("nan")),
-        "sampler_learner_k3": _mean(_finite(rows, "mismatch/k3")),
-        "sampler_disagree_any": _mean(_finite(rows, "routing/sampler_disagree_any")),
+        "sampler_learner_k3": mean_or_nan(_finite(rows, "mismatch/k3")),
+        "sampler_disagree_any": mean_or_nan(_finite(rows, "routing/sampler_disagree_any")),
         "sampler_disagree_max_layer": max(per_layer, default=float("nan")),
         "sampler_disagree_worst_step": max((max(r[k] for k in layers if k in r) for r in rows
                                             if any(k in r for k in layers)), default=float("nan")),
-        "sampler_used_disagree_any": _mean(_finite(rows, "routing/sampler_used_disagree_any")),
-        "seconds_per_step": _mean(_finite(rows, "time/step")),
+        "sampler_used_disagree_any": mean_or_nan(_finite(rows, "routing/sampler_used_disagree_any")),
+        "seconds_per_step": mean_or_nan(_finite(rows, "time/step")),
     }
 
 
@@ -79,7 +80,7 @@ def interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
     """Mean and the Student-t interval of the mean over seeds (lo = hi = nan for one seed)."""
     xs = [v for v in values if math.isfinite(v)]
     n = len(xs)
-    mean = _mean(xs)
+    mean = mean_or_nan(xs)
     if n < 2:
         return {"mean": mean, "lo": float("nan"), "hi": float("nan"), "n": float(n)}
     half = sps.t.ppf(0.5 + level / 2, n - 1) * statistics.stdev(xs) / math.sqrt(n)
@@ -93,7 +94,7 @@ def welch(a: Sequence[float], b: Sequence[float]) -> float:
     if len(a) < 2 or len(b) < 2:
         return float("nan")
     if statistics.pvariance(a) == 0 and statistics.pvariance(b) == 0:
-        return 0.0 if _mean(a) != _mean(b) else 1.0
+        return 0.0 if mean_or_nan(a) != mean_or_nan(b) else 1.0
     return float(sps.ttest_ind(a, b, equal_var=False).pvalue)
 
 
@@ -127,7 +128,7 @@ def welch_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) 
     a, b = [x for x in a if math.isfinite(x)], [x for x in b if math.isfinite(x)]
     if len(a) < 2 or len(b) < 2:
         return float("nan"), float("nan")
-    d = _mean(a) - _mean(b)
+    d = mean_or_nan(a) - mean_or_nan(b)
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     if va + vb == 0:
         return d, d
@@ -142,7 +143,7 @@ def compare(per_seed: dict[str, list[float]], alpha: float = 0.05) -> list[dict[
     names = list(per_seed)
     pairs = {(a, b): welch(per_seed[a], per_seed[b]) for i, a in enumerate(names) for b in names[i + 1:]}
     survive = holm(pairs, alpha)
-    out = [{"a": a, "b": b, "diff": _mean(per_seed[a]) - _mean(per_seed[b]), "p": p,
+    out = [{"a": a, "b": b, "diff": mean_or_nan(per_seed[a]) - mean_or_nan(per_seed[b]), "p": p,
             "significant": math.isfinite(p) and p < alpha, "holm": (a, b) in survive}
            for (a, b), p in pairs.items()]
     return sorted(out, key=lambda d: (not math.isfinite(d["p"]), d["p"]))

@@ -86,7 +86,7 @@ def explore_rate(results: Path) -> ExploreRate:
 def explore_specs(results: Path, main_lr: float) -> list[tuple[str, float, tuple[str, ...], tuple[int, ...]]]:
     """The exploratory blocks as far as the rule has got: (block name, lr, settings, seeds)."""
     rate = explore_rate(results)
-    out = [(REPEAT, main_lr, ("grpo-off",), (1,))]
+    out: list[tuple[str, float, tuple[str, ...], tuple[int, ...]]] = [(REPEAT, main_lr, ("grpo-off",), (1,))]
     out += [(sweep_block(lr), lr, ("grpo-off",), SWEEP_SEEDS) for lr in rate.sweep_lrs]
     if rate.lr is not None:
         out.append((runs_block(rate.lr), rate.lr, SETTINGS, SEEDS))
@@ -133,7 +133,7 @@ def explore_section(results: Path) -> str:
                                    "no rate between the two qualifies; no further run." if rate.concluded else
                                    "undecided until the sweep's seeds have finished."))
     text = "\n".join(lines) + "\n"
-    if BASELINE not in (res := explore_runs(results, rate)):
+    if BASELINE not in (res := explore_runs(results, rate)) or rate.lr is None:  # (runs exist only at a chosen lr)
         return text
     if (done := _landed(res)) < PLANNED:
         text += (f"\n**Provisional**: {done} of the block's {PLANNED} runs have finished; the tables and tests "
@@ -158,7 +158,7 @@ def explore_summary(results: Path) -> str:
     gentler rate, flagged as chosen after the pre-registered results were read ("" before)."""
     rate = explore_rate(results)
     res = explore_runs(results, rate)
-    if BASELINE not in res or _landed(res) < PLANNED:
+    if BASELINE not in res or _landed(res) < PLANNED or rate.lr is None:  # (runs exist only at a chosen lr)
         return ""
     rows = against_baseline(res)
     base = res[BASELINE]

@@ -6,7 +6,7 @@ the steps before a collapse against a survivor's last steps."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,7 @@ def _mechanism(res: Results, path: Path) -> Path:
                               "none of them has a surviving seed yet (their best final reward shown)"))
 
 
-def _mechanism_plot(picks: list[tuple[dict[str, Any] | None, str]], path: Path, title: str) -> Path:
+def _mechanism_plot(picks: Sequence[tuple[dict[str, Any] | None, str]], path: Path, title: str) -> Path:
     """The runs of `picks` step by step, one panel per routing or policy metric (the first run red)."""
     import matplotlib.pyplot as plt
 

@@ -139,7 +139,8 @@ def mechanism_table(res: Results) -> str:
                 continue
             onset = "-"
             if collapsed:
-                onset = f"{statistics.fmean(collapse_onset(r['per_step']['reward/mean']) for r in group):.1f}"
+                onsets = [collapse_onset(r["per_step"]["reward/mean"]) for r in group]
+                onset = f"{statistics.fmean(o for o in onsets if o is not None):.1f}"
             cells = [_finite_mean(window_mean(r, k, steps[id(r)]) for r in group) for k, _ in MECHANISM]
             state = "collapsed" if collapsed else "survived"
             lines.append(f"| {name} | {len(group)} {state} | {onset} | " + " | ".join(cells) + " |")

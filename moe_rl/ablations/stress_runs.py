@@ -21,14 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_rl.ablations.result_commits import ResultCommits
 from moe_rl.ablations.runner import MARKER, Run, ensure_base, run_all
 from moe_rl.ablations.settings import OFF_POLICY_UPDATES, settings
 from moe_rl.ablations.stress import (
@@ -167,12 +166,12 @@ def result_path(results: Path, block_name: str, run: Run) -> Path:
 
 
 class Recorder:
-    """Writes each finished run's result file and, with `commit`, commits it at once (only that
-    path: whatever else the working tree holds stays out of the commit)."""
+    """Writes each finished run's result file at once and hands it to `commits`, which commits
+    the files in batches (only those paths: whatever else the working tree holds stays out)."""
 
     def __init__(self, runs_dir: Path, results: Path, blk: Block, code_commit: str, warm_start: str,
-                 commit: bool) -> None:
-        self.runs_dir, self.results, self.block, self.commit = runs_dir, results, blk, commit
+                 commits: ResultCommits) -> None:
+        self.runs_dir, self.results, self.block, self.commits = runs_dir, results, blk, commits
         self.code_commit, self.warm_start = code_commit, warm_start
         self._lock = threading.Lock()
 
@@ -187,29 +186,9 @@ class Recorder:
         out = run_result(rows, meta)
         with self._lock:
             atomic_write_text(path, json.dumps(out, separators=(",", ":")) + "\n")
-            if self.commit:
-                state = "collapsed" if out["collapsed"] else "survived"
-                _git_commit(path, f"stress {self.block.name}: {run.setting} seed {run.seed} {state} "
-                                  f"(final reward {out['final_reward']:.3f})")
-
-
-def _git_commit(path: Path, message: str) -> None:
-    repo = path.parent
-    for attempt in range(20):  # another git command may hold the index for a moment
-        add = subprocess.run(["git", "add", "--", str(path)], cwd=repo, capture_output=True, text=True)
-        if add.returncode == 0:
-            proc = subprocess.run(["git", "commit", "-q", "-m", message, "--", str(path)], cwd=repo,
-                                  capture_output=True, text=True)
-            if proc.returncode == 0:
-                return
-            err = proc.stderr
-        else:
-            err = add.stderr
-        if "index.lock" not in err:
-            print(f"!! could not commit {path}: {err.strip() or 'nothing to commit'}", flush=True)
-            return
-        time.sleep(0.5 * (attempt + 1))
-    print(f"!! could not commit {path}: the index stayed locked", flush=True)
+        state = "collapsed" if out["collapsed"] else "survived"
+        self.commits.add(self.block.name, path, f"{run.setting} seed {run.seed} {state} "
+                         f"(final reward {out['final_reward']:.3f})", bool(out["collapsed"]))
 
 
 def missing(results: Path, blocks: list[Block]) -> int:
@@ -251,13 +230,18 @@ def run_stress(out: Path, blocks: list[Block], base: Path | None, jobs: int, res
     if not mix_warm_starts:
         check_warm_start(results, blocks, base, warm)
     failed: list[Run] = []
-    for blk in blocks:
-        runs_dir = out / "stress" / blk.name
-        todo = [r for r in blk.runs if not result_path(results, blk.name, r).is_file()]
-        print(f"== stress {blk.name}: lr {blk.lr:g}, {len(todo)} of {len(blk.runs)} run(s) missing", flush=True)
-        recorder = Recorder(runs_dir, results, blk, sha, warm, commit)
-        for r in todo:  # finished earlier but not recorded (stopped between the two)
-            if r.done(runs_dir):
-                recorder(r)
-        failed += run_all(todo, runs_dir, base, jobs, on_done=recorder)
+    commits = ResultCommits("stress", enabled=commit)
+    try:
+        for blk in blocks:
+            runs_dir = out / "stress" / blk.name
+            todo = [r for r in blk.runs if not result_path(results, blk.name, r).is_file()]
+            print(f"== stress {blk.name}: lr {blk.lr:g}, {len(todo)} of {len(blk.runs)} run(s) missing", flush=True)
+            recorder = Recorder(runs_dir, results, blk, sha, warm, commits)
+            for r in todo:  # finished earlier but not recorded (stopped between the two)
+                if r.done(runs_dir):
+                    recorder(r)
+            failed += run_all(todo, runs_dir, base, jobs, on_done=recorder)
+            commits.flush(blk.name)
+    finally:  # (a stop commits what landed before it)
+        commits.flush()
     return failed
