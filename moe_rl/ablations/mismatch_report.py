@@ -163,20 +163,20 @@ def study_report(results: Path) -> str:
              "pilot fixed: [mismatch/PILOT.md](mismatch/PILOT.md).", "",
              f"Main block: {done} of {len(SETTINGS) * len(MAIN_SEEDS)} runs landed."]
     commits = sorted({r.get("commit", "?") for rs in main.values() for r in rs})
-    warm = sorted({r.get("warm_start", "?") for rs in main.values() for r in rs})
     if commits:
-        lines.append(f"Runs made on commit(s) {', '.join(c[:12] for c in commits)}, warm start(s) {', '.join(warm)}.")
-    lines += [_repeat_line(results, main), "", "## The answer", ""]
+        lines.append(f"Runs made on commit(s) {', '.join(c[:12] for c in commits)}; {warm_start_line(main)}")
+    lines += [*_extra_line(results), *_repeat_lines(results, main), "", "## The answer", ""]
     if done < len(SETTINGS) * len(MAIN_SEEDS):
         lines += ["Not yet: the tests run once every setting has its 10 stage-1 seeds; the table below is partial "
                   "and not to be read as a result.", ""]
-    lines += [*claim_table(main), "", *stage2_section(results, main), "## The mechanism", "", *mechanism(main), "",
+    lines += [*claim_table(main), "", *stage2_section(results, main), *one_warm_start_sections(main),
+              "## The mechanism", "", *mechanism(main), "",
               "![k3 over steps](mismatch/plots/mismatch_k3.png)",
               "![extreme-token fraction over steps](mismatch/plots/mismatch_frac_dlogp_gt_ln2.png)",
               "![reward over steps, +-1 SD over seeds](mismatch/plots/reward_mean.png)",
               "![collapsed runs per setting](mismatch/plots/collapses.png)", "", "## What these runs cannot show", "",
-              "- One model and task at CPU scale, one warm start: the sizes of the gap match the paper's, the "
-              "model does not.",
+              f"- One model and task at CPU scale, {_count(len(seeds_by_warm_start(main)) or 1, 'warm start')}: the "
+              "sizes of the gap match the paper's, the model does not.",
               "- On-policy only: the off-policy interplay of router drift and mismatch is the stress study's.",
               "- With few collapses, the collapse tests have little power (MISMATCH_PLAN.md): a failure to "
               "separate is not evidence of no effect.",
@@ -204,14 +204,90 @@ def stage2_section(results: Path, main: dict[str, list[dict[str, Any]]]) -> list
             *claim_table(both), ""]
 
 
-def _repeat_line(results: Path, main: dict[str, list[dict[str, Any]]]) -> str:
-    rep = read_block(results, "repeat").get(REFERENCE, [])
-    first = [r for r in main.get(REFERENCE, []) if r["seed"] == 1]
-    if not rep or not first:
-        return "Bit reproducibility: not checked yet (the repeat of `grpo` seed 1 or main's is missing)."
-    same = rep[0]["metrics_sha256"] == first[0]["metrics_sha256"]
-    return (f"Bit reproducibility: `grpo` seed 1 run twice gives {'the same' if same else 'DIFFERENT'} metrics "
-            f"digest ({rep[0]['metrics_sha256'][:12]} / {first[0]['metrics_sha256'][:12]}).")
+EXTRA = "first-warm-start-extra"
+"""Runs kept outside every test (MISMATCH_PLAN.md, change 4): made on the first warm start
+for seeds whose other settings run on the second."""
+MIN_SEEDS_ALONE = 3
+"""Seeds every setting needs on one warm start before its tests are repeated on it alone."""
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def seed_ranges(seeds: list[int]) -> str:
+    """[1, 2, 3, 5, 7, 8] -> '1-3, 5, 7-8'."""
+    spans: list[list[int]] = []
+    for s in sorted(set(seeds)):
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def seeds_by_warm_start(main: dict[str, list[dict[str, Any]]]) -> dict[str, list[int]]:
+    """warm start id -> the seeds that ran on it in any setting (ids in order of their first seed)."""
+    out: dict[str, set[int]] = {}
+    for rs in main.values():
+        for r in rs:
+            out.setdefault(r.get("warm_start", "?"), set()).add(r["seed"])
+    return {w: sorted(s) for w, s in sorted(out.items(), key=lambda kv: min(kv[1]))}
+
+
+def warm_start_line(main: dict[str, list[dict[str, Any]]]) -> str:
+    """Which seeds ran on which warm start, and whether a seed ever mixes them across settings
+    (the plan keeps each seed on one warm start in every setting: a balanced factor)."""
+    by_warm = seeds_by_warm_start(main)
+    parts = [f"`{w}` seeds {seed_ranges(s)}" for w, s in by_warm.items()]
+    mixed = sorted({s for w, ss in by_warm.items() for s in ss
+                    if any(s in other for v, other in by_warm.items() if v != w)})
+    tail = (f". **Seed(s) {seed_ranges(mixed)} ran on more than one warm start across settings: the warm start is "
+            "not balanced over settings there.**" if mixed else
+            (", every seed on one warm start in every setting." if len(by_warm) > 1 else "."))
+    return f"warm start(s): {'; '.join(parts)}{tail}"
+
+
+def _extra_line(results: Path) -> list[str]:
+    extra = read_block(results, EXTRA)
+    if not any(extra.values()):
+        return []
+    runs = ", ".join(f"`{n}` seed(s) {seed_ranges([r['seed'] for r in rs])}" for n, rs in sorted(extra.items()))
+    warm = ", ".join(sorted({r.get("warm_start", "?") for rs in extra.values() for r in rs}))
+    return [f"Kept outside every test (`mismatch/{EXTRA}/`, MISMATCH_PLAN.md change 4): {runs}, on warm start "
+            f"{warm}, whose other settings ran those seeds on the next one."]
+
+
+def _repeat_lines(results: Path, main: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each repeated `grpo` seed against main's: the same metrics digest, or not."""
+    reps = read_block(results, "repeat").get(REFERENCE, [])
+    first = {r["seed"]: r for r in main.get(REFERENCE, [])}
+    pairs = [(r, first[r["seed"]]) for r in reps if r["seed"] in first]
+    if not pairs:
+        return ["Bit reproducibility: not checked yet (no repeated `grpo` seed has main's run beside it)."]
+    return [f"Bit reproducibility: `grpo` seed {r['seed']} (warm start {r.get('warm_start', '?')}) run twice gives "
+            f"{'the same' if r['metrics_sha256'] == m['metrics_sha256'] else 'DIFFERENT'} metrics digest "
+            f"({r['metrics_sha256'][:12]} / {m['metrics_sha256'][:12]})." for r, m in pairs]
+
+
+def one_warm_start_sections(main: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """When main mixes warm starts: the answer's tests again over each warm start's seeds alone
+    (a check that one warm start does not drive the answer), for every warm start on which each
+    setting has at least MIN_SEEDS_ALONE seeds."""
+    by_warm = seeds_by_warm_start(main)
+    if len(by_warm) < 2:
+        return []
+    out = []
+    for w in by_warm:
+        alone = {n: [r for r in rs if r.get("warm_start", "?") == w] for n, rs in main.items()}
+        least = min((len(alone.get(n, [])) for n in SETTINGS), default=0)
+        if least < MIN_SEEDS_ALONE:
+            continue
+        out += [f"## Warm start {w} alone", "",
+                f"The tests above over the seeds that ran on `{w}` alone (seeds {seed_ranges(by_warm[w])}; at least "
+                f"{least} per setting): a check that one warm start does not drive the answer, not a second answer.",
+                "", *claim_table(alone), ""]
+    return out
 
 
 def write_reports(results: Path = RESULTS) -> list[Path]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_rl.ablations import mismatch_report as report
 from moe_rl.ablations import mismatch_rules as rules
 from moe_rl.ablations import mismatch_study as study
 from moe_rl.ablations.mismatch_report import write_reports
@@ -175,6 +176,41 @@ def test_stage2_takes_the_settings_whose_interval_straddles_delta(tmp_path):
     assert "Stage 2 (seeds 11-20) ran for `grpo` (10), `grpo-r3` (10)" in both
     assert "| R3 (the learner replays the sampler's routing) | final reward | 0.05 |" in both
     assert "| GSPO against the sampler | final reward | 0.25 |" in both  # (stage 1's seeds alone)
+
+
+def test_two_warm_starts_balanced_over_settings_get_a_check_of_their_own(tmp_path):
+    # Plan change 4: seeds 1-2 on warm start A, 3-10 on B in every setting. R3 is 0.08 better
+    # on B's seeds and 0.02 worse on A's: over all 10 seeds (8 x 0.08 - 2 x 0.02) / 10 = 0.06,
+    # on B alone 0.08; A (2 seeds a setting) is below the 3 a separate table needs.
+    for n in study.SETTINGS:
+        for s in study.MAIN_SEEDS:
+            warm = "A" if s <= 2 else "B"
+            shift = {"grpo-r3": -0.02 if warm == "A" else 0.08}.get(n, 0.0)
+            _write(tmp_path, _result("main", n, s, [0.3 + shift + (s - 5.5) / 50] * 100, [1e-3] * 100,
+                                     warm_start=warm))
+    _write(tmp_path, _result(report.EXTRA, study.REFERENCE, 3, [0.3] * 100, [1e-3] * 100, warm_start="A"))
+    _write(tmp_path, _result("repeat", study.REFERENCE, 1, [0.3] * 100, [1e-3] * 100, warm_start="A"))
+    _write(tmp_path, _result("repeat", study.REFERENCE, 3, [0.3] * 100, [1e-3] * 100, warm_start="B",
+                             metrics_sha256="9" * 64))
+    write_reports(tmp_path)
+    text = (tmp_path.parent / "MISMATCH.md").read_text()
+    assert "warm start(s): `A` seeds 1-2; `B` seeds 3-10, every seed on one warm start in every setting." in text
+    assert "Kept outside every test (`mismatch/first-warm-start-extra/`" in text and "`grpo` seed(s) 3" in text
+    assert "`grpo` seed 1 (warm start A) run twice gives the same metrics digest" in text
+    assert "`grpo` seed 3 (warm start B) run twice gives DIFFERENT metrics digest (999999999999 /" in text
+    answer, alone = text.split("## Warm start B alone")
+    assert "## Warm start A alone" not in text and "2 warm starts" in text
+    assert "| R3 (the learner replays the sampler's routing) | final reward | 0.06 |" in answer
+    assert "| R3 (the learner replays the sampler's routing) | final reward | 0.08 |" in alone
+    assert "(seeds 3-10; at least 8 per setting)" in alone
+    # a seed on two warm starts across settings is named, not hidden
+    _write(tmp_path, _result("main", "grpo-tis", 4, [0.3] * 100, [1e-3] * 100, warm_start="A"))
+    write_reports(tmp_path)
+    assert "**Seed(s) 4 ran on more than one warm start across settings" in (tmp_path.parent / "MISMATCH.md").read_text()
+
+
+def test_seed_ranges():
+    assert report.seed_ranges([8, 1, 2, 3, 5, 7]) == "1-3, 5, 7-8" and report.seed_ranges([]) == ""
 
 
 def test_reports_are_regenerated_byte_for_byte(tmp_path):
