@@ -25,7 +25,14 @@ from moe_rl.ablations.mismatch_study import (
     pilot_choices,
     read_block,
 )
-from moe_rl.ablations.stats import holm_adjusted, interval, mean_or_nan, welch, welch_interval
+from moe_rl.ablations.stats import (
+    holm_adjusted,
+    interval,
+    mean_or_nan,
+    stratified_difference,
+    welch,
+    welch_interval,
+)
 from moe_rl.runtime.atomic import atomic_write_text
 
 CLAIMS = {"grpo-r3": "R3 (the learner replays the sampler's routing)", "grpo-tis": "token TIS",
@@ -165,18 +172,21 @@ def study_report(results: Path) -> str:
     commits = sorted({r.get("commit", "?") for rs in main.values() for r in rs})
     if commits:
         lines.append(f"Runs made on commit(s) {', '.join(c[:12] for c in commits)}; {warm_start_line(main)}")
-    lines += [*_extra_line(results), *_repeat_lines(results, main), "", "## The answer", ""]
-    if done < len(SETTINGS) * len(MAIN_SEEDS):
+    lines += [*_extra_line(results, main), *_repeat_lines(results, main), "", "## The answer", ""]
+    partial = done < len(SETTINGS) * len(MAIN_SEEDS)
+    if partial:
         lines += ["Not yet: the tests run once every setting has its 10 stage-1 seeds; the table below is partial "
                   "and not to be read as a result.", ""]
-    lines += [*claim_table(main), "", *stage2_section(results, main), *one_warm_start_sections(main),
+    lines += [*claim_table(main), "", *warm_start_section(main, "stage 1", partial), *stage2_section(results, main),
               "## The mechanism", "", *mechanism(main), "",
               "![k3 over steps](mismatch/plots/mismatch_k3.png)",
               "![extreme-token fraction over steps](mismatch/plots/mismatch_frac_dlogp_gt_ln2.png)",
               "![reward over steps, +-1 SD over seeds](mismatch/plots/reward_mean.png)",
               "![collapsed runs per setting](mismatch/plots/collapses.png)", "", "## What these runs cannot show", "",
               f"- One model and task at CPU scale, {_count(len(seeds_by_warm_start(main)) or 1, 'warm start')}: the "
-              "sizes of the gap match the paper's, the model does not.",
+              "sizes of the gap match the paper's, the model does not. Whether an effect differs between warm "
+              "starts cannot be tested (the first holds 2 seeds a setting); the fixed-effect table removes a shift "
+              "between them, not a difference in effect.",
               "- On-policy only: the off-policy interplay of router drift and mismatch is the stress study's.",
               "- With few collapses, the collapse tests have little power (MISMATCH_PLAN.md): a failure to "
               "separate is not evidence of no effect.",
@@ -201,14 +211,12 @@ def stage2_section(results: Path, main: dict[str, list[dict[str, Any]]]) -> list
     sent = ", ".join(f"`{n}` ({len(rs)})" for n, rs in sorted(stage2.items()) if rs)
     return ["## Both stages", "",
             f"Stage 2 (seeds 11-20) ran for {sent}; the tests once more over every seed each setting has:", "",
-            *claim_table(both), ""]
+            *claim_table(both), "", *warm_start_section(both, "both stages", False)]
 
 
 EXTRA = "first-warm-start-extra"
 """Runs kept outside every test (MISMATCH_PLAN.md, change 4): made on the first warm start
 for seeds whose other settings run on the second."""
-MIN_SEEDS_ALONE = 3
-"""Seeds every setting needs on one warm start before its tests are repeated on it alone."""
 
 
 def _count(n: int, noun: str) -> str:
@@ -227,12 +235,12 @@ def seed_ranges(seeds: list[int]) -> str:
 
 
 def seeds_by_warm_start(main: dict[str, list[dict[str, Any]]]) -> dict[str, list[int]]:
-    """warm start id -> the seeds that ran on it in any setting (ids in order of their first seed)."""
+    """warm start id -> the seeds that ran on it in any setting (in order of first seed, then id)."""
     out: dict[str, set[int]] = {}
     for rs in main.values():
         for r in rs:
             out.setdefault(r.get("warm_start", "?"), set()).add(r["seed"])
-    return {w: sorted(s) for w, s in sorted(out.items(), key=lambda kv: min(kv[1]))}
+    return {w: sorted(s) for w, s in sorted(out.items(), key=lambda kv: (min(kv[1]), kv[0]))}
 
 
 def warm_start_line(main: dict[str, list[dict[str, Any]]]) -> str:
@@ -248,46 +256,82 @@ def warm_start_line(main: dict[str, list[dict[str, Any]]]) -> str:
     return f"warm start(s): {'; '.join(parts)}{tail}"
 
 
-def _extra_line(results: Path) -> list[str]:
+def _extra_line(results: Path, main: dict[str, list[dict[str, Any]]]) -> list[str]:
     extra = read_block(results, EXTRA)
     if not any(extra.values()):
         return []
-    runs = ", ".join(f"`{n}` seed(s) {seed_ranges([r['seed'] for r in rs])}" for n, rs in sorted(extra.items()))
-    warm = ", ".join(sorted({r.get("warm_start", "?") for rs in extra.values() for r in rs}))
-    return [f"Kept outside every test (`mismatch/{EXTRA}/`, MISMATCH_PLAN.md change 4): {runs}, on warm start "
-            f"{warm}, whose other settings ran those seeds on the next one."]
+    main_warm = {r["seed"]: r.get("warm_start", "?") for rs in main.values() for r in rs}
+    runs = "; ".join(f"`{n}` seed {r['seed']} on {r.get('warm_start', '?')} (main's seed {r['seed']}: "
+                     f"{main_warm.get(r['seed'], 'none yet')})" for n, rs in sorted(extra.items()) for r in rs)
+    return [f"Kept outside every test (`mismatch/{EXTRA}/`, MISMATCH_PLAN.md change 4): {runs}."]
 
 
 def _repeat_lines(results: Path, main: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Each repeated `grpo` seed against main's: the same metrics digest, or not."""
+    """Each repeated `grpo` seed against main's on the same warm start: the same metrics digest, or not."""
     reps = read_block(results, "repeat").get(REFERENCE, [])
     first = {r["seed"]: r for r in main.get(REFERENCE, [])}
-    pairs = [(r, first[r["seed"]]) for r in reps if r["seed"] in first]
-    if not pairs:
-        return ["Bit reproducibility: not checked yet (no repeated `grpo` seed has main's run beside it)."]
-    return [f"Bit reproducibility: `grpo` seed {r['seed']} (warm start {r.get('warm_start', '?')}) run twice gives "
-            f"{'the same' if r['metrics_sha256'] == m['metrics_sha256'] else 'DIFFERENT'} metrics digest "
-            f"({r['metrics_sha256'][:12]} / {m['metrics_sha256'][:12]})." for r, m in pairs]
+    if not reps:
+        return ["Bit reproducibility: not checked yet (no repeated `grpo` seed)."]
+    lines = []
+    for r in reps:
+        m, warm = first.get(r["seed"]), r.get("warm_start", "?")
+        head = f"Bit reproducibility: `grpo` seed {r['seed']} (warm start {warm})"
+        if m is None:
+            lines.append(f"{head}: main's run is not in yet.")
+        elif m.get("warm_start", "?") != warm:
+            lines.append(f"{head}: not a repeat, main's ran on {m.get('warm_start', '?')}.")
+        else:
+            same = "the same" if r["metrics_sha256"] == m["metrics_sha256"] else "DIFFERENT"
+            lines.append(f"{head} run twice gives {same} metrics digest "
+                         f"({r['metrics_sha256'][:12]} / {m['metrics_sha256'][:12]}).")
+    return lines
 
 
-def one_warm_start_sections(main: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """When main mixes warm starts: the answer's tests again over each warm start's seeds alone
-    (a check that one warm start does not drive the answer), for every warm start on which each
-    setting has at least MIN_SEEDS_ALONE seeds."""
+def _stratified(rs: list[dict[str, Any]], ref: list[dict[str, Any]], key: str) -> dict[str, float]:
+    def pairs(runs: list[dict[str, Any]]) -> list[tuple[float, str]]:
+        return [(float(r[key]), r.get("warm_start", "?")) for r in runs
+                if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+
+    return stratified_difference(pairs(rs), pairs(ref))
+
+
+def _per_warm(rs: list[dict[str, Any]], ref: list[dict[str, Any]], key: str, warm: str) -> str:
+    a = _column([r for r in rs if r.get("warm_start", "?") == warm], key)
+    b = _column([r for r in ref if r.get("warm_start", "?") == warm], key)
+    return f"{fmt(mean_or_nan(a) - mean_or_nan(b))} ({len(a)}/{len(b)})"
+
+
+def warm_start_section(main: dict[str, list[dict[str, Any]]], seeds: str, partial: bool) -> list[str]:
+    """When the runs mix warm starts: each comparison with a warm-start fixed effect (Holm across
+    the 6 methods, as the answer), beside each warm start's own difference (descriptive)."""
     by_warm = seeds_by_warm_start(main)
     if len(by_warm) < 2:
         return []
-    out = []
-    for w in by_warm:
-        alone = {n: [r for r in rs if r.get("warm_start", "?") == w] for n, rs in main.items()}
-        least = min((len(alone.get(n, [])) for n in SETTINGS), default=0)
-        if least < MIN_SEEDS_ALONE:
-            continue
-        out += [f"## Warm start {w} alone", "",
-                f"The tests above over the seeds that ran on `{w}` alone (seeds {seed_ranges(by_warm[w])}; at least "
-                f"{least} per setting): a check that one warm start does not drive the answer, not a second answer.",
-                "", *claim_table(alone), ""]
-    return out
+    ref, ctl = main.get(REFERENCE, []), main.get(CONTROL, [])
+    short = {w: w[:8] for w in by_warm}
+    lines = [f"### Warm start as a factor ({seeds})", "",
+             *(["Partial: not to be read as a result until every setting has its seeds.", ""] if partial else []),
+             "Each difference fitted with a fixed effect per warm start (least squares, the residual variance "
+             "pooled over the runs: MISMATCH_PLAN.md change 4); beside it, the difference on each warm start alone "
+             "(setting's runs / grpo's), descriptive: the first warm start holds 2 seeds a setting.", "",
+             "| claim | outcome | " + " | ".join(f"on {short[w]}" for w in by_warm)
+             + " | fixed-effect difference | 95% interval | p | Holm p |",
+             "|---|---|" + "---|" * len(by_warm) + "---|---|---|---|"]
+
+    def row(name: str, rs: list[dict[str, Any]], base: list[dict[str, Any]], label: str, key: str,
+            res: dict[str, float], holm_p: str) -> str:
+        cells = " | ".join(_per_warm(rs, base, key, w) for w in by_warm)
+        return (f"| {name} | {label} | {cells} | {fmt(res['diff'])} | [{fmt(res['lo'])}, {fmt(res['hi'])}] | "
+                f"{fmt(res['p'])} | {holm_p} |")
+
+    for key, label in CONTINUOUS:
+        lines.append(row("the gap alone (grpo - grpo-fp32)", ref, ctl, label, key, _stratified(ref, ctl, key),
+                         "(family of one)"))
+    for key, label in CONTINUOUS:
+        res = {n: _stratified(main.get(n, []), ref, key) for n in CLAIMS}
+        adjusted = holm_adjusted({n: r["p"] for n, r in res.items()})
+        lines += [row(CLAIMS[n], main.get(n, []), ref, label, key, res[n], fmt(adjusted[n])) for n in CLAIMS]
+    return [*lines, ""]
 
 
 def write_reports(results: Path = RESULTS) -> list[Path]:

@@ -147,3 +147,33 @@ def compare(per_seed: dict[str, list[float]], alpha: float = 0.05) -> list[dict[
             "significant": math.isfinite(p) and p < alpha, "holm": (a, b) in survive}
            for (a, b), p in pairs.items()]
     return sorted(out, key=lambda d: (not math.isfinite(d["p"]), d["p"]))
+
+
+def stratified_difference(a: Sequence[tuple[float, str]], b: Sequence[tuple[float, str]],
+                          level: float = 0.95) -> dict[str, float]:
+    """mean(a) - mean(b) with a fixed effect per stratum (a warm start, say): the least-squares
+    fit of y = d * [in a] + c_stratum, residual variance pooled over every run (df = n - 1 -
+    strata), so a shift of one stratum's runs moves no estimate even when the strata hold the
+    arms in different proportions. Values are (y, stratum); non-finite ys are left out.
+    {"diff", "lo", "hi", "p", "df"}: nan when no stratum holds both arms or df < 1; p is 0 or 1
+    when the fit leaves no residual and d differs from 0 or not."""
+    import numpy as np
+
+    rows = [(y, s, 1.0) for y, s in a if math.isfinite(y)] + [(y, s, 0.0) for y, s in b if math.isfinite(y)]
+    strata = sorted({s for _, s, _ in rows})
+    both = {s for s in strata if {arm for _, t, arm in rows if t == s} == {0.0, 1.0}}
+    df = len(rows) - 1 - len(strata)
+    nan = {"diff": math.nan, "lo": math.nan, "hi": math.nan, "p": math.nan, "df": float(df)}
+    if not both or df < 1:
+        return nan
+    x = np.array([[arm] + [float(s == t) for t in strata] for _, s, arm in rows])
+    y = np.array([v for v, _, _ in rows])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    scale = max(1.0, float(np.max(np.abs(y))))
+    d = float(coef[0]) if abs(coef[0]) > 1e-12 * scale else 0.0  # lstsq's round-off is no difference
+    rss = float(np.sum((y - x @ coef) ** 2))
+    if rss <= 1e-24 * scale**2 * len(y):
+        return {"diff": d, "lo": d, "hi": d, "p": 0.0 if d else 1.0, "df": float(df)}
+    se = math.sqrt(rss / df * float(np.linalg.inv(x.T @ x)[0, 0]))
+    half = float(sps.t.ppf(0.5 + level / 2, df)) * se
+    return {"diff": d, "lo": d - half, "hi": d + half, "p": float(2 * sps.t.sf(abs(d) / se, df)), "df": float(df)}

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 from moe_rl.ablations import mismatch_report as report
 from moe_rl.ablations import mismatch_rules as rules
 from moe_rl.ablations import mismatch_study as study
 from moe_rl.ablations.mismatch_report import write_reports
+from moe_rl.ablations.stats import stratified_difference
 from moe_rl.config import load_config
 from moe_rl_testing import ROOT
 
@@ -178,10 +180,11 @@ def test_stage2_takes_the_settings_whose_interval_straddles_delta(tmp_path):
     assert "| GSPO against the sampler | final reward | 0.25 |" in both  # (stage 1's seeds alone)
 
 
-def test_two_warm_starts_balanced_over_settings_get_a_check_of_their_own(tmp_path):
+def test_two_warm_starts_balanced_over_settings(tmp_path):
     # Plan change 4: seeds 1-2 on warm start A, 3-10 on B in every setting. R3 is 0.08 better
     # on B's seeds and 0.02 worse on A's: over all 10 seeds (8 x 0.08 - 2 x 0.02) / 10 = 0.06,
-    # on B alone 0.08; A (2 seeds a setting) is below the 3 a separate table needs.
+    # and the fixed-effect fit weighs each warm start by n_a n_b / (n_a + n_b), 1 and 4:
+    # (1 x -0.02 + 4 x 0.08) / 5 = 0.06 as well (balanced: the same answer).
     for n in study.SETTINGS:
         for s in study.MAIN_SEEDS:
             warm = "A" if s <= 2 else "B"
@@ -192,21 +195,61 @@ def test_two_warm_starts_balanced_over_settings_get_a_check_of_their_own(tmp_pat
     _write(tmp_path, _result("repeat", study.REFERENCE, 1, [0.3] * 100, [1e-3] * 100, warm_start="A"))
     _write(tmp_path, _result("repeat", study.REFERENCE, 3, [0.3] * 100, [1e-3] * 100, warm_start="B",
                              metrics_sha256="9" * 64))
+    _write(tmp_path, _result("repeat", study.REFERENCE, 2, [0.3] * 100, [1e-3] * 100, warm_start="B"))
     write_reports(tmp_path)
     text = (tmp_path.parent / "MISMATCH.md").read_text()
     assert "warm start(s): `A` seeds 1-2; `B` seeds 3-10, every seed on one warm start in every setting." in text
-    assert "Kept outside every test (`mismatch/first-warm-start-extra/`" in text and "`grpo` seed(s) 3" in text
+    assert "Kept outside every test (`mismatch/first-warm-start-extra/`" in text
+    assert "`grpo` seed 3 on A (main's seed 3: B)" in text
     assert "`grpo` seed 1 (warm start A) run twice gives the same metrics digest" in text
     assert "`grpo` seed 3 (warm start B) run twice gives DIFFERENT metrics digest (999999999999 /" in text
-    answer, alone = text.split("## Warm start B alone")
-    assert "## Warm start A alone" not in text and "2 warm starts" in text
+    assert "`grpo` seed 2 (warm start B): not a repeat, main's ran on A." in text
+    answer, factor = text.split("### Warm start as a factor (stage 1)")
     assert "| R3 (the learner replays the sampler's routing) | final reward | 0.06 |" in answer
-    assert "| R3 (the learner replays the sampler's routing) | final reward | 0.08 |" in alone
-    assert "(seeds 3-10; at least 8 per setting)" in alone
+    assert "| R3 (the learner replays the sampler's routing) | final reward | -0.02 (2/2) | 0.08 (8/8) | 0.06 |" in factor
+    assert "| token TIS | final reward | 0 (2/2) | 0 (8/8) | 0 |" in factor and "2 warm starts" in text
     # a seed on two warm starts across settings is named, not hidden
     _write(tmp_path, _result("main", "grpo-tis", 4, [0.3] * 100, [1e-3] * 100, warm_start="A"))
     write_reports(tmp_path)
     assert "**Seed(s) 4 ran on more than one warm start across settings" in (tmp_path.parent / "MISMATCH.md").read_text()
+
+
+def test_stage2_on_one_warm_start_is_answered_with_its_fixed_effect(tmp_path):
+    # Warm start B lifts every setting by 0.1 and no setting differs from grpo on either. Stage 2
+    # sends grpo and R3 (seeds 11-20, on B): TIS keeps 2 A + 8 B seeds against grpo's 2 A + 18 B,
+    # so Welch over all seeds reads 0.38 - 0.39 = -0.01 for TIS; the fixed-effect fit reads 0.
+    def reward(n: str, s: int, warm: str) -> float:
+        shift = 0.1 if warm == "B" else 0.0
+        far = 0.3 if n == "gspo-bypass" and s <= 10 else 0.0  # far out: sent nowhere (interval beyond Delta)
+        return 0.3 + shift + far + (0.01 if s % 2 else -0.01)
+
+    for n in study.SETTINGS:
+        for s in study.MAIN_SEEDS:
+            warm = "A" if s <= 2 else "B"
+            _write(tmp_path, _result("main", n, s, [reward(n, s, warm)] * 100, [1e-3] * 100, warm_start=warm))
+    for n in (study.REFERENCE, "grpo-r3"):
+        for s in study.STAGE2_SEEDS:
+            _write(tmp_path, _result("stage2", n, s, [reward(n, s, "B")] * 100, [1e-3] * 100, warm_start="B"))
+    write_reports(tmp_path)
+    both = (tmp_path.parent / "MISMATCH.md").read_text().split("## Both stages")[1]
+    welch_part, factor = both.split("### Warm start as a factor (both stages)")
+    assert "| token TIS | final reward | -0.01 |" in welch_part
+    assert "| token TIS | final reward | 0 (2/2) | 0 (8/18) | 0 | [" in factor
+    assert "| R3 (the learner replays the sampler's routing) | final reward | 0 (2/2) | 0 (18/18) | 0 |" in factor
+
+
+def test_stratified_difference_by_hand():
+    # one stratum: the pooled two-sample t-test
+    a, b = [1.0, 2.0, 4.0], [0.0, 1.0, 1.5, 2.0]
+    res = stratified_difference([(v, "x") for v in a], [(v, "x") for v in b])
+    assert res["diff"] == pytest.approx(7 / 3 - 1.125) and res["df"] == 5
+    assert res["p"] == pytest.approx(scipy_stats.ttest_ind(a, b).pvalue)
+    # two strata, B shifted by 10: within A 1.5 - 0.5 = 1 (weight 2x2/4 = 1), within B 12 - 10 = 2
+    # (weight 3x1/4 = 0.75): (1 + 1.5) / 1.75
+    res = stratified_difference([(1, "A"), (2, "A"), (11, "B"), (12, "B"), (13, "B")],
+                                [(0, "A"), (1, "A"), (10, "B")])
+    assert res["diff"] == pytest.approx(2.5 / 1.75) and res["lo"] < res["diff"] < res["hi"]
+    assert math.isnan(stratified_difference([(1.0, "A"), (2.0, "A")], [(0.0, "B"), (1.0, "B")])["diff"])
 
 
 def test_seed_ranges():
