@@ -184,9 +184,10 @@ def study_report(results: Path) -> str:
               "![reward over steps, +-1 SD over seeds](mismatch/plots/reward_mean.png)",
               "![collapsed runs per setting](mismatch/plots/collapses.png)", "", "## What these runs cannot show", "",
               f"- One model and task at CPU scale, {_count(len(seeds_by_warm_start(main)) or 1, 'warm start')}: the "
-              "sizes of the gap match the paper's, the model does not. Whether an effect differs between warm "
-              "starts cannot be tested (the first holds 2 seeds a setting); the fixed-effect table removes a shift "
-              "between them, not a difference in effect.",
+              "sizes of the gap match the paper's, the model does not." + (
+                  " Whether an effect differs between warm starts cannot be tested (the first holds 2 seeds a "
+                  "setting); the fixed-effect table removes a shift between them, not a difference in effect."
+                  if len(seeds_by_warm_start(main)) > 1 else ""),
               "- On-policy only: the off-policy interplay of router drift and mismatch is the stress study's.",
               "- With few collapses, the collapse tests have little power (MISMATCH_PLAN.md): a failure to "
               "separate is not evidence of no effect.",
