@@ -176,6 +176,7 @@ def study_report(results: Path) -> str:
         lines.append(f"Runs made on commit(s) {', '.join(c[:12] for c in commits)}; {warm_start_line(main)}")
     lines += [*_extra_line(results, main), *_repeat_lines(results, main), "", "## The answer", ""]
     partial = done < len(SETTINGS) * len(MAIN_SEEDS)
+    warm_starts = len(seeds_by_warm_start(main))
     if partial:
         lines += ["Not yet: the tests run once every setting has its 10 stage-1 seeds; the table below is partial "
                   "and not to be read as a result.", ""]
@@ -185,11 +186,11 @@ def study_report(results: Path) -> str:
               "![extreme-token fraction over steps](mismatch/plots/mismatch_frac_dlogp_gt_ln2.png)",
               "![reward over steps, +-1 SD over seeds](mismatch/plots/reward_mean.png)",
               "![collapsed runs per setting](mismatch/plots/collapses.png)", "", "## What these runs cannot show", "",
-              f"- One model and task at CPU scale, {_count(len(seeds_by_warm_start(main)) or 1, 'warm start')}: the "
+              f"- One model and task at CPU scale, {_count(warm_starts or 1, 'warm start')}: the "
               "sizes of the gap match the paper's, the model does not." + (
                   " Whether an effect differs between warm starts cannot be tested (the first holds 2 seeds a "
                   "setting); the fixed-effect table removes a shift between them, not a difference in effect."
-                  if len(seeds_by_warm_start(main)) > 1 else ""),
+                  if warm_starts > 1 else ""),
               "- On-policy only: the off-policy interplay of router drift and mismatch is the stress study's.",
               "- With few collapses, the collapse tests have little power (MISMATCH_PLAN.md): a failure to "
               "separate is not evidence of no effect.",
@@ -332,7 +333,7 @@ def warm_start_section(main: dict[str, list[dict[str, Any]]], seeds: str, partia
     def row(name: str, rs: list[dict[str, Any]], base: list[dict[str, Any]], label: str, key: str,
             res: dict[str, float], holm_p: str) -> str:
         cells = " | ".join(_per_warm(rs, base, key, w) for w in by_warm)
-        return (f"| {name} | {label} | {cells} | {fmt(res['diff'])} | [{fmt(res['lo'])}, {fmt(res['hi'])}] | "
+        return (f"| {name} | {label} | {cells} | {fmt(res['diff'])} | {_ci((res['lo'], res['hi']))} | "
                 f"{fmt(res['p'])} | {holm_p} |")
 
     for key, label in CONTINUOUS:
