@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.sampler._cpu_shm import unlink_own_segments
 from moe_rl.sampler._direct_reload import (
     DirectReload,
     direct_route_supported,
@@ -145,6 +146,11 @@ class MoeRLWorkerExtension:
         layer_ids: set[int] = set()
         self.reload_weights(weights_iterator=_tracking(tensors, layer_ids))
         repack_cpu_moe(self.model_runner.get_model(), layer_ids)
+
+    def moe_rl_unlink_shm_names(self: Any) -> int:
+        """Unlink this worker's CPU shared-memory segment names once the engine is up
+        (`_cpu_shm.py`); returns how many."""
+        return unlink_own_segments()
 
     def moe_rl_reload_seconds(self: Any) -> dict[str, float]:
         """The direct route's time split so far (`DirectReload.seconds`), then reset."""

