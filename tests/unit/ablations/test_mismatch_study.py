@@ -326,3 +326,9 @@ def test_the_runner_goes_on_to_the_blocks_each_pass_unlocks(tmp_path, monkeypatc
     monkeypatch.setattr(study, "run_all", stuck_run_all)
     third = study.Block("third", (Run("c", 1, own=True),))
     assert study.run_study(tmp_path / "out", lambda: [third], None, 2, tmp_path) == []
+
+    def no_base(out, base, threads):
+        raise AssertionError("nothing is missing: no warm start to build")
+
+    monkeypatch.setattr(study, "ensure_base", no_base)
+    assert study.run_study(tmp_path / "out", make_blocks, None, 2, tmp_path) == []  # every run landed
