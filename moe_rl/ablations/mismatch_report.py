@@ -99,8 +99,18 @@ def pilot_report(results: Path) -> str:
     return "\n".join(lines)
 
 
+def _has(run: dict[str, Any], key: str) -> bool:
+    """Whether the run's result holds a finite number at `key`."""
+    return isinstance(run.get(key), int | float) and math.isfinite(run[key])
+
+
 def _column(runs: list[dict[str, Any]], key: str) -> list[float]:
-    return [float(r[key]) for r in runs if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return [float(r[key]) for r in runs if _has(r, key)]
+
+
+def _warm(run: dict[str, Any]) -> str:
+    """The id of the warm start a run trained from ("?" in results that predate the field)."""
+    return run.get("warm_start", "?")
 
 
 def claim_rows(main: dict[str, list[dict[str, Any]]], key: str) -> dict[str, dict[str, Any]]:
@@ -251,7 +261,7 @@ def seeds_by_warm_start(main: dict[str, list[dict[str, Any]]]) -> dict[str, list
     out: dict[str, set[int]] = {}
     for rs in main.values():
         for r in rs:
-            out.setdefault(r.get("warm_start", "?"), set()).add(r["seed"])
+            out.setdefault(_warm(r), set()).add(r["seed"])
     return {w: sorted(s) for w, s in sorted(out.items(), key=lambda kv: (min(kv[1]), kv[0]))}
 
 
@@ -272,7 +282,7 @@ def _extra_line(results: Path, main: dict[str, list[dict[str, Any]]]) -> list[st
     extra = read_block(results, EXTRA)
     if not any(extra.values()):
         return []
-    main_warm = {r["seed"]: r.get("warm_start", "?") for rs in main.values() for r in rs}
+    main_warm = {r["seed"]: _warm(r) for rs in main.values() for r in rs}
     runs = "; ".join(f"`{n}` seed {r['seed']} on {r.get('warm_start', '?')} (main's seed {r['seed']}: "
                      f"{main_warm.get(r['seed'], 'none yet')})" for n, rs in sorted(extra.items()) for r in rs)
     return [f"Kept outside every test (`mismatch/{EXTRA}/`, MISMATCH_PLAN.md change 4): {runs}."]
@@ -286,11 +296,11 @@ def _repeat_lines(results: Path, main: dict[str, list[dict[str, Any]]]) -> list[
         return ["Bit reproducibility: not checked yet (no repeated `grpo` seed)."]
     lines = []
     for r in reps:
-        m, warm = first.get(r["seed"]), r.get("warm_start", "?")
+        m, warm = first.get(r["seed"]), _warm(r)
         head = f"Bit reproducibility: `grpo` seed {r['seed']} (warm start {warm})"
         if m is None:
             lines.append(f"{head}: main's run is not in yet.")
-        elif m.get("warm_start", "?") != warm:
+        elif _warm(m) != warm:
             lines.append(f"{head}: not a repeat, main's ran on {m.get('warm_start', '?')}.")
         else:
             same = "the same" if r["metrics_sha256"] == m["metrics_sha256"] else "DIFFERENT"
@@ -301,15 +311,14 @@ def _repeat_lines(results: Path, main: dict[str, list[dict[str, Any]]]) -> list[
 
 def _stratified(rs: list[dict[str, Any]], ref: list[dict[str, Any]], key: str) -> dict[str, float]:
     def pairs(runs: list[dict[str, Any]]) -> list[tuple[float, str]]:
-        return [(float(r[key]), r.get("warm_start", "?")) for r in runs
-                if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+        return [(float(r[key]), _warm(r)) for r in runs if _has(r, key)]
 
     return stratified_difference(pairs(rs), pairs(ref))
 
 
 def _per_warm(rs: list[dict[str, Any]], ref: list[dict[str, Any]], key: str, warm: str) -> str:
-    a = _column([r for r in rs if r.get("warm_start", "?") == warm], key)
-    b = _column([r for r in ref if r.get("warm_start", "?") == warm], key)
+    a = _column([r for r in rs if _warm(r) == warm], key)
+    b = _column([r for r in ref if _warm(r) == warm], key)
     return f"{fmt(mean_or_nan(a) - mean_or_nan(b))} ({len(a)}/{len(b)})"
 
 

